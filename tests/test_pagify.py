@@ -56,8 +56,10 @@ class FakeBlobs:
 
 def upstream_e2e_map():
     """Like upstream test_cae_pagify: page 0 from three blobs, page 1 = 1000 bytes at 500."""
-    m = build(2048, [E("a", 0, 0, 700), E("b", 0, 700, 700), E("c", 0, 1400, 648),
-                     E("d", 0, 2048 + 500, 1000)])  # fmt: skip
+    m = build(
+        2048,
+        [E("a", 0, 0, 700), E("b", 0, 700, 700), E("c", 0, 1400, 648), E("d", 0, 2048 + 500, 1000)],
+    )
     store = FakeBlobs({n: pattern(i, 1000) for i, n in enumerate("abcd")})
     return m, store
 
