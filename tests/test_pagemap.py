@@ -267,6 +267,11 @@ def test_parse_limits_are_inclusive():
     assert parse(m.serialize()) == m
 
 
+def test_parse_leading_zeros_do_not_count_as_size():
+    m = parse("page_size=0001024\na 0000000000000000000000000 000000000000000000000000000001 3\n")
+    assert m == build(1024, [E("a", 0, 1, 3)])
+
+
 def test_parse_a_million_lines_is_bounded():
     started = time.monotonic()
     assert parse("page_size=1024\n" + "\n" * 1_000_000).total == 0  # blank lines: fine

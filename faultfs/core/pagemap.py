@@ -214,7 +214,7 @@ def blob_name_problem(name: str) -> str | None:
         return f"blob name {name!r} contains NUL"
     if name in (".", ".."):
         return f"blob name {name!r} is reserved"
-    if any(ch.isspace() for ch in name):
+    if name.split() != [name]:  # the text form separates tokens by whitespace
         return f"blob name {name!r} contains whitespace"
     if name.startswith((PAGE_BLOB_PREFIX, _PAGE_SIZE_KEY, _TOTAL_KEY)):
         return f"blob name {name!r} starts with a reserved prefix"
@@ -259,6 +259,11 @@ def build(page_size: int, extents: Iterable[PageExtent]) -> PageMap:
         _check_value("blob_off", e.blob_off)
         _check_value("page_off", e.page_off)
         _check_value("size", e.size)
+    return _build_checked(page_size, items)
+
+
+def _build_checked(page_size: int, items: list[PageExtent]) -> PageMap:
+    """The build walk over extents whose values are already known to be valid."""
     items.sort(key=lambda e: e.page_off)  # list.sort is stable: equal offsets keep input order
     kept: list[PageExtent] = []
     end = 0
@@ -289,15 +294,23 @@ def identity(page_size: int, total: int, chunk_size: int, blob_prefix: str) -> P
             f"pagemap: {chunks} chunks is more than {MAX_PAGEMAP_EXTENTS} extents;"
             " use a larger chunk size"
         )
+    _check_page_size(page_size)
+    # Names differ only in their digits, so the first and the longest speak for all of them.
+    for name in (f"{blob_prefix}0", f"{blob_prefix}{max(chunks - 1, 0)}"):
+        problem = blob_name_problem(name)
+        if problem is not None:
+            raise InvalidInput(f"pagemap: {problem}")
     extents = [
         PageExtent(f"{blob_prefix}{i}", 0, i * chunk_size, min(chunk_size, total - i * chunk_size))
         for i in range(chunks)
     ]
-    return build(page_size, extents)
+    return _build_checked(page_size, extents)
 
 
 def _parse_uint(token: str) -> int | None:
     """A decimal token as an int, None when it is not one; InvalidInput when hostile."""
+    if len(token) <= 18 and token.isascii() and token.isdigit():
+        return int(token)  # fast path: 18 digits are always below 2**63
     if token.isascii() and token.isdigit():
         digits = token.lstrip("0")
         # 2**63 has 19 digits: a longer number is refused before int() sees it.
@@ -331,7 +344,9 @@ def _parse(text: str, strict: bool) -> PageMap:
         tokens = line.split(None, 4)  # extra tokens are ignored, so never split them all
         if len(tokens) >= 4:
             # A negative or too large number in any of the three places refuses the map.
-            blob_off, page_off, size = (_parse_uint(t) for t in tokens[1:4])
+            blob_off = _parse_uint(tokens[1])
+            page_off = _parse_uint(tokens[2])
+            size = _parse_uint(tokens[3])
         else:
             blob_off = page_off = size = None
         if blob_off is None or page_off is None or size is None:
@@ -344,11 +359,13 @@ def _parse(text: str, strict: bool) -> PageMap:
         if problem is not None:
             raise InvalidInput(f"pagemap: line {lineno}: {problem}")
         extents.append(PageExtent(tokens[0], blob_off, page_off, size))
+        if len(extents) > MAX_PAGEMAP_EXTENTS:
+            raise InvalidInput(f"pagemap: more than {MAX_PAGEMAP_EXTENTS} extents")
     if page_size is None:
         raise InvalidInput("pagemap: no page_size line")
     if page_size == 0:
         raise InvalidInput("pagemap: page_size is 0")
-    return build(page_size, extents)
+    return _build_checked(page_size, extents)  # every value was checked as it was read
 
 
 def parse(text: str) -> PageMap:
