@@ -1,0 +1,103 @@
+"""Configuration: one frozen dataclass built from CLI flags, then environment, then defaults.
+
+The upstream names ``CLIO_CAE_FAULT_*`` / ``CLIO_CAE_REF_IO_THREADS`` are accepted as aliases
+of the ``FAULTFS_*`` variables; a ``FAULTFS_*`` variable wins over its alias.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from faultfs.errors import InvalidInput
+
+RESERVE_MB = 512  # a re-ingestable blob must never take the last of a tier
+IO_THREADS = 32  # upstream's pool size for blocking source reads
+STORE_BACKOFF_FAULTS = 256  # after a full store, read through this many faults before retrying
+STATS_INTERVAL_S = 5.0
+
+ENV_ALIASES = {
+    "FAULTFS_RESERVE_MB": "CLIO_CAE_FAULT_RESERVE_MB",
+    "FAULTFS_STORE": "CLIO_CAE_FAULT_STORE",
+    "FAULTFS_STATS": "CLIO_CAE_FAULT_STATS",
+    "FAULTFS_IO_THREADS": "CLIO_CAE_REF_IO_THREADS",
+}
+
+
+def env_value(name: str, env: Mapping[str, str] | None = None) -> str | None:
+    """``name`` from the environment, falling back to its upstream alias."""
+    env = os.environ if env is None else env
+    if name in env:
+        return env[name]
+    alias = ENV_ALIASES.get(name)
+    return env.get(alias) if alias else None
+
+
+def _env_int(name: str, default: int, env: Mapping[str, str] | None) -> int:
+    raw = env_value(name, env)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise InvalidInput(f"environment {name}={raw!r} is not an integer") from None
+    if value < 0:
+        raise InvalidInput(f"environment {name}={raw!r} is negative")
+    return value
+
+
+def _env_flag(name: str, default: bool, env: Mapping[str, str] | None) -> bool:
+    raw = env_value(name, env)
+    if raw is None or raw.strip() == "":
+        return default
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise InvalidInput(f"environment {name}={raw!r} is not 0 or 1")
+
+
+def default_store_dir(env: Mapping[str, str] | None = None) -> str:
+    env = os.environ if env is None else env
+    base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "faultfs")
+
+
+@dataclass(frozen=True)
+class Config:
+    store_dir: str
+    reserve_mb: int = RESERVE_MB
+    store_enabled: bool = True
+    io_threads: int = IO_THREADS
+    stats_log: bool = False
+    cache_size: int = 0  # bytes; 0 = no cap beyond the reserve
+    backoff_faults: int = STORE_BACKOFF_FAULTS
+
+    def __post_init__(self) -> None:
+        if self.io_threads < 1:
+            raise InvalidInput("--io-threads must be at least 1")
+        if self.reserve_mb < 0:
+            raise InvalidInput("--reserve-mb must not be negative")
+        if self.cache_size < 0:
+            raise InvalidInput("--cache-size must not be negative")
+
+    @property
+    def reserve_bytes(self) -> int:
+        return self.reserve_mb << 20
+
+    @classmethod
+    def build(cls, *, store_dir: str | None = None, reserve_mb: int | None = None,
+              store_enabled: bool | None = None, io_threads: int | None = None,
+              stats_log: bool | None = None, cache_size: int | None = None,
+              env: Mapping[str, str] | None = None) -> Config:
+        """Flags (non-None arguments) win over the environment, which wins over defaults."""
+        return cls(
+            store_dir=os.path.abspath(os.path.expanduser(store_dir or default_store_dir(env))),
+            reserve_mb=reserve_mb if reserve_mb is not None else _env_int("FAULTFS_RESERVE_MB", RESERVE_MB, env),
+            store_enabled=store_enabled if store_enabled is not None else _env_flag("FAULTFS_STORE", True, env),
+            io_threads=io_threads if io_threads is not None else _env_int("FAULTFS_IO_THREADS", IO_THREADS, env),
+            stats_log=stats_log if stats_log is not None else _env_flag("FAULTFS_STATS", False, env),
+            cache_size=cache_size if cache_size is not None else _env_int("FAULTFS_CACHE_SIZE", 0, env),
+        )

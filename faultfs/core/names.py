@@ -1,0 +1,39 @@
+"""Name rules for tags and blobs: what a directory entry of the mount may be called.
+
+A valid name is 1..255 UTF-8 bytes with no '/', no NUL, not '.' or '..', and (for names the
+user picks) no leading '.', which the mount keeps for its own entries (.faultfs, .pagemap).
+"""
+
+from __future__ import annotations
+
+from faultfs.errors import InvalidInput
+
+MAX_NAME_BYTES = 255  # NAME_MAX of every Linux file system
+
+
+def check_name(name: str, what: str = "name", *, allow_dot: bool = False) -> str:
+    """Return ``name`` if it is a valid entry name, else raise InvalidInput saying why."""
+    if not isinstance(name, str) or not name:
+        raise InvalidInput(f"{what} must not be empty")
+    raw = name.encode("utf-8", "surrogateescape")
+    if len(raw) > MAX_NAME_BYTES:
+        raise InvalidInput(f"{what} {name[:40]!r}... is {len(raw)} bytes, over {MAX_NAME_BYTES}")
+    if "/" in name:
+        raise InvalidInput(f"{what} {name!r} contains '/'")
+    if "\x00" in name:
+        raise InvalidInput(f"{what} {name!r} contains NUL")
+    if name in (".", ".."):
+        raise InvalidInput(f"{what} {name!r} is not allowed")
+    if ".." in name.split("/"):
+        raise InvalidInput(f"{what} {name!r} contains '..'")
+    if not allow_dot and name.startswith("."):
+        raise InvalidInput(f"{what} {name!r} starts with '.', which faultfs keeps for itself")
+    return name
+
+
+def check_tag_name(name: str) -> str:
+    """A tag name picked by a user: a valid name that also contains no '..' run."""
+    check_name(name, "tag name")
+    if ".." in name:
+        raise InvalidInput(f"tag name {name!r} contains '..'")
+    return name

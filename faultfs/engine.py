@@ -1,0 +1,679 @@
+"""The fault engine: tags, the hit/fault/store path, single-flight, the I/O pool and stats.
+
+It knows nothing of pyfuse3. Async methods run on the trio thread and never block it: every
+source read, store read/write and large hash goes through ``trio.to_thread.run_sync`` with the
+I/O pool's ``CapacityLimiter``. Errors are ``FaultfsError`` and carry an errno.
+
+Invariants:
+- A read is served from a verified staged blob (hit) or from bytes just read from the source
+  (fault); a failed fault raises (EIO) — zeros are never served in place of data.
+- Concurrent faults of one blob share one source read (single-flight).
+- A fault-ingested blob never takes the last of the store: the reserve, ``--no-store``, the
+  256-fault back-off after a full store and the ``--cache-size`` cap decide whether it is kept.
+- Registration and recovery are blocking and run before the mount answers.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import trio
+
+from faultfs import assimilators
+from faultfs.assimilators.sources import Source, SourceOptions, SourceVersion, local_path
+from faultfs.config import Config
+from faultfs.core.chunks import ChunkLayout, zero_fill
+from faultfs.core.context import REGISTRY_TAG, FaultContext, is_fault_key
+from faultfs.core.names import check_name, check_tag_name
+from faultfs.errors import (
+    RC_CANNOT_INGEST_PER_BLOB,
+    CorruptionError,
+    FaultfsError,
+    InvalidInput,
+    SourceError,
+    StoreFull,
+)
+from faultfs.store.blobfile import FLAG_NO_FAULT, HEADER_LEN
+from faultfs.store.blobstore import BlobStore, OpenBlob
+
+log = logging.getLogger("faultfs.engine")
+
+OPEN_BLOB_CACHE = 256  # store descriptors kept open for hits; bounded so fds never run out
+LATENCY_SAMPLES = 2048  # fault latencies kept for percentiles
+
+
+@dataclass
+class Tag:
+    """One registered source: its context, layout, pinned version and what is staged."""
+
+    id: int
+    name: str
+    ctx: FaultContext
+    layout: ChunkLayout
+    version: SourceVersion
+    mtime: float
+    view_name: str
+    shard: int = 0
+    source: Source | None = None
+    source_error: str = ""
+    staged: bytearray = field(default_factory=bytearray)  # one bit per blob
+    staged_count: int = 0
+    verified: bytearray = field(default_factory=bytearray)  # checksummed since the mount
+    stale_dropped: int = 0
+
+    @property
+    def key(self) -> str:
+        return self.ctx.key
+
+    @property
+    def version_text(self) -> str:
+        return self.version.to_text()
+
+    def is_staged(self, index: int) -> bool:
+        return bool(self.staged[index >> 3] & (1 << (index & 7)))
+
+    def is_verified(self, index: int) -> bool:
+        return bool(self.verified[index >> 3] & (1 << (index & 7)))
+
+    def mark_verified(self, index: int, verified: bool) -> None:
+        if verified:
+            self.verified[index >> 3] |= 1 << (index & 7)
+        else:
+            self.verified[index >> 3] &= ~(1 << (index & 7))
+
+    def mark_staged(self, index: int, staged: bool) -> None:
+        byte, bit = index >> 3, 1 << (index & 7)
+        was = bool(self.staged[byte] & bit)
+        if staged and not was:
+            self.staged[byte] |= bit
+            self.staged_count += 1
+        elif was and not staged:
+            self.staged[byte] &= ~bit
+            self.staged_count -= 1
+        if not staged:
+            self.mark_verified(index, False)
+
+
+@dataclass
+class RegistrationPlan:
+    """A checked registration, not yet persisted."""
+
+    ctx: FaultContext
+    source: Source
+    version: SourceVersion
+    layout: ChunkLayout
+
+
+class Stats:
+    """Counters per stage of the fault path, plus fault latency percentiles."""
+
+    COUNTERS = (
+        "reads", "hits", "faults", "fault_errors", "single_flight_joins", "source_reads",
+        "source_bytes", "stored", "stored_bytes", "skipped_reserve", "skipped_no_store",
+        "skipped_cache_cap", "store_failures", "readthrough_backoff", "evicted", "evicted_bytes",
+        "zero_filled_bytes", "bytes_served", "page_reads", "page_slices", "page_errors",
+        "stale_blobs_dropped", "corrupt_blobs_dropped",
+    )
+
+    def __init__(self) -> None:
+        self.counters = dict.fromkeys(self.COUNTERS, 0)
+        self.latencies: collections.deque[float] = collections.deque(maxlen=LATENCY_SAMPLES)
+        self.started = time.time()
+
+    def add(self, name: str, n: int = 1) -> None:
+        self.counters[name] += n
+
+    def percentiles(self) -> dict[str, float]:
+        if not self.latencies:
+            return {"p50_ms": 0.0, "p90_ms": 0.0, "p99_ms": 0.0, "max_ms": 0.0}
+        data = sorted(self.latencies)
+
+        def pick(q: float) -> float:
+            return round(data[min(len(data) - 1, int(q * len(data)))] * 1000, 3)
+
+        return {"p50_ms": pick(0.5), "p90_ms": pick(0.9), "p99_ms": pick(0.99),
+                "max_ms": round(data[-1] * 1000, 3)}
+
+
+class _Flight:
+    """One in-progress fault that later readers of the same blob wait on."""
+
+    __slots__ = ("data", "done", "error")
+
+    def __init__(self) -> None:
+        self.done = trio.Event()
+        self.data: bytes | None = None
+        self.error: BaseException | None = None
+
+
+class Engine:
+    """Tags over one store; see the module docstring for the rules."""
+
+    def __init__(self, store: BlobStore, config: Config,
+                 source_options: SourceOptions | None = None) -> None:
+        self.store = store
+        self.config = config
+        self.source_options = source_options or SourceOptions()
+        self.stats = Stats()
+        self.tags: dict[str, Tag] = {}
+        self.tags_by_id: dict[int, Tag] = {}
+        self.registry: dict[str, bytes] = {}  # fault key -> canonical context bytes
+        self._limiter: trio.CapacityLimiter | None = None
+        self._flights: dict[tuple[int, int], _Flight] = {}
+        self._open: collections.OrderedDict[tuple[int, int], OpenBlob] = collections.OrderedDict()
+        self._in_use: collections.Counter[tuple[int, int]] = collections.Counter()
+        self._lru: collections.OrderedDict[tuple[int, int], int] = collections.OrderedDict()
+        self._lru_bytes = 0
+        self._backoff_left = 0
+        self._next_id = 1
+
+    # -- registration (blocking; before the mount answers) ----------------------------------
+
+    def plan(self, ctx: FaultContext) -> RegistrationPlan:
+        """Check a registration without persisting anything: name, assimilator (-20 when it
+        cannot ingest per blob), source (exists, is a file), range and chunk size."""
+        check_tag_name(ctx.dst)
+        if ctx.dst == REGISTRY_TAG:
+            raise InvalidInput(f"tag name {ctx.dst!r} is reserved for the registry")
+        assimilator = assimilators.get(ctx.format)
+        if ctx.on_fault and assimilator.blob_bytes(ctx) == 0:
+            raise FaultfsError(
+                f"assimilator {ctx.format!r} cannot ingest per blob (result code "
+                f"{RC_CANNOT_INGEST_PER_BLOB}): it cannot serve source {ctx.src} on fault",
+                errno.ENOTSUP, code=RC_CANNOT_INGEST_PER_BLOB)
+        source = assimilator.open(ctx, self.source_options)
+        try:
+            version = source.version()
+            layout = self._layout(ctx, version, assimilator)
+        except BaseException:
+            source.close()
+            raise
+        old = self.tags.get(ctx.dst)
+        if old is not None and old.key != ctx.key:
+            source.close()
+            raise InvalidInput(f"tag {ctx.dst!r} is registered twice with different sources")
+        return RegistrationPlan(ctx, source, version, layout)
+
+    def commit_plan(self, plan: RegistrationPlan, *, shard: int = 0) -> Tag:
+        """Persist a checked registration and add its tag."""
+        ctx = plan.ctx
+        if ctx.dst in self.tags:
+            plan.source.close()
+            return self.tags[ctx.dst]
+        previous = self.store.read_tag_state(ctx.dst)
+        if previous is not None and previous.get("key") != ctx.key:
+            log.info("tag %s is re-registered with a new context: dropping its old blobs", ctx.dst)
+            self._unregister_key(previous.get("key"))
+            self.store.forget_tag(ctx.dst)
+        self._persist_context(ctx)
+        tag = self._add_tag(ctx, plan.layout, plan.version, plan.source, shard=shard)
+        self._write_tag_state(tag)
+        return tag
+
+    def register(self, ctx: FaultContext, *, shard: int = 0) -> Tag:
+        """Register ``ctx`` on-fault: check it, then persist it."""
+        return self.commit_plan(self.plan(ctx), shard=shard)
+
+    def _layout(self, ctx: FaultContext, version: SourceVersion, assimilator) -> ChunkLayout:
+        size = version.size
+        if ctx.range_off > size:
+            raise InvalidInput(f"range offset {ctx.range_off} is past the end of {ctx.src} ({size} bytes)")
+        end = size if ctx.range_size == 0 else ctx.range_off + ctx.range_size
+        if end > size:
+            raise InvalidInput(
+                f"range {ctx.range_off}:{ctx.range_size} is past the end of {ctx.src} ({size} bytes)")
+        chunk = assimilator.blob_bytes(ctx)
+        return ChunkLayout(ctx.range_off, end, chunk, ctx.blob_prefix)
+
+    def _persist_context(self, ctx: FaultContext) -> None:
+        data = ctx.encode()  # secrets are blanked by encode()
+        self.store.put(REGISTRY_TAG, ctx.key, data, flags=FLAG_NO_FAULT, durable=True)
+        self.registry[ctx.key] = data
+
+    def _unregister_key(self, key: object) -> None:
+        if isinstance(key, str) and is_fault_key(key):
+            self.store.delete(REGISTRY_TAG, key)
+            self.registry.pop(key, None)
+
+    def _write_tag_state(self, tag: Tag) -> None:
+        self.store.write_tag_state(tag.name, {
+            "key": tag.key, "source_version": tag.version_text, "shard": tag.shard,
+            "view_name": tag.view_name, "mtime": tag.mtime,
+        })
+
+    def _add_tag(self, ctx: FaultContext, layout: ChunkLayout, version: SourceVersion,
+                 source: Source | None, *, shard: int, mtime: float | None = None,
+                 view_name: str | None = None) -> Tag:
+        if view_name is None:
+            view_name = view_name_for(ctx.src)
+        tag = Tag(id=self._next_id, name=ctx.dst, ctx=ctx, layout=layout, version=version,
+                  mtime=mtime if mtime is not None else (source.mtime() if source else time.time()),
+                  view_name=view_name, shard=shard, source=source,
+                  staged=bytearray((layout.num_blobs + 7) // 8),
+                  verified=bytearray((layout.num_blobs + 7) // 8))
+        self._next_id += 1
+        self._scan_staged(tag)
+        self.tags[tag.name] = tag
+        self.tags_by_id[tag.id] = tag
+        return tag
+
+    def _scan_staged(self, tag: Tag) -> None:
+        """Mark the blobs the store holds for this tag (verified lazily on first read)."""
+        for name in self.store.list_blobs(tag.name):
+            index = tag.layout.blob_index(name)
+            if index is None:
+                continue
+            path = self.store.blob_path(tag.name, name)
+            header = self.store.read_header(path)
+            if header is None:
+                self.store.delete(tag.name, name)
+                self.stats.add("corrupt_blobs_dropped")
+                continue
+            if not header.dirty and header.source_version != tag.version_text:
+                self.store.delete(tag.name, name)
+                tag.stale_dropped += 1
+                self.stats.add("stale_blobs_dropped")
+                continue
+            tag.mark_staged(index, True)
+            if not header.dirty:
+                size = os.stat(path).st_blocks * 512
+                self._lru[(tag.id, index)] = size
+                self._lru_bytes += size
+
+    def recover(self) -> list[Tag]:
+        """Bring back every tag whose context is in the registry (remount with no source)."""
+        recovered = []
+        for key in sorted(self.store.list_blobs(REGISTRY_TAG)):
+            if not is_fault_key(key):
+                continue
+            data = self.store.read(REGISTRY_TAG, key)
+            if data is None:
+                log.warning("registry entry %s is damaged: skipped", key)
+                continue
+            try:
+                ctx = FaultContext.decode(data)
+            except InvalidInput as exc:
+                log.warning("registry entry %s is not a context (%s): skipped", key, exc)
+                continue
+            if ctx.key != key:
+                log.warning("registry entry %s holds a context with key %s: skipped", key, ctx.key)
+                continue
+            if ctx.dst in self.tags:
+                continue
+            self.registry[key] = data
+            recovered.append(self._recover_tag(ctx))
+        return recovered
+
+    def _recover_tag(self, ctx: FaultContext) -> Tag:
+        state = self.store.read_tag_state(ctx.dst) or {}
+        shard = int(state.get("shard", 0))
+        assimilator = assimilators.get(ctx.format)
+        recorded = None
+        if isinstance(state.get("source_version"), str):
+            recorded = SourceVersion.from_text(state["source_version"])
+        source: Source | None = None
+        error = ""
+        try:
+            source = assimilator.open(ctx, self.source_options)
+            version = source.version()
+        except FaultfsError as exc:
+            if recorded is None:
+                raise
+            error = exc.message
+            version = recorded
+            log.warning("tag %s: source unavailable (%s); staged blobs still serve", ctx.dst, error)
+        layout = self._layout(ctx, version, assimilator)
+        tag = self._add_tag(ctx, layout, version, source, shard=shard,
+                            mtime=float(state.get("mtime", 0.0)) if source is None else None,
+                            view_name=state.get("view_name"))
+        tag.source_error = error
+        if recorded is not None and recorded != version:
+            log.warning("tag %s: source %s changed (%s -> %s); %d stale blobs dropped, "
+                        "re-faulting from the new version", ctx.dst, ctx.src, recorded.describe(),
+                        version.describe(), tag.stale_dropped)
+        if recorded != version or "view_name" not in state:
+            self._write_tag_state(tag)
+        return tag
+
+    def close(self) -> None:
+        for blob in self._open.values():
+            blob.close()
+        self._open.clear()
+        for tag in self.tags.values():
+            if tag.source is not None:
+                tag.source.close()
+
+    # -- the I/O pool -----------------------------------------------------------------------
+
+    @property
+    def limiter(self) -> trio.CapacityLimiter:
+        if self._limiter is None:
+            self._limiter = trio.CapacityLimiter(self.config.io_threads)
+        return self._limiter
+
+    async def run_io(self, fn, *args):
+        return await trio.to_thread.run_sync(fn, *args, limiter=self.limiter)
+
+    # -- reads ------------------------------------------------------------------------------
+
+    def tag(self, name: str) -> Tag:
+        try:
+            return self.tags[name]
+        except KeyError:
+            raise FaultfsError(f"no tag named {name!r}", errno.ENOENT) from None
+
+    async def read_blob(self, tag: Tag, index: int, off: int, size: int) -> bytes:
+        """Bytes ``[off, off+size)`` of blob ``index`` (clipped to the blob)."""
+        cs = tag.layout.chunk_size
+        if off >= cs or size <= 0:
+            return b""
+        size = min(size, cs - off)
+        self.stats.add("reads")
+        data = await self._blob_bytes(tag, index, off, size)
+        self.stats.add("bytes_served", len(data))
+        return data
+
+    async def read_view(self, tag: Tag, off: int, size: int) -> bytes:
+        """Bytes ``[off, off+size)`` of the whole-object view (exact source bytes)."""
+        pieces = tag.layout.view_pieces(off, size)
+        if not pieces:
+            return b""
+        self.stats.add("reads")
+        if len(pieces) == 1:
+            index, inner, length = pieces[0]
+            data = await self._blob_bytes(tag, index, inner, length)
+        else:
+            parts: list[bytes] = [b""] * len(pieces)
+
+            async def one(i: int, index: int, inner: int, length: int) -> None:
+                parts[i] = await self._blob_bytes(tag, index, inner, length)
+
+            async with trio.open_nursery() as nursery:
+                for i, (index, inner, length) in enumerate(pieces):
+                    nursery.start_soon(one, i, index, inner, length)
+            data = b"".join(parts)
+        self.stats.add("bytes_served", len(data))
+        return data
+
+    async def _blob_bytes(self, tag: Tag, index: int, off: int, size: int) -> bytes:
+        if tag.is_staged(index):
+            data = await self._read_staged(tag, index, off, size)
+            if data is not None:
+                self.stats.add("hits")
+                return data
+        blob = await self.fault(tag, index)
+        return blob[off:off + size]
+
+    async def _read_staged(self, tag: Tag, index: int, off: int, size: int) -> bytes | None:
+        key = (tag.id, index)
+        blob = self._open.get(key)
+        if blob is None:
+            name = tag.layout.blob_name(index)
+            verify = not tag.is_verified(index)
+            try:
+                blob = await self.run_io(self._open_staged, tag, name, verify)
+            except CorruptionError as exc:
+                raise FaultfsError(str(exc), errno.EIO) from None
+            if blob is None:  # torn, foreign or stale: re-fault it
+                tag.mark_staged(index, False)
+                self._forget_lru(key)
+                self.stats.add("corrupt_blobs_dropped")
+                return None
+            tag.mark_verified(index, True)
+            if key in self._open:  # another reader opened it meanwhile
+                blob.close()
+                blob = self._open[key]
+            else:
+                self._open[key] = blob
+                self._trim_open()
+        self._open.move_to_end(key)
+        if key in self._lru:
+            self._lru.move_to_end(key)
+        self._in_use[key] += 1
+        try:
+            return await self.run_io(blob.pread, size, off)
+        finally:
+            self._in_use[key] -= 1
+            if not self._in_use[key]:
+                del self._in_use[key]
+                if key not in self._open:
+                    blob.close()
+
+    def _open_staged(self, tag: Tag, name: str, verify: bool) -> OpenBlob | None:
+        return self.store.open_blob(tag.name, name, source_version=tag.version_text,
+                                    verify=verify)
+
+    def _trim_open(self) -> None:
+        while len(self._open) > OPEN_BLOB_CACHE:
+            key, blob = self._open.popitem(last=False)
+            if not self._in_use.get(key):
+                blob.close()
+
+    def _drop_open(self, key: tuple[int, int]) -> None:
+        blob = self._open.pop(key, None)
+        if blob is not None and not self._in_use.get(key):
+            blob.close()
+
+    # -- faults -----------------------------------------------------------------------------
+
+    async def fault(self, tag: Tag, index: int) -> bytes:
+        """Bring blob ``index`` in from the source (single-flight) and return all of it."""
+        key = (tag.id, index)
+        flight = self._flights.get(key)
+        if flight is not None:
+            self.stats.add("single_flight_joins")
+            await flight.done.wait()
+            if flight.error is not None:
+                raise FaultfsError(str(flight.error), getattr(flight.error, "errno", errno.EIO))
+            assert flight.data is not None
+            return flight.data
+        flight = _Flight()
+        self._flights[key] = flight
+        self.stats.add("faults")
+        started = time.monotonic()
+        try:
+            data = await self.run_io(self._read_source, tag, index)
+            flight.data = data
+            await self._maybe_store(tag, index, data)
+        except BaseException as exc:
+            flight.error = exc
+            if isinstance(exc, FaultfsError):
+                self.stats.add("fault_errors")
+                raise
+            if isinstance(exc, Exception):
+                self.stats.add("fault_errors")
+                log.exception("fault of blob %d of tag %s failed", index, tag.name)
+                raise SourceError(f"fault of {tag.name}/{tag.layout.blob_name(index)} failed: {exc}") from exc
+            raise
+        finally:
+            flight.done.set()
+            del self._flights[key]
+            self.stats.latencies.append(time.monotonic() - started)
+        return data
+
+    def _read_source(self, tag: Tag, index: int) -> bytes:
+        """Blob ``index`` from the source, zero-filled to the chunk size (on the pool)."""
+        if tag.source is None:
+            raise SourceError(f"source {tag.ctx.src} of tag {tag.name} is unavailable: {tag.source_error}")
+        start, end = tag.layout.source_range(index)
+        assimilator = assimilators.get(tag.ctx.format)
+        try:
+            raw = assimilator.read_blob(tag.source, tag.ctx, start, end)
+            if len(raw) != end - start:
+                raise SourceError(f"source {tag.ctx.src} returned {len(raw)} of {end - start} bytes")
+        except FaultfsError as exc:
+            log.error("tag %s: reading %s [%d, %d) failed: %s", tag.name, tag.ctx.src, start, end, exc)
+            raise
+        except OSError as exc:
+            log.error("tag %s: reading %s [%d, %d) failed: %s", tag.name, tag.ctx.src, start, end, exc)
+            raise SourceError(f"reading {tag.ctx.src} [{start}, {end}) failed: {exc}") from None
+        return zero_fill(raw, tag.layout.chunk_size)
+
+    async def _maybe_store(self, tag: Tag, index: int, data: bytes) -> None:
+        """Count the source read and apply the store policy (DESIGN §5.3) to ``data``."""
+        start, end = tag.layout.source_range(index)
+        self.stats.add("source_reads")
+        self.stats.add("source_bytes", end - start)
+        self.stats.add("zero_filled_bytes", len(data) - (end - start))
+        if not self.config.store_enabled:
+            self.stats.add("skipped_no_store")
+            return
+        if self._backoff_left > 0:
+            self._backoff_left -= 1
+            self.stats.add("readthrough_backoff")
+            return
+        need = len(data) + HEADER_LEN
+        victims = self._pick_victims(need)
+        if victims is None:
+            self.stats.add("skipped_cache_cap")
+            return
+        key = (tag.id, index)
+        name = tag.layout.blob_name(index)
+        outcome, stored = await self.run_io(self._store_blocking, tag, name, data, victims)
+        if outcome == "stored":
+            self._drop_open(key)
+            tag.mark_staged(index, True)
+            tag.mark_verified(index, True)  # we just wrote it from bytes in hand
+            self._note_stored(key, stored)
+            self.stats.add("stored")
+            self.stats.add("stored_bytes", stored)
+        elif outcome == "full":
+            self.stats.add("store_failures")
+            self._backoff_left = self.config.backoff_faults
+            log.warning("store %s is full: serving from the source for the next %d faults",
+                        self.store.root, self.config.backoff_faults)
+        else:
+            self.stats.add(outcome)
+
+    def _pick_victims(self, need: int) -> list[tuple[str, str]] | None:
+        """Least-recently-used clean blobs to evict so ``need`` more bytes fit the cap.
+
+        Runs on the trio thread, which owns the LRU; None when nothing can make room."""
+        cap = self.config.cache_size
+        if not cap:
+            return []
+        if need > cap:
+            return None
+        victims = []
+        while self._lru and self._lru_bytes + need > cap:
+            key = next(iter(self._lru))
+            if self._in_use.get(key):
+                self._lru.move_to_end(key)  # being read right now: pick another
+                if all(self._in_use.get(k) for k in self._lru):
+                    return None
+                continue
+            size = self._forget_lru(key)
+            self._drop_open(key)
+            tag = self.tags_by_id.get(key[0])
+            if tag is None:
+                continue
+            tag.mark_staged(key[1], False)
+            victims.append((tag.name, tag.layout.blob_name(key[1])))
+            self.stats.add("evicted")
+            self.stats.add("evicted_bytes", size)
+        return victims if self._lru_bytes + need <= cap else None
+
+    def _store_blocking(self, tag: Tag, name: str, data: bytes,
+                        victims: list[tuple[str, str]]) -> tuple[str, int]:
+        """Evict, check the reserve, write the blob (on the pool): (outcome, bytes stored)."""
+        for victim_tag, victim_name in victims:
+            self.store.delete(victim_tag, victim_name)
+        if self.store.free_bytes() - (len(data) + HEADER_LEN) < self.config.reserve_bytes:
+            return "skipped_reserve", 0
+        try:
+            stored = self.store.put(tag.name, name, data, flags=FLAG_NO_FAULT,
+                                    source_version=tag.version_text)
+        except StoreFull:
+            return "full", 0
+        except OSError as exc:
+            log.error("storing %s/%s in %s failed: %s", tag.name, name, self.store.root, exc)
+            return "store_failures", 0
+        return "stored", stored
+
+    def _note_stored(self, key: tuple[int, int], size: int) -> None:
+        self._forget_lru(key)
+        self._lru[key] = size
+        self._lru_bytes += size
+
+    def _forget_lru(self, key: tuple[int, int]) -> int:
+        size = self._lru.pop(key, 0)
+        self._lru_bytes -= size
+        return size
+
+    async def stage(self, tag: Tag, index: int) -> None:
+        """The size-0 request: make sure blob ``index`` is staged, serve nothing."""
+        if tag.is_staged(index):
+            return
+        await self.fault(tag, index)
+
+    # -- pages (pagify, DESIGN §6) -----------------------------------------------------------
+
+    def has_pagemap(self, tag: Tag) -> bool:
+        return False
+
+    def num_pages(self, tag: Tag) -> int:
+        return 0
+
+    def page_size(self, tag: Tag) -> int:
+        return 0
+
+    def pagemap_size(self, tag: Tag) -> int:
+        return 0
+
+    async def read_page(self, tag: Tag, page_id: int, off: int, size: int) -> bytes:
+        raise FaultfsError(f"tag {tag.name} has no pagemap", errno.ENOENT)
+
+    # -- introspection ----------------------------------------------------------------------
+
+    def staged_bytes(self, tag: Tag) -> int:
+        return tag.staged_count * (tag.layout.chunk_size + 4096)
+
+    def snapshot(self) -> dict:
+        """Everything ``faultfs stat`` shows, as plain JSON-able values."""
+        free = self.store.free_bytes()
+        return {
+            "pid": os.getpid(),
+            "uptime_s": round(time.time() - self.stats.started, 1),
+            "store": self.store.root,
+            "store_free_bytes": free,
+            "reserve_bytes": self.config.reserve_bytes,
+            "store_enabled": self.config.store_enabled,
+            "cache_size": self.config.cache_size,
+            "cached_bytes": self._lru_bytes,
+            "io_threads": self.config.io_threads,
+            "backoff_faults_left": self._backoff_left,
+            "counters": dict(self.stats.counters),
+            "fault_latency": self.stats.percentiles(),
+            "tags": {
+                t.name: {
+                    "source": t.ctx.src, "key": t.key, "chunk_size": t.layout.chunk_size,
+                    "blobs": t.layout.num_blobs, "staged_blobs": t.staged_count,
+                    "size": t.layout.size, "source_version": t.version_text,
+                    "stale_dropped_at_mount": t.stale_dropped, "source_error": t.source_error,
+                    "shard": t.shard,
+                } for t in self.tags.values()
+            },
+        }
+
+
+def view_name_for(src: str) -> str:
+    """The whole-object view's name: the source's basename."""
+    path = local_path(src)
+    base = os.path.basename((path if path is not None else src.split("?")[0]).rstrip("/"))
+    try:
+        return check_name(base, "source basename")
+    except InvalidInput:
+        return "data"
+
+
+def default_tag_name(src: str) -> str:
+    """A tag name from the source: its basename without the last extension."""
+    base = view_name_for(src)
+    stem = base.rsplit(".", 1)[0] if "." in base.lstrip(".") else base
+    stem = stem.lstrip(".") or "data"
+    return stem.replace("..", "_")

@@ -1,0 +1,304 @@
+"""The embedded store: staged blobs as self-describing files under one local directory.
+
+Layout under the store root:
+
+    lock                      flock()ed by the one process that owns the store; holds its pid
+    tags/t-<tag>/b-<blob>     blob files (names percent-encoded; h-<sha256> when too long)
+    tags/t-<tag>/tag.json     per-tag state (source version, fault key, shard index)
+    log/faultfs.log           the daemon's log when it runs in the background
+
+Invariants:
+- No tag or blob name can escape the root: every path component is derived by encoding.
+- A blob file is served only after ``decode_header`` accepted it and its tag, name and
+  source version match what is asked; a payload is verified once per open handle.
+- Blocking: every method does file I/O; the engine calls them on its I/O pool.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import secrets
+import stat as stat_mod
+from dataclasses import dataclass
+from urllib.parse import quote, unquote
+
+from faultfs.errors import CorruptionError, FaultfsError, InvalidInput, StoreFull
+from faultfs.store.blobfile import (
+    FLAG_DIRTY,
+    HEADER_LEN,
+    BlobHeader,
+    decode_header,
+    encode_header,
+    payload_hash,
+)
+from faultfs.store.durable import fsync_dir, write_atomic
+
+MAX_ENCODED_NAME = 240  # NAME_MAX is 255: leave room for the "b-" prefix and margin
+TAG_STATE = "tag.json"
+
+
+def _encode(prefix: str, name: str) -> str:
+    encoded = quote(name, safe="")
+    if len(encoded) > MAX_ENCODED_NAME:
+        return "h-" + hashlib.sha256(name.encode("utf-8", "surrogateescape")).hexdigest()
+    return prefix + encoded
+
+
+@dataclass
+class OpenBlob:
+    """A verified blob file held open for preads; close it when done."""
+
+    fd: int
+    header: BlobHeader
+
+    def pread(self, size: int, off: int) -> bytes:
+        n = self.header.payload_len
+        if off >= n or size <= 0:
+            return b""
+        size = min(size, n - off)
+        if self.header.all_zero:
+            return bytes(size)
+        data = os.pread(self.fd, size, HEADER_LEN + off)
+        if len(data) != size:
+            raise CorruptionError(f"blob {self.header.name} of tag {self.header.tag} is truncated")
+        return data
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class BlobStore:
+    """Staged blobs under ``root``; see the module docstring for the layout."""
+
+    def __init__(self, root: str) -> None:
+        self.root = os.path.abspath(os.path.expanduser(root))
+        self._lock_fd = -1
+        try:
+            os.makedirs(os.path.join(self.root, "tags"), exist_ok=True)
+            os.makedirs(os.path.join(self.root, "log"), exist_ok=True)
+        except OSError as exc:
+            raise InvalidInput(f"store {self.root} cannot be created: {exc.strerror}", exc.errno or errno.EIO) from None
+        if not os.path.isdir(self.root):
+            raise InvalidInput(f"store {self.root} is not a directory", errno.ENOTDIR)
+        probe = os.path.join(self.root, f".probe-{secrets.token_hex(4)}")
+        try:
+            with open(probe, "wb"):
+                pass
+            os.unlink(probe)
+        except OSError as exc:
+            raise InvalidInput(f"store {self.root} is not writable: {exc.strerror}", exc.errno or errno.EACCES) from None
+
+    # -- ownership ---------------------------------------------------------------------------
+
+    def acquire(self) -> None:
+        """Take the store's lock; FaultfsError(EBUSY) when another process owns it."""
+        path = os.path.join(self.root, "lock")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise FaultfsError(
+                f"store {self.root} is in use by pid {owner}: unmount that mount first, "
+                "or pick another --store", errno.EBUSY) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock_fd = fd
+
+    def release(self) -> None:
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+
+    # -- paths -------------------------------------------------------------------------------
+
+    def tag_dir(self, tag: str) -> str:
+        return os.path.join(self.root, "tags", _encode("t-", tag))
+
+    def blob_path(self, tag: str, name: str) -> str:
+        return os.path.join(self.tag_dir(tag), _encode("b-", name))
+
+    def list_tags(self) -> list[str]:
+        base = os.path.join(self.root, "tags")
+        out = []
+        for entry in sorted(os.listdir(base)):
+            if entry.startswith("t-"):
+                out.append(unquote(entry[2:]))
+        return out
+
+    def list_blobs(self, tag: str) -> list[str]:
+        """Names of the blob files in ``tag`` (not verified)."""
+        directory = self.tag_dir(tag)
+        try:
+            entries = os.listdir(directory)
+        except FileNotFoundError:
+            return []
+        names = []
+        for entry in entries:
+            if entry.startswith("b-"):
+                names.append(unquote(entry[2:]))
+            elif entry.startswith("h-"):
+                header = self.read_header(os.path.join(directory, entry))
+                if header is not None and header.tag == tag:
+                    names.append(header.name)
+            elif entry.startswith("t-") and entry.endswith(".tmp"):
+                try:  # a temporary file left by a crash: never renamed, never valid
+                    os.unlink(os.path.join(directory, entry))
+                except FileNotFoundError:
+                    pass
+        return names
+
+    def staged_bytes(self, tag: str) -> int:
+        """Bytes on disk under ``tag`` (what ``du`` should see)."""
+        total = 0
+        with os.scandir(self.tag_dir(tag)) as it:
+            for entry in it:
+                if entry.name.startswith(("b-", "h-")):
+                    total += entry.stat().st_blocks * 512
+        return total
+
+    # -- blobs -------------------------------------------------------------------------------
+
+    def put(self, tag: str, name: str, payload: bytes | memoryview, *, flags: int,
+            source_version: str = "", durable: bool | None = None) -> int:
+        """Stage ``payload`` as blob ``(tag, name)``; returns bytes written to disk.
+
+        Clean blobs are written without fsync unless ``durable``: they can always be
+        re-faulted, and a torn one fails verification. Dirty blobs are always fsynced.
+        Raises StoreFull on ENOSPC/EDQUOT (nothing partial is left behind)."""
+        header, with_payload = encode_header(tag, name, payload, flags=flags,
+                                             source_version=source_version)
+        directory = self.tag_dir(tag)
+        os.makedirs(directory, exist_ok=True)
+        if durable is None:
+            durable = bool(flags & FLAG_DIRTY)
+        parts = [header, payload] if with_payload else [header]
+        try:
+            write_atomic(self.blob_path(tag, name), parts, mode=0o600, durable=durable)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise StoreFull(f"store {self.root} is full") from None
+            raise
+        return len(header) + (len(payload) if with_payload else 0)
+
+    def read_header(self, path: str) -> BlobHeader | None:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        try:
+            return decode_header(os.pread(fd, HEADER_LEN, 0), file_size=os.fstat(fd).st_size)
+        except CorruptionError:
+            return None
+        finally:
+            os.close(fd)
+
+    def open_blob(self, tag: str, name: str, *, source_version: str | None = None,
+                  verify: bool = True) -> OpenBlob | None:
+        """Open a verified blob, or None when it is absent, foreign, torn or stale.
+
+        Raises CorruptionError only for a damaged *dirty* blob: user data that is gone
+        must be reported, not silently re-faulted."""
+        path = self.blob_path(tag, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        try:
+            st = os.fstat(fd)
+            if not stat_mod.S_ISREG(st.st_mode):
+                raise CorruptionError(f"{path} is not a regular file")
+            header = decode_header(os.pread(fd, HEADER_LEN, 0), file_size=st.st_size)
+            if header.tag != tag or header.name != name:
+                raise CorruptionError(f"{path} holds blob {header.name!r} of tag {header.tag!r}")
+            if verify and not header.all_zero:
+                data = os.pread(fd, header.stored_len, HEADER_LEN)
+                if payload_hash(data) != header.payload_xxh3:
+                    if header.dirty:
+                        raise CorruptionError(f"dirty blob {name} of tag {tag} failed its checksum")
+                    raise CorruptionError("payload checksum mismatch")
+        except CorruptionError:
+            os.close(fd)
+            if self._is_dirty_on_disk(path):
+                raise
+            self._discard(path)
+            return None
+        except BaseException:
+            os.close(fd)
+            raise
+        if (source_version is not None and not header.dirty
+                and header.source_version != source_version):
+            os.close(fd)
+            return None  # stale: staged from an older version of the source
+        return OpenBlob(fd, header)
+
+    def _is_dirty_on_disk(self, path: str) -> bool:
+        header = self.read_header(path)
+        return header is not None and header.dirty
+
+    def _discard(self, path: str) -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+    def read(self, tag: str, name: str, *, source_version: str | None = None) -> bytes | None:
+        """The whole verified payload of a blob, or None."""
+        blob = self.open_blob(tag, name, source_version=source_version)
+        if blob is None:
+            return None
+        try:
+            return blob.pread(blob.header.payload_len, 0)
+        finally:
+            blob.close()
+
+    def delete(self, tag: str, name: str) -> int:
+        """Remove a blob; returns the bytes freed."""
+        path = self.blob_path(tag, name)
+        try:
+            size = os.stat(path).st_blocks * 512
+            os.unlink(path)
+        except FileNotFoundError:
+            return 0
+        return size
+
+    # -- per-tag state -----------------------------------------------------------------------
+
+    def write_tag_state(self, tag: str, state: dict) -> None:
+        directory = self.tag_dir(tag)
+        os.makedirs(directory, exist_ok=True)
+        data = json.dumps(state, sort_keys=True, indent=1).encode()
+        write_atomic(os.path.join(directory, TAG_STATE), [data], mode=0o600)
+
+    def read_tag_state(self, tag: str) -> dict | None:
+        path = os.path.join(self.tag_dir(tag), TAG_STATE)
+        try:
+            with open(path, "rb") as f:
+                doc = json.loads(f.read())
+        except FileNotFoundError:
+            return None
+        except ValueError:
+            raise CorruptionError(f"tag state {path} is not valid JSON") from None
+        if not isinstance(doc, dict):
+            raise CorruptionError(f"tag state {path} is not a JSON object")
+        return doc
+
+    def forget_tag(self, tag: str) -> None:
+        """Remove a tag and every blob in it."""
+        import shutil
+
+        shutil.rmtree(self.tag_dir(tag), ignore_errors=True)
+        fsync_dir(os.path.join(self.root, "tags"))
+
+    # -- space -------------------------------------------------------------------------------
+
+    def free_bytes(self) -> int:
+        st = os.statvfs(self.root)
+        return st.f_bavail * st.f_frsize
