@@ -246,6 +246,7 @@ HOSTILE = {
     "NUL in name": "page_size=1024\na\0b 0 0 5\n",
     "page name": "page_size=1024\npage:0 0 0 1024\n",
     "long name": "page_size=1024\n" + "n" * 300 + " 0 0 5\n",
+    "huge name with slash": "page_size=1024\n" + "n" * 100_000 + "/ 0 0 5\n",
     "lone surrogate": "page_size=1024\na\ud800 0 0 5\n",
 }
 
@@ -257,6 +258,7 @@ def test_parse_refuses_hostile_values(name):
     with pytest.raises(InvalidInput) as info:
         parse_strict(text)
     assert "\n" not in str(info.value), "reasons are one line"
+    assert len(str(info.value)) < 120, "reasons stay short whatever the input"
 
 
 def test_parse_limits_are_inclusive():

@@ -208,22 +208,30 @@ def blob_name_problem(name: str) -> str | None:
     """Why ``name`` cannot be a blob name in a pagemap, or None when it can."""
     if not name:
         return "empty blob name"
+    reason = _blob_name_reason(name)
+    if reason is None:
+        return None
+    shown = repr(name[:40]) + ("…" if len(name) > 40 else "")  # reasons stay one short line
+    return f"blob name {shown} {reason}"
+
+
+def _blob_name_reason(name: str) -> str | None:
     if "/" in name:
-        return f"blob name {name!r} contains '/'"
+        return "contains '/'"
     if "\0" in name:
-        return f"blob name {name!r} contains NUL"
+        return "contains NUL"
     if name in (".", ".."):
-        return f"blob name {name!r} is reserved"
+        return "is reserved"
     if name.split() != [name]:  # the text form separates tokens by whitespace
-        return f"blob name {name!r} contains whitespace"
+        return "contains whitespace"
     if name.startswith((PAGE_BLOB_PREFIX, _PAGE_SIZE_KEY, _TOTAL_KEY)):
-        return f"blob name {name!r} starts with a reserved prefix"
+        return "starts with a reserved prefix"
     try:
         encoded = name.encode("utf-8")
     except UnicodeEncodeError:
-        return f"blob name {name!r} is not valid UTF-8"
+        return "is not valid UTF-8"
     if len(encoded) > MAX_BLOB_NAME_BYTES:
-        return f"blob name {name[:32]!r}… is over {MAX_BLOB_NAME_BYTES} bytes"
+        return f"is over {MAX_BLOB_NAME_BYTES} bytes"
     return None
 
 
