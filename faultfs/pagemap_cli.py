@@ -35,11 +35,13 @@ def register(subparsers: Any) -> None:
     )
     set_parser.add_argument("tag_dir", metavar="MNT/TAG", help="tag directory in a faultfs mount")
     set_parser.add_argument("file", metavar="FILE", help="pagemap text file ('-' for stdin)")
+    set_parser.add_argument("--debug", action="store_true", help="tracebacks on errors")
     set_parser.set_defaults(func=set_pagemap)
 
     show_parser = commands.add_parser("show", help="print the pagemap of MNT/TAG")
     show_parser.add_argument("tag_dir", metavar="MNT/TAG", help="tag directory in a faultfs mount")
     show_parser.add_argument("--raw", action="store_true", help="print the map text only")
+    show_parser.add_argument("--debug", action="store_true", help="tracebacks on errors")
     show_parser.set_defaults(func=show_pagemap)
 
 
