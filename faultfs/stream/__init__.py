@@ -1,0 +1,9 @@
+"""Resumable, deduplicating record streams over multi-shard sources (DESIGN §9).
+
+``RecordStream`` is the entry point; ``shards`` expands sources, ``readers`` turns one shard into
+blocks of records, and the checkpoint lives in ``faultfs.store.metadata``.
+"""
+
+from faultfs.stream.record_stream import RecordStream
+
+__all__ = ["RecordStream"]
