@@ -1,0 +1,179 @@
+"""The blob file format and the store: golden bytes, corruption, locking, staleness, names."""
+
+import os
+import struct
+
+import pytest
+import xxhash
+
+from faultfs.errors import CorruptionError, FaultfsError, InvalidInput
+from faultfs.store.blobfile import (
+    FLAG_DIRTY,
+    FLAG_NO_FAULT,
+    HEADER_LEN,
+    decode_header,
+    encode_header,
+)
+from faultfs.store.blobstore import BlobStore
+
+
+def test_golden_header_bytes():
+    header, with_payload = encode_header("run42", "chunk_7", b"hello", flags=FLAG_NO_FAULT,
+                                         source_version="5 mtime_ns:1")
+    assert with_payload
+    assert len(header) == HEADER_LEN
+    assert header[:48].hex() == (
+        "464653424c4f4200" "0100" "0400" "00100000" "0500000000000000" "0500000000000000"
+        + xxhash.xxh3_64(b"hello").intdigest().to_bytes(8, "little").hex()
+        + "0500" "0700" "0c00" "0000"
+    ), "format changed: bump the version"
+    assert header[48:48 + 24] == b"run42chunk_75 mtime_ns:1"
+    assert xxhash.xxh3_64_intdigest(header[:4088]).to_bytes(8, "little") == header[4088:]
+
+
+def test_all_zero_payload_is_not_stored():
+    header, with_payload = encode_header("t", "b", bytes(4096), flags=FLAG_NO_FAULT)
+    assert not with_payload
+    parsed = decode_header(header, file_size=HEADER_LEN)
+    assert parsed.all_zero and parsed.payload_len == 4096 and parsed.stored_len == 0
+
+
+@pytest.fixture
+def store(tmp_path):
+    return BlobStore(str(tmp_path / "store"))
+
+
+def test_put_and_read_round_trip(store):
+    store.put("tag", "chunk_0", b"abc" * 1000, flags=FLAG_NO_FAULT, source_version="v1")
+    assert store.read("tag", "chunk_0", source_version="v1") == b"abc" * 1000
+    assert store.list_blobs("tag") == ["chunk_0"]
+    mode = os.stat(store.blob_path("tag", "chunk_0")).st_mode & 0o777
+    assert mode == 0o600
+
+
+def test_stale_clean_blob_is_not_served_but_dirty_is(store):
+    store.put("tag", "a", b"x" * 10, flags=FLAG_NO_FAULT, source_version="v1")
+    store.put("tag", "b", b"y" * 10, flags=FLAG_DIRTY, source_version="v1")
+    assert store.read("tag", "a", source_version="v2") is None
+    assert store.read("tag", "b", source_version="v2") == b"y" * 10
+
+
+def _path(store):
+    store.put("tag", "chunk_0", b"payload-bytes" * 100, flags=FLAG_NO_FAULT)
+    return store.blob_path("tag", "chunk_0")
+
+
+def _corrupt_torn(path):
+    os.truncate(path, os.path.getsize(path) - 7)
+
+
+def _corrupt_flip_payload(path):
+    with open(path, "r+b") as f:
+        f.seek(HEADER_LEN + 5)
+        byte = f.read(1)
+        f.seek(HEADER_LEN + 5)
+        f.write(bytes([byte[0] ^ 1]))
+
+
+def _corrupt_foreign(path):
+    with open(path, "wb") as f:
+        f.write(b"#!/bin/sh\necho not a blob\n" * 300)
+
+
+def _corrupt_truncated_header(path):
+    os.truncate(path, 100)
+
+
+def _corrupt_huge_length(path):
+    with open(path, "r+b") as f:
+        f.seek(16)
+        f.write(struct.pack("<Q", 2**64 - 1))
+
+
+def _corrupt_header_byte(path):
+    with open(path, "r+b") as f:
+        f.seek(50)
+        f.write(b"Z")
+
+
+@pytest.mark.parametrize("damage", [
+    _corrupt_torn, _corrupt_flip_payload, _corrupt_foreign, _corrupt_truncated_header,
+    _corrupt_huge_length, _corrupt_header_byte,
+])
+def test_damaged_clean_blob_is_treated_as_absent_and_removed(store, damage):
+    path = _path(store)
+    damage(path)
+    assert store.open_blob("tag", "chunk_0") is None
+    assert not os.path.exists(path), "a damaged clean blob must be dropped so it re-faults"
+
+
+def test_damaged_dirty_blob_is_an_error_not_silence(store):
+    store.put("tag", "mine", b"user data" * 100, flags=FLAG_DIRTY)
+    path = store.blob_path("tag", "mine")
+    _corrupt_flip_payload(path)
+    with pytest.raises(CorruptionError, match="dirty blob"):
+        store.open_blob("tag", "mine")
+    assert os.path.exists(path), "user data is never deleted on a checksum failure"
+
+
+def test_huge_length_gives_exact_error():
+    header, _ = encode_header("t", "b", b"data", flags=FLAG_NO_FAULT)
+    raw = bytearray(header)
+    raw[16:24] = struct.pack("<Q", 2**64 - 1)
+    raw[4088:] = xxhash.xxh3_64_intdigest(bytes(raw[:4088])).to_bytes(8, "little")
+    with pytest.raises(CorruptionError, match="stored length"):
+        decode_header(bytes(raw), file_size=HEADER_LEN + 4)
+
+
+def test_blob_file_of_another_name_is_not_served(store):
+    store.put("tag", "chunk_0", b"zero", flags=FLAG_NO_FAULT)
+    store.put("tag", "chunk_1", b"one!", flags=FLAG_NO_FAULT)
+    os.replace(store.blob_path("tag", "chunk_1"), store.blob_path("tag", "chunk_0"))
+    assert store.open_blob("tag", "chunk_0") is None
+
+
+def test_names_cannot_escape_the_store(store, tmp_path):
+    for name in ("../../etc/passwd", "a/b", "..", "x" * 255, "page:7", "fault:0123456789abcdef"):
+        path = store.blob_path("tag/../..", name)
+        assert os.path.realpath(path).startswith(os.path.realpath(store.root) + os.sep)
+        store.put("tag/../..", name, b"data", flags=FLAG_NO_FAULT)
+        assert store.read("tag/../..", name) == b"data"
+    assert sorted(os.listdir(tmp_path)) == ["store"]
+
+
+def test_one_owner_at_a_time(store):
+    store.acquire()
+    other = BlobStore(store.root)
+    with pytest.raises(FaultfsError, match=f"in use by pid {os.getpid()}"):
+        other.acquire()
+    store.release()
+    other.acquire()
+    other.release()
+
+
+def test_unwritable_store_is_refused(tmp_path):
+    target = tmp_path / "ro"
+    target.mkdir()
+    (target / "tags").mkdir()
+    (target / "log").mkdir()
+    os.chmod(target, 0o555)
+    try:
+        if os.geteuid() == 0:
+            # root ignores mode bits; a store on a file is refused instead
+            (tmp_path / "file").write_text("x")
+            with pytest.raises(InvalidInput):
+                BlobStore(str(tmp_path / "file"))
+        else:
+            with pytest.raises(InvalidInput, match="not writable"):
+                BlobStore(str(target))
+    finally:
+        os.chmod(target, 0o755)
+
+
+def test_leftover_temporary_files_are_cleaned(store):
+    store.put("tag", "chunk_0", b"x", flags=FLAG_NO_FAULT)
+    tmp = os.path.join(store.tag_dir("tag"), "t-deadbeef.tmp")
+    with open(tmp, "wb") as f:
+        f.write(b"partial")
+    assert store.list_blobs("tag") == ["chunk_0"]
+    assert not os.path.exists(tmp)

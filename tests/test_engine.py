@@ -1,0 +1,375 @@
+"""The fault engine without a mount: hits, faults, single-flight, store policy, errors, remount.
+
+Sources are in-memory (``MemorySource``) or fail on chosen calls (``FailingSource``): failure
+is a fixture, not a mock of the engine.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+
+import pytest
+import trio
+
+from faultfs import assimilators
+from faultfs.assimilators.sources import SourceVersion
+from faultfs.config import Config
+from faultfs.core.context import REGISTRY_TAG, FaultContext
+from faultfs.engine import Engine
+from faultfs.errors import FaultfsError, InvalidInput, SourceError
+from faultfs.store.blobstore import BlobStore
+
+CS = 4096
+
+
+class MemorySource:
+    """A source held in memory; counts reads; can fail on chosen calls or block on a gate."""
+
+    def __init__(self, data: bytes, url: str = "mem://x") -> None:
+        self.url = url
+        self.data = data
+        self.reads = 0
+        self.fail_calls: set[int] = set()
+        self.gate: threading.Event | None = None
+        self.token = "v1"
+        self._lock = threading.Lock()
+
+    def version(self) -> SourceVersion:
+        return SourceVersion(len(self.data), self.token)
+
+    def mtime(self) -> float:
+        return 1_700_000_000.0
+
+    def pread(self, off: int, size: int) -> bytes:
+        with self._lock:
+            self.reads += 1
+            call = self.reads
+        if self.gate is not None:
+            self.gate.wait(10)
+        if call in self.fail_calls:
+            raise SourceError(f"{self.url}: injected failure on call {call}")
+        return self.data[off:off + size]
+
+    def close(self) -> None:
+        pass
+
+
+class MemoryAssimilator:
+    """The binary assimilator's cut over ``MemorySource`` objects registered by URL."""
+
+    name = "memtest"
+    default_chunk_size = CS
+    sources: dict[str, MemorySource] = {}
+
+    def blob_bytes(self, ctx):
+        return ctx.chunk_size or CS
+
+    def open(self, ctx, options):
+        try:
+            return self.sources[ctx.src]
+        except KeyError:
+            raise InvalidInput(f"source {ctx.src} does not exist") from None
+
+    def read_blob(self, source, ctx, start, end):
+        return source.pread(start, end - start)
+
+
+class NoBlobAssimilator(MemoryAssimilator):
+    name = "noblob"
+
+    def blob_bytes(self, ctx):
+        return 0
+
+
+assimilators.register("memtest", MemoryAssimilator())
+assimilators.register("noblob", NoBlobAssimilator())
+
+
+def make_source(data: bytes, url: str = "mem://x") -> MemorySource:
+    src = MemorySource(data, url)
+    MemoryAssimilator.sources[url] = src
+    return src
+
+
+@pytest.fixture
+def store(tmp_path):
+    return BlobStore(str(tmp_path / "store"))
+
+
+def engine_for(store, **config) -> Engine:
+    config.setdefault("reserve_mb", 0)
+    return Engine(store, Config(store_dir=store.root, **config))
+
+
+def ctx_for(url="mem://x", tag="t", **kw) -> FaultContext:
+    return FaultContext(src=url, dst=tag, format="memtest", chunk_size=kw.pop("chunk_size", CS), **kw)
+
+
+def payload(n: int) -> bytes:
+    return bytes((i * 7 + i // 251) & 0xFF for i in range(n))
+
+
+def test_fault_then_hit_with_zero_tail(store):
+    data = payload(CS * 2 + 100)
+    src = make_source(data)
+    eng = engine_for(store)
+    tag = eng.register(ctx_for())
+
+    async def main():
+        assert await eng.read_blob(tag, 2, 0, CS) == data[2 * CS:] + bytes(CS - 100)
+        assert await eng.read_blob(tag, 2, 50, 100) == data[2 * CS + 50:2 * CS + 100] + bytes(50)
+        assert await eng.read_view(tag, CS - 10, 30) == data[CS - 10:CS + 20]
+        assert await eng.read_view(tag, 0, 10 * CS) == data
+
+    trio.run(main)
+    c = eng.stats.counters
+    assert src.reads == 3 and c["faults"] == 3 and c["stored"] == 3
+    assert c["zero_filled_bytes"] == CS - 100
+    assert c["hits"] >= 2
+
+
+def test_single_flight_shares_one_source_read(store):
+    data = payload(CS * 4)
+    src = make_source(data)
+    eng = engine_for(store)
+    tag = eng.register(ctx_for())
+    src.gate = threading.Event()
+    results = []
+
+    async def reader(off):
+        results.append(await eng.read_blob(tag, 1, off, 100))
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            for off in range(0, 2000, 100):
+                nursery.start_soon(reader, off)
+            await trio.sleep(0.2)
+            src.gate.set()
+
+    trio.run(main)
+    assert src.reads == 1
+    assert eng.stats.counters["single_flight_joins"] == 19
+    assert sorted(results) == sorted(data[CS + o:CS + o + 100] for o in range(0, 2000, 100))
+
+
+def test_failed_fault_is_eio_never_zeros_and_is_retried_next_time(store):
+    data = payload(CS * 2)
+    src = make_source(data)
+    eng = engine_for(store)
+    tag = eng.register(ctx_for())
+    src.fail_calls = {1}
+
+    async def main():
+        with pytest.raises(FaultfsError) as info:
+            await eng.read_blob(tag, 0, 0, 10)
+        assert info.value.errno == errno.EIO
+        assert not tag.is_staged(0)
+        assert await eng.read_blob(tag, 0, 0, 10) == data[:10]
+
+    trio.run(main)
+    assert eng.stats.counters["fault_errors"] == 1
+
+
+def test_source_shorter_than_registered_fails_the_fault(store):
+    data = payload(CS * 2)
+    src = make_source(data)
+    eng = engine_for(store)
+    tag = eng.register(ctx_for())
+    src.data = data[:CS + 10]  # shrank under the mount
+
+    async def main():
+        with pytest.raises(FaultfsError):
+            await eng.read_blob(tag, 1, 0, 10)
+
+    trio.run(main)
+
+
+def test_no_store_is_pure_read_through(store):
+    src = make_source(payload(CS * 2))
+    eng = engine_for(store, store_enabled=False)
+    tag = eng.register(ctx_for())
+
+    async def main():
+        for _ in range(3):
+            await eng.read_blob(tag, 0, 0, CS)
+
+    trio.run(main)
+    assert src.reads == 3
+    assert eng.stats.counters["skipped_no_store"] == 3
+    assert store.list_blobs("t") == []
+
+
+def test_reserve_line_serves_from_source_without_storing(store):
+    src = make_source(payload(CS * 2))
+    free_mb = store.free_bytes() >> 20
+    eng = engine_for(store, reserve_mb=free_mb + 1024)
+    tag = eng.register(ctx_for())
+
+    async def main():
+        assert await eng.read_blob(tag, 0, 0, CS) == src.data[:CS]
+
+    trio.run(main)
+    assert eng.stats.counters["skipped_reserve"] == 1
+    assert eng.stats.counters["stored"] == 0
+
+
+def test_store_full_backoff_counts_exactly(store, monkeypatch):
+    src = make_source(payload(CS * 300))
+    eng = engine_for(store)
+    tag = eng.register(ctx_for())
+    from faultfs.store import blobstore
+
+    real = blobstore.write_atomic
+    state = {"calls": 0}
+
+    def write_atomic(path, parts, **kw):
+        state["calls"] += 1
+        if state["calls"] == 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(path, parts, **kw)
+
+    monkeypatch.setattr(blobstore, "write_atomic", write_atomic)
+
+    async def main():
+        for i in range(258):
+            assert await eng.read_blob(tag, i, 0, 4) == src.data[i * CS:i * CS + 4]
+
+    trio.run(main)
+    c = eng.stats.counters
+    assert c["store_failures"] == 1
+    assert c["readthrough_backoff"] == 256
+    assert c["stored"] == 1  # fault 258 stores again
+    assert tag.is_staged(257) and not tag.is_staged(0) and not tag.is_staged(256)
+    assert [n for n in os.listdir(store.tag_dir("t")) if n.endswith(".tmp")] == []
+
+
+def test_cache_cap_evicts_least_recently_used_clean_blobs(store):
+    src = make_source(payload(CS * 10))
+    eng = engine_for(store, cache_size=3 * (CS + 4096))
+    tag = eng.register(ctx_for())
+
+    async def main():
+        for i in range(3):
+            await eng.read_blob(tag, i, 0, 1)
+        await eng.read_blob(tag, 0, 0, 1)  # 0 is now the most recent
+        await eng.read_blob(tag, 3, 0, 1)  # evicts 1
+
+    trio.run(main)
+    assert [tag.is_staged(i) for i in range(4)] == [True, False, True, True]
+    assert sorted(store.list_blobs("t")) == ["chunk_0", "chunk_2", "chunk_3"]
+    assert eng.stats.counters["evicted"] == 1
+    assert src.reads == 4
+
+
+def test_stage_only_request_stores_without_serving(store):
+    src = make_source(payload(CS * 2))
+    eng = engine_for(store)
+    tag = eng.register(ctx_for())
+    trio.run(eng.stage, tag, 1)
+    assert tag.is_staged(1) and src.reads == 1
+    trio.run(eng.stage, tag, 1)
+    assert src.reads == 1
+
+
+def test_remount_recovers_tags_and_hits_with_zero_source_reads(store):
+    data = payload(CS * 3 + 5)
+    make_source(data)
+    eng = engine_for(store)
+    tag = eng.register(ctx_for(src_token="SECRET-TOKEN"))
+
+    async def read_all(e, t):
+        return await e.read_view(t, 0, len(data))
+
+    assert trio.run(read_all, eng, tag) == data
+    eng.close()
+    src2 = make_source(data)  # same URL, fresh read counter
+    eng2 = engine_for(store)
+    [tag2] = eng2.recover()
+    assert tag2.name == "t" and tag2.staged_count == 4
+    assert trio.run(read_all, eng2, tag2) == data
+    assert src2.reads == 0
+    for name in store.list_blobs(REGISTRY_TAG):
+        assert b"SECRET-TOKEN" not in store.read(REGISTRY_TAG, name)
+        mode = os.stat(store.blob_path(REGISTRY_TAG, name)).st_mode & 0o777
+        assert mode == 0o600
+
+
+def test_changed_source_makes_staged_blobs_stale_on_remount(store):
+    data = payload(CS * 2)
+    make_source(data)
+    eng = engine_for(store)
+    tag = eng.register(ctx_for())
+    trio.run(eng.read_view, tag, 0, len(data))
+    new = bytes(reversed(data))
+    src2 = make_source(new)
+    src2.token = "v2"
+    eng2 = engine_for(store)
+    [tag2] = eng2.recover()
+    assert tag2.staged_count == 0 and tag2.stale_dropped == 2
+    assert trio.run(eng2.read_view, tag2, 0, len(new)) == new
+    assert src2.reads == 2
+
+
+def test_corrupt_staged_blob_is_refaulted_not_served(store):
+    data = payload(CS * 2)
+    src = make_source(data)
+    eng = engine_for(store)
+    tag = eng.register(ctx_for())
+    trio.run(eng.read_view, tag, 0, len(data))
+    path = store.blob_path("t", "chunk_1")
+    with open(path, "r+b") as f:
+        f.seek(4096 + 10)
+        f.write(b"\xff\xfe")
+    eng2 = engine_for(store)
+    [tag2] = eng2.recover()
+    assert trio.run(eng2.read_blob, tag2, 1, 0, CS) == data[CS:]
+    assert src.reads == 3
+    assert eng2.stats.counters["corrupt_blobs_dropped"] == 1
+
+
+def test_assimilator_that_cannot_ingest_per_blob_fails_with_minus_20(store):
+    make_source(b"abc", "mem://nb")
+    eng = engine_for(store)
+    with pytest.raises(FaultfsError) as info:
+        eng.register(FaultContext(src="mem://nb", dst="nb", format="noblob"))
+    assert info.value.code == -20
+    assert "-20" in str(info.value)
+    assert store.list_blobs(REGISTRY_TAG) == []
+
+
+@pytest.mark.parametrize(("kw", "match"), [
+    ({"range_off": CS * 3}, "past the end"),
+    ({"range_off": 10, "range_size": CS * 2}, "past the end"),
+])
+def test_bad_ranges_change_nothing(store, kw, match):
+    make_source(payload(CS * 2))
+    eng = engine_for(store)
+    with pytest.raises(InvalidInput, match=match):
+        eng.register(ctx_for(**kw))
+    assert store.list_tags() == []
+
+
+def test_range_and_blob_prefix(store):
+    data = payload(CS * 4)
+    make_source(data)
+    eng = engine_for(store)
+    tag = eng.register(ctx_for(range_off=100, range_size=CS + 50, blob_prefix=""))
+    assert tag.layout.num_blobs == 2 and tag.layout.blob_name(1) == "1"
+    assert trio.run(eng.read_view, tag, 0, 10 * CS) == data[100:100 + CS + 50]
+    assert trio.run(eng.read_blob, tag, 1, 0, CS) == data[100 + CS:100 + CS + 50] + bytes(CS - 50)
+
+
+def test_re_registration_with_a_new_context_replaces_the_old_one(store):
+    make_source(payload(CS * 4))
+    eng = engine_for(store)
+    tag = eng.register(ctx_for())
+    trio.run(eng.read_blob, tag, 0, 0, 1)
+    old_key = tag.key
+    eng.close()
+    eng2 = engine_for(store)
+    tag2 = eng2.register(ctx_for(chunk_size=2 * CS))
+    assert tag2.key != old_key
+    assert store.list_blobs(REGISTRY_TAG) == [tag2.key]
+    assert store.list_blobs("t") == []
