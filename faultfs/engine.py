@@ -171,6 +171,7 @@ class Engine:
         self._lru_bytes = 0
         self._backoff_left = 0
         self._next_id = 1
+        self._pages = None
 
     # -- registration (blocking; before the mount answers) ----------------------------------
 
@@ -611,22 +612,52 @@ class Engine:
             return
         await self.fault(tag, index)
 
-    # -- pages (pagify, DESIGN §6) -----------------------------------------------------------
+    # -- pages (pagify, DESIGN §6): see faultfs/pages.py -------------------------------------
+
+    @property
+    def pages(self):
+        if self._pages is None:
+            from faultfs.pages import PageService
+
+            self._pages = PageService(self)
+        return self._pages
 
     def has_pagemap(self, tag: Tag) -> bool:
-        return False
+        return self.pages.has_pagemap(tag)
 
     def num_pages(self, tag: Tag) -> int:
-        return 0
+        return self.pages.num_pages(tag)
 
     def page_size(self, tag: Tag) -> int:
-        return 0
+        return self.pages.page_size(tag)
 
     def pagemap_size(self, tag: Tag) -> int:
-        return 0
+        return self.pages.pagemap_size(tag)
 
     async def read_page(self, tag: Tag, page_id: int, off: int, size: int) -> bytes:
-        raise FaultfsError(f"tag {tag.name} has no pagemap", errno.ENOENT)
+        return await self.pages.read_page(tag, page_id, off, size)
+
+    async def open_pagemap(self, tag: Tag, flags: int) -> int:
+        return await self.pages.open_pagemap(tag, flags)
+
+    def pagemap_handle_read(self, fh: int, off: int, size: int) -> bytes:
+        return self.pages.handle_read(fh, off, size)
+
+    def pagemap_handle_write(self, fh: int, off: int, buf: bytes) -> int:
+        return self.pages.handle_write(fh, off, buf)
+
+    def pagemap_handle_truncate(self, fh: int, size: int) -> None:
+        self.pages.handle_truncate(fh, size)
+
+    async def flush_pagemap(self, fh: int) -> None:
+        await self.pages.flush(fh)
+
+    async def close_pagemap(self, fh: int) -> None:
+        await self.pages.close(fh)
+
+    def write_identity_pagemap(self, tag: Tag, page_size: int) -> None:
+        """Blocking (before the mount answers): lay the tag's range over page space."""
+        self.pages.write_identity(tag, page_size)
 
     # -- introspection ----------------------------------------------------------------------
 
