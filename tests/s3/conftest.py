@@ -15,6 +15,7 @@ import itertools
 import socket
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -57,6 +58,19 @@ def s3_env(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFac
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     yield moto_endpoint
     remote.clear_filesystems()
+
+
+@dataclass(frozen=True)
+class FakeAws:
+    key_id: str = FAKE_KEY_ID
+    secret: str = FAKE_SECRET
+    region: str = REGION
+
+
+@pytest.fixture
+def fake_aws() -> FakeAws:
+    """The fake credentials and region the S3 tests run with (to write profiles, find leaks)."""
+    return FakeAws()
 
 
 @pytest.fixture
@@ -152,7 +166,9 @@ class FaultyS3Proxy:
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
         self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        )
         self._thread.start()
 
     def close(self) -> None:

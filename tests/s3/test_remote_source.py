@@ -12,7 +12,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from conftest import FAKE_KEY_ID, FAKE_SECRET, REGION
 
 from faultfs.assimilators import remote
 from faultfs.assimilators.remote import RetryPolicy, open_fsspec_source, s3_filesystem_kwargs
@@ -258,15 +257,15 @@ def test_service_endpoint_env_beats_global_endpoint_env(s3_client, make_bucket,
 
 @pytest.mark.s3
 def test_profile_from_shared_config_and_credentials_files(s3_client, make_bucket, tmp_path,
-                                                          monkeypatch) -> None:
+                                                          monkeypatch, fake_aws) -> None:
     bucket = make_bucket()
     s3_client.put_object(Bucket=bucket, Key="k", Body=b"profiled")
     moto = os.environ["AWS_ENDPOINT_URL"]
     (tmp_path / "config").write_text(
-        f"[profile faultfs-lab]\nregion = {REGION}\nendpoint_url = {moto}\n")
+        f"[profile faultfs-lab]\nregion = {fake_aws.region}\nendpoint_url = {moto}\n")
     (tmp_path / "credentials").write_text(
-        f"[faultfs-lab]\naws_access_key_id = {FAKE_KEY_ID}\n"
-        f"aws_secret_access_key = {FAKE_SECRET}\n")
+        f"[faultfs-lab]\naws_access_key_id = {fake_aws.key_id}\n"
+        f"aws_secret_access_key = {fake_aws.secret}\n")
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "credentials"))
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL",
@@ -280,12 +279,12 @@ def test_profile_from_shared_config_and_credentials_files(s3_client, make_bucket
 
 @pytest.mark.s3
 def test_secrets_never_appear_in_url_errors_or_versions(s3_client, make_bucket,
-                                                        faulty_proxy) -> None:
+                                                        faulty_proxy, fake_aws) -> None:
     bucket = make_bucket()
     s3_client.put_object(Bucket=bucket, Key="k", Body=b"q" * 100)
     secret = "s3cr3t-from-storage-options-0123456789"
     opts = SourceOptions(s3_endpoint_url=faulty_proxy.endpoint,
-                         storage_options={"key": FAKE_KEY_ID, "secret": secret})
+                         storage_options={"key": fake_aws.key_id, "secret": secret})
     src = open_fsspec_source(f"s3://{bucket}/k", opts, retry=QUICK)
     faulty_proxy.fail_reads = 1000
     with pytest.raises(SourceError) as read_err:
@@ -295,4 +294,4 @@ def test_secrets_never_appear_in_url_errors_or_versions(s3_client, make_bucket,
     shown = [src.url, repr(src.version()), str(read_err.value), str(open_err.value)]
     for text in shown:
         assert secret not in text
-        assert FAKE_SECRET not in text
+        assert fake_aws.secret not in text
