@@ -1,0 +1,192 @@
+"""The cursor subcommands of ``faultfs``: ``warm`` and ``checkpoint show``.
+
+Invariants:
+- ``register(subparsers)`` only adds parsers; each sets ``func`` to a handler
+  ``handler(args) -> int`` (the exit code). Handlers raise FaultfsError subclasses for anything a
+  user can get wrong; the main CLI prints their one-line message.
+- ``checkpoint show`` never writes: it reads the 128-byte .meta (and the size of its WAL) and
+  reports each slot as valid or why not, which slot recovery would pick, and the coordinate.
+  An unrecoverable file is still described, then reported as a CorruptionError.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from faultfs.core.slots import SLOT_A_OFFSET, SLOT_B_OFFSET, SlotReading
+from faultfs.errors import CorruptionError, InvalidInput
+from faultfs.store.metadata import HASH_SIZE, WAL_SUFFIX, Recovery, choose_active, read_meta
+from faultfs.warm import CHECKPOINT_BLOBS, CHECKPOINT_SECONDS, default_state_path, warm
+
+
+def register(subparsers: Any) -> None:
+    """Add ``warm`` and ``checkpoint show`` to an argparse subparsers object."""
+    w = subparsers.add_parser(
+        "warm",
+        help="eagerly ingest a mount or one tag (resumable, with a progress bar)",
+        description=(
+            "Read every blob of MNT (all tags) or MNT/TAG that is not yet staged, so later reads "
+            "are hits. Progress is checkpointed; an interrupted warm resumes where it stopped."
+        ),
+    )
+    w.add_argument("target", metavar="MNT[/TAG]", help="a faultfs mount root or tag directory")
+    w.add_argument(
+        "--state",
+        metavar="FILE.meta",
+        help="checkpoint file (default: ~/.cache/faultfs/warm-<hash of target>.meta)",
+    )
+    w.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    w.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=CHECKPOINT_BLOBS,
+        metavar="N",
+        help=f"checkpoint every N blobs (default {CHECKPOINT_BLOBS}; also every "
+        f"{CHECKPOINT_SECONDS:g} s)",
+    )
+    w.set_defaults(func=cmd_warm)
+
+    cp = subparsers.add_parser("checkpoint", help="inspect stream and warm checkpoints")
+    cp_sub = cp.add_subparsers(dest="checkpoint_command", metavar="COMMAND")
+    cp_sub.required = True
+    show = cp_sub.add_parser(
+        "show",
+        help="decode both slots of a .meta file and its coordinate",
+        description="Decode both slots of FILE.meta: valid or why not, which is active, and "
+        "the coordinate to resume at. Exits non-zero if the file cannot be recovered.",
+    )
+    show.add_argument("file", metavar="FILE.meta")
+    show.add_argument("--json", action="store_true", help="machine-readable output")
+    show.set_defaults(func=cmd_checkpoint_show)
+
+
+def cmd_warm(args: argparse.Namespace) -> int:
+    if args.checkpoint_every < 1:
+        raise InvalidInput(f"--checkpoint-every must be >= 1, got {args.checkpoint_every}")
+    state = args.state or default_state_path(args.target)
+    report = warm(
+        args.target,
+        state,
+        progress=not args.no_progress,
+        checkpoint_blobs=args.checkpoint_every,
+    )
+    for note in report.notes:
+        print(f"warm: {note}", file=sys.stderr)
+    resumed = ""
+    if report.resumed_from is not None:
+        resumed = (
+            f", resumed at tag {report.resumed_from.shard_id} "
+            f"blob {report.resumed_from.byte_offset}"
+        )
+    print(
+        f"warmed {report.blobs_warmed} blobs ({report.bytes_read} bytes), "
+        f"{report.blobs_skipped} already staged, {report.tags} tags in "
+        f"{report.seconds:.1f}s{resumed}; checkpoint {report.state_path}"
+    )
+    return 0
+
+
+def _slot_dict(name: str, offset: int, reading: SlotReading) -> dict[str, Any]:
+    d: dict[str, Any] = {"slot": name, "offset": offset, "status": reading.status.value}
+    if reading.detail:
+        d["detail"] = reading.detail
+    if reading.slot is not None:
+        d.update(
+            epoch=reading.slot.epoch,
+            committed_batch_id=reading.slot.committed_batch_id,
+            dedup_count=reading.slot.dedup_count,
+            coord=reading.slot.coord.as_dict(),
+        )
+    return d
+
+
+def describe_checkpoint(path: str) -> tuple[dict[str, Any], CorruptionError | None]:
+    """Everything ``checkpoint show`` reports, and the error if the file is unrecoverable."""
+    a, b = read_meta(path)
+    info: dict[str, Any] = {
+        "file": path,
+        "slots": [_slot_dict("A", SLOT_A_OFFSET, a), _slot_dict("B", SLOT_B_OFFSET, b)],
+    }
+    error: CorruptionError | None = None
+    recovery: Recovery | None = None
+    try:
+        recovery = choose_active(a, b)
+    except CorruptionError as err:
+        error = CorruptionError(f"{path}: {err.message}")
+        info.update(active=None, recoverable=False, reason=err.message)
+    if recovery is not None:
+        info.update(
+            active=recovery.active,
+            recoverable=True,
+            reason=recovery.reason,
+            epoch=recovery.slot.epoch,
+            committed_batch_id=recovery.slot.committed_batch_id,
+            dedup_count=recovery.slot.dedup_count,
+            coord=recovery.slot.coord.as_dict(),
+        )
+    wal = path + WAL_SUFFIX
+    try:
+        wal_size: int | None = os.stat(wal).st_size
+    except FileNotFoundError:
+        wal_size = None
+    info["wal"] = {"file": wal, "size": wal_size}
+    if recovery is not None:
+        needed = recovery.slot.dedup_count * HASH_SIZE
+        if wal_size is None and needed:
+            wal_size = 0
+        if wal_size is not None:
+            info["wal"]["uncommitted_bytes"] = max(wal_size - needed, 0)
+            if wal_size < needed:
+                error = CorruptionError(
+                    f"{wal}: dedup WAL is {wal_size} bytes but the checkpoint commits "
+                    f"{recovery.slot.dedup_count} hashes ({needed} bytes)"
+                )
+                info["recoverable"] = False
+                info["reason"] = error.message
+    return info, error
+
+
+def _format(info: dict[str, Any]) -> str:
+    lines = [f"checkpoint {info['file']}"]
+    for s in info["slots"]:
+        if s["status"] == "valid":
+            state = (
+                f"valid    epoch {s['epoch']}  batch {s['committed_batch_id']}  "
+                f"dedup_count {s['dedup_count']}"
+            )
+        else:
+            state = s["status"] + (f" ({s['detail']})" if "detail" in s else "")
+        lines.append(f"  slot {s['slot']} @{s['offset']:<3} {state}")
+    if info["recoverable"]:
+        active = info["active"] or "none (fresh)"
+        lines.append(f"  active: {active}: {info['reason']}")
+        lines.append(
+            f"  committed: epoch {info['epoch']}  batch {info['committed_batch_id']}  "
+            f"dedup_count {info['dedup_count']}"
+        )
+        lines.append(
+            "  coordinate: " + "  ".join(f"{k}={v}" for k, v in info["coord"].items())
+        )
+    else:
+        lines.append(f"  active: none: UNRECOVERABLE: {info['reason']}")
+    wal = info["wal"]
+    if wal["size"] is None:
+        lines.append(f"  dedup WAL: {wal['file']} (absent)")
+    else:
+        extra = (
+            f", {wal['uncommitted_bytes']} uncommitted bytes" if "uncommitted_bytes" in wal else ""
+        )
+        lines.append(f"  dedup WAL: {wal['file']} {wal['size']} bytes{extra}")
+    return "\n".join(lines)
+
+
+def cmd_checkpoint_show(args: argparse.Namespace) -> int:
+    info, error = describe_checkpoint(args.file)
+    print(json.dumps(info, indent=2, sort_keys=True) if args.json else _format(info))
+    if error is not None:
+        raise error
+    return 0

@@ -1,0 +1,287 @@
+"""warm: resumable eager ingest of a mounted faultfs — read every blob of a tag (or of every tag
+of a mount) that is not yet staged, with a progress bar, checkpointing where it is so that an
+interrupted warm resumes there.
+
+Invariants:
+- The tree is DESIGN §7: a mount root holds ``.faultfs/`` and one directory per tag; a tag holds
+  blobs named ``<prefix><index>`` plus views that are not blobs (``page:N``, ``.pagemap``, the
+  whole-object view). The blobs of a tag are its regular files whose names end in a decimal
+  index and share the tag's most common prefix, warmed in index order; tags in name order.
+- A blob is staged iff ``st_blocks > 0`` (the mount reports staged bytes there); staged blobs
+  are skipped without being read. Warming reads the whole blob in large ``pread``s into one
+  reused buffer: the read faults it in and the mount stores it.
+- The checkpoint is a DualMetadataManager coordinate: ``shard_id`` = tag index, ``byte_offset``
+  = index of the next blob of that tag, ``global_row_idx`` = blobs done (read or skipped) since
+  the warm began. It is committed every ``checkpoint_blobs`` blobs or ``checkpoint_seconds``,
+  at the end of each tag, and on an interrupt or error; a kill -9 loses at most one interval.
+  A checkpoint past the last tag means the previous warm completed: the next one starts over.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TextIO
+
+import xxhash
+
+from faultfs.core.coord import StreamCoordinate
+from faultfs.errors import InvalidInput, SourceError
+from faultfs.store.metadata import DualMetadataManager
+
+CONTROL_DIR = ".faultfs"  # the mount's control directory: stats and registry, never warmed
+READ_SIZE = 1 << 20  # one pread per MiB: large enough to stream, small enough to share a pool
+CHECKPOINT_BLOBS = 64  # blobs between checkpoints: bounds re-reading after a kill -9
+CHECKPOINT_SECONDS = 5.0  # ...and time between them, for large blobs
+PROGRESS_INTERVAL = 0.2  # seconds between progress bar redraws
+_INDEXED_NAME = re.compile(r"^(.*?)(\d+)$")
+
+BlobReader = Callable[[str, int, bytearray], int]
+
+
+@dataclass(frozen=True)
+class Blob:
+    tag_idx: int
+    index: int
+    path: str
+    size: int
+    staged: bool
+
+
+@dataclass
+class WarmReport:
+    target: str
+    state_path: str
+    tags: int = 0
+    blobs_total: int = 0
+    blobs_warmed: int = 0
+    blobs_skipped: int = 0
+    bytes_read: int = 0
+    seconds: float = 0.0
+    resumed_from: StreamCoordinate | None = None
+    completed: bool = False
+    notes: list[str] = field(default_factory=list)
+
+
+def default_state_path(target: str | os.PathLike[str]) -> str:
+    """``$XDG_CACHE_HOME/faultfs/warm-<xxh3 of the target's real path>.meta``."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    key = xxhash.xxh3_64_hexdigest(os.path.realpath(os.fspath(target)).encode())
+    return os.path.join(cache, "faultfs", f"warm-{key}.meta")
+
+
+def resolve_tags(target: str | os.PathLike[str]) -> list[str]:
+    """The tag directories ``target`` names: all tags of a mount root, or one tag."""
+    path = os.path.abspath(os.fspath(target))
+    if not os.path.isdir(path):
+        raise InvalidInput(f"{path}: not a directory", errno.ENOTDIR)
+    if os.path.isdir(os.path.join(path, CONTROL_DIR)):
+        with os.scandir(path) as entries:
+            return sorted(
+                e.path
+                for e in entries
+                if not e.name.startswith(".") and e.is_dir(follow_symlinks=False)
+            )
+    if os.path.isdir(os.path.join(os.path.dirname(path), CONTROL_DIR)):
+        return [path]
+    raise InvalidInput(
+        f"{path}: not a faultfs mount or tag directory (no {CONTROL_DIR}/ in it or its parent)"
+    )
+
+
+def tag_blobs(tag_dir: str) -> list[tuple[int, str]]:
+    """``(index, path)`` of the blobs of a tag, in index order (see the module invariants)."""
+    by_prefix: dict[str, list[tuple[int, str]]] = {}
+    with os.scandir(tag_dir) as entries:
+        for e in entries:
+            if e.name.startswith((".", "page:")) or not e.is_file(follow_symlinks=False):
+                continue
+            m = _INDEXED_NAME.match(e.name)
+            if m:
+                by_prefix.setdefault(m.group(1), []).append((int(m.group(2)), e.path))
+    if not by_prefix:
+        return []
+    counts = Counter({p: len(v) for p, v in by_prefix.items()})
+    # the blob prefix is the most common; a tie goes to the one that has blob 0
+    prefix = max(counts, key=lambda p: (counts[p], any(i == 0 for i, _ in by_prefix[p]), p))
+    return sorted(by_prefix[prefix])
+
+
+def read_whole_blob(path: str, size: int, buf: bytearray) -> int:
+    """Read ``path`` to its end with large preads into ``buf``; the bytes read."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        offset = 0
+        view = memoryview(buf)
+        while True:
+            n = os.preadv(fd, [view], offset)
+            if n == 0:
+                return offset
+            offset += n
+    finally:
+        os.close(fd)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError  # pragma: no cover
+
+
+def _clock(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 3600}:{s // 60 % 60:02}:{s % 60:02}"
+
+
+class WarmProgress:
+    """A one-line progress bar on a text stream: bytes, percent, rate, ETA, blobs."""
+
+    WIDTH = 24
+
+    def __init__(self, out: TextIO, total_bytes: int, total_blobs: int) -> None:
+        self._out = out
+        self._total_bytes = total_bytes
+        self._total_blobs = total_blobs
+        self._start = time.monotonic()
+        self._last = 0.0
+
+    def line(self, bytes_read: int, blobs_done: int, skipped: int) -> str:
+        elapsed = max(time.monotonic() - self._start, 1e-9)
+        rate = bytes_read / elapsed
+        frac = bytes_read / self._total_bytes if self._total_bytes else 1.0
+        eta = (self._total_bytes - bytes_read) / rate if rate > 0 else None
+        filled = round(self.WIDTH * min(frac, 1.0))
+        return (
+            f"warm [{'#' * filled}{'.' * (self.WIDTH - filled)}] {frac:4.0%} "
+            f"{_human(bytes_read)}/{_human(self._total_bytes)} {_human(rate)}/s "
+            f"ETA {_clock(eta) if eta is not None else '?:??:??'} "
+            f"blobs {blobs_done}/{self._total_blobs} ({skipped} staged)"
+        )
+
+    def update(self, bytes_read: int, blobs_done: int, skipped: int, *, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self._last >= PROGRESS_INTERVAL:
+            self._last = now
+            self._out.write("\r" + self.line(bytes_read, blobs_done, skipped) + "\x1b[K")
+            self._out.flush()
+
+    def finish(self, bytes_read: int, blobs_done: int, skipped: int) -> None:
+        self.update(bytes_read, blobs_done, skipped, force=True)
+        self._out.write("\n")
+        self._out.flush()
+
+
+def _plan(tags: list[str], start: StreamCoordinate) -> list[Blob]:
+    blobs = []
+    for tag_idx in range(start.shard_id, len(tags)):
+        for index, path in tag_blobs(tags[tag_idx]):
+            if tag_idx == start.shard_id and index < start.byte_offset:
+                continue  # done before the checkpoint
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                continue  # vanished since listing (e.g. evicted and forgotten)
+            blobs.append(Blob(tag_idx, index, path, st.st_size, st.st_blocks > 0))
+    return blobs
+
+
+def warm(
+    target: str | os.PathLike[str],
+    state_path: str | os.PathLike[str] | None = None,
+    progress: bool = True,
+    *,
+    checkpoint_blobs: int = CHECKPOINT_BLOBS,
+    checkpoint_seconds: float = CHECKPOINT_SECONDS,
+    read_blob: BlobReader = read_whole_blob,
+    out: TextIO | None = None,
+) -> WarmReport:
+    """Warm ``target`` (a mount root or a tag directory), resuming from ``state_path``."""
+    if checkpoint_blobs < 1:
+        raise InvalidInput(f"checkpoint_blobs must be >= 1, got {checkpoint_blobs}")
+    tags = resolve_tags(target)
+    state = os.fspath(state_path) if state_path is not None else default_state_path(target)
+    os.makedirs(os.path.dirname(os.path.abspath(state)), exist_ok=True)
+    report = WarmReport(os.fspath(target), state, tags=len(tags))
+    started = time.monotonic()
+    with DualMetadataManager.open(state) as meta:
+        start = meta.coord
+        if meta.is_fresh:
+            start = StreamCoordinate()
+        elif start.shard_id >= len(tags):
+            report.notes.append("the previous warm completed; starting over")
+            start = StreamCoordinate()
+        else:
+            report.resumed_from = start
+        blobs = _plan(tags, start)
+        report.blobs_total = len(blobs)
+        bar = (
+            WarmProgress(out or sys.stderr, sum(b.size for b in blobs if not b.staged), len(blobs))
+            if progress
+            else None
+        )
+        done = 0
+        position = start
+        batch = meta.committed_batch_id
+        last_commit_done, last_commit_time = 0, time.monotonic()
+
+        def checkpoint(coord: StreamCoordinate) -> None:
+            nonlocal batch, last_commit_done, last_commit_time
+            if coord == meta.coord:
+                return
+            batch += 1
+            meta.commit(batch, coord)
+            last_commit_done, last_commit_time = done, time.monotonic()
+
+        buf = bytearray(READ_SIZE)
+        try:
+            for i, blob in enumerate(blobs):
+                if blob.staged:
+                    report.blobs_skipped += 1
+                else:
+                    try:
+                        report.bytes_read += read_blob(blob.path, blob.size, buf)
+                    except OSError as err:
+                        raise SourceError(
+                            f"{blob.path}: warm read failed: {err.strerror or err}",
+                            err.errno or errno.EIO,
+                        ) from err
+                    report.blobs_warmed += 1
+                done += 1
+                position = StreamCoordinate(
+                    shard_id=blob.tag_idx,
+                    byte_offset=blob.index + 1,
+                    global_row_idx=start.global_row_idx + done,
+                )
+                next_tag = blobs[i + 1].tag_idx if i + 1 < len(blobs) else len(tags)
+                if next_tag != blob.tag_idx:
+                    position = StreamCoordinate(
+                        shard_id=blob.tag_idx + 1, global_row_idx=position.global_row_idx
+                    )
+                    checkpoint(position)
+                elif (
+                    done - last_commit_done >= checkpoint_blobs
+                    or time.monotonic() - last_commit_time >= checkpoint_seconds
+                ):
+                    checkpoint(position)
+                if bar:
+                    bar.update(report.bytes_read, done, report.blobs_skipped)
+            position = StreamCoordinate(
+                shard_id=len(tags), global_row_idx=start.global_row_idx + done
+            )
+            checkpoint(position)
+            report.completed = True
+        finally:
+            if not report.completed:
+                checkpoint(position)  # an interrupt or error keeps the progress made
+            if bar:
+                bar.finish(report.bytes_read, done, report.blobs_skipped)
+            report.seconds = time.monotonic() - started
+    return report
