@@ -297,7 +297,9 @@ def http_filesystem_kwargs(options: SourceOptions) -> dict:
 
 
 def _shared_filesystem(protocol: str, kwargs: dict) -> fsspec.AbstractFileSystem:
-    key = tokenize(protocol, kwargs)
+    # the pid: an async file system is bound to its parent's event loop and refuses to work
+    # after a fork, so a forked daemon builds its own
+    key = tokenize(protocol, kwargs, os.getpid())
     with _FS_LOCK:
         fs = _FILESYSTEMS.get(key)
         if fs is None:
