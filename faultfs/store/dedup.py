@@ -99,6 +99,10 @@ class TwoStageDeduplicator:
     def is_pending(self, h: int) -> bool:
         return h in self._pending
 
+    def pending_among(self, hashes: Iterable[int]) -> set[int]:
+        """The members of ``hashes`` that are pending (one C-level pass)."""
+        return self._pending.intersection(hashes) if self._pending else set()
+
     @property
     def committed_count(self) -> int:
         return int(self._base.size + self._delta.size)
@@ -124,6 +128,10 @@ class TwoStageDeduplicator:
     def add_unchecked(self, h: int) -> None:
         """Record ``h`` as pending; the caller has established it is new."""
         self._pending.add(h)
+
+    def add_new(self, hashes: Iterable[int]) -> None:
+        """Record ``hashes`` as pending; the caller has established they are all new."""
+        self._pending.update(hashes)
 
     def commit(self, hashes: Iterable[int] | None = None) -> None:
         """Move pending hashes to the committed stage: all of them, or only ``hashes``

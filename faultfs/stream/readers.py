@@ -111,16 +111,18 @@ class LineShardReader:
                     return None
                 complete, self._carry = self._carry, b""
                 lines = [complete]  # a last line without terminator
-            block = self._block(lines, terminated=bool(data))
+            block = self._block(lines, terminated=bool(data), has_cr=b"\r" in complete)
             if block is not None:
                 return block
         return None
 
-    def _block(self, lines: list[bytes], *, terminated: bool) -> RecordBlock | None:
+    def _block(
+        self, lines: list[bytes], *, terminated: bool, has_cr: bool
+    ) -> RecordBlock | None:
         lengths = np.fromiter(map(len, lines), dtype=np.int64, count=len(lines))
         ends = np.cumsum(lengths + (1 if terminated else 0)) + self._offset
         self._offset = int(ends[-1])
-        if any(line.endswith(b"\r") for line in lines):
+        if has_cr:
             lines = [line[:-1] if line.endswith(b"\r") else line for line in lines]
         if not all(lines):  # drop empty lines: they are not records
             keep = [i for i, line in enumerate(lines) if line]

@@ -90,10 +90,11 @@ class RecordStream:
         self._shard_id = coord.shard_id
         self._reader: LineShardReader | ParquetShardReader | None = None
         self._block: RecordBlock | None = None
-        self._hashes: list[int] = []
-        self._committed_dup: list[bool] = []  # committed-stage membership at block load
-        self._committed_since_load: set[int] = set()  # committed after that mask was taken
-        self._pos = 0
+        # the block's records that will be delivered, their hashes and indices in the block
+        self._fresh: list[Any] = []
+        self._fresh_hashes: list[int] = []
+        self._fresh_idx: np.ndarray = np.empty(0, dtype=np.intp)
+        self._pos = 0  # next index into _fresh
         self._position = coord  # just after the last record handed out
         self._scanned = coord.global_row_idx  # raw records scanned, lookahead included
         self._next_batch_id = self._meta.committed_batch_id + 1
@@ -146,21 +147,45 @@ class RecordStream:
                 self._block = block
                 self._pos = 0
                 self._scanned = block.global_start + len(block.records)
-                self._committed_since_load = set()
-                if self.dedup:
-                    keys = block.records if block.kind == "lines" else map(row_bytes, block.records)
-                    self._hashes = list(map(_hash, keys))
-                    if self._dedup.committed_count:
-                        arr = np.fromiter(self._hashes, dtype=np.uint64, count=len(self._hashes))
-                        self._committed_dup = self._dedup.committed_mask(arr).tolist()
-                    else:
-                        self._committed_dup = [False] * len(self._hashes)
+                self._select_fresh(block)
                 return True
             self._reader.close()
             self._reader = None
             self._shard_id += 1
         self._block = None
         return False
+
+    def _select_fresh(self, block: RecordBlock) -> None:
+        """Decide, once per block, which of its records will be delivered.
+
+        A record is a duplicate iff its hash is committed, pending from an earlier block, or
+        appears earlier in this block. Later commits only move hashes from pending to
+        committed, and later additions to pending are this block's own first occurrences, so
+        the decision stays right however batches of this block are committed.
+        """
+        n = len(block.records)
+        if not self.dedup:
+            self._fresh = block.records
+            self._fresh_hashes = []
+            self._fresh_idx = np.arange(n, dtype=np.intp)
+            return
+        keys = block.records if block.kind == "lines" else map(row_bytes, block.records)
+        hashes = np.fromiter(map(_hash, keys), dtype=np.uint64, count=n)
+        # first occurrences in the block, as sorted hashes (sorted probes search much faster)
+        unique, first = np.unique(hashes, return_index=True)
+        if self._dedup.committed_count:
+            first = first[~self._dedup.committed_mask(unique)]
+        idx = np.sort(first)
+        fresh_hashes = hashes[idx].tolist()
+        pending = self._dedup.pending_among(fresh_hashes)
+        if pending:
+            sel = [j for j, h in enumerate(fresh_hashes) if h not in pending]
+            idx = idx[sel]
+            fresh_hashes = [fresh_hashes[j] for j in sel]
+        records = block.records
+        self._fresh = [records[i] for i in idx.tolist()]
+        self._fresh_hashes = fresh_hashes
+        self._fresh_idx = idx
 
     def _coord_after(self, block: RecordBlock, i: int) -> StreamCoordinate:
         end = int(block.ends[i])
@@ -180,20 +205,18 @@ class RecordStream:
             last: tuple[RecordBlock, int] | None = None
             while len(records) < batch_size:
                 block = self._block
-                if block is None or self._pos >= len(block.records):
+                if block is None or self._pos >= len(self._fresh):
                     if not self._next_block():
                         break
                     continue
-                need = batch_size - len(records)
-                if not self.dedup:
-                    stop = min(len(block.records), self._pos + need)
-                    records.extend(block.records[self._pos : stop])
-                    last = (block, stop - 1)
-                    self._pos = stop
-                    continue
-                last_i = self._take_unique(block, need, records, hashes)
-                if last_i is not None:
-                    last = (block, last_i)
+                stop = min(len(self._fresh), self._pos + batch_size - len(records))
+                records.extend(self._fresh[self._pos : stop])
+                if self.dedup:
+                    taken = self._fresh_hashes[self._pos : stop]
+                    hashes.extend(taken)
+                    self._dedup.add_new(taken)
+                last = (block, int(self._fresh_idx[stop - 1]))
+                self._pos = stop
             if not records:
                 return
             assert last is not None
@@ -203,27 +226,6 @@ class RecordStream:
             self._position = coord
             self._handed_out.append(_HandedOut(batch_id, coord, hashes))
             yield batch_id, records
-
-    def _take_unique(
-        self, block: RecordBlock, need: int, records: list[Any], hashes: list[int]
-    ) -> int | None:
-        """Move up to ``need`` new records of ``block`` into the batch; the index of the last."""
-        pending = self._dedup
-        recs, hs, dup = block.records, self._hashes, self._committed_dup
-        recent = self._committed_since_load
-        last = None
-        i, n = self._pos, len(recs)
-        while i < n and need:
-            h = hs[i]
-            if not dup[i] and not pending.is_pending(h) and h not in recent:
-                pending.add_unchecked(h)
-                records.append(recs[i])
-                hashes.append(h)
-                last = i
-                need -= 1
-            i += 1
-        self._pos = i
-        return last
 
     # -- committing ------------------------------------------------------------------------
 
@@ -246,8 +248,6 @@ class RecordStream:
             raise
         if hashes:
             self._dedup.commit(hashes)
-            if self._block is not None:
-                self._committed_since_load.update(hashes)
 
     # -- lifetime --------------------------------------------------------------------------
 
