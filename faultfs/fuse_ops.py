@@ -18,6 +18,7 @@ import stat
 import time
 
 import pyfuse3
+import trio
 
 from faultfs.engine import Engine, Tag
 from faultfs.errors import FaultfsError
@@ -36,6 +37,10 @@ INDEX_MASK = (1 << INDEX_BITS) - 1
 
 ENTRY_TIMEOUT = 300.0  # the tree's shape never changes while mounted
 ATTR_TIMEOUT = 1.0  # st_blocks grows as blobs are staged: let du see it within a second
+# After a pagemap rewrite, page inodes below this index are invalidated one by one (a few µs
+# each, off the trio thread); pages past it rely on their mtime changing (auto_inval_data
+# drops their cached data at the next attribute refresh, within ATTR_TIMEOUT).
+INVALIDATE_PAGES_MAX = 1 << 20
 
 
 def make_inode(tag_id: int, kind: int, index: int = 0) -> int:
@@ -75,6 +80,8 @@ class FaultOperations(pyfuse3.Operations):
         self.gid = os.getgid()
         self.mounted_at = time.time_ns()
         self.registry_keys = sorted(engine.registry)
+        self._invalidations = trio.CapacityLimiter(1)  # one notifier thread at a time
+        engine.pages.subscribe(self._pages_changed)
 
     # -- naming ------------------------------------------------------------------------------
 
@@ -171,9 +178,11 @@ class FaultOperations(pyfuse3.Operations):
                         raise pyfuse3.FUSEError(errno.ENOENT)
                     attr.st_mode = stat.S_IFREG | 0o444
                     size = self.engine.page_size(tag)
+                    mtime = self.engine.pages.pagemap_mtime_ns(tag) or mtime
                 elif kind == KIND_PAGEMAP:
                     attr.st_mode = stat.S_IFREG | 0o644
                     size = self.engine.pagemap_size(tag)
+                    mtime = self.engine.pages.pagemap_mtime_ns(tag) or mtime
                     attr.attr_timeout = 0
                 else:
                     raise pyfuse3.FUSEError(errno.ENOENT)
@@ -209,11 +218,21 @@ class FaultOperations(pyfuse3.Operations):
         tag_id, kind, _ = split_inode(parent_inode)
         if kind != KIND_DIR:
             raise pyfuse3.FUSEError(errno.ENOTDIR)
-        return self._attr(self._lookup_in_tag(self._tag_of(tag_id), text))
+        tag = self._tag_of(tag_id)
+        if text == PAGEMAP_NAME or text.startswith(PAGE_PREFIX):
+            await self.engine.pages.load(tag)  # off the trio thread, once per tag
+        return self._attr(self._lookup_in_tag(tag, text))
 
     @fuse_boundary
     async def getattr(self, inode, ctx=None):
+        await self._pages_loaded(inode)
         return self._attr(inode)
+
+    async def _pages_loaded(self, inode: int) -> None:
+        """Load the pagemap of a page or .pagemap inode's tag before its attributes are built."""
+        tag_id, kind, _ = split_inode(inode)
+        if kind in (KIND_PAGE, KIND_PAGEMAP):
+            await self.engine.pages.load(self._tag_of(tag_id))
 
     async def forget(self, inode_list):
         return  # computed inodes: nothing was allocated, nothing to release
@@ -237,7 +256,9 @@ class FaultOperations(pyfuse3.Operations):
             listing = ((i, k, make_inode(0, KIND_REGISTRY, i))
                        for i, k in enumerate(self.registry_keys) if i >= start_id)
         else:
-            listing = self._tag_entries(self._tag_of(split_inode(fh)[0]), start_id)
+            tag = self._tag_of(split_inode(fh)[0])
+            await self.engine.pages.load(tag)
+            listing = self._tag_entries(tag, start_id)
         for pos, name, inode in listing:
             if not pyfuse3.readdir_reply(token, os.fsencode(name), self._attr(inode), pos + 1):
                 break
@@ -256,6 +277,7 @@ class FaultOperations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EISDIR)
         if writing and kind != KIND_PAGEMAP:
             raise pyfuse3.FUSEError(errno.EROFS)
+        await self._pages_loaded(inode)
         self._attr(inode)  # ENOENT for an index that does not exist
         if kind == KIND_PAGEMAP:
             fh = await self.engine.open_pagemap(self._tag_of(split_inode(inode)[0]), flags)
@@ -281,6 +303,51 @@ class FaultOperations(pyfuse3.Operations):
         raise pyfuse3.FUSEError(errno.EIO)
 
     @fuse_boundary
+    async def create(self, parent_inode, name, mode, flags, ctx):
+        """Only ``<tag>/.pagemap`` can be created: a tag without a map gets one on close."""
+        tag_id, kind, _ = split_inode(parent_inode)
+        if parent_inode in (ROOT, CTL_DIR, REGISTRY_DIR) or kind != KIND_DIR:
+            raise pyfuse3.FUSEError(errno.EROFS)
+        if os.fsdecode(name) != PAGEMAP_NAME:
+            raise pyfuse3.FUSEError(errno.EROFS)
+        tag = self._tag_of(tag_id)
+        await self.engine.pages.load(tag)
+        if flags & os.O_EXCL and self.engine.has_pagemap(tag):
+            raise pyfuse3.FUSEError(errno.EEXIST)
+        fh = await self.engine.open_pagemap(tag, flags)
+        info = pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False)
+        return info, self._attr(make_inode(tag.id, KIND_PAGEMAP))
+
+    async def _pages_changed(self, tag: Tag, before: int, after: int) -> None:
+        """A pagemap was replaced: drop what the kernel cached of the tag's pages."""
+        await trio.to_thread.run_sync(self._invalidate_pages, tag.id, before, after,
+                                      limiter=self._invalidations)
+
+    @staticmethod
+    def _invalidate_pages(tag_id: int, before: int, after: int) -> None:
+        """Blocking, on a thread (never inside a handler on the trio thread: the kernel may
+        wait for the directory lock there). Inodes and entries it does not know are skipped."""
+        directory = make_inode(tag_id, KIND_DIR)
+
+        def quietly(fn, *args) -> None:
+            try:
+                fn(*args)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOENT, errno.ENOSYS):
+                    log.debug("invalidating %s%r: %s", fn.__name__, args, exc)
+
+        quietly(pyfuse3.invalidate_inode, directory, False)
+        quietly(pyfuse3.invalidate_inode, make_inode(tag_id, KIND_PAGEMAP), True)
+        limit = min(before, INVALIDATE_PAGES_MAX)
+        for index in range(limit):  # data and sizes of pages that stay or go
+            quietly(pyfuse3.invalidate_inode, make_inode(tag_id, KIND_PAGE, index), False)
+        for index in range(after, limit):  # names that are gone
+            quietly(pyfuse3.invalidate_entry, directory, f"{PAGE_PREFIX}{index}".encode())
+        if before > INVALIDATE_PAGES_MAX:
+            log.info("pagemap of tag %d changed with %d pages: pages past %d refresh within "
+                     "%.0f s", tag_id, before, INVALIDATE_PAGES_MAX, ATTR_TIMEOUT)
+
+    @fuse_boundary
     async def write(self, fh, off, buf):
         if fh >= 1 << 62:
             return self.engine.pagemap_handle_write(fh, off, buf)
@@ -288,12 +355,25 @@ class FaultOperations(pyfuse3.Operations):
 
     @fuse_boundary
     async def setattr(self, inode, attr, fields, fh, ctx):
-        if fields.update_size and split_inode(inode)[1] == KIND_PAGEMAP and fh is not None:
-            self.engine.pagemap_handle_truncate(fh, attr.st_size)
+        await self._pages_loaded(inode)
+        if fields.update_size and split_inode(inode)[1] == KIND_PAGEMAP:
+            if fh is not None:
+                self.engine.pagemap_handle_truncate(fh, attr.st_size)
+            else:  # truncate(2) by path: through a handle of its own, installed at once
+                await self._truncate_pagemap(inode, attr.st_size)
             return self._attr(inode)
         if fields.update_size or fields.update_mode or fields.update_uid or fields.update_gid:
             raise pyfuse3.FUSEError(errno.EROFS)
         return self._attr(inode)
+
+    async def _truncate_pagemap(self, inode: int, size: int) -> None:
+        tag = self._tag_of(split_inode(inode)[0])
+        fh = await self.engine.open_pagemap(tag, os.O_RDWR)
+        try:
+            self.engine.pagemap_handle_truncate(fh, size)
+            await self.engine.flush_pagemap(fh)
+        finally:
+            await self.engine.close_pagemap(fh)
 
     @fuse_boundary
     async def release(self, fh):

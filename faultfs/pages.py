@@ -1,0 +1,384 @@
+"""PageService: the pages of a tag in the mount — its pagemap (load, cache, rewrite) and page reads.
+
+A tag's pagemap is blob ``pagemap`` of the tag in the store (a user-written, dirty, durable
+blob holding the text of docs/FORMAT-pagemap.md). The engine delegates every page operation
+here; like the engine this knows nothing of pyfuse3 and raises ``FaultfsError`` with an errno.
+
+Invariants:
+- The map is loaded lazily, once per tag, on the I/O pool (parsing a large map takes seconds)
+  and cached parsed; concurrent first uses share one load. A rewrite replaces the cached map
+  itself, and a load that raced a rewrite never installs the older map (a generation check).
+- Reading a page plans the slices of the requested window, fetches them all concurrently
+  (chunk blobs of the tag through the fault path, any other blob from the store), and
+  assembles them over zeros. A slice that cannot be read fails the whole read with EIO: zeros
+  are never served in place of data.
+- ``.pagemap`` handles buffer text in memory (at most ``MAX_PAGEMAP_TEXT`` bytes each). A
+  handle that was written or truncated is validated with ``parse_strict`` when the writer
+  flushes (close): a malformed map is refused with EINVAL and the stored map stays; a valid one
+  replaces the blob atomically (temp + fsync + rename), then subscribers (the FUSE adapter,
+  which invalidates the kernel's caches) are told how many pages there were and are.
+- The stored text is exactly what the writer wrote; reading ``.pagemap`` returns it verbatim.
+- Only ``write_identity`` and the sync fallback of the size queries block the calling thread;
+  the adapter awaits ``load`` first, so the fallback never runs on the trio thread in a mount.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import trio
+
+from faultfs.core.pagemap import (
+    EMPTY_PAGEMAP,
+    MAX_PAGEMAP_TEXT,
+    PageMap,
+    PageSlice,
+    identity,
+    parse,
+    parse_strict,
+)
+from faultfs.core.pagify import assemble, plan_page, window_size
+from faultfs.errors import FaultfsError, InvalidInput
+from faultfs.store.blobfile import FLAG_DIRTY
+
+if TYPE_CHECKING:
+    from faultfs.engine import Engine, Tag
+
+log = logging.getLogger("faultfs.pages")
+
+PAGEMAP_BLOB = "pagemap"  # DESIGN §2: the pagemap is blob "pagemap" of its tag
+HANDLE_BASE = 1 << 62  # pagemap handles live above every computed inode (fuse_ops routes them)
+# Page inodes carry the page index in 36 bits (fuse_ops.INDEX_BITS): a hostile map with tiny
+# pages over a huge range shows only this many pages rather than colliding inode numbers.
+MAX_PAGES_SHOWN = 1 << 36
+
+# subscriber(tag, pages_before, pages_after), awaited after a map is replaced in a mount.
+ChangeListener = Callable[["Tag", int, int], Awaitable[None]]
+
+
+@dataclass
+class _Loaded:
+    """What the store holds for one tag's pagemap, parsed."""
+
+    present: bool  # the blob exists (possibly unusable: then pagemap is EMPTY_PAGEMAP)
+    pagemap: PageMap
+    text_size: int  # bytes of stored text: the size of <tag>/.pagemap
+    mtime_ns: int  # when the map was written: the mtime of .pagemap and of every page
+
+
+_ABSENT = _Loaded(False, EMPTY_PAGEMAP, 0, 0)
+
+
+@dataclass
+class _Handle:
+    """One open ``<tag>/.pagemap``: a private copy of the text, written back on flush."""
+
+    tag: Tag
+    writable: bool
+    buf: bytearray
+    dirty: bool = False  # written or truncated since the last flush
+
+
+@dataclass
+class _TagPages:
+    """Per-tag state: the cached map, the load in flight and the writer lock."""
+
+    loaded: _Loaded | None = None
+    generation: int = 0  # bumped by every rewrite; a load from an older one is discarded
+    loading: trio.Event | None = None
+    write_lock: trio.Lock = field(default_factory=trio.Lock)
+
+
+class PageService:
+    """Pages and pagemaps of an engine's tags; see the module docstring for the rules."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._tags: dict[int, _TagPages] = {}
+        self._handles: dict[int, _Handle] = {}
+        self._next_fh = HANDLE_BASE
+        self._listeners: list[ChangeListener] = []
+
+    def subscribe(self, listener: ChangeListener) -> None:
+        """Call ``listener(tag, pages_before, pages_after)`` after every rewrite of a map."""
+        self._listeners.append(listener)
+
+    # -- loading ----------------------------------------------------------------------------
+
+    def _state(self, tag: Tag) -> _TagPages:
+        state = self._tags.get(tag.id)
+        if state is None:
+            state = self._tags[tag.id] = _TagPages()
+        return state
+
+    def _read_blocking(self, tag: Tag) -> _Loaded:
+        """Read and parse the stored map (blocking: on the pool, or the sync fallback)."""
+        store = self.engine.store
+        try:
+            blob = store.open_blob(tag.name, PAGEMAP_BLOB)
+        except FaultfsError as exc:  # a damaged dirty blob: shown, unusable, rewritable
+            log.error("tag %s: pagemap blob is damaged (%s): no pages are shown", tag.name, exc)
+            return _Loaded(True, EMPTY_PAGEMAP, 0, time.time_ns())
+        if blob is None:
+            return _ABSENT
+        try:
+            mtime_ns = os.fstat(blob.fd).st_mtime_ns
+            data = blob.pread(blob.header.payload_len, 0)
+        finally:
+            blob.close()
+        try:
+            pagemap = parse(data.decode("utf-8"))
+        except UnicodeDecodeError:
+            pagemap = EMPTY_PAGEMAP
+        if pagemap.empty:
+            log.warning("tag %s: stored pagemap is malformed: no pages are shown", tag.name)
+        elif pagemap.num_pages > MAX_PAGES_SHOWN:
+            log.warning("tag %s: pagemap has %d pages; only the first %d are shown",
+                        tag.name, pagemap.num_pages, MAX_PAGES_SHOWN)
+        return _Loaded(True, pagemap, len(data), mtime_ns)
+
+    async def load(self, tag: Tag) -> PageMap:
+        """The tag's parsed map (EMPTY_PAGEMAP when it has none), loading it once."""
+        return (await self._load(tag)).pagemap
+
+    async def _load(self, tag: Tag) -> _Loaded:
+        state = self._state(tag)
+        while state.loaded is None:
+            if state.loading is not None:
+                await state.loading.wait()
+                continue
+            state.loading = event = trio.Event()
+            generation = state.generation
+            try:
+                loaded = await self.engine.run_io(self._read_blocking, tag)
+                if state.generation == generation and state.loaded is None:
+                    state.loaded = loaded
+            finally:
+                state.loading = None
+                event.set()
+        return state.loaded
+
+    def _cached(self, tag: Tag) -> _Loaded:
+        """The cached map, or (a fallback outside the mount's request path) a blocking load."""
+        state = self._state(tag)
+        if state.loaded is None:
+            log.debug("tag %s: pagemap loaded synchronously", tag.name)
+            state.loaded = self._read_blocking(tag)
+        return state.loaded
+
+    # -- what the tree shows ------------------------------------------------------------------
+
+    def has_pagemap(self, tag: Tag) -> bool:
+        return self._cached(tag).present
+
+    def num_pages(self, tag: Tag) -> int:
+        return min(self._cached(tag).pagemap.num_pages, MAX_PAGES_SHOWN)
+
+    def page_size(self, tag: Tag) -> int:
+        return self._cached(tag).pagemap.page_size
+
+    def pagemap_size(self, tag: Tag) -> int:
+        return self._cached(tag).text_size
+
+    def pagemap_mtime_ns(self, tag: Tag) -> int:
+        """When the map was last written (0 without one): the mtime of pages and .pagemap.
+
+        A rewrite changes it, so the kernel drops cached page data at its next attribute
+        refresh even where no explicit invalidation reached it."""
+        return self._cached(tag).mtime_ns
+
+    # -- page reads ---------------------------------------------------------------------------
+
+    async def read_page(self, tag: Tag, page_id: int, off: int, size: int) -> bytes:
+        """Bytes ``[off, off+size)`` of page ``page_id`` (clipped to the page size)."""
+        pagemap = await self.load(tag)
+        if pagemap.empty or not 0 <= page_id < min(pagemap.num_pages, MAX_PAGES_SHOWN):
+            raise FaultfsError(f"tag {tag.name} has no page {page_id}", errno.ENOENT)
+        window = window_size(pagemap, off, size)
+        if window == 0:
+            return b""
+        stats = self.engine.stats
+        stats.add("page_reads")
+        slices = plan_page(pagemap, page_id, off, window)
+        stats.add("page_slices", len(slices))
+        pieces: list[bytes | None] = [None] * len(slices)
+        errors: list[str] = []
+
+        async def fetch(i: int, piece: PageSlice) -> None:
+            try:
+                pieces[i] = await self._read_slice(tag, piece)
+            except FaultfsError as exc:
+                errors.append(exc.message)
+            except Exception as exc:
+                log.exception("tag %s page %d: reading %s failed", tag.name, page_id,
+                              piece.blob_name)
+                errors.append(f"{piece.blob_name}: {exc}")
+
+        if len(slices) == 1:
+            await fetch(0, slices[0])
+        elif slices:
+            # No cancellation on the first failure: a fault other readers may have joined
+            # must finish, or they would see a spurious error.
+            async with trio.open_nursery() as nursery:
+                for i, piece in enumerate(slices):
+                    nursery.start_soon(fetch, i, piece)
+        dst = bytearray(window)
+        result = assemble(dst, slices, pieces)
+        if errors or not result.ok:
+            stats.add("page_errors")
+            reason = errors[0] if errors else "a slice is shorter than the pagemap says"
+            log.error("tag %s: page %d [%d, %d) failed: %s", tag.name, page_id, off,
+                      off + window, reason)
+            raise FaultfsError(f"page {page_id} of tag {tag.name}: {reason}", errno.EIO)
+        return bytes(dst)
+
+    async def _read_slice(self, tag: Tag, piece: PageSlice) -> bytes:
+        """The bytes of one slice: a chunk through the fault path, else a stored blob.
+
+        May return fewer bytes than the slice asks (the blob is shorter); assemble fails the
+        page then."""
+        index = tag.layout.blob_index(piece.blob_name)
+        if index is not None:
+            return await self.engine.read_blob(tag, index, piece.blob_off, piece.size)
+        data = await self.engine.run_io(self.engine.store.read, tag.name, piece.blob_name)
+        if data is None:
+            raise FaultfsError(f"blob {piece.blob_name} of tag {tag.name} does not exist",
+                               errno.EIO)
+        return data[piece.blob_off:piece.blob_off + piece.size]
+
+    # -- .pagemap handles ---------------------------------------------------------------------
+
+    async def open_pagemap(self, tag: Tag, flags: int) -> int:
+        """A handle on ``<tag>/.pagemap`` holding the stored text (none with O_TRUNC)."""
+        writable = flags & os.O_ACCMODE != os.O_RDONLY
+        truncate = writable and bool(flags & os.O_TRUNC)
+        buf = bytearray()
+        if not truncate:
+            await self._load(tag)
+            data = await self.engine.run_io(self._stored_text, tag)
+            buf = bytearray(data)
+        handle = _Handle(tag, writable, buf, dirty=truncate)
+        fh = self._next_fh
+        self._next_fh += 1
+        self._handles[fh] = handle
+        return fh
+
+    def _stored_text(self, tag: Tag) -> bytes:
+        try:
+            data = self.engine.store.read(tag.name, PAGEMAP_BLOB)
+        except FaultfsError:
+            return b""  # damaged: reads empty, and a rewrite replaces it
+        return data or b""
+
+    def _handle(self, fh: int) -> _Handle:
+        handle = self._handles.get(fh)
+        if handle is None:
+            raise FaultfsError(f"pagemap handle {fh} is not open", errno.EBADF)
+        return handle
+
+    def handle_read(self, fh: int, off: int, size: int) -> bytes:
+        return bytes(self._handle(fh).buf[off:off + size])
+
+    def handle_write(self, fh: int, off: int, buf: bytes) -> int:
+        handle = self._handle(fh)
+        if not handle.writable:
+            raise FaultfsError("pagemap handle is read-only", errno.EBADF)
+        end = off + len(buf)
+        if off < 0 or end > MAX_PAGEMAP_TEXT:
+            raise FaultfsError(f"a pagemap is at most {MAX_PAGEMAP_TEXT} bytes", errno.EFBIG)
+        if off > len(handle.buf):
+            handle.buf.extend(bytes(off - len(handle.buf)))
+        handle.buf[off:end] = buf
+        handle.dirty = True
+        return len(buf)
+
+    def handle_truncate(self, fh: int, size: int) -> None:
+        handle = self._handle(fh)
+        if not handle.writable:
+            raise FaultfsError("pagemap handle is read-only", errno.EBADF)
+        if not 0 <= size <= MAX_PAGEMAP_TEXT:
+            raise FaultfsError(f"a pagemap is at most {MAX_PAGEMAP_TEXT} bytes", errno.EFBIG)
+        if size < len(handle.buf):
+            del handle.buf[size:]
+        else:
+            handle.buf.extend(bytes(size - len(handle.buf)))
+        handle.dirty = True
+
+    async def flush(self, fh: int) -> None:
+        """Install the handle's text if it changed: EINVAL (nothing changes) when malformed."""
+        handle = self._handles.get(fh)
+        if handle is None or not handle.dirty:
+            return
+        handle.dirty = False  # a refused text is refused once; a later write re-arms it
+        await self._commit(handle.tag, bytes(handle.buf))
+
+    async def close(self, fh: int) -> None:
+        """Release a handle; text written after the last flush is installed (errors logged)."""
+        try:
+            await self.flush(fh)
+        except FaultfsError as exc:
+            log.warning("pagemap written at release was refused: %s", exc)
+        finally:
+            self._handles.pop(fh, None)
+
+    async def _commit(self, tag: Tag, data: bytes) -> None:
+        state = self._state(tag)
+        async with state.write_lock:
+            before = (await self._load(tag)).pagemap
+            pagemap = await self.engine.run_io(_validate, tag.name, data)
+            loaded = await self.engine.run_io(self._store_blocking, tag, data, pagemap)
+            state.generation += 1
+            state.loaded = loaded
+            log.info("tag %s: pagemap replaced (%d pages of %d bytes, %d extents)", tag.name,
+                     pagemap.num_pages, pagemap.page_size, len(pagemap.extents))
+            old_pages = min(before.num_pages, MAX_PAGES_SHOWN)
+            new_pages = min(pagemap.num_pages, MAX_PAGES_SHOWN)
+            for listener in self._listeners:
+                await listener(tag, old_pages, new_pages)
+
+    def _store_blocking(self, tag: Tag, data: bytes, pagemap: PageMap) -> _Loaded:
+        """Replace the stored map atomically and durably (blocking)."""
+        store = self.engine.store
+        store.put(tag.name, PAGEMAP_BLOB, data, flags=FLAG_DIRTY, durable=True)
+        return _Loaded(True, pagemap, len(data), self._mtime_ns(tag))
+
+    def _mtime_ns(self, tag: Tag) -> int:
+        try:
+            return os.stat(self.engine.store.blob_path(tag.name, PAGEMAP_BLOB)).st_mtime_ns
+        except OSError:
+            return time.time_ns()
+
+    # -- identity maps (--page-size) ----------------------------------------------------------
+
+    def write_identity(self, tag: Tag, page_size: int) -> None:
+        """Blocking, before the mount serves: store the identity map of the tag's range, so
+        ``page:N`` is bytes ``[N*ps, (N+1)*ps)`` of it (zero-padded at the end)."""
+        layout = tag.layout
+        pagemap = identity(page_size, layout.size, layout.chunk_size, layout.blob_prefix)
+        data = pagemap.serialize().encode("utf-8")
+        state = self._state(tag)
+        state.generation += 1
+        if self._stored_text(tag) == data:  # a remount with the same --page-size
+            state.loaded = _Loaded(True, pagemap, len(data), self._mtime_ns(tag))
+            return
+        state.loaded = self._store_blocking(tag, data, pagemap)
+        log.info("tag %s: identity pagemap written (%d pages of %d bytes)", tag.name,
+                 pagemap.num_pages, page_size)
+
+
+def _validate(tag_name: str, data: bytes) -> PageMap:
+    """``data`` as a map a writer may install; InvalidInput (EINVAL) with the reason if not."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidInput(f"tag {tag_name}: pagemap is not UTF-8 (byte {exc.start})") from None
+    try:
+        return parse_strict(text)
+    except InvalidInput as exc:
+        raise InvalidInput(f"tag {tag_name}: {exc.message}; the old pagemap stays") from None
