@@ -180,7 +180,7 @@ class CountingMemoryFS(MemoryFileSystem):
     """memory:// that records every open and read (shared store with memory://)."""
 
     protocol = "countmem"
-    log: list = []  # noqa: RUF012
+    log: list = []
 
     @classmethod
     def _strip_protocol(cls, path):
