@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from email.utils import parsedate_to_datetime
+from http import HTTPStatus
 from typing import Any, Protocol, TypeVar
 from urllib.parse import parse_qsl, quote, urlsplit, urlunsplit
 
@@ -379,6 +380,13 @@ def _content_range(value: str) -> tuple[int | None, int | None]:
     return first, total
 
 
+def _status_phrase(status: int) -> str:
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return "error"
+
+
 def _strong_etag(etag: str) -> bool:
     return bool(etag) and not etag.startswith("W/")
 
@@ -408,7 +416,9 @@ class S3Reader:
             err = exc.response.get("Error", {})
             code = str(err.get("Code", ""))
             status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
-            what = self._scrub(f"{code or 'error'} (HTTP {status})")
+            if not code or code == str(status):  # a HEAD answer has no body to name the error
+                code = _status_phrase(status)
+            what = self._scrub(f"{code} (HTTP {status})")
             if code == "PreconditionFailed" or status == 412:
                 return _Changed("its ETag no longer matches the pinned one")
             if code == "InvalidRange" or status == 416:
@@ -514,7 +524,7 @@ class HttpReader:
         self._scrub = scrub
 
     def _status_failure(self, status: int) -> _Failure:
-        what = f"HTTP {status}"
+        what = f"HTTP {status} {_status_phrase(status)}"
         if status in (404, 410):
             return _Missing(what)
         if status in (401, 403):

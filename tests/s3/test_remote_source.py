@@ -295,3 +295,13 @@ def test_secrets_never_appear_in_url_errors_or_versions(s3_client, make_bucket,
     for text in shown:
         assert secret not in text
         assert fake_aws.secret not in text
+
+
+@pytest.mark.s3
+def test_anon_reads_without_any_credentials(s3_client, make_bucket, monkeypatch) -> None:
+    bucket = make_bucket()
+    s3_client.put_object(Bucket=bucket, Key="public.bin", Body=b"open data", ACL="public-read")
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(name)
+    src = open_source(f"s3://{bucket}/public.bin", SourceOptions(anon=True))
+    assert src.pread(0, 100) == b"open data"
