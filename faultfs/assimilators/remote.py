@@ -1,4 +1,4 @@
-"""Remote byte sources: any fsspec URL (S3, HTTP(S), GCS, memory, ...) read by range at a pinned version.
+"""Remote byte sources: any fsspec URL (S3, HTTP(S), memory, ...) read by range at a pinned version.
 
 Invariants:
 - A source pins its version when it is opened. Every ``pread`` returns bytes of exactly that
@@ -18,6 +18,8 @@ Invariants:
   is the only bound.
 - Thread-safe: many threads may ``pread`` at once. Async file systems (s3fs, HTTP) run each
   request on fsspec's I/O event loop; synchronous ones are called under one lock per file system.
+  File-system instances are shared per (protocol, resolved options, process); a source opened
+  before a fork is not usable in the child.
 - Secrets stay secret: ``url`` has userinfo and query values redacted; exception messages are
   built from status codes and scrubbed of every secret in the URL and in ``storage_options``;
   version tokens are ETags, version ids and dates. Credentials come from the environment, the
@@ -106,6 +108,7 @@ class _Failure(Exception):
     """One request's failure, classified; its text is already free of secrets."""
 
     transient = False
+    tries = 1  # how many tries ended in this failure (set by the retry loop)
 
 
 class _Transient(_Failure):
@@ -715,7 +718,7 @@ def _with_retries(call: Callable[[], T], retry: RetryPolicy, what: str) -> T:
         try:
             return call()
         except _Failure as failure:
-            failure.tries = attempt  # type: ignore[attr-defined]
+            failure.tries = attempt
             if not failure.transient or attempt == attempts:
                 raise
             delay = retry.delay(attempt - 1)
@@ -793,8 +796,7 @@ class FsspecSource:
 
     @staticmethod
     def _failed(prefix: str, exc: _Failure) -> str:
-        tries = getattr(exc, "tries", 1)
-        after = f" after {tries} tries" if exc.transient and tries > 1 else ""
+        after = f" after {exc.tries} tries" if exc.transient and exc.tries > 1 else ""
         return f"{prefix}{after}: {exc}"
 
 
