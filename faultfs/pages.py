@@ -330,9 +330,13 @@ class PageService:
     async def _commit(self, tag: Tag, data: bytes) -> None:
         state = self._state(tag)
         async with state.write_lock:
-            before = (await self._load(tag)).pagemap
+            previous = await self._load(tag)
+            before = previous.pagemap
             pagemap = await self.engine.run_io(_validate, tag.name, data)
             loaded = await self.engine.run_io(self._store_blocking, tag, data, pagemap)
+            # File times are coarse (a jiffy): two rewrites must still differ, or the kernel's
+            # mtime check (auto_inval_data) would keep the older pages' cached data.
+            loaded.mtime_ns = max(loaded.mtime_ns, previous.mtime_ns + 1)
             state.generation += 1
             state.loaded = loaded
             log.info("tag %s: pagemap replaced (%d pages of %d bytes, %d extents)", tag.name,

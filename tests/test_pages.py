@@ -249,3 +249,19 @@ def test_tiny_pages_over_a_huge_range_are_clamped_to_the_inode_space(setup):
     engine, tag, _ = setup
     put_map(engine, tag, build(1, [PageExtent("chunk_0", 0, 0, 1 << 40)]).serialize())
     assert engine.num_pages(tag) == MAX_PAGES_SHOWN
+
+
+def test_every_rewrite_moves_the_pages_mtime_forward(setup):
+    engine, tag, _ = setup
+
+    async def main():
+        seen = []
+        for size in (10, 20, 30):
+            fh = await engine.open_pagemap(tag, os.O_WRONLY | os.O_TRUNC)
+            engine.pagemap_handle_write(fh, 0, f"pagemap\npage_size={size}\nchunk_0 0 0 99\n".encode())
+            await engine.close_pagemap(fh)
+            seen.append(engine.pages.pagemap_mtime_ns(tag))
+        return seen
+
+    seen = trio.run(main)
+    assert seen == sorted(set(seen))  # strictly increasing even within one clock tick
