@@ -44,8 +44,15 @@ def _range_arg(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """Usage errors in one line (``faultfs: ...``), like every other error."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(EXIT_USAGE, f"faultfs: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="faultfs",
         description="Mount big, slow or remote data; copy nothing until a byte is touched.")
     parser.add_argument("--version", action="version", version=f"faultfs {__version__}")
@@ -174,11 +181,13 @@ def _setup_logging(args: argparse.Namespace, store_dir: str | None) -> None:
     fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
     root = logging.getLogger()
     root.handlers.clear()
+    handler: logging.Handler = logging.StreamHandler(sys.stderr)
     if args.ready_fd is not None and store_dir is not None:
-        os.makedirs(os.path.join(store_dir, "log"), exist_ok=True)
-        handler: logging.Handler = logging.FileHandler(os.path.join(store_dir, "log", "faultfs.log"))
-    else:
-        handler = logging.StreamHandler(sys.stderr)
+        try:
+            os.makedirs(os.path.join(store_dir, "log"), exist_ok=True)
+            handler = logging.FileHandler(os.path.join(store_dir, "log", "faultfs.log"))
+        except OSError:
+            pass  # the store itself will say why it is unusable
     handler.setFormatter(logging.Formatter(fmt))
     root.addHandler(handler)
     root.setLevel(level)
@@ -258,6 +267,10 @@ def prepare_engine(args: argparse.Namespace, config, options):
         check_tag_name(args.tag)
     if args.chunk_size < 0 or args.chunk_size > 1 << 30:
         raise InvalidInput(f"chunk size {args.chunk_size} is not in [0, 1 GiB]")
+    from faultfs.core.pagemap import MAX_PAGE_SIZE
+
+    if args.page_size > MAX_PAGE_SIZE:
+        raise InvalidInput(f"page size {args.page_size} is over the 1 GiB limit")
     store = BlobStore(config.store_dir)
     store.acquire()
     try:
@@ -360,9 +373,20 @@ def render_stats(snap: dict) -> str:
 
 # -- entry point ----------------------------------------------------------------------------
 
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Parse, letting ``mount`` take options between its sources and its mountpoint."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        stray = [a for a in extra if a.startswith("-")]
+        if getattr(args, "command", None) != "mount" or stray:
+            parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+        args.paths = [*args.paths, *extra]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     debug = getattr(args, "debug", False)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING,

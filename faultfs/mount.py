@@ -34,7 +34,7 @@ UNMOUNT_WAIT_S = 30.0  # how long `faultfs umount` waits for the daemon to finis
 def is_dead_mount(path: str) -> bool:
     """True when ``path`` is a FUSE mount whose daemon is gone (ENOTCONN)."""
     try:
-        os.stat(path)
+        os.statvfs(path)  # never answered from the kernel's attribute cache
     except OSError as exc:
         return exc.errno in (errno.ENOTCONN, errno.ECONNABORTED)
     return False

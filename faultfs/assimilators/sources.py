@@ -100,6 +100,7 @@ class LocalFileSource:
         self._fd = fd
         self._lock = threading.Lock()
         self._stat = st
+        self._pinned = (st.st_size, st.st_mtime_ns)
 
     def version(self) -> SourceVersion:
         try:
@@ -123,6 +124,11 @@ class LocalFileSource:
             if not piece:
                 break
             out += piece
+        st = os.fstat(self._fd)  # after the read: a write during it moved mtime or size
+        if (st.st_size, st.st_mtime_ns) != self._pinned:
+            raise SourceError(
+                f"source {self.url} changed under the mount (was {self._pinned[0]} bytes, "
+                f"mtime_ns {self._pinned[1]}; now {st.st_size} bytes, mtime_ns {st.st_mtime_ns})")
         return bytes(out)
 
     def close(self) -> None:
