@@ -365,7 +365,7 @@ def test_writes_are_refused_read_only(mounter, sample):
     src = sample(MiB)
     m = mounter(src)
     with pytest.raises(OSError) as info:
-        open(os.path.join(m.tag("field"), "chunk_0"), "r+b")  # noqa: SIM115
+        open(os.path.join(m.tag("field"), "chunk_0"), "r+b")
     assert info.value.errno == 30  # EROFS
     assert read(src) == read(os.path.join(m.tag("field"), "field.bin"))
 
