@@ -290,6 +290,11 @@ def prepare_engine(args: argparse.Namespace, config, options):
                 s3_profile=args.s3_profile, blob_prefix=args.blob_prefix, range_off=range_off,
                 range_size=range_size, chunk_size=args.chunk_size, on_fault=True))
         plans = [engine.plan(ctx) for ctx in contexts]  # validates every source first
+        # A URL with credentials in it (userinfo, a presigned query) was opened as given; the
+        # context that is persisted and hashed names it with those values as *** (the registry
+        # never holds a secret). The real URL lives only in the opened source, in memory: a
+        # remount without the source cannot re-open it (docs/sources.md, "Secrets").
+        plans = [_without_url_credentials(plan) for plan in plans]
         for shard, plan in enumerate(plans):
             engine.commit_plan(plan, shard=shard)
         engine.recover()
@@ -302,6 +307,19 @@ def prepare_engine(args: argparse.Namespace, config, options):
         store.release()
         raise
     return engine, mountpoint
+
+
+def _without_url_credentials(plan):
+    from dataclasses import replace
+
+    from faultfs.assimilators.sources import local_path
+
+    if local_path(plan.ctx.src) is not None:
+        return plan
+    from faultfs.assimilators.remote import persistable_src
+
+    src = persistable_src(plan.ctx.src)
+    return plan if src == plan.ctx.src else replace(plan, ctx=replace(plan.ctx, src=src))
 
 
 def _unique(name: str, used: set[str]) -> str:

@@ -43,7 +43,7 @@ from datetime import datetime
 from email.utils import parsedate_to_datetime
 from http import HTTPStatus
 from typing import Any, Protocol, TypeVar
-from urllib.parse import parse_qsl, quote, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, quote, unquote_plus, urlsplit, urlunsplit
 
 import fsspec
 from fsspec.asyn import AsyncFileSystem, sync
@@ -71,6 +71,12 @@ READ_TIMEOUT_S = 15.0
 PUBLIC_QUERY_KEYS = frozenset({"versionId"})
 # Option names under which storage_options may carry credentials (matched case-insensitively).
 SECRET_OPTION_NAME = re.compile(r"key|secret|token|passw|credential|auth|signature|session", re.I)
+# Query parameter names that carry credentials: presigned S3 (X-Amz-Signature, X-Amz-Credential,
+# X-Amz-Security-Token; SigV2 AWSAccessKeyId, Signature), GCS (X-Goog-*), Azure SAS (sig),
+# CloudFront (Signature, Key-Pair-Id), OAuth (access_token). Case-insensitive.
+CREDENTIAL_QUERY_NAME = re.compile(
+    r"key|secret|token|passw|credential|auth|signature|session|^sig$", re.I)
+REDACTED = "***"  # what stands in for a secret in a persisted source URL
 # S3 error codes that mean "try again later" even when the status is not 5xx.
 S3_TRANSIENT_CODES = frozenset({
     "SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded",
@@ -229,6 +235,48 @@ def display_url(url: str) -> str:
         for k, v in parse_qsl(parts.query, keep_blank_values=True)
     )
     return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def persistable_src(url: str) -> str:
+    """``url`` as a fault context may persist it: userinfo and the values of credential-like
+    query parameters (a presigned URL's signature, credential, security token; a SAS ``sig``)
+    replaced by ``***``, everything else kept byte for byte. A URL without them is unchanged.
+
+    Unlike ``display_url``, other query values stay: they say which object the URL names, and
+    the context's key must tell two such URLs apart. (A URL presigned again usually differs in
+    its date parameters too, so it makes a new context.)
+    """
+    if "://" not in url:
+        return url
+    parts = urlsplit(url)
+    netloc = parts.netloc
+    if "@" in netloc:
+        netloc = f"{REDACTED}@{netloc.rpartition('@')[2]}"
+    query = "&".join(_redact_param(p) for p in parts.query.split("&")) if parts.query else ""
+    if (netloc, query) == (parts.netloc, parts.query):
+        return url
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def has_redacted_credentials(url: str) -> bool:
+    """True for a URL whose credentials ``persistable_src`` replaced: it cannot be opened."""
+    if "://" not in url:
+        return False
+    parts = urlsplit(url)
+    if parts.netloc.rpartition("@")[0] == REDACTED:
+        return True
+    params = (p.partition("=") for p in parts.query.split("&")) if parts.query else ()
+    return any(value == REDACTED and _is_credential_param(name) for name, _, value in params)
+
+
+def _is_credential_param(name: str) -> bool:
+    name = unquote_plus(name)
+    return name not in PUBLIC_QUERY_KEYS and CREDENTIAL_QUERY_NAME.search(name) is not None
+
+
+def _redact_param(param: str) -> str:
+    name, sep, _ = param.partition("=")
+    return f"{name}={REDACTED}" if sep and _is_credential_param(name) else param
 
 
 # --- file systems: one per (protocol, resolved options), shared by all sources ---
@@ -559,7 +607,8 @@ class HttpReader:
                 size = r.headers.get("Content-Length")
                 if r.status == 200 and size is not None:
                     return self._stat_from(int(size), r.headers)
-                if r.status not in (200, 405, 501):
+                # 401/403 too: a presigned URL is signed for GET only, so S3 refuses its HEAD
+                if r.status not in (200, 401, 403, 405, 501):
                     raise self._status_failure(r.status)
             # HEAD refused or without a length: ask for the first byte and read the total
             async with await self._request("GET", {"Range": "bytes=0-0"}) as r:
@@ -808,6 +857,11 @@ def open_fsspec_source(
     url: str, options: SourceOptions, *, retry: RetryPolicy | None = None
 ) -> FsspecSource:
     """Open a non-local URL for pinned range reads. InvalidInput when it cannot be a source."""
+    if has_redacted_credentials(url):  # a persisted context whose URL carried credentials
+        raise InvalidInput(
+            f"source {display_url(url)} was registered with credentials in its URL (userinfo "
+            "or a presigned query), which faultfs never stores: give the full URL again to "
+            "mount it, or use credentials from the environment", errno.EACCES)
     fs, path = _filesystem_for(url, options)
     scrub = _scrubber(url, options)
     protocol = _protocol(url)

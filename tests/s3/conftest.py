@@ -10,6 +10,7 @@ Invariants:
 
 from __future__ import annotations
 
+import collections
 import http.client
 import itertools
 import socket
@@ -102,14 +103,18 @@ class FaultyS3Proxy:
     """An HTTP proxy to moto that fails the next ``fail_reads`` ranged GETs.
 
     ``mode`` "503" answers with an S3 SlowDown error; "reset" closes the connection with no
-    answer. ``range_gets`` counts every ranged GET that reached the proxy.
+    answer. ``range_gets`` counts every ranged GET that reached the proxy, ``gets_of[path]``
+    those of one URL path (``/bucket/key``). With ``fail_path`` set, only ranged GETs of that
+    path fail (and use up ``fail_reads``); the others pass through.
     """
 
     def __init__(self, upstream: str) -> None:
         self.upstream = upstream.removeprefix("http://")
         self.fail_reads = 0
+        self.fail_path = ""
         self.mode = "503"
         self.range_gets = 0
+        self.gets_of: collections.Counter[str] = collections.Counter()
         self._lock = threading.Lock()
         proxy = self
 
@@ -121,9 +126,11 @@ class FaultyS3Proxy:
 
             def _forward(self) -> None:
                 if self.command == "GET" and "Range" in self.headers:
+                    path = self.path.partition("?")[0]
                     with proxy._lock:
                         proxy.range_gets += 1
-                        fail = proxy.fail_reads > 0
+                        proxy.gets_of[path] += 1
+                        fail = proxy.fail_reads > 0 and path == (proxy.fail_path or path)
                         if fail:
                             proxy.fail_reads -= 1
                     if fail and proxy.mode == "reset":
