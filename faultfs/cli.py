@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--no-store", action="store_true", help="never store: pure read-through")
     m.add_argument("--io-threads", type=int, help="size of the I/O pool for blocking reads (default 32)")
     m.add_argument("--stats", action="store_true", help="log the counters every 5 s")
+    m.add_argument("--memory-mb", type=int, help="recently faulted blobs kept in memory (default 64)")
+    m.add_argument("--prefetch-mb", type=int, help="fault up to this much ahead of sequential readers (default 32; 0: off)")
+    m.add_argument("--readahead-kb", type=int, help="kernel readahead of the mount (default 4096; 0: kernel default)")
     m.add_argument("--s3-endpoint-url", default="", help="S3 endpoint (default: AWS configuration)")
     m.add_argument("--s3-region", default="", help="S3 region")
     m.add_argument("--s3-profile", default="", help="AWS profile for S3 credentials")
@@ -217,7 +220,8 @@ def _mount_here(args: argparse.Namespace) -> int:
         config = Config.build(store_dir=args.store, reserve_mb=args.reserve_mb,
                               store_enabled=False if args.no_store else None,
                               io_threads=args.io_threads, stats_log=True if args.stats else None,
-                              cache_size=args.cache_size)
+                              cache_size=args.cache_size, memory_mb=args.memory_mb,
+                              prefetch_mb=args.prefetch_mb, readahead_kb=args.readahead_kb)
         _setup_logging(args, config.store_dir)
         options = SourceOptions(s3_region=args.s3_region, s3_profile=args.s3_profile,
                                 s3_endpoint_url=args.s3_endpoint_url, anon=args.anon)

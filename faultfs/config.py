@@ -16,6 +16,9 @@ RESERVE_MB = 512  # a re-ingestable blob must never take the last of a tier
 IO_THREADS = 32  # upstream's pool size for blocking source reads
 STORE_BACKOFF_FAULTS = 256  # after a full store, read through this many faults before retrying
 STATS_INTERVAL_S = 5.0
+MEMORY_MB = 64  # recently faulted blobs kept in memory: later pieces of a blob skip the store
+PREFETCH_MB = 32  # sequential readers get up to this much faulted ahead of them
+READAHEAD_KB = 4096  # kernel readahead of the mount: 1 MiB requests, several in flight
 
 ENV_ALIASES = {
     "FAULTFS_RESERVE_MB": "CLIO_CAE_FAULT_RESERVE_MB",
@@ -74,6 +77,9 @@ class Config:
     stats_log: bool = False
     cache_size: int = 0  # bytes; 0 = no cap beyond the reserve
     backoff_faults: int = STORE_BACKOFF_FAULTS
+    memory_mb: int = MEMORY_MB
+    prefetch_mb: int = PREFETCH_MB
+    readahead_kb: int = READAHEAD_KB
 
     def __post_init__(self) -> None:
         if self.io_threads < 1:
@@ -82,6 +88,8 @@ class Config:
             raise InvalidInput("--reserve-mb must not be negative")
         if self.cache_size < 0:
             raise InvalidInput("--cache-size must not be negative")
+        if self.memory_mb < 0 or self.prefetch_mb < 0 or self.readahead_kb < 0:
+            raise InvalidInput("memory, prefetch and readahead sizes must not be negative")
 
     @property
     def reserve_bytes(self) -> int:
@@ -91,6 +99,8 @@ class Config:
     def build(cls, *, store_dir: str | None = None, reserve_mb: int | None = None,
               store_enabled: bool | None = None, io_threads: int | None = None,
               stats_log: bool | None = None, cache_size: int | None = None,
+              memory_mb: int | None = None, prefetch_mb: int | None = None,
+              readahead_kb: int | None = None,
               env: Mapping[str, str] | None = None) -> Config:
         """Flags (non-None arguments) win over the environment, which wins over defaults."""
         return cls(
@@ -100,4 +110,7 @@ class Config:
             io_threads=io_threads if io_threads is not None else _env_int("FAULTFS_IO_THREADS", IO_THREADS, env),
             stats_log=stats_log if stats_log is not None else _env_flag("FAULTFS_STATS", False, env),
             cache_size=cache_size if cache_size is not None else _env_int("FAULTFS_CACHE_SIZE", 0, env),
+            memory_mb=memory_mb if memory_mb is not None else _env_int("FAULTFS_MEMORY_MB", MEMORY_MB, env),
+            prefetch_mb=prefetch_mb if prefetch_mb is not None else _env_int("FAULTFS_PREFETCH_MB", PREFETCH_MB, env),
+            readahead_kb=readahead_kb if readahead_kb is not None else _env_int("FAULTFS_READAHEAD_KB", READAHEAD_KB, env),
         )

@@ -43,7 +43,7 @@ from faultfs.store.blobstore import BlobStore, OpenBlob
 
 log = logging.getLogger("faultfs.engine")
 
-OPEN_BLOB_CACHE = 256  # store descriptors kept open for hits; bounded so fds never run out
+OPEN_BLOB_CACHE = 1024  # store descriptors kept open for hits; bounded so fds never run out
 LATENCY_SAMPLES = 2048  # fault latencies kept for percentiles
 
 
@@ -63,8 +63,9 @@ class Tag:
     source_error: str = ""
     staged: bytearray = field(default_factory=bytearray)  # one bit per blob
     staged_count: int = 0
-    verified: bytearray = field(default_factory=bytearray)  # checksummed since the mount
     stale_dropped: int = 0
+    last_index: int = -1  # the blob read last: sequential readers get prefetch
+    window: int = 0  # blobs to prefetch ahead of a sequential reader (grows, resets)
 
     @property
     def key(self) -> str:
@@ -77,15 +78,6 @@ class Tag:
     def is_staged(self, index: int) -> bool:
         return bool(self.staged[index >> 3] & (1 << (index & 7)))
 
-    def is_verified(self, index: int) -> bool:
-        return bool(self.verified[index >> 3] & (1 << (index & 7)))
-
-    def mark_verified(self, index: int, verified: bool) -> None:
-        if verified:
-            self.verified[index >> 3] |= 1 << (index & 7)
-        else:
-            self.verified[index >> 3] &= ~(1 << (index & 7))
-
     def mark_staged(self, index: int, staged: bool) -> None:
         byte, bit = index >> 3, 1 << (index & 7)
         was = bool(self.staged[byte] & bit)
@@ -95,8 +87,6 @@ class Tag:
         elif was and not staged:
             self.staged[byte] &= ~bit
             self.staged_count -= 1
-        if not staged:
-            self.mark_verified(index, False)
 
 
 @dataclass
@@ -117,7 +107,8 @@ class Stats:
         "source_bytes", "stored", "stored_bytes", "skipped_reserve", "skipped_no_store",
         "skipped_cache_cap", "store_failures", "readthrough_backoff", "evicted", "evicted_bytes",
         "zero_filled_bytes", "bytes_served", "page_reads", "page_slices", "page_errors",
-        "stale_blobs_dropped", "corrupt_blobs_dropped",
+        "stale_blobs_dropped", "corrupt_blobs_dropped", "memory_hits", "prefetches",
+        "prefetch_errors",
     )
 
     def __init__(self) -> None:
@@ -138,6 +129,42 @@ class Stats:
 
         return {"p50_ms": pick(0.5), "p90_ms": pick(0.9), "p99_ms": pick(0.99),
                 "max_ms": round(data[-1] * 1000, 3)}
+
+
+class BlobMemory:
+    """Recently faulted blobs held in memory, least recently used dropped first.
+
+    Serves the later pieces of a blob the kernel asks for after its fault (and prefetched
+    blobs) without a thread hop or a store read. Bounded in bytes."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.size = 0
+        self._blobs: collections.OrderedDict[tuple[int, int], bytes] = collections.OrderedDict()
+
+    def get(self, key: tuple[int, int]) -> bytes | None:
+        data = self._blobs.get(key)
+        if data is not None:
+            self._blobs.move_to_end(key)
+        return data
+
+    def __contains__(self, key: tuple[int, int]) -> bool:
+        return key in self._blobs
+
+    def put(self, key: tuple[int, int], data: bytes) -> None:
+        if len(data) > self.capacity:
+            return
+        self.discard(key)
+        self._blobs[key] = data
+        self.size += len(data)
+        while self.size > self.capacity:
+            _, old = self._blobs.popitem(last=False)
+            self.size -= len(old)
+
+    def discard(self, key: tuple[int, int]) -> None:
+        old = self._blobs.pop(key, None)
+        if old is not None:
+            self.size -= len(old)
 
 
 class _Flight:
@@ -172,6 +199,11 @@ class Engine:
         self._backoff_left = 0
         self._next_id = 1
         self._pages = None
+        self.memory = BlobMemory(config.memory_mb << 20)
+        self._storing: dict[tuple[int, int], bytes] = {}  # faulted, being written to the store
+        self._background: trio.Nursery | None = None
+        self._store_slots: trio.Semaphore | None = None
+        self._prefetching = 0
 
     # -- registration (blocking; before the mount answers) ----------------------------------
 
@@ -255,8 +287,7 @@ class Engine:
         tag = Tag(id=self._next_id, name=ctx.dst, ctx=ctx, layout=layout, version=version,
                   mtime=mtime if mtime is not None else (source.mtime() if source else time.time()),
                   view_name=view_name, shard=shard, source=source,
-                  staged=bytearray((layout.num_blobs + 7) // 8),
-                  verified=bytearray((layout.num_blobs + 7) // 8))
+                  staged=bytearray((layout.num_blobs + 7) // 8))
         self._next_id += 1
         self._scan_staged(tag)
         self.tags[tag.name] = tag
@@ -360,6 +391,18 @@ class Engine:
     async def run_io(self, fn, *args):
         return await trio.to_thread.run_sync(fn, *args, limiter=self.limiter)
 
+    def attach(self, nursery: trio.Nursery) -> None:
+        """Run stores and prefetches in ``nursery`` (the mount's), off the reader's path.
+
+        Without it (unit tests, embedding) a fault stores before it returns."""
+        self._background = nursery
+        # a faulted blob waiting for its store write is held in memory: bound those bytes
+        budget = (self.config.memory_mb << 20) // 2
+        self._store_slots = trio.Semaphore(max(2, budget // max(1, self._max_chunk())))
+
+    def _max_chunk(self) -> int:
+        return max((t.layout.chunk_size for t in self.tags.values()), default=1 << 20)
+
     # -- reads ------------------------------------------------------------------------------
 
     def tag(self, name: str) -> Tag:
@@ -402,6 +445,15 @@ class Engine:
         return data
 
     async def _blob_bytes(self, tag: Tag, index: int, off: int, size: int) -> bytes:
+        key = (tag.id, index)
+        self._note_access(tag, index)
+        held = self.memory.get(key) or self._storing.get(key)
+        if held is not None:
+            if key in self._lru:
+                self._lru.move_to_end(key)
+            self.stats.add("hits")
+            self.stats.add("memory_hits")
+            return held[off:off + size]
         if tag.is_staged(index):
             data = await self._read_staged(tag, index, off, size)
             if data is not None:
@@ -411,21 +463,19 @@ class Engine:
         return blob[off:off + size]
 
     async def _read_staged(self, tag: Tag, index: int, off: int, size: int) -> bytes | None:
+        """Bytes of a staged blob, verified block by block; None when it turned out torn,
+        foreign or stale (it is dropped and the caller re-faults it)."""
         key = (tag.id, index)
+        name = tag.layout.blob_name(index)
         blob = self._open.get(key)
         if blob is None:
-            name = tag.layout.blob_name(index)
-            verify = not tag.is_verified(index)
             try:
-                blob = await self.run_io(self._open_staged, tag, name, verify)
+                blob = await self.run_io(self._open_staged, tag, name)
             except CorruptionError as exc:
                 raise FaultfsError(str(exc), errno.EIO) from None
-            if blob is None:  # torn, foreign or stale: re-fault it
-                tag.mark_staged(index, False)
-                self._forget_lru(key)
-                self.stats.add("corrupt_blobs_dropped")
+            if blob is None:
+                self._unstage(tag, index)
                 return None
-            tag.mark_verified(index, True)
             if key in self._open:  # another reader opened it meanwhile
                 blob.close()
                 blob = self._open[key]
@@ -437,7 +487,19 @@ class Engine:
             self._lru.move_to_end(key)
         self._in_use[key] += 1
         try:
-            return await self.run_io(blob.pread, size, off)
+            data = blob.pread(size, off, nowait=True)  # never blocks: page-cache hits only
+            if data is None:
+                data = await self.run_io(blob.pread, size, off)
+            return data
+        except CorruptionError as exc:
+            log.warning("tag %s: %s", tag.name, exc)
+            self._drop_open(key)
+            try:
+                await self.run_io(self.store.discard_damaged, tag.name, name)
+            except CorruptionError as dirty:
+                raise FaultfsError(str(dirty), errno.EIO) from None
+            self._unstage(tag, index)
+            return None
         finally:
             self._in_use[key] -= 1
             if not self._in_use[key]:
@@ -445,9 +507,13 @@ class Engine:
                 if key not in self._open:
                     blob.close()
 
-    def _open_staged(self, tag: Tag, name: str, verify: bool) -> OpenBlob | None:
-        return self.store.open_blob(tag.name, name, source_version=tag.version_text,
-                                    verify=verify)
+    def _unstage(self, tag: Tag, index: int) -> None:
+        tag.mark_staged(index, False)
+        self._forget_lru((tag.id, index))
+        self.stats.add("corrupt_blobs_dropped")
+
+    def _open_staged(self, tag: Tag, name: str) -> OpenBlob | None:
+        return self.store.open_blob(tag.name, name, source_version=tag.version_text)
 
     def _trim_open(self) -> None:
         while len(self._open) > OPEN_BLOB_CACHE:
@@ -463,7 +529,11 @@ class Engine:
     # -- faults -----------------------------------------------------------------------------
 
     async def fault(self, tag: Tag, index: int) -> bytes:
-        """Bring blob ``index`` in from the source (single-flight) and return all of it."""
+        """Bring blob ``index`` in from the source (single-flight) and return all of it.
+
+        Readers get the bytes as soon as the source read is done; the store write follows
+        (in the background when the engine is attached to a mount), the bytes held in memory
+        until it is on disk, so no reader faults the same blob twice."""
         key = (tag.id, index)
         flight = self._flights.get(key)
         if flight is not None:
@@ -480,7 +550,11 @@ class Engine:
         try:
             data = await self.run_io(self._read_source, tag, index)
             flight.data = data
-            await self._maybe_store(tag, index, data)
+            self.memory.put(key, data)
+            self._count_source_read(tag, index, len(data))
+            background = self._background is not None and self._store_slots is not None
+            if background:
+                self._storing[key] = data
         except BaseException as exc:
             flight.error = exc
             if isinstance(exc, FaultfsError):
@@ -495,7 +569,72 @@ class Engine:
             flight.done.set()
             del self._flights[key]
             self.stats.latencies.append(time.monotonic() - started)
+        if background:
+            assert self._store_slots is not None and self._background is not None
+            try:
+                await self._store_slots.acquire()  # back-pressure: bounded bytes await storing
+            except BaseException:
+                self._storing.pop(key, None)
+                raise
+            self._background.start_soon(self._store_in_background, tag, index, data)
+        else:
+            await self._maybe_store(tag, index, data)
         return data
+
+    async def _store_in_background(self, tag: Tag, index: int, data: bytes) -> None:
+        key = (tag.id, index)
+        try:
+            await self._maybe_store(tag, index, data)
+        except Exception:
+            log.exception("storing blob %d of tag %s failed", index, tag.name)
+            self.stats.add("store_failures")
+        finally:
+            self._storing.pop(key, None)
+            assert self._store_slots is not None
+            self._store_slots.release()
+
+    def _count_source_read(self, tag: Tag, index: int, size: int) -> None:
+        start, end = tag.layout.source_range(index)
+        self.stats.add("source_reads")
+        self.stats.add("source_bytes", end - start)
+        self.stats.add("zero_filled_bytes", size - (end - start))
+
+    # -- prefetch ---------------------------------------------------------------------------
+
+    def _note_access(self, tag: Tag, index: int) -> None:
+        """Track sequential readers of a tag; fault ahead of them in the background.
+
+        A read of the blob last read or of one a few blobs after it is sequential (the kernel's
+        readahead arrives slightly out of order); the window then doubles up to the prefetch
+        budget. Any other read resets it: random readers get no prefetch."""
+        last = tag.last_index
+        if index == last:
+            return
+        sequential = last >= 0 and last < index <= last + 1 + max(1, tag.window)
+        tag.last_index = index
+        budget = min(self.config.prefetch_mb << 20, (self.config.memory_mb << 20) // 2)
+        limit = budget // tag.layout.chunk_size
+        if not sequential or limit <= 0 or self._background is None:
+            tag.window = 0
+            return
+        tag.window = min(limit, max(1, tag.window * 2))
+        for ahead in range(index + 1, min(index + 1 + tag.window, tag.layout.num_blobs)):
+            key = (tag.id, ahead)
+            if (self._prefetching >= limit or tag.is_staged(ahead) or key in self._flights
+                    or key in self.memory or key in self._storing):
+                continue
+            self._prefetching += 1
+            self._background.start_soon(self._prefetch, tag, ahead)
+
+    async def _prefetch(self, tag: Tag, index: int) -> None:
+        try:
+            self.stats.add("prefetches")
+            await self.fault(tag, index)
+        except FaultfsError as exc:
+            self.stats.add("prefetch_errors")
+            log.debug("prefetch of blob %d of tag %s failed: %s", index, tag.name, exc)
+        finally:
+            self._prefetching -= 1
 
     def _read_source(self, tag: Tag, index: int) -> bytes:
         """Blob ``index`` from the source, zero-filled to the chunk size (on the pool)."""
@@ -516,11 +655,7 @@ class Engine:
         return zero_fill(raw, tag.layout.chunk_size)
 
     async def _maybe_store(self, tag: Tag, index: int, data: bytes) -> None:
-        """Count the source read and apply the store policy (DESIGN §5.3) to ``data``."""
-        start, end = tag.layout.source_range(index)
-        self.stats.add("source_reads")
-        self.stats.add("source_bytes", end - start)
-        self.stats.add("zero_filled_bytes", len(data) - (end - start))
+        """Apply the store policy (DESIGN §5.3) to the faulted ``data``."""
         if not self.config.store_enabled:
             self.stats.add("skipped_no_store")
             return
@@ -539,7 +674,6 @@ class Engine:
         if outcome == "stored":
             self._drop_open(key)
             tag.mark_staged(index, True)
-            tag.mark_verified(index, True)  # we just wrote it from bytes in hand
             self._note_stored(key, stored)
             self.stats.add("stored")
             self.stats.add("stored_bytes", stored)

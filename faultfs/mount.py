@@ -71,6 +71,7 @@ def prepare_mountpoint(path: str) -> str:
 def serve(engine: Engine, mountpoint: str, *, ready: Callable[[], None] | None = None,
           allow_other: bool = False, debug_fuse: bool = False) -> None:
     """Mount ``engine`` at ``mountpoint`` and serve until unmounted (blocking)."""
+    raise_fd_limit()
     ops = FaultOperations(engine)
     options = set(pyfuse3.default_options)
     options.add("fsname=faultfs")
@@ -94,20 +95,50 @@ def serve(engine: Engine, mountpoint: str, *, ready: Callable[[], None] | None =
 
 async def _serve_async(engine: Engine, mountpoint: str, ready: Callable[[], None] | None) -> None:
     async with trio.open_nursery() as nursery:
+        engine.attach(nursery)
         nursery.start_soon(_watch_signals)
         if engine.config.stats_log:
             nursery.start_soon(_log_stats, engine)
-        nursery.start_soon(_announce_ready, mountpoint, ready)
+        nursery.start_soon(_announce_ready, mountpoint, ready, engine.config.readahead_kb)
         await pyfuse3.main()
         nursery.cancel_scope.cancel()
 
 
-async def _announce_ready(mountpoint: str, ready: Callable[[], None] | None) -> None:
+async def _announce_ready(mountpoint: str, ready: Callable[[], None] | None,
+                          engine_readahead_kb: int) -> None:
     """Report readiness once a request through the kernel has been answered."""
     await trio.to_thread.run_sync(os.stat, os.path.join(mountpoint, CTL_NAME, "stats"))
+    readahead_kb = engine_readahead_kb
+    if readahead_kb:
+        await trio.to_thread.run_sync(set_readahead, mountpoint, readahead_kb)
     log.info("mounted at %s", mountpoint)
     if ready is not None:
         ready()
+
+
+def raise_fd_limit(want: int = 65536) -> None:
+    """Let the daemon keep many store files open (the soft limit is often 1024)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+
+
+def set_readahead(mountpoint: str, kb: int) -> bool:
+    """Raise the kernel's readahead for this mount (root only): with the default 128 KiB
+    the kernel sends 128 KiB requests one or two at a time; 1 MiB+ lets it send 1 MiB
+    requests (FUSE's largest) several at once."""
+    dev = os.stat(mountpoint).st_dev
+    path = f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb"
+    try:
+        with open(path, "w") as f:
+            f.write(str(kb))
+    except OSError as exc:
+        log.info("cannot set readahead of %s (%s): keeping the kernel default", mountpoint, exc.strerror)
+        return False
+    return True
 
 
 async def _watch_signals() -> None:

@@ -22,13 +22,40 @@ def test_golden_header_bytes():
                                          source_version="5 mtime_ns:1")
     assert with_payload
     assert len(header) == HEADER_LEN
-    assert header[:48].hex() == (
+    digest = xxhash.xxh3_64(b"hello").intdigest().to_bytes(8, "little").hex()
+    assert header[:56].hex() == (
         "464653424c4f4200" "0100" "0400" "00100000" "0500000000000000" "0500000000000000"
-        + xxhash.xxh3_64(b"hello").intdigest().to_bytes(8, "little").hex()
-        + "0500" "0700" "0c00" "0000"
+        + digest + "0500" "0700" "0c00" "0100" "00000100" "00000000"
     ), "format changed: bump the version"
-    assert header[48:48 + 24] == b"run42chunk_75 mtime_ns:1"
+    assert header[56:56 + 24] == b"run42chunk_75 mtime_ns:1"
+    assert header[56 + 24:2048] == bytes(2048 - 80)
+    assert header[2048:2056].hex() == digest, "one 64 KiB block: its checksum is the payload's"
+    assert header[2056:4088] == bytes(4088 - 2056)
     assert xxhash.xxh3_64_intdigest(header[:4088]).to_bytes(8, "little") == header[4088:]
+
+
+def test_block_table_bounds_every_size():
+    from faultfs.store.blobfile import MAX_BLOCKS, block_size_for
+
+    for n in (0, 1, 4096, 65536, 65537, 1 << 20, (1 << 20) + 5, 255 << 16, (255 << 16) + 1, 1 << 30):
+        bs = block_size_for(n)
+        assert bs % 4096 == 0 and bs >= 65536
+        assert -(-n // bs) <= MAX_BLOCKS
+
+
+def test_a_read_verifies_only_the_blocks_it_touches(tmp_path):
+    store = BlobStore(str(tmp_path / "s"))
+    data = bytes(range(256)) * 4096  # 1 MiB: 16 blocks of 64 KiB
+    store.put("t", "b", data, flags=FLAG_NO_FAULT)
+    path = store.blob_path("t", "b")
+    with open(path, "r+b") as f:  # damage block 15 only
+        f.seek(HEADER_LEN + 15 * 65536 + 7)
+        f.write(b"\x00\x01\x02")
+    blob = store.open_blob("t", "b")
+    assert blob.pread(4096, 65536 * 3 + 100) == data[65536 * 3 + 100:65536 * 3 + 100 + 4096]
+    with pytest.raises(CorruptionError, match="block 15"):
+        blob.pread(10, 15 * 65536)
+    blob.close()
 
 
 def test_all_zero_payload_is_not_stored():
@@ -103,7 +130,7 @@ def _corrupt_header_byte(path):
 def test_damaged_clean_blob_is_treated_as_absent_and_removed(store, damage):
     path = _path(store)
     damage(path)
-    assert store.open_blob("tag", "chunk_0") is None
+    assert store.read("tag", "chunk_0") is None
     assert not os.path.exists(path), "a damaged clean blob must be dropped so it re-faults"
 
 
@@ -111,8 +138,12 @@ def test_damaged_dirty_blob_is_an_error_not_silence(store):
     store.put("tag", "mine", b"user data" * 100, flags=FLAG_DIRTY)
     path = store.blob_path("tag", "mine")
     _corrupt_flip_payload(path)
+    blob = store.open_blob("tag", "mine")
     with pytest.raises(CorruptionError, match="dirty blob"):
-        store.open_blob("tag", "mine")
+        blob.pread(100, 0)
+    blob.close()
+    with pytest.raises(CorruptionError, match="dirty blob"):
+        store.read("tag", "mine")
     assert os.path.exists(path), "user data is never deleted on a checksum failure"
 
 
@@ -130,6 +161,7 @@ def test_blob_file_of_another_name_is_not_served(store):
     store.put("tag", "chunk_1", b"one!", flags=FLAG_NO_FAULT)
     os.replace(store.blob_path("tag", "chunk_1"), store.blob_path("tag", "chunk_0"))
     assert store.open_blob("tag", "chunk_0") is None
+    assert store.read("tag", "chunk_0") is None
 
 
 def test_names_cannot_escape_the_store(store, tmp_path):

@@ -186,9 +186,23 @@ def test_source_shorter_than_registered_fails_the_fault(store):
     trio.run(main)
 
 
+def test_memory_serves_the_rest_of_a_faulted_blob(store):
+    src = make_source(payload(CS * 2))
+    eng = engine_for(store)
+    tag = eng.register(ctx_for())
+
+    async def main():
+        for off in range(0, CS, 512):
+            assert await eng.read_blob(tag, 0, off, 512) == src.data[off:off + 512]
+
+    trio.run(main)
+    assert src.reads == 1
+    assert eng.stats.counters["memory_hits"] == CS // 512 - 1
+
+
 def test_no_store_is_pure_read_through(store):
     src = make_source(payload(CS * 2))
-    eng = engine_for(store, store_enabled=False)
+    eng = engine_for(store, store_enabled=False, memory_mb=0)
     tag = eng.register(ctx_for())
 
     async def main():

@@ -18,7 +18,7 @@ from faultfs.store.blobstore import BlobStore
 pytestmark = pytest.mark.mount
 
 CS = 4096
-CHUNKED = ["--chunk-size", "4K"]
+CHUNKED = ["--chunk-size", "4K", "--prefetch-mb", "0"]  # exact fault counts: no prefetch
 
 
 def read(path: str) -> bytes:

@@ -113,23 +113,26 @@ class LocalFileSource:
         return self._stat.st_mtime
 
     def pread(self, off: int, size: int) -> bytes:
-        out = bytearray()
-        while len(out) < size:
-            try:
-                piece = os.pread(self._fd, size - len(out), off + len(out))
-            except OSError as exc:
-                raise SourceError(
-                    f"reading source {self.url} [{off}, {off + size}) failed: {exc.strerror}"
-                ) from None
-            if not piece:
-                break
-            out += piece
+        try:
+            out = os.pread(self._fd, size, off)  # one read and no copy in the common case
+            if 0 < len(out) < size:
+                rest = bytearray(out)
+                while len(rest) < size:
+                    piece = os.pread(self._fd, size - len(rest), off + len(rest))
+                    if not piece:
+                        break
+                    rest += piece
+                out = bytes(rest)
+        except OSError as exc:
+            raise SourceError(
+                f"reading source {self.url} [{off}, {off + size}) failed: {exc.strerror}"
+            ) from None
         st = os.fstat(self._fd)  # after the read: a write during it moved mtime or size
         if (st.st_size, st.st_mtime_ns) != self._pinned:
             raise SourceError(
                 f"source {self.url} changed under the mount (was {self._pinned[0]} bytes, "
                 f"mtime_ns {self._pinned[1]}; now {st.st_size} bytes, mtime_ns {st.st_mtime_ns})")
-        return bytes(out)
+        return out
 
     def close(self) -> None:
         with self._lock:

@@ -33,10 +33,11 @@ from faultfs.store.blobfile import (
     BlobHeader,
     decode_header,
     encode_header,
-    payload_hash,
 )
 from faultfs.store.durable import fsync_dir, write_atomic
 
+NOWAIT_MAX = 256 << 10  # cached reads up to this size are served on the event loop's thread
+_RWF_NOWAIT = getattr(os, "RWF_NOWAIT", None)
 MAX_ENCODED_NAME = 240  # NAME_MAX is 255: leave room for the "b-" prefix and margin
 TAG_STATE = "tag.json"
 
@@ -50,22 +51,44 @@ def _encode(prefix: str, name: str) -> str:
 
 @dataclass
 class OpenBlob:
-    """A verified blob file held open for preads; close it when done."""
+    """A blob file held open for preads; every read verifies the blocks it touches."""
 
     fd: int
     header: BlobHeader
 
-    def pread(self, size: int, off: int) -> bytes:
-        n = self.header.payload_len
-        if off >= n or size <= 0:
+    def pread(self, size: int, off: int, *, nowait: bool = False) -> bytes | None:
+        """Payload bytes ``[off, off+size)``; CorruptionError if a block fails its checksum.
+
+        ``nowait``: read only what is already in the page cache (``RWF_NOWAIT``) and return
+        None instead of blocking — this form may run on the event loop's thread."""
+        h = self.header
+        if off >= h.payload_len or size <= 0:
             return b""
-        size = min(size, n - off)
-        if self.header.all_zero:
+        size = min(size, h.payload_len - off)
+        if h.all_zero:
             return bytes(size)
-        data = os.pread(self.fd, size, HEADER_LEN + off)
-        if len(data) != size:
-            raise CorruptionError(f"blob {self.header.name} of tag {self.header.tag} is truncated")
-        return data
+        first, last = h.blocks_for(off, size)
+        start = first * h.block_size
+        want = min(last * h.block_size, h.stored_len) - start
+        if nowait:
+            if want > NOWAIT_MAX or _RWF_NOWAIT is None:
+                return None
+            buf = bytearray(want)
+            try:
+                got = os.preadv(self.fd, [buf], HEADER_LEN + start, _RWF_NOWAIT)
+            except (BlockingIOError, OSError):
+                return None
+            if got != want:
+                return None  # partly cached: let the blocking path read it
+            data: bytes | bytearray = buf
+        else:
+            data = os.pread(self.fd, want, HEADER_LEN + start)
+            if len(data) != want:
+                raise CorruptionError(f"blob {h.name} of tag {h.tag} is truncated")
+        h.check_blocks(first, data)
+        if start == off and want == size:
+            return bytes(data)
+        return bytes(memoryview(data)[off - start:off - start + size])
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -200,9 +223,11 @@ class BlobStore:
         finally:
             os.close(fd)
 
-    def open_blob(self, tag: str, name: str, *, source_version: str | None = None,
-                  verify: bool = True) -> OpenBlob | None:
-        """Open a verified blob, or None when it is absent, foreign, torn or stale.
+    def open_blob(self, tag: str, name: str, *,
+                  source_version: str | None = None) -> OpenBlob | None:
+        """Open a blob whose header verifies, or None when it is absent, foreign, torn or
+        stale (a clean one is then deleted, so it re-faults). Payload blocks are verified
+        by each read (``OpenBlob.pread``).
 
         Raises CorruptionError only for a damaged *dirty* blob: user data that is gone
         must be reported, not silently re-faulted."""
@@ -218,17 +243,9 @@ class BlobStore:
             header = decode_header(os.pread(fd, HEADER_LEN, 0), file_size=st.st_size)
             if header.tag != tag or header.name != name:
                 raise CorruptionError(f"{path} holds blob {header.name!r} of tag {header.tag!r}")
-            if verify and not header.all_zero:
-                data = os.pread(fd, header.stored_len, HEADER_LEN)
-                if payload_hash(data) != header.payload_xxh3:
-                    if header.dirty:
-                        raise CorruptionError(f"dirty blob {name} of tag {tag} failed its checksum")
-                    raise CorruptionError("payload checksum mismatch")
         except CorruptionError:
             os.close(fd)
-            if self._is_dirty_on_disk(path):
-                raise
-            self._discard(path)
+            self.discard_damaged(tag, name)
             return None
         except BaseException:
             os.close(fd)
@@ -238,6 +255,14 @@ class BlobStore:
             os.close(fd)
             return None  # stale: staged from an older version of the source
         return OpenBlob(fd, header)
+
+    def discard_damaged(self, tag: str, name: str) -> None:
+        """Delete a blob that failed verification — unless it is dirty (user data), which
+        raises CorruptionError instead: it cannot be re-faulted, so it must be reported."""
+        path = self.blob_path(tag, name)
+        if self._is_dirty_on_disk(path):
+            raise CorruptionError(f"dirty blob {name} of tag {tag} is damaged: {path}")
+        self._discard(path)
 
     def _is_dirty_on_disk(self, path: str) -> bool:
         header = self.read_header(path)
@@ -256,6 +281,9 @@ class BlobStore:
             return None
         try:
             return blob.pread(blob.header.payload_len, 0)
+        except CorruptionError:
+            self.discard_damaged(tag, name)
+            return None
         finally:
             blob.close()
 
