@@ -387,3 +387,56 @@ def test_re_registration_with_a_new_context_replaces_the_old_one(store):
     assert tag2.key != old_key
     assert store.list_blobs(REGISTRY_TAG) == [tag2.key]
     assert store.list_blobs("t") == []
+
+
+async def settle(eng):
+    """Wait until background prefetches and store writes (on threads) are done."""
+    with trio.fail_after(10):
+        while eng._storing or eng._prefetching or eng._flights:
+            await trio.sleep(0.005)
+
+
+def test_attached_engine_prefetches_for_sequential_readers_only(store):
+    data = payload(CS * 64)
+    src = make_source(data)
+    eng = engine_for(store, memory_mb=1, prefetch_mb=1)  # budget: 512 KiB = 128 blobs
+    tag = eng.register(ctx_for())
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            eng.attach(nursery)
+            for i in range(8):  # sequential
+                assert await eng.read_blob(tag, i, 0, CS) == data[i * CS:(i + 1) * CS]
+            await settle(eng)
+            assert eng.stats.counters["prefetches"] > 0
+            assert tag.is_staged(9), "blobs ahead of a sequential reader are faulted and stored"
+            before = eng.stats.counters["prefetches"]
+            for i in (40, 20, 60, 30):  # random: no prefetch
+                assert await eng.read_blob(tag, i, 0, 10) == data[i * CS:i * CS + 10]
+            await settle(eng)
+            assert eng.stats.counters["prefetches"] == before
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert src.reads == eng.stats.counters["faults"], "every blob read from the source once"
+
+
+def test_background_store_keeps_bytes_servable_until_on_disk(store):
+    data = payload(CS * 4)
+    src = make_source(data)
+    eng = engine_for(store, memory_mb=0, prefetch_mb=0)
+    tag = eng.register(ctx_for())
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            eng.attach(nursery)
+            assert await eng.read_blob(tag, 1, 0, CS) == data[CS:2 * CS]
+            # the store write may still be pending: the bytes are held, not re-faulted
+            assert await eng.read_blob(tag, 1, 100, 10) == data[CS + 100:CS + 110]
+            await settle(eng)
+            assert tag.is_staged(1) and not eng._storing
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert src.reads == 1
+    assert store.read("t", "chunk_1", source_version=tag.version_text) == data[CS:2 * CS]
