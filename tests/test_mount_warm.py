@@ -1,0 +1,65 @@
+"""`faultfs warm` and `faultfs checkpoint show` against real mounts."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import FAULTFS, ROOT, run_faultfs
+
+pytestmark = pytest.mark.mount
+
+MiB = 1 << 20
+
+
+def test_warm_stages_every_blob_once_and_then_skips(mounter, sample, tmp_path):
+    src = sample(6 * MiB + 100)
+    m = mounter(src, args=["--chunk-size", "1M", "--prefetch-mb", "0"])
+    state = str(tmp_path / "warm.meta")
+    r = run_faultfs("warm", m.path, "--state", state, "--no-progress", check=True)
+    assert r.returncode == 0
+    stats = m.stats()
+    assert stats["tags"]["field"]["staged_blobs"] == 7
+    assert stats["counters"]["source_reads"] == 7
+    time.sleep(1.1)  # attributes (st_blocks) are cached for a second
+    run_faultfs("warm", m.path, "--state", state, "--no-progress", check=True)
+    assert m.counters()["source_reads"] == 7, "a second warm skips staged blobs"
+    with open(os.path.join(m.tag("field"), "field.bin"), "rb") as f, open(src, "rb") as g:
+        assert f.read() == g.read()
+    assert m.counters()["source_reads"] == 7
+    shown = json.loads(run_faultfs("checkpoint", "show", state, "--json", check=True).stdout)
+    assert shown["active"] in ("A", "B", "a", "b") or shown.get("active") is not None
+
+
+def test_interrupted_warm_resumes_where_it_stopped(mounter, sample, tmp_path):
+    src = sample(48 * MiB)
+    m = mounter(src, args=["--chunk-size", "256K", "--prefetch-mb", "0"])
+    state = str(tmp_path / "warm.meta")
+    proc = subprocess.Popen([*FAULTFS, "warm", m.path, "--state", state, "--no-progress",
+                             "--checkpoint-every", "8"], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while m.counters()["source_reads"] < 40 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(10)
+    done_before = m.counters()["source_reads"]
+    assert 0 < done_before < 192, "the warm was interrupted part way"
+    r = run_faultfs("warm", m.path, "--state", state, "--no-progress", check=True)
+    assert r.returncode == 0
+    stats = m.stats()
+    assert stats["tags"]["field"]["staged_blobs"] == 192
+    assert stats["counters"]["source_reads"] == 192, "no blob is read from the source twice"
+
+
+def test_warm_of_something_that_is_not_a_mount_is_one_line(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "faultfs.cli", "warm", str(tmp_path / "nope"),
+                        "--no-progress", "--state", str(tmp_path / "s.meta")],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode != 0
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
