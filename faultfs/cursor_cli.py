@@ -37,7 +37,7 @@ def register(subparsers: Any) -> None:
     w.add_argument(
         "--state",
         metavar="FILE.meta",
-        help="checkpoint file (default: ~/.cache/faultfs/warm-<hash of target>.meta)",
+        help="checkpoint file (default: <store>/warm/<hash of target>.meta)",
     )
     w.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     w.add_argument(

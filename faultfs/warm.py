@@ -20,6 +20,7 @@ Invariants:
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
 import sys
@@ -70,9 +71,19 @@ class WarmReport:
 
 
 def default_state_path(target: str | os.PathLike[str]) -> str:
-    """``$XDG_CACHE_HOME/faultfs/warm-<xxh3 of the target's real path>.meta``."""
+    """``<store>/warm/<xxh3 of the target's real path>.meta`` for a mounted faultfs (the
+    checkpoint lives with the blobs it describes), else under ``$XDG_CACHE_HOME/faultfs``."""
+    real = os.path.realpath(os.fspath(target))
+    key = xxhash.xxh3_64_hexdigest(real.encode())
+    for root in (real, os.path.dirname(real)):
+        try:
+            with open(os.path.join(root, CONTROL_DIR, "stats"), "rb") as f:
+                store = json.loads(f.read()).get("store")
+        except (OSError, ValueError):
+            continue
+        if isinstance(store, str) and os.path.isdir(store):
+            return os.path.join(store, "warm", f"{key}.meta")
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    key = xxhash.xxh3_64_hexdigest(os.path.realpath(os.fspath(target)).encode())
     return os.path.join(cache, "faultfs", f"warm-{key}.meta")
 
 

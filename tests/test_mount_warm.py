@@ -63,3 +63,11 @@ def test_warm_of_something_that_is_not_a_mount_is_one_line(tmp_path):
                        capture_output=True, text=True, cwd=ROOT)
     assert r.returncode != 0
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
+def test_default_checkpoint_lives_in_the_store(mounter, sample):
+    src = sample(2 * MiB)
+    m = mounter(src, args=["--prefetch-mb", "0"])
+    run_faultfs("warm", m.path, "--no-progress", check=True)
+    names = os.listdir(os.path.join(m.store, "warm"))
+    assert len([n for n in names if n.endswith(".meta")]) == 1, names
