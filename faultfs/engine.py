@@ -437,9 +437,12 @@ class Engine:
             async def one(i: int, index: int, inner: int, length: int) -> None:
                 parts[i] = await self._blob_bytes(tag, index, inner, length)
 
-            async with trio.open_nursery() as nursery:
-                for i, (index, inner, length) in enumerate(pieces):
-                    nursery.start_soon(one, i, index, inner, length)
+            try:
+                async with trio.open_nursery() as nursery:
+                    for i, (index, inner, length) in enumerate(pieces):
+                        nursery.start_soon(one, i, index, inner, length)
+            except BaseExceptionGroup as group:
+                raise single_error(group) from None
             data = b"".join(parts)
         self.stats.add("bytes_served", len(data))
         return data
@@ -824,6 +827,25 @@ class Engine:
                 } for t in self.tags.values()
             },
         }
+
+
+def single_error(group: BaseExceptionGroup) -> BaseException:
+    """The error a reader should see for a group of concurrent failures: a cancellation or
+    a non-library error if there is one (they must propagate), else the first FaultfsError."""
+    flat: list[BaseException] = []
+
+    def walk(exc: BaseException) -> None:
+        if isinstance(exc, BaseExceptionGroup):
+            for inner in exc.exceptions:
+                walk(inner)
+        else:
+            flat.append(exc)
+
+    walk(group)
+    for exc in flat:
+        if not isinstance(exc, FaultfsError):
+            return group
+    return flat[0]
 
 
 def view_name_for(src: str) -> str:

@@ -393,7 +393,7 @@ async def settle(eng):
     """Wait until background prefetches and store writes (on threads) are done."""
     with trio.fail_after(10):
         while eng._storing or eng._prefetching or eng._flights:
-            await trio.sleep(0.005)
+            await trio.sleep(0.005)  # noqa: ASYNC110 - polling engine state from a test
 
 
 def test_attached_engine_prefetches_for_sequential_readers_only(store):
