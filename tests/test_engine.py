@@ -392,8 +392,8 @@ def test_re_registration_with_a_new_context_replaces_the_old_one(store):
 async def settle(eng):
     """Wait until background prefetches and store writes (on threads) are done."""
     with trio.fail_after(10):
-        while eng._storing or eng._prefetching or eng._flights:
-            await trio.sleep(0.005)  # noqa: ASYNC110 - polling engine state from a test
+        while eng._storing or eng._prefetching or eng._flights:  # noqa: ASYNC110 - test polls
+            await trio.sleep(0.005)
 
 
 def test_attached_engine_prefetches_for_sequential_readers_only(store):
