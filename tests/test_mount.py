@@ -378,3 +378,23 @@ def test_glob_of_local_shards_gives_one_tag_each(mounter, tmp_path):
     for i in range(3):
         assert read(os.path.join(m.tag(f"part-{i}"), f"part-{i}.bin")) == bytes([i]) * (MiB + i)
     assert [m.stats()["tags"][f"part-{i}"]["shard"] for i in range(3)] == [0, 1, 2]
+
+
+def test_a_tag_with_hundreds_of_thousands_of_chunks_lists_in_bounded_memory(mounter, tmp_path):
+    src = tmp_path / "sparse.bin"
+    with open(src, "wb") as f:
+        f.truncate(1 << 30)  # 1 GiB, sparse: 262144 chunks of 4 KiB
+    m = mounter(str(src), args=["--chunk-size", "4K"])
+    tag = m.tag("sparse")
+    count = 0
+    last = None
+    with os.scandir(tag) as entries:
+        for entry in entries:
+            count += 1
+            last = entry.name
+    assert count == 262144 + 1
+    assert last == "chunk_262143"
+    assert os.path.getsize(os.path.join(tag, "chunk_262143")) == 4096
+    with open(f"/proc/{m.pid}/status") as f:
+        rss_kb = int(next(line for line in f if line.startswith("VmHWM")).split()[1])
+    assert rss_kb < 200 * 1024, f"listing must not allocate per entry (peak RSS {rss_kb} kB)"
