@@ -25,11 +25,11 @@ def test_golden_header_bytes():
     digest = xxhash.xxh3_64(b"hello").intdigest().to_bytes(8, "little").hex()
     assert header[:56].hex() == (
         "464653424c4f4200" "0100" "0400" "00100000" "0500000000000000" "0500000000000000"
-        + digest + "0500" "0700" "0c00" "0100" "00000100" "00000000"
+        + digest + "0500" "0700" "0c00" "0100" "00400000" "00000000"
     ), "format changed: bump the version"
     assert header[56:56 + 24] == b"run42chunk_75 mtime_ns:1"
     assert header[56 + 24:2048] == bytes(2048 - 80)
-    assert header[2048:2056].hex() == digest, "one 64 KiB block: its checksum is the payload's"
+    assert header[2048:2056].hex() == digest, "one 16 KiB block: its checksum is the payload's"
     assert header[2056:4088] == bytes(4088 - 2056)
     assert xxhash.xxh3_64_intdigest(header[:4088]).to_bytes(8, "little") == header[4088:]
 
@@ -37,24 +37,26 @@ def test_golden_header_bytes():
 def test_block_table_bounds_every_size():
     from faultfs.store.blobfile import MAX_BLOCKS, block_size_for
 
-    for n in (0, 1, 4096, 65536, 65537, 1 << 20, (1 << 20) + 5, 255 << 16, (255 << 16) + 1, 1 << 30):
+    for n in (0, 1, 4096, 16384, 16385, 1 << 20, (1 << 20) + 5, 255 << 14, (255 << 14) + 1, 1 << 30):
         bs = block_size_for(n)
-        assert bs % 4096 == 0 and bs >= 65536
+        assert bs % 4096 == 0 and bs >= 16384
         assert -(-n // bs) <= MAX_BLOCKS
 
 
 def test_a_read_verifies_only_the_blocks_it_touches(tmp_path):
     store = BlobStore(str(tmp_path / "s"))
-    data = bytes(range(256)) * 4096  # 1 MiB: 16 blocks of 64 KiB
+    data = bytes(range(256)) * 4096  # 1 MiB: 64 blocks of 16 KiB
     store.put("t", "b", data, flags=FLAG_NO_FAULT)
     path = store.blob_path("t", "b")
-    with open(path, "r+b") as f:  # damage block 15 only
-        f.seek(HEADER_LEN + 15 * 65536 + 7)
+    bs = 16384
+    with open(path, "r+b") as f:  # damage block 60 only
+        f.seek(HEADER_LEN + 60 * bs + 7)
         f.write(b"\x00\x01\x02")
     blob = store.open_blob("t", "b")
-    assert blob.pread(4096, 65536 * 3 + 100) == data[65536 * 3 + 100:65536 * 3 + 100 + 4096]
-    with pytest.raises(CorruptionError, match="block 15"):
-        blob.pread(10, 15 * 65536)
+    assert blob.header.block_size == bs and len(blob.header.block_sums) == 64
+    assert blob.pread(4096, bs * 3 + 100) == data[bs * 3 + 100:bs * 3 + 100 + 4096]
+    with pytest.raises(CorruptionError, match="block 60"):
+        blob.pread(10, 60 * bs)
     blob.close()
 
 

@@ -41,7 +41,7 @@ FLAG_DIRTY = 1  # written by a user: never evicted, never re-faulted
 FLAG_ALL_ZERO = 2  # payload is all zeros and not stored
 FLAG_NO_FAULT = 4  # stored by the fault path (upstream's kNoFault)
 KNOWN_FLAGS = FLAG_DIRTY | FLAG_ALL_ZERO | FLAG_NO_FAULT
-MIN_BLOCK = 64 << 10  # a random 4 KiB read verifies (and reads) at most 64 KiB
+MIN_BLOCK = 16 << 10  # a random 4 KiB read verifies (and reads) one 16 KiB block
 MAX_BLOCKS = 255  # the checksum table fits [2048, 4088) of the header
 MAX_NAME = 255  # tag and blob names are NAME_MAX bytes at most
 MAX_VERSION = 1024  # a source version token ("<size> etag:...") is short
@@ -91,7 +91,7 @@ def payload_hash(data: bytes | memoryview) -> int:
 
 
 def block_size_for(length: int) -> int:
-    """The smallest multiple of 4 KiB (at least 64 KiB) that cuts ``length`` into at most
+    """The smallest multiple of 4 KiB (at least 16 KiB) that cuts ``length`` into at most
     255 blocks."""
     size = max(MIN_BLOCK, -(-length // MAX_BLOCKS))
     return -(-size // 4096) * 4096
