@@ -418,6 +418,24 @@ def kill_pid(pid: int, grace_s: float = 10) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+def bdi_readahead_path(mnt: Path) -> Path:
+    dev = os.stat(mnt).st_dev
+    return Path(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb")
+
+
+def get_readahead_kb(mnt: Path) -> int | None:
+    """The kernel's readahead window for the mount (what bounds FUSE's sequential requests)."""
+    try:
+        return int(bdi_readahead_path(mnt).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def set_readahead_kb(mnt: Path, kb: int) -> None:
+    with contextlib.suppress(OSError):
+        bdi_readahead_path(mnt).write_text(str(kb))
+
+
 def is_mounted(path: Path) -> bool:
     want = str(path)
     with open("/proc/self/mounts") as f:
@@ -456,7 +474,7 @@ class System:
         self.pid: int | None = None
         self.dev: int | None = None
         self.peak_rss_mib: float | None = None
-        self.extra: dict = {}
+        self.readahead_kb: int | None = None  # bdi read_ahead_kb as mounted
 
     # paths of the two files as this system shows them
     def big_path(self) -> str:
@@ -535,6 +553,7 @@ class Faultfs(System):
                 timeout=MOUNT_TIMEOUT_S + 30)
         self._wait_mounted("faultfs")
         self.pid = int(self.stats()["pid"])
+        self.readahead_kb = get_readahead_kb(self.mnt)
 
     def stats(self) -> dict:
         with open(self.mnt / ".faultfs" / "stats") as f:
@@ -580,6 +599,7 @@ class Rclone(System):
                  "--daemon", *self.extra_args], timeout=MOUNT_TIMEOUT_S + 30,
                 log_to=self.work / "rclone.out")
         self._wait_mounted("rclone")
+        self.readahead_kb = get_readahead_kb(self.mnt)
         pids = [p for p in pids_mentioning(str(self.mnt)) if pid_alive(p)]
         self.pid = pids[0] if pids else None
 
@@ -593,9 +613,11 @@ class Ceiling(System):
     name = "ceiling"
     has_h5 = False
 
-    def __init__(self, work: Path, big: Path, h5: Path, size: int) -> None:
+    def __init__(self, work: Path, big: Path, h5: Path, size: int,
+                 readahead_kb: int | None) -> None:
         super().__init__(work, big, h5)
         self.size = size
+        self.want_readahead_kb = readahead_kb  # None: the kernel default
         self.proc: subprocess.Popen | None = None
         self.stats_file = work / "ceiling.stats"
 
@@ -619,6 +641,9 @@ class Ceiling(System):
                 raise BenchError(f"fuse_ceiling did not start; see {self.work / 'ceiling.log'}")
             time.sleep(0.05)
         self._wait_mounted("fuse_ceiling")
+        if self.want_readahead_kb:
+            set_readahead_kb(self.mnt, self.want_readahead_kb)
+        self.readahead_kb = get_readahead_kb(self.mnt)
 
     def counters(self) -> tuple[int, int] | None:
         if self.proc is None or self.proc.poll() is not None:
@@ -890,13 +915,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n".join(__doc__.split("\n")[2:]))
     p.add_argument("--quick", action="store_true",
-                   help="256 MiB source, 64 MiB HDF5, 2 reps, fewer random reads (about 3 minutes)")
+                   help="256 MiB source, 64 MiB HDF5, 2 reps, fewer random reads (about 1 minute)")
     p.add_argument("--size-mb", type=int, help="source size in MiB (default 1024; --quick 256)")
     p.add_argument("--h5-mb", type=int, help="HDF5 dataset size before compression (default 384; --quick 64)")
     p.add_argument("--reps", type=int,
-                   help="repetitions of each case, median reported (default 3; --quick 2)")
+                   help="repetitions of each case, median reported (default 5; --quick 2)")
     p.add_argument("--rand-ops", type=int,
-                   help="random reads per warm case, split over the readers (default 4000; --quick 2000)")
+                   help="random reads per warm case, split over the readers (default 8000; --quick 2000)")
     p.add_argument("--rand-ops-cold", type=int,
                    help="random reads per cold case, split over the readers (default 400; --quick 200)")
     p.add_argument("--case-cap", type=float, default=CASE_CAP_S_DEFAULT,
@@ -907,6 +932,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--chunk-size", default="4M", help="faultfs --chunk-size (default 4M)")
     p.add_argument("--faultfs-args", default="", help="extra flags for faultfs mount, one string")
     p.add_argument("--rclone-args", default="", help="extra flags for rclone mount, one string")
+    p.add_argument("--ceiling-readahead-kb", type=int,
+                   help="read_ahead_kb for the ceiling mount (default: what faultfs's mount had; "
+                        "0: the kernel default)")
     p.add_argument("--systems", default=",".join(SYSTEMS),
                    help=f"comma-separated subset of {','.join(SYSTEMS)} (default all)")
     p.add_argument("--data-dir", help="keep the generated sources here and reuse them next time")
@@ -919,8 +947,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     q = a.quick
     a.size_mb = a.size_mb or (256 if q else 1024)
     a.h5_mb = a.h5_mb or (64 if q else 384)
-    a.reps = a.reps or (2 if q else 3)
-    a.rand_ops = a.rand_ops or (2000 if q else 4000)
+    a.reps = a.reps or (2 if q else 5)
+    a.rand_ops = a.rand_ops or (2000 if q else 8000)
     a.rand_ops_cold = a.rand_ops_cold or (200 if q else 400)
     a.systems = [s.strip() for s in a.systems.split(",") if s.strip()]
     bad = [s for s in a.systems if s not in SYSTEMS]
@@ -963,8 +991,14 @@ def main(argv: list[str]) -> int:
             "faultfs": lambda: Faultfs(work, big, h5, args.chunk_size, shlex.split(args.faultfs_args)),
             "rclone": lambda: Rclone(work, big, h5, shlex.split(args.rclone_args)),
             "local": lambda: Local(work, big, h5),
-            "ceiling": lambda: Ceiling(work, big, h5, size),
+            "ceiling": lambda: Ceiling(work, big, h5, size, ceiling_readahead()),
         }
+        def ceiling_readahead() -> int | None:
+            """The ceiling gets the readahead faultfs set for itself (same kernel path)."""
+            if args.ceiling_readahead_kb is not None:
+                return args.ceiling_readahead_kb or None
+            return next((s.readahead_kb for s in systems if isinstance(s, Faultfs)), None)
+
         with LoadSampler() as sampler:
             for name in SYSTEMS:
                 if name not in args.systems:
@@ -994,8 +1028,10 @@ def main(argv: list[str]) -> int:
                  f"mean {statistics.mean(loads):.2f} / max {max(loads):.2f} during the run "
                  f"(the bench itself adds about 1–2); busiest processes at the start: {busy}"
                  if loads else f"1-min load average {load_start:.2f} at the start")
+    readahead = ", ".join(f"{s.name} {s.readahead_kb} KiB" for s in systems
+                          if s.readahead_kb is not None)
     report = render_report(args, command, started, machine, load_line, elapsed, table, verdicts,
-                           runner, observations)
+                           runner, observations, readahead)
     print()
     print(report)
     if args.json_out:
@@ -1031,7 +1067,7 @@ def request_table(runner: Runner) -> str:
 
 
 def render_report(args, command, started, machine, load_line, elapsed, table, verdicts, runner,
-                  observations) -> str:
+                  observations, readahead) -> str:
     m = machine
     lines = [
         f"### {'Quick run' if args.quick else 'Run'} of {started.strftime('%Y-%m-%d %H:%M %Z')}",
@@ -1050,7 +1086,8 @@ def render_report(args, command, started, machine, load_line, elapsed, table, ve
         + (f" `{args.faultfs_args}`" if args.faultfs_args else "")
         + f"; rclone `--vfs-cache-mode full`{' ' + args.rclone_args if args.rclone_args else ''}. "
         f"Medians of {args.reps} reps; random: {args.rand_ops} reads per warm case, "
-        f"{args.rand_ops_cold} per cold case, split over the readers (forked processes).",
+        f"{args.rand_ops_cold} per cold case, split over the readers (forked processes). "
+        f"Kernel readahead of the mounts (bdi read_ahead_kb): {readahead or 'not read'}.",
         "",
         "Ratios are faultfs speed ÷ other speed (> 1: faultfs faster; for the h5py times, other "
         "time ÷ faultfs time).",
