@@ -863,9 +863,14 @@ def build_table(runner: Runner, peak_rss: dict[str, float | None]) -> tuple[str,
                 verdicts.append(f"{label}: f/{other} not measured")
                 continue
             ok = got >= want
-            goals.append(f"f/{other} ≥ {want:g}: **{'met' if ok else 'not met'}**")
-            verdicts.append(f"{label}: faultfs/{other} = {got:.2f}× (target ≥ {want:g}×) — "
-                            + ("met" if ok else f"not met, {got / want * 100:.0f} % of the target"))
+            near = abs(got - want) < 0.01  # show enough digits to see which side of the line
+            goals.append(f"f/{other} ≥ {want:g}: **{'met' if ok else 'not met'}**"
+                         + (f" ({got:.3f}×)" if near else ""))
+            pct = f"{got / want * 100:.1f}" if near else f"{got / want * 100:.0f}"
+            verdicts.append(f"{label}: faultfs/{other} = {got:.3f}×" if near else
+                            f"{label}: faultfs/{other} = {got:.2f}×")
+            verdicts[-1] += (f" (target ≥ {want:g}×) — "
+                             + ("met" if ok else f"not met, {pct} % of the target"))
         cells.append("; ".join(goals))
         lines.append("| " + " | ".join(cells) + " |")
     f_rss = peak_rss.get("faultfs")
