@@ -45,6 +45,8 @@ log = logging.getLogger("faultfs.engine")
 
 OPEN_BLOB_CACHE = 1024  # store descriptors kept open for hits; bounded so fds never run out
 LATENCY_SAMPLES = 2048  # fault latencies kept for percentiles
+PREFETCH_RUN_BYTES = 8 << 20  # adjacent blobs fetched ahead in one source read: one request
+
 
 
 @dataclass
@@ -204,6 +206,7 @@ class Engine:
         self._background: trio.Nursery | None = None
         self._store_slots: trio.Semaphore | None = None
         self._prefetching = 0
+        self._closing = False
 
     # -- registration (blocking; before the mount answers) ----------------------------------
 
@@ -537,52 +540,79 @@ class Engine:
         Readers get the bytes as soon as the source read is done; the store write follows
         (in the background when the engine is attached to a mount), the bytes held in memory
         until it is on disk, so no reader faults the same blob twice."""
-        key = (tag.id, index)
-        flight = self._flights.get(key)
-        if flight is not None:
+        flight = self._flights.get((tag.id, index))
+        if flight is None:
+            [flight] = await self._fault_run(tag, index, self._claim(tag, index, 1))
+        else:
             self.stats.add("single_flight_joins")
             await flight.done.wait()
-            if flight.error is not None:
-                raise FaultfsError(str(flight.error), getattr(flight.error, "errno", errno.EIO))
-            assert flight.data is not None
-            return flight.data
-        flight = _Flight()
-        self._flights[key] = flight
-        self.stats.add("faults")
+        if flight.error is not None:
+            if isinstance(flight.error, FaultfsError):
+                raise FaultfsError(flight.error.message, flight.error.errno)
+            raise SourceError(f"fault of {tag.name}/{tag.layout.blob_name(index)} failed: "
+                              f"{flight.error}")
+        assert flight.data is not None
+        return flight.data
+
+    def _claim(self, tag: Tag, first: int, count: int) -> list[_Flight]:
+        """Register the flights of blobs ``first .. first+count-1`` now, before any await,
+        so no other reader or prefetch starts a second fault of them."""
+        flights = []
+        for index in range(first, first + count):
+            key = (tag.id, index)
+            assert key not in self._flights, f"blob {key} claimed twice"
+            flight = _Flight()
+            self._flights[key] = flight
+            flights.append(flight)
+        return flights
+
+    async def _fault_run(self, tag: Tag, first: int, flights: list[_Flight]) -> list[_Flight]:
+        """Fault the claimed blobs ``first ..`` with ONE source read (a run of adjacent
+        blobs costs one request to a remote source, not one each), then hand each to
+        readers and to the store. Errors are left in the flights for their readers."""
+        count = len(flights)
+        self.stats.add("faults", count)
         started = time.monotonic()
+        datas: list[bytes] = []
         try:
-            data = await self.run_io(self._read_source, tag, index)
-            flight.data = data
-            self.memory.put(key, data)
-            self._count_source_read(tag, index, len(data))
-            background = self._background is not None and self._store_slots is not None
-            if background:
-                self._storing[key] = data
+            datas = await self.run_io(self._read_source, tag, first, count)
+            self._count_source_read(tag, first, count)
+            for index, (flight, data) in enumerate(zip(flights, datas, strict=True), first):
+                flight.data = data
+                self.memory.put((tag.id, index), data)
+                if self._background is not None:
+                    self._storing[(tag.id, index)] = data
         except BaseException as exc:
-            flight.error = exc
-            if isinstance(exc, FaultfsError):
-                self.stats.add("fault_errors")
-                raise
+            for flight in flights:
+                flight.error = exc
             if isinstance(exc, Exception):
-                self.stats.add("fault_errors")
-                log.exception("fault of blob %d of tag %s failed", index, tag.name)
-                raise SourceError(f"fault of {tag.name}/{tag.layout.blob_name(index)} failed: {exc}") from exc
-            raise
-        finally:
-            flight.done.set()
-            del self._flights[key]
-            self.stats.latencies.append(time.monotonic() - started)
-        if background:
-            assert self._store_slots is not None and self._background is not None
-            try:
-                await self._store_slots.acquire()  # back-pressure: bounded bytes await storing
-            except BaseException:
-                self._storing.pop(key, None)
+                self.stats.add("fault_errors", count)
+                if not isinstance(exc, FaultfsError):
+                    log.exception("fault of blobs %d..%d of tag %s failed", first,
+                                  first + count - 1, tag.name)
+            else:
                 raise
-            self._background.start_soon(self._store_in_background, tag, index, data)
-        else:
+            datas = []
+        finally:
+            for index, flight in enumerate(flights, first):
+                flight.done.set()
+                if self._flights.get((tag.id, index)) is flight:
+                    del self._flights[(tag.id, index)]
+            self.stats.latencies.append(time.monotonic() - started)
+        for index, data in enumerate(datas, first):
+            await self._schedule_store(tag, index, data)
+        return flights
+
+    async def _schedule_store(self, tag: Tag, index: int, data: bytes) -> None:
+        if self._background is None or self._store_slots is None:
             await self._maybe_store(tag, index, data)
-        return data
+            return
+        try:
+            await self._store_slots.acquire()  # back-pressure: bounded bytes await storing
+        except BaseException:
+            self._storing.pop((tag.id, index), None)
+            raise
+        self._background.start_soon(self._store_in_background, tag, index, data)
 
     async def _store_in_background(self, tag: Tag, index: int, data: bytes) -> None:
         key = (tag.id, index)
@@ -596,11 +626,24 @@ class Engine:
             assert self._store_slots is not None
             self._store_slots.release()
 
-    def _count_source_read(self, tag: Tag, index: int, size: int) -> None:
-        start, end = tag.layout.source_range(index)
+    def _count_source_read(self, tag: Tag, first: int, count: int) -> None:
+        start = tag.layout.source_range(first)[0]
+        end = tag.layout.source_range(first + count - 1)[1]
         self.stats.add("source_reads")
         self.stats.add("source_bytes", end - start)
-        self.stats.add("zero_filled_bytes", size - (end - start))
+        self.stats.add("zero_filled_bytes", count * tag.layout.chunk_size - (end - start))
+
+    @property
+    def pending_stores(self) -> int:
+        return len(self._storing)
+
+    async def drain(self) -> bool:
+        """Stop prefetching and wait for pending store writes, so an unmount keeps what was
+        faulted (the caller bounds the wait with a cancel scope). True when all are written."""
+        self._closing = True
+        while self._storing or self._prefetching:  # noqa: ASYNC110 - shutdown poll
+            await trio.sleep(0.01)
+        return not self._storing
 
     # -- prefetch ---------------------------------------------------------------------------
 
@@ -609,41 +652,58 @@ class Engine:
 
         A read of the blob last read or of one a few blobs after it is sequential (the kernel's
         readahead arrives slightly out of order); the window then doubles up to the prefetch
-        budget. Any other read resets it: random readers get no prefetch."""
+        budget. Any other read resets it: random readers get no prefetch. Adjacent blobs
+        ahead are fetched in runs of up to ``PREFETCH_RUN_BYTES`` with one source read each."""
         last = tag.last_index
         if index == last:
             return
         sequential = last >= 0 and last < index <= last + 1 + max(1, tag.window)
         tag.last_index = index
         budget = min(self.config.prefetch_mb << 20, (self.config.memory_mb << 20) // 2)
-        limit = budget // tag.layout.chunk_size
-        if not sequential or limit <= 0 or self._background is None:
+        cs = tag.layout.chunk_size
+        limit = budget // cs
+        if not sequential or limit <= 0 or self._background is None or self._closing:
             tag.window = 0
             return
         tag.window = min(limit, max(1, tag.window * 2))
-        for ahead in range(index + 1, min(index + 1 + tag.window, tag.layout.num_blobs)):
+        max_run = max(1, PREFETCH_RUN_BYTES // cs)
+        run_start, run_len = -1, 0
+        for ahead in range(index + 1, min(index + 1 + tag.window, tag.layout.num_blobs) + 1):
             key = (tag.id, ahead)
-            if (self._prefetching >= limit or tag.is_staged(ahead) or key in self._flights
-                    or key in self.memory or key in self._storing):
+            wanted = (ahead < tag.layout.num_blobs and self._prefetching + run_len < limit
+                      and not tag.is_staged(ahead) and key not in self._flights
+                      and key not in self.memory and key not in self._storing)
+            if wanted and run_len < max_run:
+                if run_len == 0:
+                    run_start = ahead
+                run_len += 1
                 continue
-            self._prefetching += 1
-            self._background.start_soon(self._prefetch, tag, ahead)
+            if run_len:
+                self._prefetching += run_len
+                flights = self._claim(tag, run_start, run_len)
+                self._background.start_soon(self._prefetch, tag, run_start, flights)
+            run_start, run_len = (ahead, 1) if wanted else (-1, 0)
 
-    async def _prefetch(self, tag: Tag, index: int) -> None:
+    async def _prefetch(self, tag: Tag, first: int, flights: list[_Flight]) -> None:
+        count = len(flights)
         try:
-            self.stats.add("prefetches")
-            await self.fault(tag, index)
-        except FaultfsError as exc:
-            self.stats.add("prefetch_errors")
-            log.debug("prefetch of blob %d of tag %s failed: %s", index, tag.name, exc)
+            self.stats.add("prefetches", count)
+            await self._fault_run(tag, first, flights)
+            if flights[0].error is not None:
+                self.stats.add("prefetch_errors", count)
+        except Exception:  # a background task must never take the mount down
+            log.exception("prefetch of blobs %d.. of tag %s failed", first, tag.name)
+            self.stats.add("prefetch_errors", count)
         finally:
-            self._prefetching -= 1
+            self._prefetching -= count
 
-    def _read_source(self, tag: Tag, index: int) -> bytes:
-        """Blob ``index`` from the source, zero-filled to the chunk size (on the pool)."""
+    def _read_source(self, tag: Tag, first: int, count: int = 1) -> list[bytes]:
+        """Blobs ``first .. first+count-1`` from the source in one read, each zero-filled to
+        the chunk size (on the pool)."""
         if tag.source is None:
             raise SourceError(f"source {tag.ctx.src} of tag {tag.name} is unavailable: {tag.source_error}")
-        start, end = tag.layout.source_range(index)
+        start = tag.layout.source_range(first)[0]
+        end = tag.layout.source_range(first + count - 1)[1]
         assimilator = assimilators.get(tag.ctx.format)
         try:
             raw = assimilator.read_blob(tag.source, tag.ctx, start, end)
@@ -655,7 +715,11 @@ class Engine:
         except OSError as exc:
             log.error("tag %s: reading %s [%d, %d) failed: %s", tag.name, tag.ctx.src, start, end, exc)
             raise SourceError(f"reading {tag.ctx.src} [{start}, {end}) failed: {exc}") from None
-        return zero_fill(raw, tag.layout.chunk_size)
+        cs = tag.layout.chunk_size
+        if count == 1:
+            return [zero_fill(raw, cs)]
+        view = memoryview(raw)
+        return [zero_fill(bytes(view[i * cs:(i + 1) * cs]), cs) for i in range(count)]
 
     async def _maybe_store(self, tag: Tag, index: int, data: bytes) -> None:
         """Apply the store policy (DESIGN §5.3) to the faulted ``data``."""

@@ -29,6 +29,7 @@ from faultfs.fuse_ops import CTL_NAME, FaultOperations
 log = logging.getLogger("faultfs.mount")
 
 UNMOUNT_WAIT_S = 30.0  # how long `faultfs umount` waits for the daemon to finish
+DRAIN_TIMEOUT_S = 20.0  # pending store writes get this long after an unmount (< UNMOUNT_WAIT_S)
 
 
 def is_dead_mount(path: str) -> bool:
@@ -84,12 +85,14 @@ def serve(engine: Engine, mountpoint: str, *, ready: Callable[[], None] | None =
         pyfuse3.init(ops, mountpoint, options)
     except RuntimeError as exc:
         raise FaultfsError(f"mounting {mountpoint} failed: {exc}", errno.EIO) from None
-    clean = False
     try:
         trio.run(_serve_async, engine, mountpoint, ready)
-        clean = True
+    except BaseException:
+        # never touch the mountpoint from this thread here: nothing answers it any more
+        log.exception("the serving loop of %s stopped on an error; unmounting", mountpoint)
+        raise
     finally:
-        pyfuse3.close(unmount=clean or not is_dead_mount(mountpoint))
+        pyfuse3.close(unmount=True)
         engine.close()
 
 
@@ -101,6 +104,10 @@ async def _serve_async(engine: Engine, mountpoint: str, ready: Callable[[], None
             nursery.start_soon(_log_stats, engine)
         nursery.start_soon(_announce_ready, mountpoint, ready, engine.config.readahead_kb)
         await pyfuse3.main()
+        with trio.move_on_after(DRAIN_TIMEOUT_S):
+            await engine.drain()  # blobs faulted just before the unmount reach the store
+        if engine.pending_stores:
+            log.warning("unmounting with %d blob(s) not yet stored", engine.pending_stores)
         nursery.cancel_scope.cancel()
 
 

@@ -50,12 +50,32 @@ class EngineModel(RuleBasedStateMachine):
         piece = self.data[index * self.cs:(index + 1) * self.cs]
         return piece + bytes(self.cs - len(piece))
 
+    background = False
+
     def _run(self, fn, *args):
+        async def step():
+            if not self.background:
+                return await fn(*args)
+            async with trio.open_nursery() as nursery:  # prefetch and background stores
+                self.engine.attach(nursery)
+                try:
+                    return await fn(*args)
+                except FaultfsError as exc:
+                    return exc  # not through the nursery: it would wrap it in a group
+                finally:
+                    with trio.fail_after(10):
+                        while self.engine._storing or self.engine._prefetching:  # noqa: ASYNC110
+                            await trio.sleep(0.001)
+                    nursery.cancel_scope.cancel()
+
         try:
-            return trio.run(fn, *args)
+            result = trio.run(step)
         except FaultfsError as exc:
-            assert exc.errno == errno.EIO  # noqa: PT017 - EIO is one allowed outcome of a step
+            result = exc
+        if isinstance(result, FaultfsError):
+            assert result.errno == errno.EIO, result  # EIO is one allowed outcome of a step
             return None
+        return result
 
     @rule(off=st.integers(0, 7 * CS), size=st.integers(0, 3 * CS))
     def read_view(self, off, size):
@@ -142,3 +162,13 @@ EngineModelWithFullStore.TestCase.settings = settings(
     max_examples=150, stateful_step_count=30, deadline=None,
     suppress_health_check=[HealthCheck.too_slow])
 test_engine_matches_the_bytes_model = EngineModelWithFullStore.TestCase
+
+
+class EngineModelInBackground(EngineModelWithFullStore):
+    """The same, with the engine attached: prefetch runs and stores happen in the background."""
+
+    background = True
+
+
+EngineModelInBackground.TestCase.settings = EngineModelWithFullStore.TestCase.settings
+test_attached_engine_matches_the_bytes_model = EngineModelInBackground.TestCase

@@ -215,7 +215,7 @@ def test_unversioned_overwrite_fails_with_eio_then_remount_refaults(
     out = run_faultfs("stat", m2.path, check=True).stdout
     assert "source changed since the last mount: 1 stale blobs dropped" in out
     assert same_as(new, os.path.join(m2.tag("field"), "field.bin"), tmp_path)
-    assert m2.counters()["source_reads"] == 4, "every chunk re-faulted from the new version"
+    assert m2.counters()["faults"] == 4, "every chunk re-faulted from the new version"
 
 
 def test_versioned_overwrite_keeps_serving_the_pinned_version_until_remount(
@@ -293,7 +293,7 @@ def test_http_source_through_a_mount(http_server, mounter, tmp_path):
         piece = old[i * 256 * KiB:(i + 1) * 256 * KiB]
         assert read(os.path.join(tag, f"chunk_{i}")) == piece + bytes(256 * KiB - len(piece))
     assert same_as(old, os.path.join(tag, "field.bin"), tmp_path)
-    assert http_server.range_gets == 5
+    assert 1 <= http_server.range_gets <= 5  # one GET per chunk at most; read-ahead runs share one
     assert stat_json(m.path)["tags"]["field"]["source_version"] == f"{len(old)} etag:\"v1\""
 
     m2 = mounter(url, args=["--chunk-size", "256K"], store=str(tmp_path / "store2"))
