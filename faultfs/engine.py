@@ -474,9 +474,10 @@ class Engine:
         key = (tag.id, index)
         name = tag.layout.blob_name(index)
         blob = self._open.get(key)
+        first_read: bytes | CorruptionError | None = None
         if blob is None:
-            try:
-                blob = await self.run_io(self._open_staged, tag, name)
+            try:  # open and first read in one trip to the pool
+                blob, first_read = await self.run_io(self._open_and_read, tag, name, size, off)
             except CorruptionError as exc:
                 raise FaultfsError(str(exc), errno.EIO) from None
             if blob is None:
@@ -493,6 +494,10 @@ class Engine:
             self._lru.move_to_end(key)
         self._in_use[key] += 1
         try:
+            if isinstance(first_read, CorruptionError):
+                raise first_read
+            if first_read is not None:
+                return first_read
             data = blob.pread(size, off, nowait=True)  # never blocks: page-cache hits only
             if data is None:
                 data = await self.run_io(blob.pread, size, off)
@@ -518,8 +523,17 @@ class Engine:
         self._forget_lru((tag.id, index))
         self.stats.add("corrupt_blobs_dropped")
 
-    def _open_staged(self, tag: Tag, name: str) -> OpenBlob | None:
-        return self.store.open_blob(tag.name, name, source_version=tag.version_text)
+    def _open_and_read(self, tag: Tag, name: str, size: int, off: int
+                       ) -> tuple[OpenBlob | None, bytes | CorruptionError | None]:
+        """Open a staged blob and read from it (on the pool); a damaged block is returned,
+        not raised, so the caller handles it with the blob registered."""
+        blob = self.store.open_blob(tag.name, name, source_version=tag.version_text)
+        if blob is None:
+            return None, None
+        try:
+            return blob, blob.pread(size, off)
+        except CorruptionError as exc:
+            return blob, exc
 
     def _trim_open(self) -> None:
         while len(self._open) > OPEN_BLOB_CACHE:
