@@ -385,8 +385,8 @@ def render_stats(snap: dict) -> str:
     for name, t in sorted(snap.get("tags", {}).items()):
         lines.append(f"{name:<20} {t['blobs']:>9} {t['staged_blobs']:>9} "
                      f"{format_size(t['chunk_size']):>10} {format_size(t['size']):>11}  {t['source']}")
-        if t.get("stale_dropped_at_mount"):
-            lines.append(f"  source changed since the last mount: {t['stale_dropped_at_mount']} "
+        if t.get("stale_dropped_at_mount") or t.get("source_changed_at_mount"):
+            lines.append(f"  source changed since the last mount: {t.get('stale_dropped_at_mount', 0)} "
                          "stale blobs dropped, re-faulting from the new version")
         if t.get("source_error"):
             lines.append(f"  source unavailable: {t['source_error']}")

@@ -66,6 +66,7 @@ class Tag:
     staged: bytearray = field(default_factory=bytearray)  # one bit per blob
     staged_count: int = 0
     stale_dropped: int = 0
+    source_changed: bool = False  # the source differs from what the last mount recorded
     last_index: int = -1  # the blob read last: sequential readers get prefetch
     window: int = 0  # blobs to prefetch ahead of a sequential reader (grows, resets)
 
@@ -368,6 +369,7 @@ class Engine:
                             view_name=state.get("view_name"))
         tag.source_error = error
         if recorded is not None and recorded != version:
+            tag.source_changed = True
             log.warning("tag %s: source %s changed (%s -> %s); %d stale blobs dropped, "
                         "re-faulting from the new version", ctx.dst, ctx.src, recorded.describe(),
                         version.describe(), tag.stale_dropped)
@@ -901,6 +903,7 @@ class Engine:
                     "blobs": t.layout.num_blobs, "staged_blobs": t.staged_count,
                     "size": t.layout.size, "source_version": t.version_text,
                     "stale_dropped_at_mount": t.stale_dropped, "source_error": t.source_error,
+                    "source_changed_at_mount": t.source_changed,
                     "shard": t.shard,
                 } for t in self.tags.values()
             },
