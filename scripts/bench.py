@@ -4,7 +4,7 @@ Run through ``scripts/bench`` (which installs rclone and the venv first). One ru
 generated random-bytes source (``--size-mb``, default 1024) and a chunked gzip HDF5 file
 (``--h5-mb`` of float32 before compression), for four systems:
 
-- ``faultfs``  ``faultfs mount big.bin grid.h5 MNT --store DIR --chunk-size 4M`` (the views);
+- ``faultfs``  ``faultfs mount big.bin grid.h5 MNT --store DIR`` (default 1 MiB chunks; the views);
 - ``rclone``   ``rclone mount SRCDIR MNT --vfs-cache-mode full --cache-dir DIR --daemon --read-only``;
 - ``local``    the source files themselves;
 - ``ceiling``  ``scripts/fuse_ceiling.py``: pyfuse3 + trio serving slices of a constant buffer;
@@ -934,7 +934,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seq-timeout", type=float, default=600,
                    help="give up on one sequential or h5py read after this many seconds")
     p.add_argument("--seed", type=int, default=6)
-    p.add_argument("--chunk-size", default="4M", help="faultfs --chunk-size (default 4M)")
+    p.add_argument("--chunk-size", default="0", help="faultfs --chunk-size (default 0: faultfs's own default, 1 MiB)")
     p.add_argument("--faultfs-args", default="", help="extra flags for faultfs mount, one string")
     p.add_argument("--rclone-args", default="", help="extra flags for rclone mount, one string")
     p.add_argument("--ceiling-readahead-kb", type=int,
