@@ -410,12 +410,6 @@ class Engine:
 
     # -- reads ------------------------------------------------------------------------------
 
-    def tag(self, name: str) -> Tag:
-        try:
-            return self.tags[name]
-        except KeyError:
-            raise FaultfsError(f"no tag named {name!r}", errno.ENOENT) from None
-
     async def read_blob(self, tag: Tag, index: int, off: int, size: int) -> bytes:
         """Bytes ``[off, off+size)`` of blob ``index`` (clipped to the blob)."""
         cs = tag.layout.chunk_size
@@ -877,9 +871,6 @@ class Engine:
         self.pages.write_identity(tag, page_size)
 
     # -- introspection ----------------------------------------------------------------------
-
-    def staged_bytes(self, tag: Tag) -> int:
-        return tag.staged_count * (tag.layout.chunk_size + 4096)
 
     def snapshot(self) -> dict:
         """Everything ``faultfs stat`` shows, as plain JSON-able values."""

@@ -178,15 +178,6 @@ class BlobStore:
                     pass
         return names
 
-    def staged_bytes(self, tag: str) -> int:
-        """Bytes on disk under ``tag`` (what ``du`` should see)."""
-        total = 0
-        with os.scandir(self.tag_dir(tag)) as it:
-            for entry in it:
-                if entry.name.startswith(("b-", "h-")):
-                    total += entry.stat().st_blocks * 512
-        return total
-
     # -- blobs -------------------------------------------------------------------------------
 
     def put(self, tag: str, name: str, payload: bytes | memoryview, *, flags: int,
