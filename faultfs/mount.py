@@ -73,6 +73,7 @@ def serve(engine: Engine, mountpoint: str, *, ready: Callable[[], None] | None =
           allow_other: bool = False, debug_fuse: bool = False) -> None:
     """Mount ``engine`` at ``mountpoint`` and serve until unmounted (blocking)."""
     raise_fd_limit()
+    bound_malloc()
     ops = FaultOperations(engine)
     options = set(pyfuse3.default_options)
     options.add("fsname=faultfs")
@@ -121,6 +122,23 @@ async def _announce_ready(mountpoint: str, ready: Callable[[], None] | None,
     log.info("mounted at %s", mountpoint)
     if ready is not None:
         ready()
+
+
+def bound_malloc() -> None:
+    """Keep blob-sized buffers out of glibc's heaps so freeing them returns the memory.
+
+    Without this, glibc raises its mmap threshold after the first freed 1 MiB buffer and
+    serves later ones from per-thread arenas (one per I/O thread), where freed blobs stay in
+    the process: the daemon's RSS grows with the pool size instead of with what it holds."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return  # not glibc: nothing to tune
+    m_mmap_threshold, m_arena_max = -3, -8
+    libc.mallopt(m_mmap_threshold, 256 << 10)
+    libc.mallopt(m_arena_max, 2)
 
 
 def raise_fd_limit(want: int = 65536) -> None:
