@@ -1,4 +1,5 @@
-"""Shared fixtures: real faultfs mounts (daemonized through the CLI) and sample sources."""
+"""Shared fixtures: real faultfs mounts (daemonized through the CLI) and sample sources (local
+files, and objects on a loopback HTTP server that honours Range)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
+from range_http import RangeHttpServer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAULTFS = [sys.executable, "-m", "faultfs.cli"]
@@ -132,3 +135,16 @@ def sample(tmp_path):
         return str(path)
 
     return make
+
+
+@pytest.fixture
+def http_server() -> Iterator[RangeHttpServer]:
+    """A ``RangeHttpServer`` for the test; fsspec's shared HTTP file systems are dropped after."""
+    from faultfs.assimilators import remote
+
+    server = RangeHttpServer()
+    try:
+        yield server
+    finally:
+        server.close()
+        remote.clear_filesystems()

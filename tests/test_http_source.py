@@ -1,24 +1,22 @@
 """Non-S3 remote sources: HTTP(S) against a local server honouring Range, memory://, a flaky fs.
 
-The HTTP server is real (a thread on 127.0.0.1) and speaks HTTP/1.1 with ETag, Last-Modified,
-If-Match and 206 ranges; switches make it forget ETags, ignore If-Match or fail with 503.
+The HTTP server is real (``http_server``, a ``RangeHttpServer`` on 127.0.0.1) and speaks HTTP/1.1
+with ETag, Last-Modified, If-Match and 206 ranges; switches make it forget ETags, ignore If-Match
+or fail with 503.
 """
 
 from __future__ import annotations
 
 import errno
 import random
-import re
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from email.utils import formatdate
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import fsspec
 import pytest
 from fsspec.implementations.memory import MemoryFileSystem
+from range_http import RangeHttpServer
 
 from faultfs.assimilators import remote
 from faultfs.assimilators.remote import RetryPolicy, display_url, open_fsspec_source
@@ -32,101 +30,10 @@ def payload(size: int, seed: int) -> bytes:
     return random.Random(seed).randbytes(size)
 
 
-class RangeServer:
-    """Objects by path; each ``put`` makes a new version (ETag ``"vN"``, a later Last-Modified)."""
-
-    def __init__(self) -> None:
-        self.objects: dict[str, tuple[bytes, str, str]] = {}
-        self.send_etag = True
-        self.honour_if_match = True
-        self.fail_next = 0  # the next N GETs answer 503
-        self.gets = 0
-        self._versions = 0
-        self._lock = threading.Lock()
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, format: str, *args: object) -> None:
-                pass
-
-            def _reply(self, status: int, headers: dict[str, str], body: bytes = b"") -> None:
-                self.send_response(status)
-                for name, value in headers.items():
-                    self.send_header(name, value)
-                if "Content-Length" not in headers:
-                    self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                if self.command != "HEAD":
-                    self.wfile.write(body)
-
-            def do_HEAD(self) -> None:
-                self.do_GET()
-
-            def do_GET(self) -> None:
-                path = self.path.partition("?")[0]
-                if self.command == "GET":
-                    with server._lock:
-                        server.gets += 1
-                        fail = server.fail_next > 0
-                        server.fail_next -= fail
-                    if fail:
-                        return self._reply(503, {}, b"busy")
-                if path not in server.objects:
-                    return self._reply(404, {}, b"no such thing")
-                data, etag, last_modified = server.objects[path]
-                headers = {"Last-Modified": last_modified, "Accept-Ranges": "bytes"}
-                if server.send_etag:
-                    headers["ETag"] = etag
-                if_match = self.headers.get("If-Match")
-                if if_match and server.honour_if_match and if_match != etag:
-                    return self._reply(412, {}, b"precondition failed")
-                m = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
-                if not m:
-                    if self.command == "HEAD":
-                        headers["Content-Length"] = str(len(data))
-                    return self._reply(200, headers, data)
-                first = int(m.group(1))
-                last = min(int(m.group(2) or len(data) - 1), len(data) - 1)
-                if first >= len(data):
-                    return self._reply(416, {"Content-Range": f"bytes */{len(data)}"})
-                headers["Content-Range"] = f"bytes {first}-{last}/{len(data)}"
-                return self._reply(206, headers, data[first:last + 1])
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self.base = f"http://127.0.0.1:{self._server.server_address[1]}"
-        self._thread = threading.Thread(
-            target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
-        )
-        self._thread.start()
-
-    def put(self, path: str, data: bytes) -> str:
-        self._versions += 1
-        last_modified = formatdate(1_700_000_000 + self._versions, usegmt=True)
-        self.objects[path] = (data, f'"v{self._versions}"', last_modified)
-        return f"{self.base}{path}"
-
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-
-
-@pytest.fixture
-def http_server() -> Iterator[RangeServer]:
-    server = RangeServer()
-    try:
-        yield server
-    finally:
-        server.close()
-        remote.clear_filesystems()
-
-
 # --- HTTP ---
 
 
-def test_http_open_version_and_range_reads(http_server: RangeServer) -> None:
+def test_http_open_version_and_range_reads(http_server: RangeHttpServer) -> None:
     data = payload(2 * 2**20 + 17, 1)
     url = http_server.put("/data/field.bin", data)
     src = open_source(url)
@@ -139,7 +46,7 @@ def test_http_open_version_and_range_reads(http_server: RangeServer) -> None:
     assert src.pread(len(data), 100) == b""
 
 
-def test_http_concurrent_reads(http_server: RangeServer) -> None:
+def test_http_concurrent_reads(http_server: RangeHttpServer) -> None:
     data = payload(4 * 2**20, 2)
     src = open_source(http_server.put("/big", data))
     rng = random.Random(3)
@@ -151,7 +58,7 @@ def test_http_concurrent_reads(http_server: RangeServer) -> None:
 
 
 @pytest.mark.parametrize("honour_if_match", [True, False])
-def test_http_changed_etag_fails_reads(http_server: RangeServer, honour_if_match: bool) -> None:
+def test_http_changed_etag_fails_reads(http_server: RangeHttpServer, honour_if_match: bool) -> None:
     """A server that honours If-Match answers 412; one that ignores it is caught by the ETag."""
     http_server.honour_if_match = honour_if_match
     url = http_server.put("/f", payload(10_000, 4))
@@ -164,7 +71,7 @@ def test_http_changed_etag_fails_reads(http_server: RangeServer, honour_if_match
     assert src.version() == remote.SourceVersion(10_000, 'etag:"v2"')
 
 
-def test_http_without_etag_pins_last_modified_and_size(http_server: RangeServer) -> None:
+def test_http_without_etag_pins_last_modified_and_size(http_server: RangeHttpServer) -> None:
     http_server.send_etag = False
     src = open_source(http_server.put("/f", payload(1000, 6)))
     assert src.version().token.startswith("lastmod:")
@@ -177,7 +84,7 @@ def test_http_without_etag_pins_last_modified_and_size(http_server: RangeServer)
         src.pread(0, 10)
 
 
-def test_http_missing_at_open_and_after(http_server: RangeServer) -> None:
+def test_http_missing_at_open_and_after(http_server: RangeHttpServer) -> None:
     with pytest.raises(InvalidInput, match="does not exist") as info:
         open_source(f"{http_server.base}/nope")
     assert info.value.errno == errno.ENOENT
@@ -190,7 +97,7 @@ def test_http_missing_at_open_and_after(http_server: RangeServer) -> None:
     assert http_server.gets == gets + 1  # a 404 is not retried
 
 
-def test_http_transient_errors_retried_then_bounded(http_server: RangeServer) -> None:
+def test_http_transient_errors_retried_then_bounded(http_server: RangeHttpServer) -> None:
     data = payload(50_000, 10)
     src = open_fsspec_source(http_server.put("/f", data), SourceOptions(), retry=QUICK)
     http_server.fail_next = 2
@@ -204,7 +111,7 @@ def test_http_transient_errors_retried_then_bounded(http_server: RangeServer) ->
     assert time.monotonic() - start < 2
 
 
-def test_http_secrets_in_url_never_shown(http_server: RangeServer) -> None:
+def test_http_secrets_in_url_never_shown(http_server: RangeHttpServer) -> None:
     sig = "SIGNATURE-abcdef0123456789"
     path_url = http_server.put("/signed.bin", b"signed bytes")
     host = path_url.removeprefix("http://")

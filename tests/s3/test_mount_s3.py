@@ -16,7 +16,6 @@ import random
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 
 import pytest
 from conftest import run_faultfs
@@ -24,7 +23,6 @@ from conftest import run_faultfs
 from faultfs.assimilators.remote import DEFAULT_RETRY
 
 from .conftest import FAKE_KEY_ID, FAKE_SECRET, REGION
-from .range_http import RangeHttpServer
 
 pytestmark = [pytest.mark.mount, pytest.mark.s3]
 
@@ -78,15 +76,6 @@ def wait_staged(m, tag: str, count: int) -> None:
 
 def stat_json(mountpoint: str) -> dict:
     return json.loads(run_faultfs("stat", mountpoint, "--json", check=True).stdout)
-
-
-@pytest.fixture
-def http_server() -> Iterator[RangeHttpServer]:
-    server = RangeHttpServer()
-    try:
-        yield server
-    finally:
-        server.close()
 
 
 # --- one object, every chunk and the whole-object view ---

@@ -1,9 +1,18 @@
-"""A local HTTP/1.1 server for mount tests: objects by path, 206 ranges, ETag and If-Match.
+"""A local HTTP/1.1 server that honours Range, for source and mount tests: objects by path.
 
-It can also stand in for the two ways a URL carries credentials: ``require_basic`` makes it
-answer 401 without that ``Authorization: Basic`` pair (userinfo in the URL), and
-``require_query`` makes it answer 403 to any request that lacks those query parameters, and to
-every HEAD (like S3, whose presigned GET URL is not valid for HEAD).
+Each ``put`` makes a new version: ETag ``"vN"`` and a Last-Modified one second later. The
+switches default to a well-behaved public server; each makes it misbehave or refuse one way:
+
+- ``send_etag = False``: no ETag, so only Last-Modified (and the size) identify a version.
+- ``honour_if_match = False``: a stale ``If-Match`` is ignored instead of answered with 412.
+- ``fail_next = N``: the next N GETs answer 503.
+- ``require_basic = (user, password)``: 401 without that ``Authorization: Basic`` pair (userinfo
+  in the URL).
+- ``require_query = {name: value}``: 403 to any request that lacks those query parameters, and to
+  every HEAD (like S3, whose presigned GET URL is not valid for HEAD).
+
+Counters: ``gets`` counts every GET that arrives (a 503 or a 404 too), ``range_gets`` the ranged
+GETs of an existing object that passed the credential and ``If-Match`` checks.
 """
 
 from __future__ import annotations
@@ -11,17 +20,22 @@ from __future__ import annotations
 import base64
 import re
 import threading
+from email.utils import formatdate
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qsl, urlsplit
 
 
 class RangeHttpServer:
-    """Serves ``objects[path] = (bytes, etag)``; each ``put`` makes a new ETag ``"vN"``."""
+    """Serves ``objects[path] = (bytes, etag, last_modified)`` on 127.0.0.1, from a thread."""
 
     def __init__(self) -> None:
-        self.objects: dict[str, tuple[bytes, str]] = {}
+        self.objects: dict[str, tuple[bytes, str, str]] = {}
+        self.send_etag = True
+        self.honour_if_match = True
+        self.fail_next = 0
         self.require_basic: tuple[str, str] | None = None
         self.require_query: dict[str, str] = {}
+        self.gets = 0
         self.range_gets = 0
         self._versions = 0
         self._lock = threading.Lock()
@@ -63,15 +77,24 @@ class RangeHttpServer:
                 self.do_GET()
 
             def do_GET(self) -> None:
+                if self.command == "GET":
+                    with server._lock:
+                        server.gets += 1
+                        fail = server.fail_next > 0
+                        server.fail_next -= fail
+                    if fail:
+                        return self._reply(503, {}, b"busy")
                 if not self._authorised():
                     return
                 path = urlsplit(self.path).path
                 if path not in server.objects:
                     return self._reply(404, {}, b"no such thing")
-                data, etag = server.objects[path]
-                headers = {"ETag": etag, "Accept-Ranges": "bytes"}
+                data, etag, last_modified = server.objects[path]
+                headers = {"Last-Modified": last_modified, "Accept-Ranges": "bytes"}
+                if server.send_etag:
+                    headers["ETag"] = etag
                 if_match = self.headers.get("If-Match")
-                if if_match and if_match != etag:
+                if if_match and server.honour_if_match and if_match != etag:
                     return self._reply(412, {}, b"precondition failed")
                 m = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
                 if not m:
@@ -98,7 +121,8 @@ class RangeHttpServer:
         """Store ``data`` at ``path`` as a new version; its URL."""
         with self._lock:
             self._versions += 1
-            self.objects[path] = (data, f'"v{self._versions}"')
+            last_modified = formatdate(1_700_000_000 + self._versions, usegmt=True)
+            self.objects[path] = (data, f'"v{self._versions}"', last_modified)
         return f"{self.base}{path}"
 
     def close(self) -> None:
