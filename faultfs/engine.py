@@ -111,7 +111,7 @@ class Stats:
         "skipped_cache_cap", "store_failures", "readthrough_backoff", "evicted", "evicted_bytes",
         "zero_filled_bytes", "bytes_served", "page_reads", "page_slices", "page_errors",
         "stale_blobs_dropped", "corrupt_blobs_dropped", "memory_hits", "prefetches",
-        "prefetch_errors",
+        "prefetch_errors", "store_readahead",
     )
 
     def __init__(self) -> None:
@@ -173,12 +173,13 @@ class BlobMemory:
 class _Flight:
     """One in-progress fault that later readers of the same blob wait on."""
 
-    __slots__ = ("data", "done", "error")
+    __slots__ = ("data", "done", "error", "from_store")
 
-    def __init__(self) -> None:
+    def __init__(self, from_store: bool = False) -> None:
         self.done = trio.Event()
         self.data: bytes | None = None
         self.error: BaseException | None = None
+        self.from_store = from_store  # a read-ahead of a staged blob, not a fault
 
 
 class Engine:
@@ -456,6 +457,13 @@ class Engine:
             self.stats.add("hits")
             self.stats.add("memory_hits")
             return held[off:off + size]
+        flight = self._flights.get(key)
+        if flight is not None and flight.from_store:  # being read ahead from the store
+            await flight.done.wait()
+            if flight.data is not None:
+                self.stats.add("hits")
+                self.stats.add("memory_hits")
+                return flight.data[off:off + size]
         if tag.is_staged(index):
             data = await self._read_staged(tag, index, off, size)
             if data is not None:
@@ -551,6 +559,11 @@ class Engine:
         (in the background when the engine is attached to a mount), the bytes held in memory
         until it is on disk, so no reader faults the same blob twice."""
         flight = self._flights.get((tag.id, index))
+        while flight is not None and flight.from_store:  # a read-ahead of the staged copy
+            await flight.done.wait()
+            if flight.data is not None:
+                return flight.data
+            flight = self._flights.get((tag.id, index))
         if flight is None:
             [flight] = await self._fault_run(tag, index, self._claim(tag, index, 1))
         else:
@@ -680,6 +693,13 @@ class Engine:
         run_start, run_len = -1, 0
         for ahead in range(index + 1, min(index + 1 + tag.window, tag.layout.num_blobs) + 1):
             key = (tag.id, ahead)
+            if (ahead < tag.layout.num_blobs and tag.is_staged(ahead)
+                    and self._prefetching < limit and key not in self._flights
+                    and key not in self.memory and key not in self._storing):
+                self._prefetching += 1
+                flight = _Flight(from_store=True)
+                self._flights[key] = flight
+                self._background.start_soon(self._load_ahead, tag, ahead, flight)
             wanted = (ahead < tag.layout.num_blobs and self._prefetching + run_len < limit
                       and not tag.is_staged(ahead) and key not in self._flights
                       and key not in self.memory and key not in self._storing)
@@ -693,6 +713,28 @@ class Engine:
                 flights = self._claim(tag, run_start, run_len)
                 self._background.start_soon(self._prefetch, tag, run_start, flights)
             run_start, run_len = (ahead, 1) if wanted else (-1, 0)
+
+    async def _load_ahead(self, tag: Tag, index: int, flight: _Flight) -> None:
+        """Read a staged blob ahead of a sequential reader into memory (verified), so its
+        reads are served without a trip to the pool. On any trouble the readers fall back
+        to the normal path."""
+        key = (tag.id, index)
+        try:
+            blob, data = await self.run_io(self._open_and_read, tag, tag.layout.blob_name(index),
+                                           tag.layout.chunk_size, 0)
+            if blob is not None:
+                blob.close()
+            if isinstance(data, bytes):
+                flight.data = data
+                self.memory.put(key, data)
+                self.stats.add("store_readahead")
+        except Exception:  # a background task must never take the mount down
+            log.exception("read-ahead of blob %d of tag %s failed", index, tag.name)
+        finally:
+            flight.done.set()
+            if self._flights.get(key) is flight:
+                del self._flights[key]
+            self._prefetching -= 1
 
     async def _prefetch(self, tag: Tag, first: int, flights: list[_Flight]) -> None:
         count = len(flights)

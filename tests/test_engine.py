@@ -443,3 +443,28 @@ def test_background_store_keeps_bytes_servable_until_on_disk(store):
     trio.run(main)
     assert src.reads == 1
     assert store.read("t", "chunk_1", source_version=tag.version_text) == data[CS:2 * CS]
+
+
+def test_sequential_reader_of_staged_blobs_is_served_from_a_read_ahead(store):
+    data = payload(CS * 32)
+    make_source(data)
+    eng = engine_for(store, memory_mb=1, prefetch_mb=1)
+    tag = eng.register(ctx_for())
+    trio.run(eng.read_view, tag, 0, len(data))  # stage everything (no nursery: inline)
+    eng.close()
+    src = make_source(data)
+    eng2 = engine_for(store, memory_mb=1, prefetch_mb=1)
+    [tag2] = eng2.recover()
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            eng2.attach(nursery)
+            for i in range(32):
+                assert await eng2.read_blob(tag2, i, 0, CS) == data[i * CS:(i + 1) * CS]
+            await settle(eng2)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    c = eng2.stats.counters
+    assert src.reads == 0 and c["faults"] == 0
+    assert c["store_readahead"] > 0 and c["memory_hits"] > 0
