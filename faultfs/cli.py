@@ -20,6 +20,7 @@ from faultfs.errors import FaultfsError, InvalidInput
 
 log = logging.getLogger("faultfs")
 
+ARGV_STDIN = "--argv-on-stdin"  # how `faultfs mount` hands its arguments to the daemon
 READY_TIMEOUT_S = 300.0  # registering many remote shards can take a while
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -125,7 +126,6 @@ def _mount_daemon(args: argparse.Namespace) -> int:
     """Start the daemon and wait until it says the mount answers (or why it failed)."""
     from faultfs.config import default_store_dir
 
-    argv = [a for a in sys.argv[1:]]
     read_fd, write_fd = os.pipe()
     store = os.path.abspath(os.path.expanduser(args.store or default_store_dir()))
     log_path = os.path.join(store, "log", "faultfs.log")
@@ -134,10 +134,19 @@ def _mount_daemon(args: argparse.Namespace) -> int:
         log_file = open(log_path, "ab")
     except OSError:
         log_file = None
-    cmd = [sys.executable, "-m", "faultfs.cli", *argv, "--ready-fd", str(write_fd)]
+    # The arguments travel on the daemon's stdin, not its command line: a source URL may
+    # carry credentials (a presigned query, user:password@), and /proc/PID/cmdline is
+    # readable by every local user for as long as the daemon runs.
+    cmd = [sys.executable, "-m", "faultfs.cli", ARGV_STDIN]
     proc = subprocess.Popen(
-        cmd, pass_fds=(write_fd,), start_new_session=True, stdin=subprocess.DEVNULL,
+        cmd, pass_fds=(write_fd,), start_new_session=True, stdin=subprocess.PIPE,
         stdout=subprocess.DEVNULL, stderr=log_file or subprocess.DEVNULL)
+    assert proc.stdin is not None
+    try:
+        proc.stdin.write(json.dumps([*args.argv, "--ready-fd", str(write_fd)]).encode())
+        proc.stdin.close()
+    except BrokenPipeError:
+        pass  # the daemon died at once; _read_ready reports it
     os.close(write_fd)
     if log_file is not None:
         log_file.close()
@@ -407,8 +416,13 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpa
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv == [ARGV_STDIN]:  # a daemon started by `faultfs mount`: arguments on stdin
+        argv = json.loads(sys.stdin.buffer.read())
+        sys.stdin.close()
     parser = build_parser()
     args = parse_args(parser, argv)
+    args.argv = argv
     debug = getattr(args, "debug", False)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING,

@@ -400,3 +400,13 @@ def test_a_tag_with_hundreds_of_thousands_of_chunks_lists_in_bounded_memory(moun
     with open(f"/proc/{m.pid}/status") as f:
         rss_kb = int(next(line for line in f if line.startswith("VmHWM")).split()[1])
     assert rss_kb < 200 * 1024, f"listing must not allocate per entry (peak RSS {rss_kb} kB)"
+
+
+def test_the_daemon_command_line_names_no_source(mounter, tmp_path):
+    src = tmp_path / "secret-token-1234.bin"
+    src.write_bytes(b"x" * 5000)
+    m = mounter(str(src), args=["--tag", "plain"])
+    with open(f"/proc/{m.pid}/cmdline", "rb") as f:
+        cmdline = f.read()
+    assert b"secret-token-1234" not in cmdline, "URLs may carry credentials: keep them off argv"
+    assert read(os.path.join(m.tag("plain"), "secret-token-1234.bin")) == b"x" * 5000
