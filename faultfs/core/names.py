@@ -24,8 +24,6 @@ def check_name(name: str, what: str = "name", *, allow_dot: bool = False) -> str
         raise InvalidInput(f"{what} {name!r} contains NUL")
     if name in (".", ".."):
         raise InvalidInput(f"{what} {name!r} is not allowed")
-    if ".." in name.split("/"):
-        raise InvalidInput(f"{what} {name!r} contains '..'")
     if not allow_dot and name.startswith("."):
         raise InvalidInput(f"{what} {name!r} starts with '.', which faultfs keeps for itself")
     return name
