@@ -914,9 +914,9 @@ class Engine:
 
     # -- introspection ----------------------------------------------------------------------
 
-    def snapshot(self) -> dict:
+    async def snapshot(self) -> dict:
         """Everything ``faultfs stat`` shows, as plain JSON-able values."""
-        free = self.store.free_bytes()
+        free = await self.run_io(self.store.free_bytes)  # statvfs: not on the trio thread
         return {
             "pid": os.getpid(),
             "uptime_s": round(time.time() - self.stats.started, 1),

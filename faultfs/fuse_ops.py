@@ -287,7 +287,7 @@ class FaultOperations(pyfuse3.Operations):
     @fuse_boundary
     async def read(self, fh, off, size):
         if fh == STATS_FILE:
-            return self.stats_bytes()[off:off + size]
+            return (await self.stats_bytes())[off:off + size]
         if fh >= 1 << 62:  # a pagemap handle (see Engine.open_pagemap)
             return self.engine.pagemap_handle_read(fh, off, size)
         tag_id, kind, index = split_inode(fh)
@@ -403,5 +403,6 @@ class FaultOperations(pyfuse3.Operations):
         out.f_namemax = 255
         return out
 
-    def stats_bytes(self) -> bytes:
-        return (json.dumps(self.engine.snapshot(), indent=1, sort_keys=True) + "\n").encode()
+    async def stats_bytes(self) -> bytes:
+        snap = await self.engine.snapshot()
+        return (json.dumps(snap, indent=1, sort_keys=True) + "\n").encode()

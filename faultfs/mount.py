@@ -177,7 +177,7 @@ async def _watch_signals() -> None:
 async def _log_stats(engine: Engine) -> None:
     while True:
         await trio.sleep(STATS_INTERVAL_S)
-        snap = engine.snapshot()
+        snap = await engine.snapshot()
         log.info("stats %s latency %s", json.dumps(snap["counters"], sort_keys=True),
                  json.dumps(snap["fault_latency"], sort_keys=True))
 

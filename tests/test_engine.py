@@ -322,7 +322,7 @@ def test_changed_source_makes_staged_blobs_stale_on_remount(store):
     eng2 = engine_for(store)
     [tag2] = eng2.recover()
     assert tag2.staged_count == 0 and tag2.stale_dropped == 2 and tag2.source_changed
-    assert eng2.snapshot()["tags"]["t"]["source_changed_at_mount"] is True
+    assert trio.run(eng2.snapshot)["tags"]["t"]["source_changed_at_mount"] is True
     assert trio.run(eng2.read_view, tag2, 0, len(new)) == new
     assert src2.reads == 2
 
