@@ -27,6 +27,7 @@ log = logging.getLogger("faultfs.fuse")
 
 ROOT = pyfuse3.ROOT_INODE
 CTL_DIR, STATS_FILE, REGISTRY_DIR = 2, 3, 4
+STATS_HANDLES = 1 << 61  # file handles of .faultfs/stats count up from here (pagemaps: 1 << 62)
 CTL_NAME = ".faultfs"
 PAGEMAP_NAME = ".pagemap"
 PAGE_PREFIX = "page:"
@@ -80,6 +81,8 @@ class FaultOperations(pyfuse3.Operations):
         self.gid = os.getgid()
         self.mounted_at = time.time_ns()
         self.registry_keys = sorted(engine.registry)
+        self._stats_open: dict[int, bytes] = {}  # open handles of .faultfs/stats
+        self._stats_fh = STATS_HANDLES
         self._invalidations = trio.CapacityLimiter(1)  # one notifier thread at a time
         engine.pages.subscribe(self._pages_changed)
 
@@ -272,7 +275,10 @@ class FaultOperations(pyfuse3.Operations):
         if inode == STATS_FILE:
             if writing:
                 raise pyfuse3.FUSEError(errno.EACCES)
-            return pyfuse3.FileInfo(fh=inode, direct_io=True, keep_cache=False)
+            # one snapshot per open: a reader reading in pieces gets one consistent document
+            self._stats_fh += 1
+            self._stats_open[self._stats_fh] = await self.stats_bytes()
+            return pyfuse3.FileInfo(fh=self._stats_fh, direct_io=True, keep_cache=False)
         if kind == KIND_DIR:
             raise pyfuse3.FUSEError(errno.EISDIR)
         if writing and kind != KIND_PAGEMAP:
@@ -286,8 +292,8 @@ class FaultOperations(pyfuse3.Operations):
 
     @fuse_boundary
     async def read(self, fh, off, size):
-        if fh == STATS_FILE:
-            return (await self.stats_bytes())[off:off + size]
+        if fh in self._stats_open:
+            return self._stats_open[fh][off:off + size]
         if fh >= 1 << 62:  # a pagemap handle (see Engine.open_pagemap)
             return self.engine.pagemap_handle_read(fh, off, size)
         tag_id, kind, index = split_inode(fh)
@@ -377,6 +383,8 @@ class FaultOperations(pyfuse3.Operations):
 
     @fuse_boundary
     async def release(self, fh):
+        if self._stats_open.pop(fh, None) is not None:
+            return
         if fh >= 1 << 62:
             await self.engine.close_pagemap(fh)
 

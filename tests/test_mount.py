@@ -410,3 +410,23 @@ def test_the_daemon_command_line_names_no_source(mounter, tmp_path):
         cmdline = f.read()
     assert b"secret-token-1234" not in cmdline, "URLs may carry credentials: keep them off argv"
     assert read(os.path.join(m.tag("plain"), "secret-token-1234.bin")) == b"x" * 5000
+
+
+def test_stats_read_in_small_pieces_is_one_consistent_document(mounter, sample):
+    src = sample(4 * MiB)
+    m = mounter(src)
+    fd = os.open(os.path.join(m.path, ".faultfs", "stats"), os.O_RDONLY)
+    try:
+        pieces = []
+        while True:
+            piece = os.read(fd, 7)
+            if not piece:
+                break
+            pieces.append(piece)
+            if len(pieces) == 3:  # the counters change while the reader is half way
+                read(os.path.join(m.tag("field"), "field.bin"))
+    finally:
+        os.close(fd)
+    doc = json.loads(b"".join(pieces))
+    assert doc["counters"]["faults"] == 0, "the document is the snapshot taken at open"
+    assert m.counters()["faults"] == 4
