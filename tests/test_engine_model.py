@@ -95,12 +95,14 @@ class EngineModel(RuleBasedStateMachine):
         base = self.source.reads
         self.source.fail_calls = {base + c for c in calls}
 
-    @rule(data=st.data(), where=st.sampled_from(["payload", "header", "truncate"]))
-    def damage_a_staged_blob(self, data, where):
+    @rule(pick=st.integers(0, 1 << 16), where=st.sampled_from(["payload", "header", "truncate"]))
+    def damage_a_staged_blob(self, pick, where):
+        # what is on disk depends on background timing: draw a number, not from that list,
+        # so every replay of a step draws the same kinds of values
         names = sorted(self.store.list_blobs("t"))
         if not names:
             return
-        path = self.store.blob_path("t", data.draw(st.sampled_from(names)))
+        path = self.store.blob_path("t", names[pick % len(names)])
         size = os.path.getsize(path)
         if where == "truncate":
             os.truncate(path, max(0, size - 1))
@@ -160,6 +162,7 @@ class EngineModelWithFullStore(EngineModel):
 
 EngineModelWithFullStore.TestCase.settings = settings(
     max_examples=150, stateful_step_count=30, deadline=None,
+    derandomize=bool(os.environ.get("CI")),  # CI replays the same examples; local runs explore
     suppress_health_check=[HealthCheck.too_slow])
 test_engine_matches_the_bytes_model = EngineModelWithFullStore.TestCase
 
