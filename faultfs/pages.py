@@ -122,16 +122,16 @@ class PageService:
         store = self.engine.store
         try:
             blob = store.open_blob(tag.name, PAGEMAP_BLOB)
+            if blob is None:
+                return _ABSENT
+            try:  # payload blocks are verified by the read
+                mtime_ns = os.fstat(blob.fd).st_mtime_ns
+                data = blob.pread(blob.header.payload_len, 0)
+            finally:
+                blob.close()
         except FaultfsError as exc:  # a damaged dirty blob: shown, unusable, rewritable
             log.error("tag %s: pagemap blob is damaged (%s): no pages are shown", tag.name, exc)
             return _Loaded(True, EMPTY_PAGEMAP, 0, time.time_ns())
-        if blob is None:
-            return _ABSENT
-        try:
-            mtime_ns = os.fstat(blob.fd).st_mtime_ns
-            data = blob.pread(blob.header.payload_len, 0)
-        finally:
-            blob.close()
         try:
             pagemap = parse(data.decode("utf-8"))
         except UnicodeDecodeError:
