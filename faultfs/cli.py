@@ -307,7 +307,6 @@ def prepare_engine(args: argparse.Namespace, config, options):
         # context that is persisted and hashed names it with those values as *** (the registry
         # never holds a secret). The real URL lives only in the opened source, in memory: a
         # remount without the source cannot re-open it (docs/sources.md, "Secrets").
-        plans = [_without_url_credentials(plan) for plan in plans]
         for shard, plan in enumerate(plans):
             engine.commit_plan(plan, shard=shard)
         engine.recover()
@@ -320,19 +319,6 @@ def prepare_engine(args: argparse.Namespace, config, options):
         store.release()
         raise
     return engine, mountpoint
-
-
-def _without_url_credentials(plan):
-    from dataclasses import replace
-
-    from faultfs.assimilators.sources import local_path
-
-    if local_path(plan.ctx.src) is not None:
-        return plan
-    from faultfs.assimilators.remote import persistable_src
-
-    src = persistable_src(plan.ctx.src)
-    return plan if src == plan.ctx.src else replace(plan, ctx=replace(plan.ctx, src=src))
 
 
 def _unique(name: str, used: set[str]) -> str:

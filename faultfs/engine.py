@@ -20,7 +20,7 @@ import errno
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import trio
 
@@ -231,6 +231,7 @@ class Engine:
         except BaseException:
             source.close()
             raise
+        ctx = persistable(ctx)  # the source is open with the real URL; credentials stop here
         old = self.tags.get(ctx.dst)
         if old is not None and old.key != ctx.key:
             source.close()
@@ -941,6 +942,17 @@ class Engine:
                 } for t in self.tags.values()
             },
         }
+
+
+def persistable(ctx: FaultContext) -> FaultContext:
+    """``ctx`` as it may be hashed and persisted: a remote source URL with the credentials it
+    carries (a presigned query, ``user:password@``) replaced by ``***`` (DESIGN §3)."""
+    if local_path(ctx.src) is not None:
+        return ctx
+    from faultfs.assimilators.remote import persistable_src
+
+    src = persistable_src(ctx.src)
+    return ctx if src == ctx.src else replace(ctx, src=src)
 
 
 def single_error(group: BaseExceptionGroup) -> BaseException:

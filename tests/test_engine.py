@@ -468,3 +468,17 @@ def test_sequential_reader_of_staged_blobs_is_served_from_a_read_ahead(store):
     c = eng2.stats.counters
     assert src.reads == 0 and c["faults"] == 0
     assert c["store_readahead"] > 0 and c["memory_hits"] > 0
+
+
+def test_registration_persists_no_credentials_from_a_url(store):
+    from faultfs.assimilators import remote
+
+    url = "mem://b/k?X-Amz-Signature=deadbeefcafe&X-Amz-Credential=AKIA123"
+    make_source(payload(CS), url=url)
+    eng = engine_for(store)
+    tag = eng.register(ctx_for(url))
+    assert tag.ctx.src == remote.persistable_src(url) != url
+    for name in store.list_blobs(REGISTRY_TAG):
+        text = store.read(REGISTRY_TAG, name)
+        assert b"deadbeefcafe" not in text and b"AKIA123" not in text
+    assert trio.run(eng.read_blob, tag, 0, 0, 10) == payload(CS)[:10], "the open source serves"
