@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--memory-mb", type=int, help="recently faulted blobs kept in memory (default 64)")
     m.add_argument("--prefetch-mb", type=int, help="fault up to this much ahead of sequential readers (default 32; 0: off)")
     m.add_argument("--readahead-kb", type=int, help="kernel readahead of the mount (default 4096; 0: kernel default)")
+    m.add_argument("--inline-read-kb", type=int,
+                   help="staged reads up to this size are read on the serving thread, not the I/O pool "
+                        "(default 64; 0: always the pool, e.g. for a store on a network disk)")
     m.add_argument("--s3-endpoint-url", default="", help="S3 endpoint (default: AWS configuration)")
     m.add_argument("--s3-region", default="", help="S3 region")
     m.add_argument("--s3-profile", default="", help="AWS profile for S3 credentials")
@@ -230,7 +233,8 @@ def _mount_here(args: argparse.Namespace) -> int:
                               store_enabled=False if args.no_store else None,
                               io_threads=args.io_threads, stats_log=True if args.stats else None,
                               cache_size=args.cache_size, memory_mb=args.memory_mb,
-                              prefetch_mb=args.prefetch_mb, readahead_kb=args.readahead_kb)
+                              prefetch_mb=args.prefetch_mb, readahead_kb=args.readahead_kb,
+                              inline_read_kb=args.inline_read_kb)
         _setup_logging(args, config.store_dir)
         options = SourceOptions(s3_region=args.s3_region, s3_profile=args.s3_profile,
                                 s3_endpoint_url=args.s3_endpoint_url, anon=args.anon)

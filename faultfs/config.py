@@ -19,6 +19,7 @@ STATS_INTERVAL_S = 5.0
 MEMORY_MB = 64  # recently faulted blobs kept in memory: later pieces of a blob skip the store
 PREFETCH_MB = 32  # sequential readers get up to this much faulted ahead of them
 READAHEAD_KB = 4096  # kernel readahead of the mount: 1 MiB requests, several in flight
+INLINE_READ_KB = 64  # staged reads up to this size block the event loop's thread, no pool trip
 
 ENV_ALIASES = {
     "FAULTFS_RESERVE_MB": "CLIO_CAE_FAULT_RESERVE_MB",
@@ -80,6 +81,7 @@ class Config:
     memory_mb: int = MEMORY_MB
     prefetch_mb: int = PREFETCH_MB
     readahead_kb: int = READAHEAD_KB
+    inline_read_kb: int = INLINE_READ_KB
 
     def __post_init__(self) -> None:
         if self.io_threads < 1:
@@ -88,8 +90,8 @@ class Config:
             raise InvalidInput("--reserve-mb must not be negative")
         if self.cache_size < 0:
             raise InvalidInput("--cache-size must not be negative")
-        if self.memory_mb < 0 or self.prefetch_mb < 0 or self.readahead_kb < 0:
-            raise InvalidInput("memory, prefetch and readahead sizes must not be negative")
+        if min(self.memory_mb, self.prefetch_mb, self.readahead_kb, self.inline_read_kb) < 0:
+            raise InvalidInput("memory, prefetch, readahead and inline-read sizes must not be negative")
 
     @property
     def reserve_bytes(self) -> int:
@@ -100,7 +102,7 @@ class Config:
               store_enabled: bool | None = None, io_threads: int | None = None,
               stats_log: bool | None = None, cache_size: int | None = None,
               memory_mb: int | None = None, prefetch_mb: int | None = None,
-              readahead_kb: int | None = None,
+              readahead_kb: int | None = None, inline_read_kb: int | None = None,
               env: Mapping[str, str] | None = None) -> Config:
         """Flags (non-None arguments) win over the environment, which wins over defaults."""
         return cls(
@@ -113,4 +115,5 @@ class Config:
             memory_mb=memory_mb if memory_mb is not None else _env_int("FAULTFS_MEMORY_MB", MEMORY_MB, env),
             prefetch_mb=prefetch_mb if prefetch_mb is not None else _env_int("FAULTFS_PREFETCH_MB", PREFETCH_MB, env),
             readahead_kb=readahead_kb if readahead_kb is not None else _env_int("FAULTFS_READAHEAD_KB", READAHEAD_KB, env),
+            inline_read_kb=inline_read_kb if inline_read_kb is not None else _env_int("FAULTFS_INLINE_READ_KB", INLINE_READ_KB, env),
         )

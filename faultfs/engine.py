@@ -43,6 +43,8 @@ from faultfs.store.blobstore import BlobStore, OpenBlob
 
 log = logging.getLogger("faultfs.engine")
 
+Buffer = bytes | memoryview  # replies are slices of held buffers, not copies
+
 OPEN_BLOB_CACHE = 1024  # store descriptors kept open for hits; bounded so fds never run out
 LATENCY_SAMPLES = 2048  # fault latencies kept for percentiles
 PREFETCH_RUN_BYTES = 8 << 20  # adjacent blobs fetched ahead in one source read: one request
@@ -143,9 +145,9 @@ class BlobMemory:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.size = 0
-        self._blobs: collections.OrderedDict[tuple[int, int], bytes] = collections.OrderedDict()
+        self._blobs: collections.OrderedDict[tuple[int, int], Buffer] = collections.OrderedDict()
 
-    def get(self, key: tuple[int, int]) -> bytes | None:
+    def get(self, key: tuple[int, int]) -> Buffer | None:
         data = self._blobs.get(key)
         if data is not None:
             self._blobs.move_to_end(key)
@@ -154,7 +156,7 @@ class BlobMemory:
     def __contains__(self, key: tuple[int, int]) -> bool:
         return key in self._blobs
 
-    def put(self, key: tuple[int, int], data: bytes) -> None:
+    def put(self, key: tuple[int, int], data: Buffer) -> None:
         if len(data) > self.capacity:
             return
         self.discard(key)
@@ -177,7 +179,7 @@ class _Flight:
 
     def __init__(self, from_store: bool = False) -> None:
         self.done = trio.Event()
-        self.data: bytes | None = None
+        self.data: Buffer | None = None
         self.error: BaseException | None = None
         self.from_store = from_store  # a read-ahead of a staged blob, not a fault
 
@@ -204,7 +206,8 @@ class Engine:
         self._next_id = 1
         self._pages = None
         self.memory = BlobMemory(config.memory_mb << 20)
-        self._storing: dict[tuple[int, int], bytes] = {}  # faulted, being written to the store
+        self._inline_read = config.inline_read_kb << 10
+        self._storing: dict[tuple[int, int], Buffer] = {}  # faulted, being written to the store
         self._background: trio.Nursery | None = None
         self._store_slots: trio.Semaphore | None = None
         self._prefetching = 0
@@ -412,7 +415,7 @@ class Engine:
 
     # -- reads ------------------------------------------------------------------------------
 
-    async def read_blob(self, tag: Tag, index: int, off: int, size: int) -> bytes:
+    async def read_blob(self, tag: Tag, index: int, off: int, size: int) -> Buffer:
         """Bytes ``[off, off+size)`` of blob ``index`` (clipped to the blob)."""
         cs = tag.layout.chunk_size
         if off >= cs or size <= 0:
@@ -423,7 +426,7 @@ class Engine:
         self.stats.add("bytes_served", len(data))
         return data
 
-    async def read_view(self, tag: Tag, off: int, size: int) -> bytes:
+    async def read_view(self, tag: Tag, off: int, size: int) -> Buffer:
         """Bytes ``[off, off+size)`` of the whole-object view (exact source bytes)."""
         pieces = tag.layout.view_pieces(off, size)
         if not pieces:
@@ -433,7 +436,7 @@ class Engine:
             index, inner, length = pieces[0]
             data = await self._blob_bytes(tag, index, inner, length)
         else:
-            parts: list[bytes] = [b""] * len(pieces)
+            parts: list[Buffer] = [b""] * len(pieces)
 
             async def one(i: int, index: int, inner: int, length: int) -> None:
                 parts[i] = await self._blob_bytes(tag, index, inner, length)
@@ -448,7 +451,7 @@ class Engine:
         self.stats.add("bytes_served", len(data))
         return data
 
-    async def _blob_bytes(self, tag: Tag, index: int, off: int, size: int) -> bytes:
+    async def _blob_bytes(self, tag: Tag, index: int, off: int, size: int) -> Buffer:
         key = (tag.id, index)
         self._note_access(tag, index)
         held = self.memory.get(key) or self._storing.get(key)
@@ -457,32 +460,35 @@ class Engine:
                 self._lru.move_to_end(key)
             self.stats.add("hits")
             self.stats.add("memory_hits")
-            return held[off:off + size]
+            return memoryview(held)[off:off + size]
         flight = self._flights.get(key)
         if flight is not None and flight.from_store:  # being read ahead from the store
             await flight.done.wait()
             if flight.data is not None:
                 self.stats.add("hits")
                 self.stats.add("memory_hits")
-                return flight.data[off:off + size]
+                return memoryview(flight.data)[off:off + size]
         if tag.is_staged(index):
             data = await self._read_staged(tag, index, off, size)
             if data is not None:
                 self.stats.add("hits")
                 return data
         blob = await self.fault(tag, index)
-        return blob[off:off + size]
+        return memoryview(blob)[off:off + size]
 
-    async def _read_staged(self, tag: Tag, index: int, off: int, size: int) -> bytes | None:
+    async def _read_staged(self, tag: Tag, index: int, off: int, size: int) -> Buffer | None:
         """Bytes of a staged blob, verified block by block; None when it turned out torn,
         foreign or stale (it is dropped and the caller re-faults it)."""
         key = (tag.id, index)
         name = tag.layout.blob_name(index)
         blob = self._open.get(key)
-        first_read: bytes | CorruptionError | None = None
+        first_read: Buffer | CorruptionError | None = None
         if blob is None:
-            try:  # open and first read in one trip to the pool
-                blob, first_read = await self.run_io(self._open_and_read, tag, name, size, off)
+            try:  # open and first read together: inline when small, else one trip to the pool
+                if size <= self._inline_read:
+                    blob, first_read = self._open_and_read(tag, name, size, off)
+                else:
+                    blob, first_read = await self.run_io(self._open_and_read, tag, name, size, off)
             except CorruptionError as exc:
                 raise FaultfsError(str(exc), errno.EIO) from None
             if blob is None:
@@ -503,9 +509,12 @@ class Engine:
                 raise first_read
             if first_read is not None:
                 return first_read
-            data = blob.pread(size, off, nowait=True)  # never blocks: page-cache hits only
+            data = blob.pread_view(size, off, nowait=True)  # never blocks: page-cache hits only
             if data is None:
-                data = await self.run_io(blob.pread, size, off)
+                if size <= self._inline_read:
+                    data = blob.pread_view(size, off)  # a few blocks off the local store
+                else:
+                    data = await self.run_io(blob.pread_view, size, off)
             return data
         except CorruptionError as exc:
             log.warning("tag %s: %s", tag.name, exc)
@@ -529,14 +538,14 @@ class Engine:
         self.stats.add("corrupt_blobs_dropped")
 
     def _open_and_read(self, tag: Tag, name: str, size: int, off: int
-                       ) -> tuple[OpenBlob | None, bytes | CorruptionError | None]:
+                       ) -> tuple[OpenBlob | None, Buffer | CorruptionError | None]:
         """Open a staged blob and read from it (on the pool); a damaged block is returned,
         not raised, so the caller handles it with the blob registered."""
         blob = self.store.open_blob(tag.name, name, source_version=tag.version_text)
         if blob is None:
             return None, None
         try:
-            return blob, blob.pread(size, off)
+            return blob, blob.pread_view(size, off)
         except CorruptionError as exc:
             return blob, exc
 
@@ -553,7 +562,7 @@ class Engine:
 
     # -- faults -----------------------------------------------------------------------------
 
-    async def fault(self, tag: Tag, index: int) -> bytes:
+    async def fault(self, tag: Tag, index: int) -> Buffer:
         """Bring blob ``index`` in from the source (single-flight) and return all of it.
 
         Readers get the bytes as soon as the source read is done; the store write follows
@@ -597,7 +606,7 @@ class Engine:
         count = len(flights)
         self.stats.add("faults", count)
         started = time.monotonic()
-        datas: list[bytes] = []
+        datas: list[Buffer] = []
         try:
             datas = await self.run_io(self._read_source, tag, first, count)
             self._count_source_read(tag, first, count)
@@ -627,7 +636,7 @@ class Engine:
             await self._schedule_store(tag, index, data)
         return flights
 
-    async def _schedule_store(self, tag: Tag, index: int, data: bytes) -> None:
+    async def _schedule_store(self, tag: Tag, index: int, data: Buffer) -> None:
         if self._background is None or self._store_slots is None:
             await self._maybe_store(tag, index, data)
             return
@@ -638,7 +647,7 @@ class Engine:
             raise
         self._background.start_soon(self._store_in_background, tag, index, data)
 
-    async def _store_in_background(self, tag: Tag, index: int, data: bytes) -> None:
+    async def _store_in_background(self, tag: Tag, index: int, data: Buffer) -> None:
         key = (tag.id, index)
         try:
             await self._maybe_store(tag, index, data)
@@ -725,7 +734,7 @@ class Engine:
                                            tag.layout.chunk_size, 0)
             if blob is not None:
                 blob.close()
-            if isinstance(data, bytes):
+            if data is not None and not isinstance(data, CorruptionError):
                 flight.data = data
                 self.memory.put(key, data)
                 self.stats.add("store_readahead")
@@ -750,7 +759,7 @@ class Engine:
         finally:
             self._prefetching -= count
 
-    def _read_source(self, tag: Tag, first: int, count: int = 1) -> list[bytes]:
+    def _read_source(self, tag: Tag, first: int, count: int = 1) -> list[Buffer]:
         """Blobs ``first .. first+count-1`` from the source in one read, each zero-filled to
         the chunk size (on the pool)."""
         if tag.source is None:
@@ -771,10 +780,10 @@ class Engine:
         cs = tag.layout.chunk_size
         if count == 1:
             return [zero_fill(raw, cs)]
-        view = memoryview(raw)
-        return [zero_fill(bytes(view[i * cs:(i + 1) * cs]), cs) for i in range(count)]
+        view = memoryview(raw)  # blobs of a run are slices of its one buffer
+        return [zero_fill(view[i * cs:(i + 1) * cs], cs) for i in range(count)]
 
-    async def _maybe_store(self, tag: Tag, index: int, data: bytes) -> None:
+    async def _maybe_store(self, tag: Tag, index: int, data: Buffer) -> None:
         """Apply the store policy (DESIGN §5.3) to the faulted ``data``."""
         if not self.config.store_enabled:
             self.stats.add("skipped_no_store")
@@ -833,7 +842,7 @@ class Engine:
             self.stats.add("evicted_bytes", size)
         return victims if self._lru_bytes + need <= cap else None
 
-    def _store_blocking(self, tag: Tag, name: str, data: bytes,
+    def _store_blocking(self, tag: Tag, name: str, data: Buffer,
                         victims: list[tuple[str, str]]) -> tuple[str, int]:
         """Evict, check the reserve, write the blob (on the pool): (outcome, bytes stored)."""
         for victim_tag, victim_name in victims:

@@ -26,7 +26,7 @@ Every mount lives under a private temporary directory and is unmounted at the en
 Ctrl-C or SIGTERM; daemons that survive their unmount are killed by pid.
 """
 
-# ruff: noqa: RUF001 - the report uses the multiplication sign and dashes
+
 
 from __future__ import annotations
 

@@ -128,7 +128,7 @@ async def _serve(ops: CeilingOperations, ready_file: str | None, stats_file: str
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_handle_signals, ops, stats_file)
         if ready_file:
-            with open(ready_file, "w") as f:
+            with open(ready_file, "w") as f:  # noqa: ASYNC230 (once, before serving)
                 f.write(str(os.getpid()))
         await pyfuse3.main()  # returns on terminate() or when unmounted from outside
         nursery.cancel_scope.cancel()

@@ -139,7 +139,7 @@ def test_single_flight_shares_one_source_read(store):
     results = []
 
     async def reader(off):
-        results.append(await eng.read_blob(tag, 1, off, 100))
+        results.append(bytes(await eng.read_blob(tag, 1, off, 100)))
 
     async def main():
         async with trio.open_nursery() as nursery:
@@ -482,3 +482,48 @@ def test_registration_persists_no_credentials_from_a_url(store):
         text = store.read(REGISTRY_TAG, name)
         assert b"deadbeefcafe" not in text and b"AKIA123" not in text
     assert trio.run(eng.read_blob, tag, 0, 0, 10) == payload(CS)[:10], "the open source serves"
+
+
+@pytest.mark.parametrize("inline_kb", [64, 0])
+def test_small_staged_reads_inline_or_on_the_pool_serve_the_same_verified_bytes(store, inline_kb):
+    """--inline-read-kb: small reads of staged blobs run on the serving thread (no pool trip)
+    unless it is 0; either way they are verified, and a damaged block is re-faulted."""
+    BIG = 256 << 10  # several 16 KiB checksum blocks per blob
+    data = payload(BIG * 3)
+    src = make_source(data)
+    eng = engine_for(store)
+    tag = eng.register(ctx_for(chunk_size=BIG))
+    trio.run(eng.read_view, tag, 0, len(data))
+    eng.close()
+    faulted = src.reads
+    with open(store.blob_path("t", "chunk_2"), "r+b") as f:
+        f.seek(4096 + 5)
+        f.write(b"\xff\xfe\xfd")
+    eng2 = engine_for(store, inline_read_kb=inline_kb)
+    [tag2] = eng2.recover()
+    trips = []
+    real_run_io = eng2.run_io
+
+    async def counting_run_io(fn, *args):
+        trips.append(getattr(fn, "__name__", repr(fn)))
+        return await real_run_io(fn, *args)
+
+    eng2.run_io = counting_run_io
+
+    async def reads():
+        got = []
+        for index in (0, 1, 0, 1):
+            for off in (0, 4096, BIG - 4096):
+                got.append(bytes(await eng2.read_blob(tag2, index, off, 4096)))
+        return got
+
+    expected = [data[i * BIG + off:i * BIG + off + 4096]
+                for i in (0, 1, 0, 1) for off in (0, 4096, BIG - 4096)]
+    assert trio.run(reads) == expected
+    assert src.reads == faulted  # all hits
+    if inline_kb:
+        assert trips == []
+    else:
+        assert "_open_and_read" in trips
+    assert bytes(trio.run(eng2.read_blob, tag2, 2, 0, 4096)) == data[2 * BIG:2 * BIG + 4096]
+    assert eng2.stats.counters["corrupt_blobs_dropped"] == 1 and src.reads == faulted + 1

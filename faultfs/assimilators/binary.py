@@ -19,7 +19,8 @@ class BinaryFileAssimilator:
     def open(self, ctx: FaultContext, options: SourceOptions) -> Source:
         return open_source(ctx.src, options)
 
-    def read_blob(self, source: Source, ctx: FaultContext, start: int, end: int) -> bytes:
+    def read_blob(self, source: Source, ctx: FaultContext, start: int, end: int
+                  ) -> bytes | memoryview:
         data = source.pread(start, end - start)
         if len(data) != end - start:
             raise SourceError(

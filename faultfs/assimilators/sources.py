@@ -17,6 +17,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from faultfs.buffers import pread_full
 from faultfs.errors import InvalidInput, SourceError
 
 
@@ -60,7 +61,7 @@ class Source(Protocol):
 
     def mtime(self) -> float: ...
 
-    def pread(self, off: int, size: int) -> bytes: ...
+    def pread(self, off: int, size: int) -> bytes | memoryview: ...
 
     def close(self) -> None: ...
 
@@ -112,17 +113,9 @@ class LocalFileSource:
     def mtime(self) -> float:
         return self._stat.st_mtime
 
-    def pread(self, off: int, size: int) -> bytes:
+    def pread(self, off: int, size: int) -> bytes | memoryview:
         try:
-            out = os.pread(self._fd, size, off)  # one read and no copy in the common case
-            if 0 < len(out) < size:
-                rest = bytearray(out)
-                while len(rest) < size:
-                    piece = os.pread(self._fd, size - len(rest), off + len(rest))
-                    if not piece:
-                        break
-                    rest += piece
-                out = bytes(rest)
+            out = pread_full(self._fd, size, off)  # one read into a buffer of our own, no copy
         except OSError as exc:
             raise SourceError(
                 f"reading source {self.url} [{off}, {off + size}) failed: {exc.strerror}"

@@ -83,10 +83,11 @@ class ChunkLayout:
         return pieces
 
 
-def zero_fill(data: bytes, size: int) -> bytes:
-    """``data`` padded with zeros to ``size`` bytes (a short final blob)."""
+def zero_fill(data: bytes | memoryview, size: int) -> bytes | memoryview:
+    """``data`` padded with zeros to ``size`` bytes (a short final blob); ``data`` itself
+    when it is already that long."""
     if len(data) > size:
         raise InvalidInput(f"{len(data)} bytes do not fit a blob of {size}")
     if len(data) == size:
         return data
-    return data + bytes(size - len(data))
+    return bytes(data) + bytes(size - len(data))

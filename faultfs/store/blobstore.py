@@ -26,6 +26,7 @@ import stat as stat_mod
 from dataclasses import dataclass
 from urllib.parse import quote, unquote
 
+from faultfs.buffers import pread_full
 from faultfs.errors import CorruptionError, FaultfsError, InvalidInput, StoreFull
 from faultfs.store.blobfile import (
     FLAG_DIRTY,
@@ -61,6 +62,13 @@ class OpenBlob:
 
         ``nowait``: read only what is already in the page cache (``RWF_NOWAIT``) and return
         None instead of blocking — this form may run on the event loop's thread."""
+        data = self.pread_view(size, off, nowait=nowait)
+        return None if data is None else bytes(data)
+
+    def pread_view(self, size: int, off: int, *, nowait: bool = False
+                   ) -> bytes | memoryview | None:
+        """As ``pread``, without copying: the buffer the blocks were read into, or a slice
+        of it (which keeps all of it alive)."""
         h = self.header
         if off >= h.payload_len or size <= 0:
             return b""
@@ -80,15 +88,15 @@ class OpenBlob:
                 return None
             if got != want:
                 return None  # partly cached: let the blocking path read it
-            data: bytes | bytearray = buf
+            data: bytearray | memoryview = buf
         else:
-            data = os.pread(self.fd, want, HEADER_LEN + start)
+            data = pread_full(self.fd, want, HEADER_LEN + start)
             if len(data) != want:
                 raise CorruptionError(f"blob {h.name} of tag {h.tag} is truncated")
         h.check_blocks(first, data)
-        if start == off and want == size:
-            return bytes(data)
-        return bytes(memoryview(data)[off - start:off - start + size])
+        if start == off and want == size and isinstance(data, memoryview):
+            return data
+        return memoryview(data)[off - start:off - start + size]
 
     def close(self) -> None:
         if self.fd >= 0:

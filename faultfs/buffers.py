@@ -1,0 +1,134 @@
+"""Large read buffers, recycled, that the kernel fills without faulting page by page.
+
+The daemon fixes glibc's mmap threshold at 256 KiB (``mount.bound_malloc``) so freed blob
+buffers leave the process and memory stays bounded. The price is that every large ``bytes``
+is a fresh anonymous mapping, which the read filling it faults in 4 KiB at a time: a 1 MiB
+``pread`` from the page cache then runs at about 1.6 GB/s on this machine, most of it page
+faults, against 9 GB/s into a buffer that is already mapped (``docs/benchmarks.md``, "What
+was tried").
+
+So reads of 256 KiB and more go into mappings of our own that are recycled: a buffer is
+handed out as a ``memoryview``; the pool keeps the mapping and takes it back once no view of
+it is alive (replies, blobs held in memory and store writes all hold views). "No view is
+alive" is exactly when CPython lets an mmap be resized, so the pool asks that, for the same
+size (a no-op ``mremap``), instead of counting references. Buffers of 2 MiB and more are also
+advised huge pages (transparent huge pages are in ``madvise`` mode on most distributions).
+
+Recycled buffers are not zeroed: ``alloc`` is for reads that fill what they return.
+"""
+
+from __future__ import annotations
+
+import collections
+import mmap
+import os
+import threading
+
+SMALL = 256 << 10  # below this, the heap is cheaper than a mapping of our own
+HUGE = 2 << 20  # a buffer this big may be backed by huge pages
+KEEP_BYTES = 32 << 20  # free buffers kept mapped for reuse (counted in the daemon's RSS)
+MAX_LENT = 4096  # buffers watched for return; the oldest are forgotten beyond this
+
+_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
+
+
+def _map(size: int) -> mmap.mmap:
+    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if size >= HUGE and _MADV_HUGEPAGE is not None:
+        try:
+            buf.madvise(_MADV_HUGEPAGE)
+        except OSError:
+            pass  # no huge pages here: small pages still work
+    return buf
+
+
+def _unused(buf: mmap.mmap) -> bool:
+    """True when no memoryview of ``buf`` is alive (CPython refuses to resize it then)."""
+    try:
+        buf.resize(len(buf))
+    except BufferError:
+        return False
+    return True
+
+
+class BufferPool:
+    """Mappings handed out as views and reused once every view is gone; at most
+    ``keep_bytes`` of free ones stay mapped. Thread-safe (the I/O pool allocates too)."""
+
+    def __init__(self, keep_bytes: int = KEEP_BYTES) -> None:
+        self.keep_bytes = keep_bytes
+        self._lock = threading.Lock()
+        self._lent: collections.deque[mmap.mmap] = collections.deque()
+        self._free: dict[int, list[mmap.mmap]] = {}
+        self._free_bytes = 0
+        self.reused = 0
+        self.mapped = 0
+
+    def alloc(self, size: int) -> memoryview:
+        """A writable buffer of ``size`` bytes with undefined contents."""
+        if size < SMALL:
+            return memoryview(bytearray(size))
+        with self._lock:
+            self._reclaim()
+            stack = self._free.get(size)
+            buf = stack.pop() if stack else None
+            if buf is not None:
+                self._free_bytes -= size
+                self.reused += 1
+        if buf is None:
+            buf = _map(size)
+            self.mapped += 1
+        view = memoryview(buf)
+        with self._lock:
+            self._lent.append(buf)
+            while len(self._lent) > MAX_LENT:
+                self._lent.popleft()  # forgotten: unmapped when its last view goes
+        return view
+
+    def _reclaim(self) -> None:
+        """Move lent buffers that nothing uses any more to the free lists (under the lock)."""
+        still = collections.deque()
+        while self._lent:
+            buf = self._lent.popleft()
+            if not _unused(buf):
+                still.append(buf)
+            elif self._free_bytes + len(buf) <= self.keep_bytes:
+                self._free.setdefault(len(buf), []).append(buf)
+                self._free_bytes += len(buf)
+            else:
+                buf.close()
+        self._lent = still
+
+    def clear(self) -> None:
+        """Unmap every free buffer (lent ones go when their views do)."""
+        with self._lock:
+            for stack in self._free.values():
+                for buf in stack:
+                    buf.close()
+            self._free.clear()
+            self._free_bytes = 0
+
+    @property
+    def free_bytes(self) -> int:
+        return self._free_bytes
+
+
+POOL = BufferPool()
+
+
+def alloc(size: int) -> memoryview:
+    """A writable buffer of ``size`` bytes with undefined contents, from the shared pool."""
+    return POOL.alloc(size)
+
+
+def pread_full(fd: int, size: int, off: int) -> memoryview:
+    """Up to ``size`` bytes of ``fd`` at ``off``, read until the size or end of file
+    (short only at end of file), into a buffer from the shared pool."""
+    buf = alloc(size)
+    got = 0
+    while got < size:
+        n = os.preadv(fd, [buf[got:]], off + got)
+        if n == 0:
+            break
+        got += n
+    return buf if got == size else buf[:got]
