@@ -59,8 +59,8 @@ class BufferPool:
         self.keep_bytes = keep_bytes
         self._lock = threading.Lock()
         self._lent: collections.deque[mmap.mmap] = collections.deque()
-        self._free: dict[int, list[mmap.mmap]] = {}
-        self._free_bytes = 0
+        self._free: collections.OrderedDict[int, mmap.mmap] = collections.OrderedDict()
+        self._free_bytes = 0  # id(buffer) -> buffer, least recently freed first
         self.reused = 0
         self.mapped = 0
 
@@ -70,11 +70,7 @@ class BufferPool:
             return memoryview(bytearray(size))
         with self._lock:
             self._reclaim()
-            stack = self._free.get(size)
-            buf = stack.pop() if stack else None
-            if buf is not None:
-                self._free_bytes -= size
-                self.reused += 1
+            buf = self._take(size)
         if buf is None:
             buf = _map(size)
             self.mapped += 1
@@ -85,26 +81,40 @@ class BufferPool:
                 self._lent.popleft()  # forgotten: unmapped when its last view goes
         return view
 
+    def _take(self, size: int) -> mmap.mmap | None:
+        """The most recently freed buffer of ``size`` bytes, if any (under the lock)."""
+        for key in reversed(self._free):
+            buf = self._free[key]
+            if len(buf) == size:
+                del self._free[key]
+                self._free_bytes -= size
+                self.reused += 1
+                return buf
+        return None
+
     def _reclaim(self) -> None:
-        """Move lent buffers that nothing uses any more to the free lists (under the lock)."""
-        still = collections.deque()
+        """Move lent buffers that nothing uses any more to the free list, unmapping the
+        least recently freed beyond ``keep_bytes`` — whatever their size, so a change of
+        read size (source runs, then blobs) does not leave the list full of the old one."""
+        still: collections.deque[mmap.mmap] = collections.deque()
         while self._lent:
             buf = self._lent.popleft()
-            if not _unused(buf):
-                still.append(buf)
-            elif self._free_bytes + len(buf) <= self.keep_bytes:
-                self._free.setdefault(len(buf), []).append(buf)
+            if _unused(buf):
+                self._free[id(buf)] = buf
                 self._free_bytes += len(buf)
             else:
-                buf.close()
+                still.append(buf)
         self._lent = still
+        while self._free_bytes > self.keep_bytes:
+            _, old = self._free.popitem(last=False)
+            self._free_bytes -= len(old)
+            old.close()
 
     def clear(self) -> None:
         """Unmap every free buffer (lent ones go when their views do)."""
         with self._lock:
-            for stack in self._free.values():
-                for buf in stack:
-                    buf.close()
+            for buf in self._free.values():
+                buf.close()
             self._free.clear()
             self._free_bytes = 0
 

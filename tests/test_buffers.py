@@ -76,3 +76,13 @@ def test_pread_full_reads_to_the_size_or_end_of_file(tmp_path):
 def test_is_all_zero_on_bytes_and_views(data, zero):
     assert is_all_zero(data) is zero
     assert is_all_zero(memoryview(bytearray(data))) is zero
+
+
+def test_a_new_read_size_displaces_free_buffers_of_an_old_one():
+    pool = BufferPool(keep_bytes=4 * SMALL)
+    old = [pool.alloc(2 * SMALL) for _ in range(2)]  # fill the free list with one size
+    del old
+    for _ in range(3):
+        view = pool.alloc(SMALL)
+        del view
+    assert pool.mapped == 3 and pool.reused == 2, "the new size is kept and reused"
