@@ -15,12 +15,14 @@ import argparse
 import json
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from faultfs.core.slots import SLOT_A_OFFSET, SLOT_B_OFFSET, SlotReading
 from faultfs.errors import CorruptionError, InvalidInput
-from faultfs.store.metadata import HASH_SIZE, WAL_SUFFIX, Recovery, choose_active, read_meta
 from faultfs.warm import CHECKPOINT_BLOBS, CHECKPOINT_SECONDS, default_state_path, warm
+
+if TYPE_CHECKING:
+    from faultfs.store.metadata import Recovery
 
 
 def register(subparsers: Any) -> None:
@@ -106,6 +108,8 @@ def _slot_dict(name: str, offset: int, reading: SlotReading) -> dict[str, Any]:
 
 def describe_checkpoint(path: str) -> tuple[dict[str, Any], CorruptionError | None]:
     """Everything ``checkpoint show`` reports, and the error if the file is unrecoverable."""
+    from faultfs.store.metadata import HASH_SIZE, WAL_SUFFIX, choose_active, read_meta
+
     a, b = read_meta(path)
     info: dict[str, Any] = {
         "file": path,

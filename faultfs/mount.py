@@ -124,12 +124,17 @@ async def _announce_ready(mountpoint: str, ready: Callable[[], None] | None,
         ready()
 
 
+MMAP_THRESHOLD = 1 << 20  # blob-sized buffers (1 MiB + a header and up) are mappings of their own
+
+
 def bound_malloc() -> None:
     """Keep blob-sized buffers out of glibc's heaps so freeing them returns the memory.
 
     Without this, glibc raises its mmap threshold after the first freed 1 MiB buffer and
     serves later ones from per-thread arenas (one per I/O thread), where freed blobs stay in
-    the process: the daemon's RSS grows with the pool size instead of with what it holds."""
+    the process: the daemon's RSS grows with the pool size instead of with what it holds.
+    Not lower: asyncio reads sockets into 256 KiB buffers, and with the threshold at 256 KiB
+    each of those became a mapping of its own, faulted in and unmapped per ``recv``."""
     try:
         import ctypes
 
@@ -137,7 +142,7 @@ def bound_malloc() -> None:
     except OSError:
         return  # not glibc: nothing to tune
     m_mmap_threshold, m_arena_max = -3, -8
-    libc.mallopt(m_mmap_threshold, 256 << 10)
+    libc.mallopt(m_mmap_threshold, MMAP_THRESHOLD)
     libc.mallopt(m_arena_max, 2)
 
 

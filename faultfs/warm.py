@@ -34,7 +34,6 @@ import xxhash
 
 from faultfs.core.coord import StreamCoordinate
 from faultfs.errors import InvalidInput, SourceError
-from faultfs.store.metadata import DualMetadataManager
 
 CONTROL_DIR = ".faultfs"  # the mount's control directory: stats and registry, never warmed
 READ_SIZE = 1 << 20  # one pread per MiB: large enough to stream, small enough to share a pool
@@ -222,6 +221,8 @@ def warm(
     os.makedirs(os.path.dirname(os.path.abspath(state)), exist_ok=True)
     report = WarmReport(os.fspath(target), state, tags=len(tags))
     started = time.monotonic()
+    from faultfs.store.metadata import DualMetadataManager  # numpy: only when warming
+
     with DualMetadataManager.open(state) as meta:
         start = meta.coord
         if meta.is_fresh:

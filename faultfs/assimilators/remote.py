@@ -50,6 +50,7 @@ from fsspec.asyn import AsyncFileSystem, sync
 from fsspec.utils import tokenize
 
 from faultfs.assimilators.sources import SourceOptions, SourceVersion
+from faultfs.buffers import alloc
 from faultfs.errors import InvalidInput, SourceError
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,7 @@ CONNECT_TIMEOUT_S = 5.0
 # No bytes for 15 s on an open connection: give up on this try and let the retry loop decide
 # (the same values s3fs uses by default).
 READ_TIMEOUT_S = 15.0
+BODY_PIECE = 512 << 10  # an S3 body is copied into its buffer in pieces of up to this
 # Query parameters that name an object version rather than grant access: shown, not redacted.
 PUBLIC_QUERY_KEYS = frozenset({"versionId"})
 # Option names under which storage_options may carry credentials (matched case-insensitively).
@@ -533,10 +535,10 @@ class S3Reader:
             raise failure from None
         return bool(out.get("KeyCount") or out.get("Contents") or out.get("CommonPrefixes"))
 
-    def read(self, pin: ObjectStat, start: int, end: int) -> bytes:
+    def read(self, pin: ObjectStat, start: int, end: int) -> bytes | memoryview:
         return sync(self._fs.loop, self._read, pin, start, end)
 
-    async def _read(self, pin: ObjectStat, start: int, end: int) -> bytes:
+    async def _read(self, pin: ObjectStat, start: int, end: int) -> bytes | memoryview:
         if pin.version_id:
             cond = {"VersionId": pin.version_id}
         elif pin.etag:
@@ -550,7 +552,7 @@ class S3Reader:
             )
             body = resp["Body"]
             try:
-                data = await body.read()
+                data = await _read_body(body, end - start)
             finally:
                 body.close()
         except Exception as exc:
@@ -564,6 +566,22 @@ class S3Reader:
         if len(data) != end - start:
             raise _Transient(f"short body: {len(data)} of {end - start} bytes")
         return data
+
+
+async def _read_body(body, size: int) -> memoryview:
+    """An S3 response body copied piece by piece into one buffer of ``size`` bytes from the
+    shared pool (one copy into memory already mapped, instead of a join into a new mapping);
+    shorter when the body is."""
+    buf = alloc(size)
+    pos = 0
+    while True:
+        piece = await body.read(BODY_PIECE)
+        if not piece:
+            return buf[:pos]
+        if pos + len(piece) > size:
+            raise _Transient(f"long body: more than {size} bytes")
+        buf[pos:pos + len(piece)] = piece
+        pos += len(piece)
 
 
 class HttpReader:
@@ -642,10 +660,10 @@ class HttpReader:
             token = "unpinned"
         return ObjectStat(size, token, mtime, etag=etag, last_modified=last_modified)
 
-    def read(self, pin: ObjectStat, start: int, end: int) -> bytes:
+    def read(self, pin: ObjectStat, start: int, end: int) -> bytes | memoryview:
         return sync(self._fs.loop, self._read, pin, start, end)
 
-    async def _read(self, pin: ObjectStat, start: int, end: int) -> bytes:
+    async def _read(self, pin: ObjectStat, start: int, end: int) -> bytes | memoryview:
         headers = {"Range": f"bytes={start}-{end - 1}"}
         if _strong_etag(pin.etag):
             headers["If-Match"] = pin.etag
