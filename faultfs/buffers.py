@@ -122,6 +122,12 @@ class BufferPool:
     def free_bytes(self) -> int:
         return self._free_bytes
 
+    def snapshot(self) -> dict[str, int]:
+        """Counters for ``faultfs stat``: buffers mapped and reused, and what is held."""
+        with self._lock:
+            return {"mapped": self.mapped, "reused": self.reused, "lent": len(self._lent),
+                    "free_bytes": self._free_bytes}
+
 
 POOL = BufferPool()
 

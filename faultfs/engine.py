@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 
 import trio
 
-from faultfs import assimilators
+from faultfs import assimilators, buffers
 from faultfs.assimilators.sources import Source, SourceOptions, SourceVersion, local_path
 from faultfs.config import Config
 from faultfs.core.chunks import ChunkLayout, zero_fill
@@ -47,6 +47,7 @@ Buffer = bytes | memoryview  # replies are slices of held buffers, not copies
 
 OPEN_BLOB_CACHE = 1024  # store descriptors kept open for hits; bounded so fds never run out
 LATENCY_SAMPLES = 2048  # fault latencies kept for percentiles
+LOAD_RUN_BYTES = 4 << 20  # adjacent staged blobs read ahead in one trip to the I/O pool
 PREFETCH_RUN_BYTES = 8 << 20  # adjacent blobs fetched ahead in one source read: one request
 
 
@@ -537,11 +538,12 @@ class Engine:
         self._forget_lru((tag.id, index))
         self.stats.add("corrupt_blobs_dropped")
 
-    def _open_and_read(self, tag: Tag, name: str, size: int, off: int
+    def _open_and_read(self, tag: Tag, name: str, size: int, off: int, whole: bool = False
                        ) -> tuple[OpenBlob | None, Buffer | CorruptionError | None]:
         """Open a staged blob and read from it (on the pool); a damaged block is returned,
-        not raised, so the caller handles it with the blob registered."""
-        blob = self.store.open_blob(tag.name, name, source_version=tag.version_text)
+        not raised, so the caller handles it with the blob registered. ``whole``: header
+        and payload in one read, for a caller that reads all of it and closes the blob."""
+        blob = self.store.open_blob(tag.name, name, source_version=tag.version_text, whole=whole)
         if blob is None:
             return None, None
         try:
@@ -700,19 +702,21 @@ class Engine:
             return
         tag.window = min(limit, max(1, tag.window * 2))
         max_run = max(1, PREFETCH_RUN_BYTES // cs)
+        max_load = max(1, LOAD_RUN_BYTES // cs)
         run_start, run_len = -1, 0
+        load: list[int] = []  # adjacent staged blobs ahead, read from the store in one trip
         for ahead in range(index + 1, min(index + 1 + tag.window, tag.layout.num_blobs) + 1):
             key = (tag.id, ahead)
-            if (ahead < tag.layout.num_blobs and tag.is_staged(ahead)
-                    and self._prefetching < limit and key not in self._flights
-                    and key not in self.memory and key not in self._storing):
-                self._prefetching += 1
-                flight = _Flight(from_store=True)
-                self._flights[key] = flight
-                self._background.start_soon(self._load_ahead, tag, ahead, flight)
-            wanted = (ahead < tag.layout.num_blobs and self._prefetching + run_len < limit
-                      and not tag.is_staged(ahead) and key not in self._flights
-                      and key not in self.memory and key not in self._storing)
+            free = (ahead < tag.layout.num_blobs and key not in self._flights
+                    and key not in self.memory and key not in self._storing
+                    and self._prefetching + len(load) + run_len < limit)
+            staged = free and tag.is_staged(ahead)
+            if load and not (staged and len(load) < max_load):
+                self._start_load(tag, load)
+                load = []
+            if staged:
+                load.append(ahead)
+            wanted = free and not staged
             if wanted and run_len < max_run:
                 if run_len == 0:
                     run_start = ahead
@@ -723,28 +727,51 @@ class Engine:
                 flights = self._claim(tag, run_start, run_len)
                 self._background.start_soon(self._prefetch, tag, run_start, flights)
             run_start, run_len = (ahead, 1) if wanted else (-1, 0)
+        if load:
+            self._start_load(tag, load)
 
-    async def _load_ahead(self, tag: Tag, index: int, flight: _Flight) -> None:
-        """Read a staged blob ahead of a sequential reader into memory (verified), so its
-        reads are served without a trip to the pool. On any trouble the readers fall back
-        to the normal path."""
-        key = (tag.id, index)
+    def _start_load(self, tag: Tag, indices: list[int]) -> None:
+        """Claim adjacent staged blobs and read them ahead in the background."""
+        flights = []
+        for index in indices:
+            flight = _Flight(from_store=True)
+            self._flights[(tag.id, index)] = flight
+            flights.append(flight)
+        self._prefetching += len(indices)
+        self._background.start_soon(self._load_ahead, tag, indices, flights)
+
+    async def _load_ahead(self, tag: Tag, indices: list[int], flights: list[_Flight]) -> None:
+        """Read staged blobs ahead of a sequential reader into memory (verified), a run of
+        adjacent ones in one trip to the pool, so their reads are served without one. On any
+        trouble the readers fall back to the normal path."""
         try:
-            blob, data = await self.run_io(self._open_and_read, tag, tag.layout.blob_name(index),
-                                           tag.layout.chunk_size, 0)
+            datas = await self.run_io(self._load_run, tag, indices)
+            for index, flight, data in zip(indices, flights, datas, strict=True):
+                if data is not None:
+                    flight.data = data
+                    self.memory.put((tag.id, index), data)
+                    self.stats.add("store_readahead")
+        except Exception:  # a background task must never take the mount down
+            log.exception("read-ahead of blobs %s of tag %s failed", indices, tag.name)
+        finally:
+            for index, flight in zip(indices, flights, strict=True):
+                flight.done.set()
+                key = (tag.id, index)
+                if self._flights.get(key) is flight:
+                    del self._flights[key]
+            self._prefetching -= len(indices)
+
+    def _load_run(self, tag: Tag, indices: list[int]) -> list[Buffer | None]:
+        """Whole verified payloads of staged blobs (on the pool); None for one that is gone
+        or damaged (its reader then takes the normal path, which drops it)."""
+        out: list[Buffer | None] = []
+        for index in indices:
+            blob, data = self._open_and_read(tag, tag.layout.blob_name(index),
+                                             tag.layout.chunk_size, 0, True)
             if blob is not None:
                 blob.close()
-            if data is not None and not isinstance(data, CorruptionError):
-                flight.data = data
-                self.memory.put(key, data)
-                self.stats.add("store_readahead")
-        except Exception:  # a background task must never take the mount down
-            log.exception("read-ahead of blob %d of tag %s failed", index, tag.name)
-        finally:
-            flight.done.set()
-            if self._flights.get(key) is flight:
-                del self._flights[key]
-            self._prefetching -= 1
+            out.append(None if isinstance(data, CorruptionError) else data)
+        return out
 
     async def _prefetch(self, tag: Tag, first: int, flights: list[_Flight]) -> None:
         count = len(flights)
@@ -938,6 +965,8 @@ class Engine:
             "cached_bytes": self._lru_bytes,
             "io_threads": self.config.io_threads,
             "backoff_faults_left": self._backoff_left,
+            "memory_bytes": self.memory.size,
+            "read_buffers": buffers.POOL.snapshot(),
             "counters": dict(self.stats.counters),
             "fault_latency": self.stats.percentiles(),
             "tags": {

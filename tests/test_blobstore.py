@@ -43,7 +43,9 @@ def test_block_table_bounds_every_size():
         assert -(-n // bs) <= MAX_BLOCKS
 
 
-def test_a_read_verifies_only_the_blocks_it_touches(tmp_path):
+@pytest.mark.parametrize("whole", [False, True])
+def test_a_read_verifies_only_the_blocks_it_touches(tmp_path, whole):
+    """Also when the blob was opened ``whole`` (header and payload in one read)."""
     store = BlobStore(str(tmp_path / "s"))
     data = bytes(range(256)) * 4096  # 1 MiB: 64 blocks of 16 KiB
     store.put("t", "b", data, flags=FLAG_NO_FAULT)
@@ -52,7 +54,8 @@ def test_a_read_verifies_only_the_blocks_it_touches(tmp_path):
     with open(path, "r+b") as f:  # damage block 60 only
         f.seek(HEADER_LEN + 60 * bs + 7)
         f.write(b"\x00\x01\x02")
-    blob = store.open_blob("t", "b")
+    blob = store.open_blob("t", "b", whole=whole)
+    assert (blob.loaded is not None) is whole
     assert blob.header.block_size == bs and len(blob.header.block_sums) == 64
     assert blob.pread(4096, bs * 3 + 100) == data[bs * 3 + 100:bs * 3 + 100 + 4096]
     with pytest.raises(CorruptionError, match="block 60"):
