@@ -254,7 +254,11 @@ class Engine:
             self._unregister_key(previous.get("key"))
             self.store.forget_tag(ctx.dst)
         self._persist_context(ctx)
-        tag = self._add_tag(ctx, plan.layout, plan.version, plan.source, shard=shard)
+        recorded = None
+        if previous is not None and previous.get("key") == ctx.key:
+            recorded = previous.get("source_version")
+        tag = self._add_tag(ctx, plan.layout, plan.version, plan.source, shard=shard,
+                            recorded=recorded if isinstance(recorded, str) else None)
         self._write_tag_state(tag)
         return tag
 
@@ -291,7 +295,8 @@ class Engine:
 
     def _add_tag(self, ctx: FaultContext, layout: ChunkLayout, version: SourceVersion,
                  source: Source | None, *, shard: int, mtime: float | None = None,
-                 view_name: str | None = None) -> Tag:
+                 view_name: str | None = None, recorded: str | None = None) -> Tag:
+        """``recorded``: the source version the tag's state file names, if any."""
         if view_name is None:
             view_name = view_name_for(ctx.src)
         tag = Tag(id=self._next_id, name=ctx.dst, ctx=ctx, layout=layout, version=version,
@@ -299,13 +304,27 @@ class Engine:
                   view_name=view_name, shard=shard, source=source,
                   staged=bytearray((layout.num_blobs + 7) // 8))
         self._next_id += 1
-        self._scan_staged(tag)
+        self._scan_staged(tag, trusted=recorded is not None and recorded == tag.version_text)
         self.tags[tag.name] = tag
         self.tags_by_id[tag.id] = tag
         return tag
 
-    def _scan_staged(self, tag: Tag) -> None:
-        """Mark the blobs the store holds for this tag (verified lazily on first read)."""
+    def _scan_staged(self, tag: Tag, *, trusted: bool) -> None:
+        """Mark the blobs the store holds for this tag (payloads are verified on read).
+
+        ``trusted``: the tag's recorded source version is the current one, so every clean
+        blob in its directory was staged from it — a listing and a ``stat`` per blob, no
+        header read (a remount with millions of staged blobs opens none of them). Otherwise
+        each header is read and blobs of another version are dropped now. Either way a read
+        checks the header again and re-faults a blob that is torn, foreign or stale."""
+        if trusted:
+            for name, size in self.store.scan_blobs(tag.name):
+                index = tag.layout.blob_index(name)
+                if index is not None:
+                    tag.mark_staged(index, True)
+                    self._lru[(tag.id, index)] = size
+                    self._lru_bytes += size
+            return
         for name in self.store.list_blobs(tag.name):
             index = tag.layout.blob_index(name)
             if index is None:
@@ -372,7 +391,8 @@ class Engine:
         layout = self._layout(ctx, version, assimilator)
         tag = self._add_tag(ctx, layout, version, source, shard=shard,
                             mtime=float(state.get("mtime", 0.0)) if source is None else None,
-                            view_name=state.get("view_name"))
+                            view_name=state.get("view_name"),
+                            recorded=recorded.to_text() if recorded is not None else None)
         tag.source_error = error
         if recorded is not None and recorded != version:
             tag.source_changed = True
@@ -873,7 +893,7 @@ class Engine:
                         victims: list[tuple[str, str]]) -> tuple[str, int]:
         """Evict, check the reserve, write the blob (on the pool): (outcome, bytes stored)."""
         for victim_tag, victim_name in victims:
-            self.store.delete(victim_tag, victim_name)
+            self.store.delete_clean(victim_tag, victim_name)
         if self.store.free_bytes() - (len(data) + HEADER_LEN) < self.config.reserve_bytes:
             return "skipped_reserve", 0
         try:

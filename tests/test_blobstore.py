@@ -214,3 +214,10 @@ def test_leftover_temporary_files_are_cleaned(store):
         f.write(b"partial")
     assert store.list_blobs("tag") == ["chunk_0"]
     assert not os.path.exists(tmp)
+
+
+def test_delete_clean_keeps_dirty_blobs(store):
+    store.put("t", "clean", b"c" * 100, flags=FLAG_NO_FAULT)
+    store.put("t", "dirty", b"d" * 100, flags=FLAG_DIRTY)
+    assert store.delete_clean("t", "clean") > 0 and store.read("t", "clean") is None
+    assert store.delete_clean("t", "dirty") == 0 and store.read("t", "dirty") == b"d" * 100

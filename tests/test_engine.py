@@ -19,6 +19,7 @@ from faultfs.config import Config
 from faultfs.core.context import REGISTRY_TAG, FaultContext
 from faultfs.engine import Engine
 from faultfs.errors import FaultfsError, InvalidInput, SourceError
+from faultfs.store.blobfile import FLAG_NO_FAULT
 from faultfs.store.blobstore import BlobStore
 
 CS = 4096
@@ -527,3 +528,47 @@ def test_small_staged_reads_inline_or_on_the_pool_serve_the_same_verified_bytes(
         assert "_open_and_read" in trips
     assert bytes(trio.run(eng2.read_blob, tag2, 2, 0, 4096)) == data[2 * BIG:2 * BIG + 4096]
     assert eng2.stats.counters["corrupt_blobs_dropped"] == 1 and src.reads == faulted + 1
+
+
+def test_remount_of_an_unchanged_source_reads_no_blob_headers(store, monkeypatch):
+    """The tag state names the source version the blobs were staged from: when it is still
+    the current one, the mount lists and stats the blobs and opens none."""
+    data = payload(CS * 5 + 7)
+    make_source(data)
+    eng = engine_for(store)
+    tag = eng.register(ctx_for())
+    trio.run(eng.read_view, tag, 0, len(data))
+    eng.close()
+    opened = []
+    real = BlobStore.read_header
+
+    def counting(self, path):
+        opened.append(path)
+        return real(self, path)
+
+    monkeypatch.setattr(BlobStore, "read_header", counting)
+    src = make_source(data)
+    eng2 = engine_for(store)
+    tag2 = eng2.register(ctx_for())
+    assert opened == [] and tag2.staged_count == 6 and eng2._lru_bytes > 0
+    [tag3] = engine_for(store).recover()
+    assert opened == [] and tag3.staged_count == 6
+    assert trio.run(eng2.read_view, tag2, 0, len(data)) == data and src.reads == 0
+
+
+def test_a_blob_staged_from_another_version_is_refaulted_even_when_the_scan_trusted_it(store):
+    """A clean blob whose header names another source version is never served: the read
+    checks the header and re-faults it."""
+    data = payload(CS * 2)
+    make_source(data)
+    eng = engine_for(store)
+    tag = eng.register(ctx_for())
+    trio.run(eng.read_view, tag, 0, len(data))
+    eng.close()
+    store.put("t", "chunk_1", bytes(reversed(data[CS:])), flags=FLAG_NO_FAULT,
+              source_version="99 elsewhere")
+    src = make_source(data)
+    eng2 = engine_for(store)
+    tag2 = eng2.register(ctx_for())
+    assert tag2.staged_count == 2
+    assert trio.run(eng2.read_view, tag2, 0, len(data)) == data and src.reads == 1

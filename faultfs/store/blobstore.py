@@ -171,25 +171,40 @@ class BlobStore:
 
     def list_blobs(self, tag: str) -> list[str]:
         """Names of the blob files in ``tag`` (not verified)."""
+        return [name for name, _ in self.scan_blobs(tag)]
+
+    def scan_blobs(self, tag: str) -> list[tuple[str, int]]:
+        """``(name, bytes on disk)`` of the blob files in ``tag`` (not verified): one
+        directory listing and a ``stat`` per file, no file is opened (except the rare blob
+        whose name is too long for a file name). Removes temporary files left by a crash."""
         directory = self.tag_dir(tag)
         try:
-            entries = os.listdir(directory)
+            entries = list(os.scandir(directory))
         except FileNotFoundError:
             return []
-        names = []
+        found = []
         for entry in entries:
-            if entry.startswith("b-"):
-                names.append(unquote(entry[2:]))
-            elif entry.startswith("h-"):
-                header = self.read_header(os.path.join(directory, entry))
-                if header is not None and header.tag == tag:
-                    names.append(header.name)
-            elif entry.startswith("t-") and entry.endswith(".tmp"):
+            if entry.name.startswith("b-"):
+                name = unquote(entry.name[2:])
+            elif entry.name.startswith("h-"):
+                header = self.read_header(entry.path)
+                if header is None or header.tag != tag:
+                    continue
+                name = header.name
+            elif entry.name.startswith("t-") and entry.name.endswith(".tmp"):
                 try:  # a temporary file left by a crash: never renamed, never valid
-                    os.unlink(os.path.join(directory, entry))
+                    os.unlink(entry.path)
                 except FileNotFoundError:
                     pass
-        return names
+                continue
+            else:
+                continue
+            try:
+                size = entry.stat(follow_symlinks=False).st_blocks * 512
+            except FileNotFoundError:
+                continue
+            found.append((name, size))
+        return found
 
     # -- blobs -------------------------------------------------------------------------------
 
@@ -300,6 +315,13 @@ class BlobStore:
             return None
         finally:
             blob.close()
+
+    def delete_clean(self, tag: str, name: str) -> int:
+        """Remove a blob that can be re-faulted; a dirty one (user data) is kept. Returns
+        the bytes freed."""
+        if self._is_dirty_on_disk(self.blob_path(tag, name)):
+            return 0
+        return self.delete(tag, name)
 
     def delete(self, tag: str, name: str) -> int:
         """Remove a blob; returns the bytes freed."""
