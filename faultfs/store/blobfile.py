@@ -27,7 +27,10 @@ Invariants:
 
 from __future__ import annotations
 
+import array
 import struct
+import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import xxhash
@@ -60,7 +63,7 @@ class BlobHeader:
     payload_xxh3: int = 0
     stored_len: int = 0
     block_size: int = MIN_BLOCK
-    block_sums: tuple[int, ...] = ()
+    block_sums: Sequence[int] = ()  # an array('Q') when decoded: 8 bytes a block
 
     @property
     def dirty(self) -> bool:
@@ -164,5 +167,7 @@ def decode_header(raw: bytes, *, file_size: int | None = None) -> BlobHeader:
     for length in (tag_len, name_len, ver_len):
         parts.append(raw[pos:pos + length].decode("utf-8", "surrogateescape"))
         pos += length
-    sums = struct.unpack_from(f"<{nblocks}Q", raw, TABLE_AT)
+    sums = array.array("Q", raw[TABLE_AT:TABLE_AT + 8 * nblocks])  # little-endian on disk
+    if sys.byteorder != "little":
+        sums.byteswap()
     return BlobHeader(parts[0], parts[1], n, flags, parts[2], digest, stored, block, sums)
