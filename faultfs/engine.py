@@ -144,12 +144,17 @@ class BlobMemory:
     """Recently faulted blobs held in memory, least recently used dropped first.
 
     Serves the later pieces of a blob the kernel asks for after its fault (and prefetched
-    blobs) without a thread hop or a store read. Bounded in bytes."""
+    blobs) without a thread hop or a store read. Bounded in bytes.
+
+    The blobs of one source run are slices of one buffer. Dropping one of them drops its
+    siblings too, so a run's buffer is held only while all of its blobs are here and the
+    bytes held stay within the bound (one hot blob cannot keep a whole run alive)."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.size = 0
         self._blobs: collections.OrderedDict[tuple[int, int], Buffer] = collections.OrderedDict()
+        self._runs: dict[int, set[tuple[int, int]]] = {}  # id(shared buffer) -> its blobs
 
     def get(self, key: tuple[int, int]) -> Buffer | None:
         data = self._blobs.get(key)
@@ -166,14 +171,29 @@ class BlobMemory:
         self.discard(key)
         self._blobs[key] = data
         self.size += len(data)
+        run = _shared_buffer(data)
+        if run is not None:
+            self._runs.setdefault(run, set()).add(key)
         while self.size > self.capacity:
-            _, old = self._blobs.popitem(last=False)
-            self.size -= len(old)
+            self.discard(next(iter(self._blobs)))
 
     def discard(self, key: tuple[int, int]) -> None:
         old = self._blobs.pop(key, None)
-        if old is not None:
-            self.size -= len(old)
+        if old is None:
+            return
+        self.size -= len(old)
+        run = _shared_buffer(old)
+        siblings = self._runs.pop(run, ()) if run is not None else ()
+        for sibling in siblings:
+            if sibling != key:
+                self.discard(sibling)
+
+
+def _shared_buffer(data: Buffer) -> int | None:
+    """The identity of the buffer ``data`` is a part of, when it is only a part of it."""
+    if isinstance(data, memoryview) and data.obj is not None and len(data) < data.obj.__len__():
+        return id(data.obj)
+    return None
 
 
 class _Flight:

@@ -572,3 +572,23 @@ def test_a_blob_staged_from_another_version_is_refaulted_even_when_the_scan_trus
     tag2 = eng2.register(ctx_for())
     assert tag2.staged_count == 2
     assert trio.run(eng2.read_view, tag2, 0, len(data)) == data and src.reads == 1
+
+
+def test_memory_drops_the_blobs_of_a_run_together():
+    """Blobs of one source run share a buffer: holding one must not keep the others' bytes,
+    so dropping one drops its siblings and what is held stays within the bound."""
+    from faultfs.engine import BlobMemory
+
+    run = memoryview(bytearray(4 * 100))
+    memory = BlobMemory(capacity=500)
+    for i in range(4):
+        memory.put((1, i), run[i * 100:(i + 1) * 100])
+    memory.put((2, 0), memoryview(bytearray(100)))
+    assert memory.size == 500
+    memory.get((1, 3))  # one blob of the run stays hot
+    memory.put((2, 1), memoryview(bytearray(100)))  # evicts (1, 0), and with it the run
+    assert [k for k in [(1, i) for i in range(4)] if k in memory] == []
+    assert (2, 0) in memory and (2, 1) in memory and memory.size == 200
+    memory.put((3, 0), b"x" * 50)  # plain bytes: no run
+    memory.discard((3, 0))
+    assert memory.size == 200
