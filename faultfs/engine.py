@@ -22,6 +22,7 @@ import os
 import resource
 import time
 from dataclasses import dataclass, field, replace
+from urllib.parse import urlsplit
 
 import trio
 
@@ -73,6 +74,7 @@ class Tag:
     staged_count: int = 0
     stale_dropped: int = 0
     source_changed: bool = False  # the source differs from what the last mount recorded
+    remote: dict = field(default_factory=dict)  # how the source was reached (tag state)
     last_index: int = -1  # the blob read last: sequential readers get prefetch
     window: int = 0  # blobs to prefetch ahead of a sequential reader (grows, resets)
 
@@ -283,6 +285,7 @@ class Engine:
             recorded = previous.get("source_version")
         tag = self._add_tag(ctx, plan.layout, plan.version, plan.source, shard=shard,
                             recorded=recorded if isinstance(recorded, str) else None)
+        tag.remote = remote_settings(ctx.src, self.source_options)
         self._write_tag_state(tag)
         return tag
 
@@ -312,10 +315,13 @@ class Engine:
             self.registry.pop(key, None)
 
     def _write_tag_state(self, tag: Tag) -> None:
-        self.store.write_tag_state(tag.name, {
+        state = {
             "key": tag.key, "source_version": tag.version_text, "shard": tag.shard,
             "view_name": tag.view_name, "mtime": tag.mtime,
-        })
+        }
+        if tag.remote:
+            state["remote"] = tag.remote
+        self.store.write_tag_state(tag.name, state)
 
     def _add_tag(self, ctx: FaultContext, layout: ChunkLayout, version: SourceVersion,
                  source: Source | None, *, shard: int, mtime: float | None = None,
@@ -403,8 +409,10 @@ class Engine:
             recorded = SourceVersion.from_text(state["source_version"])
         source: Source | None = None
         error = ""
+        recorded_remote = state.get("remote") if isinstance(state.get("remote"), dict) else {}
+        options = recovery_options(self.source_options, recorded_remote)
         try:
-            source = assimilator.open(ctx, self.source_options)
+            source = assimilator.open(ctx, options)
             version = source.version()
         except FaultfsError as exc:
             if recorded is None:
@@ -418,12 +426,13 @@ class Engine:
                             view_name=state.get("view_name"),
                             recorded=recorded.to_text() if recorded is not None else None)
         tag.source_error = error
+        tag.remote = remote_settings(ctx.src, options)
         if recorded is not None and recorded != version:
             tag.source_changed = True
             log.warning("tag %s: source %s changed (%s -> %s); %d stale blobs dropped, "
                         "re-faulting from the new version", ctx.dst, ctx.src, recorded.describe(),
                         version.describe(), tag.stale_dropped)
-        if recorded != version or "view_name" not in state:
+        if recorded != version or "view_name" not in state or tag.remote != recorded_remote:
             self._write_tag_state(tag)
         return tag
 
@@ -1021,10 +1030,37 @@ class Engine:
                     "size": t.layout.size, "source_version": t.version_text,
                     "stale_dropped_at_mount": t.stale_dropped, "source_error": t.source_error,
                     "source_changed_at_mount": t.source_changed,
-                    "shard": t.shard,
+                    "shard": t.shard, "remote": t.remote,
                 } for t in self.tags.values()
             },
         }
+
+
+def remote_settings(src: str, options: SourceOptions) -> dict:
+    """What a remount needs to reach a remote source again, for the tag state: the S3
+    endpoint given with ``--s3-endpoint-url`` and ``--anon``. Empty for a local source. An
+    endpoint carrying credentials (userinfo or a query) is not kept."""
+    if local_path(src) is not None:
+        return {}
+    out: dict = {}
+    endpoint = options.s3_endpoint_url
+    if endpoint:
+        parts = urlsplit(endpoint)
+        if parts.username or parts.password or parts.query:
+            log.warning("the S3 endpoint carries credentials: not kept for remounts")
+        else:
+            out["s3_endpoint_url"] = endpoint
+    if options.anon:
+        out["anon"] = True
+    return out
+
+
+def recovery_options(options: SourceOptions, recorded: dict) -> SourceOptions:
+    """The options a recovered tag opens its source with: the mount's flags first, then what
+    the tag was registered with (then, inside the S3 client, the environment)."""
+    endpoint = options.s3_endpoint_url or str(recorded.get("s3_endpoint_url") or "")
+    return replace(options, s3_endpoint_url=endpoint,
+                   anon=options.anon or recorded.get("anon") is True)
 
 
 def _open_cap() -> int:

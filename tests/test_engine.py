@@ -14,7 +14,7 @@ import pytest
 import trio
 
 from faultfs import assimilators
-from faultfs.assimilators.sources import SourceVersion
+from faultfs.assimilators.sources import SourceOptions, SourceVersion
 from faultfs.config import Config
 from faultfs.core.context import REGISTRY_TAG, FaultContext
 from faultfs.engine import Engine
@@ -592,3 +592,19 @@ def test_memory_drops_the_blobs_of_a_run_together():
     memory.put((3, 0), b"x" * 50)  # plain bytes: no run
     memory.discard((3, 0))
     assert memory.size == 200
+
+
+def test_remote_settings_kept_for_remounts_never_hold_credentials():
+    from faultfs.engine import recovery_options, remote_settings
+
+    opts = SourceOptions(s3_endpoint_url="http://127.0.0.1:9000", anon=True)
+    assert remote_settings("s3://b/k", opts) == {"s3_endpoint_url": "http://127.0.0.1:9000",
+                                                 "anon": True}
+    assert remote_settings("/local/file", opts) == {}
+    for secret in ("http://user:pw@host:9000", "https://host/?X-Amz-Signature=abc"):
+        assert remote_settings("s3://b/k", SourceOptions(s3_endpoint_url=secret)) == {}
+    recorded = {"s3_endpoint_url": "http://recorded:1", "anon": True}
+    assert recovery_options(SourceOptions(), recorded).s3_endpoint_url == "http://recorded:1"
+    assert recovery_options(SourceOptions(), recorded).anon is True
+    flag = recovery_options(SourceOptions(s3_endpoint_url="http://flag:2"), recorded)
+    assert flag.s3_endpoint_url == "http://flag:2", "the mount's flag wins"

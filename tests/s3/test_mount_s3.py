@@ -105,6 +105,26 @@ def test_s3_object_every_chunk_and_the_view(s3_env, s3_client, make_bucket, moun
     assert info["source_version"].startswith(f"{len(data)} etag:")
 
 
+def test_a_remount_reaches_the_endpoint_the_tag_was_registered_with(
+        s3_env, s3_client, make_bucket, mounter, tmp_path, monkeypatch):
+    """--s3-endpoint-url is kept in the tag's state: a remount with no source, no flag and
+    no AWS_ENDPOINT_URL still faults the chunks not staged yet from the same endpoint."""
+    bucket = make_bucket()
+    data = payload(3 * MiB + 5, 7)
+    s3_client.put_object(Bucket=bucket, Key="run7/field.bin", Body=data)
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    m = mounter(f"s3://{bucket}/run7/field.bin", args=["--chunk-size", "1M", "--prefetch-mb", "0",
+                                                       "--s3-endpoint-url", s3_env])
+    assert read(os.path.join(m.tag("field"), "chunk_0")) == data[:MiB]
+    wait_staged(m, "field", 1)
+    m.umount()
+    m2 = mounter(store=m.store, mountpoint=m.path)
+    assert stat_json(m2.path)["tags"]["field"]["remote"] == {"s3_endpoint_url": s3_env}
+    assert same_as(data, os.path.join(m2.tag("field"), "field.bin"), tmp_path)
+    c = m2.counters()
+    assert (c["faults"], c["fault_errors"]) == (3, 0), "chunks 1-3 from the recorded endpoint"
+
+
 def test_h5py_reads_an_hdf5_object_through_the_mount(s3_env, s3_client, make_bucket, mounter,
                                                      tmp_path):
     import h5py
