@@ -28,6 +28,7 @@ SMALL = 256 << 10  # below this, the heap is cheaper than a mapping of our own
 HUGE = 2 << 20  # a buffer this big may be backed by huge pages
 KEEP_BYTES = 32 << 20  # free buffers kept mapped for reuse (counted in the daemon's RSS)
 MAX_LENT = 4096  # buffers watched for return; the oldest are forgotten beyond this
+RECLAIM_EVERY = 16  # with a free buffer at hand, look for returned ones every 16 allocations
 
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
 
@@ -63,19 +64,24 @@ class BufferPool:
         self._free_bytes = 0  # id(buffer) -> buffer, least recently freed first
         self.reused = 0
         self.mapped = 0
+        self._allocs = 0
 
     def alloc(self, size: int) -> memoryview:
         """A writable buffer of ``size`` bytes with undefined contents."""
         if size < SMALL:
             return memoryview(bytearray(size))
         with self._lock:
-            self._reclaim()
+            self._allocs += 1
             buf = self._take(size)
+            if buf is None or self._allocs % RECLAIM_EVERY == 0:
+                self._reclaim()  # one check per lent buffer: not on every allocation
+                buf = buf or self._take(size)
+        fresh = buf is None
         if buf is None:
             buf = _map(size)
-            self.mapped += 1
         view = memoryview(buf)
         with self._lock:
+            self.mapped += fresh
             self._lent.append(buf)
             while len(self._lent) > MAX_LENT:
                 self._lent.popleft()  # forgotten: unmapped when its last view goes

@@ -119,7 +119,7 @@ class Stats:
         "skipped_cache_cap", "store_failures", "readthrough_backoff", "evicted", "evicted_bytes",
         "zero_filled_bytes", "bytes_served", "page_reads", "page_slices", "page_errors",
         "stale_blobs_dropped", "corrupt_blobs_dropped", "memory_hits", "prefetches",
-        "prefetch_errors", "store_readahead",
+        "prefetch_errors", "store_readahead", "dirty_kept", "skipped_dirty",
     )
 
     def __init__(self) -> None:
@@ -426,13 +426,13 @@ class Engine:
                             view_name=state.get("view_name"),
                             recorded=recorded.to_text() if recorded is not None else None)
         tag.source_error = error
-        tag.remote = remote_settings(ctx.src, options)
+        tag.remote = remote_settings(ctx.src, recovery_options(SourceOptions(), recorded_remote))
         if recorded is not None and recorded != version:
             tag.source_changed = True
             log.warning("tag %s: source %s changed (%s -> %s); %d stale blobs dropped, "
                         "re-faulting from the new version", ctx.dst, ctx.src, recorded.describe(),
                         version.describe(), tag.stale_dropped)
-        if recorded != version or "view_name" not in state or tag.remote != recorded_remote:
+        if recorded != version or "view_name" not in state:
             self._write_tag_state(tag)
         return tag
 
@@ -880,7 +880,13 @@ class Engine:
             return
         key = (tag.id, index)
         name = tag.layout.blob_name(index)
-        outcome, stored = await self.run_io(self._store_blocking, tag, name, data, victims)
+        outcome, stored, kept = await self.run_io(self._store_blocking, tag, name, data, victims)
+        for victim_tag, victim_name in kept:  # dirty (user data): never evicted, still staged
+            owner = self.tags.get(victim_tag)
+            victim = owner.layout.blob_index(victim_name) if owner is not None else None
+            if victim is not None:
+                owner.mark_staged(victim, True)
+            self.stats.add("dirty_kept")
         if outcome == "stored":
             self._drop_open(key)
             tag.mark_staged(index, True)
@@ -924,21 +930,28 @@ class Engine:
         return victims if self._lru_bytes + need <= cap else None
 
     def _store_blocking(self, tag: Tag, name: str, data: Buffer,
-                        victims: list[tuple[str, str]]) -> tuple[str, int]:
-        """Evict, check the reserve, write the blob (on the pool): (outcome, bytes stored)."""
+                        victims: list[tuple[str, str]]
+                        ) -> tuple[str, int, list[tuple[str, str]]]:
+        """Evict, check the reserve, write the blob (on the pool): (outcome, bytes stored,
+        victims kept because they are dirty). A dirty blob — user data, which the scan at
+        mount may have listed without reading its header — is never deleted or replaced."""
+        kept = [victim for victim in victims if self.store.is_dirty(*victim)]
         for victim_tag, victim_name in victims:
-            self.store.delete_clean(victim_tag, victim_name)
+            if (victim_tag, victim_name) not in kept:
+                self.store.delete(victim_tag, victim_name)
         if self.store.free_bytes() - (len(data) + HEADER_LEN) < self.config.reserve_bytes:
-            return "skipped_reserve", 0
+            return "skipped_reserve", 0, kept
+        if self.store.is_dirty(tag.name, name):
+            return "skipped_dirty", 0, kept
         try:
             stored = self.store.put(tag.name, name, data, flags=FLAG_NO_FAULT,
                                     source_version=tag.version_text)
         except StoreFull:
-            return "full", 0
+            return "full", 0, kept
         except OSError as exc:
             log.error("storing %s/%s in %s failed: %s", tag.name, name, self.store.root, exc)
-            return "store_failures", 0
-        return "stored", stored
+            return "store_failures", 0, kept
+        return "stored", stored, kept
 
     def _note_stored(self, key: tuple[int, int], size: int) -> None:
         self._forget_lru(key)
@@ -1037,16 +1050,17 @@ class Engine:
 
 
 def remote_settings(src: str, options: SourceOptions) -> dict:
-    """What a remount needs to reach a remote source again, for the tag state: the S3
-    endpoint given with ``--s3-endpoint-url`` and ``--anon``. Empty for a local source. An
-    endpoint carrying credentials (userinfo or a query) is not kept."""
+    """What a remount needs to reach a remote source again, recorded in the tag state when
+    the tag is registered (a remount never changes it; registering the source again does):
+    the S3 endpoint given with ``--s3-endpoint-url`` (S3 sources only) and ``--anon``. Empty
+    for a local source. An endpoint carrying credentials (userinfo, a query) is not kept."""
     if local_path(src) is not None:
         return {}
     out: dict = {}
     endpoint = options.s3_endpoint_url
-    if endpoint:
+    if endpoint and src.lower().startswith(("s3://", "s3a://")):
         parts = urlsplit(endpoint)
-        if parts.username or parts.password or parts.query:
+        if parts.username or parts.password or parts.query or parts.fragment:
             log.warning("the S3 endpoint carries credentials: not kept for remounts")
         else:
             out["s3_endpoint_url"] = endpoint

@@ -216,8 +216,21 @@ def test_leftover_temporary_files_are_cleaned(store):
     assert not os.path.exists(tmp)
 
 
-def test_delete_clean_keeps_dirty_blobs(store):
+def test_is_dirty_reads_the_header(store):
     store.put("t", "clean", b"c" * 100, flags=FLAG_NO_FAULT)
     store.put("t", "dirty", b"d" * 100, flags=FLAG_DIRTY)
-    assert store.delete_clean("t", "clean") > 0 and store.read("t", "clean") is None
-    assert store.delete_clean("t", "dirty") == 0 and store.read("t", "dirty") == b"d" * 100
+    assert not store.is_dirty("t", "clean") and store.is_dirty("t", "dirty")
+    assert not store.is_dirty("t", "absent")
+
+
+def test_a_whole_read_of_a_file_cut_short_meanwhile_is_not_served(store, monkeypatch):
+    """open_blob(whole=True) reads the file in one request: fewer bytes than fstat said
+    (cut after the fstat) must not become a short, block-verified payload."""
+    import faultfs.store.blobstore as blobstore_mod
+
+    data = bytes(range(256)) * 4096
+    store.put("t", "b", data, flags=FLAG_NO_FAULT)
+    real = blobstore_mod.pread_full
+    monkeypatch.setattr(blobstore_mod, "pread_full",
+                        lambda fd, size, off: real(fd, size - 16384 * 32, off))
+    assert store.open_blob("t", "b", whole=True) is None

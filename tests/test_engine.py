@@ -19,7 +19,7 @@ from faultfs.config import Config
 from faultfs.core.context import REGISTRY_TAG, FaultContext
 from faultfs.engine import Engine
 from faultfs.errors import FaultfsError, InvalidInput, SourceError
-from faultfs.store.blobfile import FLAG_NO_FAULT
+from faultfs.store.blobfile import FLAG_DIRTY, FLAG_NO_FAULT
 from faultfs.store.blobstore import BlobStore
 
 CS = 4096
@@ -608,3 +608,46 @@ def test_remote_settings_kept_for_remounts_never_hold_credentials():
     assert recovery_options(SourceOptions(), recorded).anon is True
     flag = recovery_options(SourceOptions(s3_endpoint_url="http://flag:2"), recorded)
     assert flag.s3_endpoint_url == "http://flag:2", "the mount's flag wins"
+
+
+@pytest.mark.parametrize("trusted_scan", [True, False])
+def test_a_dirty_blob_is_never_evicted_or_replaced_by_a_fault(store, trusted_scan):
+    """A dirty blob (user data) under a chunk name, found at mount with (trusted scan) or
+    without its header read, survives the --cache-size eviction and stays what is served."""
+    data = payload(CS * 4)
+    make_source(data, "mem://a")
+    eng = engine_for(store)
+    tag = eng.register(ctx_for("mem://a", "a"))
+    trio.run(eng.read_view, tag, 0, len(data))
+    eng.close()
+    user = b"U" * CS
+    store.put("a", "chunk_0", user, flags=FLAG_DIRTY)
+    if not trusted_scan:  # another recorded version: every header is read at mount
+        state = store.read_tag_state("a")
+        state["source_version"] = "0 elsewhere"
+        store.write_tag_state("a", state)
+    make_source(data, "mem://a")
+    make_source(payload(CS * 8)[::-1], "mem://b")
+    eng2 = engine_for(store, cache_size=4 * (CS + 4096) + 1)
+    tag_a = eng2.register(ctx_for("mem://a", "a"))
+    tag_b = eng2.register(ctx_for("mem://b", "b"))
+
+    async def main():
+        for i in range(8):  # each stored blob of b evicts least recently used blobs of a
+            await eng2.read_blob(tag_b, i, 0, CS)
+        return bytes(await eng2.read_blob(tag_a, 0, 0, CS))
+
+    assert trio.run(main) == user
+    assert store.read("a", "chunk_0") == user
+
+
+def test_remote_settings_are_recorded_at_registration_and_kept_by_remounts(store):
+    data = payload(CS * 2)
+    make_source(data)
+    Engine(store, Config(store_dir=store.root, reserve_mb=0),
+           SourceOptions(anon=True)).register(ctx_for())
+    assert store.read_tag_state("t")["remote"] == {"anon": True}
+    [tag] = engine_for(store).recover()  # a remount without --anon: still anonymous
+    assert tag.remote == {"anon": True} and store.read_tag_state("t")["remote"] == {"anon": True}
+    engine_for(store).register(ctx_for())  # registering the source again records anew
+    assert "remote" not in store.read_tag_state("t")

@@ -265,6 +265,8 @@ class BlobStore:
                 raise CorruptionError(f"{path} is not a regular file")
             if whole and HEADER_LEN <= st.st_size <= HEADER_LEN + WHOLE_READ_MAX:
                 raw = pread_full(fd, st.st_size, 0)
+                if len(raw) != st.st_size:
+                    raise CorruptionError(f"{path} is shorter than it was a moment ago")
                 head = bytes(raw[:HEADER_LEN])
                 loaded = raw[HEADER_LEN:]
             else:
@@ -282,7 +284,8 @@ class BlobStore:
         if (source_version is not None and not header.dirty
                 and header.source_version != source_version):
             os.close(fd)
-            return None  # stale: staged from an older version of the source
+            self._discard(path)  # stale: staged from another version of the source
+            return None
         return OpenBlob(fd, header, loaded)
 
     def discard_damaged(self, tag: str, name: str) -> None:
@@ -316,12 +319,10 @@ class BlobStore:
         finally:
             blob.close()
 
-    def delete_clean(self, tag: str, name: str) -> int:
-        """Remove a blob that can be re-faulted; a dirty one (user data) is kept. Returns
-        the bytes freed."""
-        if self._is_dirty_on_disk(self.blob_path(tag, name)):
-            return 0
-        return self.delete(tag, name)
+    def is_dirty(self, tag: str, name: str) -> bool:
+        """Whether the blob on disk is dirty (user data: never evicted, never replaced by a
+        fault). Reads its header; False when it is absent or its header is damaged."""
+        return self._is_dirty_on_disk(self.blob_path(tag, name))
 
     def delete(self, tag: str, name: str) -> int:
         """Remove a blob; returns the bytes freed."""
