@@ -354,6 +354,13 @@ def cmd_stat(args: argparse.Namespace) -> int:
     return 0
 
 
+def _memory_line(snap: dict) -> str:
+    buffers = snap.get("read_buffers", {})
+    return (f"memory         blobs held {format_size(snap.get('memory_bytes', 0))}; read buffers "
+            f"{buffers.get('mapped', 0)} mapped, {buffers.get('reused', 0)} reuses, "
+            f"{buffers.get('lent', 0)} in use, {format_size(buffers.get('free_bytes', 0))} free")
+
+
 def render_stats(snap: dict) -> str:
     """The counters of ``faultfs stat`` as a readable table."""
     c = snap.get("counters", {})
@@ -365,6 +372,7 @@ def render_stats(snap: dict) -> str:
         + ("" if snap.get("store_enabled", True) else ", storing OFF (read-through)") + ")",
         f"daemon         pid {snap.get('pid')}, up {snap.get('uptime_s', 0):.0f} s, "
         f"{snap.get('io_threads')} I/O threads",
+        _memory_line(snap),
         "",
         f"{'reads':<22}{c.get('reads', 0):>12}    {'bytes served':<22}{format_size(c.get('bytes_served', 0)):>12}",
         f"{'hits':<22}{c.get('hits', 0):>12}    {'faults':<22}{c.get('faults', 0):>12}",
@@ -376,6 +384,7 @@ def render_stats(snap: dict) -> str:
         f"{'fault errors':<22}{c.get('fault_errors', 0):>12}    {'single-flight joins':<22}{c.get('single_flight_joins', 0):>12}",
         f"{'page reads':<22}{c.get('page_reads', 0):>12}    {'page slices':<22}{c.get('page_slices', 0):>12}",
         f"{'zero-filled bytes':<22}{c.get('zero_filled_bytes', 0):>12}    {'stale blobs dropped':<22}{c.get('stale_blobs_dropped', 0):>12}",
+        f"{'memory hits':<22}{c.get('memory_hits', 0):>12}    {'read ahead (store)':<22}{c.get('store_readahead', 0):>12}",
         f"fault latency  p50 {lat.get('p50_ms', 0)} ms, p90 {lat.get('p90_ms', 0)} ms, "
         f"p99 {lat.get('p99_ms', 0)} ms, max {lat.get('max_ms', 0)} ms",
         "",

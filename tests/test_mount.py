@@ -253,10 +253,13 @@ def test_stat_table_and_json(mounter, sample):
     m = mounter(src)
     read(os.path.join(m.tag("field"), "chunk_0"))
     table = run_faultfs("stat", m.path, check=True).stdout
-    for word in ("faults", "hits", "bytes from source", "reserve", "fault latency", "field"):
+    for word in ("faults", "hits", "bytes from source", "reserve", "fault latency", "field",
+                 "blobs held", "read buffers", "memory hits"):
         assert word in table
     doc = json.loads(run_faultfs("stat", m.path, "--json", check=True).stdout)
     assert doc["counters"]["faults"] == 1
+    assert doc["memory_bytes"] == MiB, "the faulted blob is held in memory"
+    assert set(doc["read_buffers"]) == {"mapped", "reused", "lent", "free_bytes"}
 
 
 def test_stats_logging(mounter, sample):
