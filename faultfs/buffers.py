@@ -60,8 +60,9 @@ class BufferPool:
         self.keep_bytes = keep_bytes
         self._lock = threading.Lock()
         self._lent: collections.deque[mmap.mmap] = collections.deque()
+        # id(buffer) -> buffer, least recently freed first
         self._free: collections.OrderedDict[int, mmap.mmap] = collections.OrderedDict()
-        self._free_bytes = 0  # id(buffer) -> buffer, least recently freed first
+        self._free_bytes = 0
         self.reused = 0
         self.mapped = 0
         self._allocs = 0

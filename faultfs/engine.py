@@ -27,7 +27,14 @@ from urllib.parse import urlsplit
 import trio
 
 from faultfs import assimilators, buffers
-from faultfs.assimilators.sources import Source, SourceOptions, SourceVersion, local_path
+from faultfs.assimilators.sources import (
+    S3_PROTOCOLS,
+    Source,
+    SourceOptions,
+    SourceVersion,
+    local_path,
+    url_protocol,
+)
 from faultfs.config import Config
 from faultfs.core.chunks import ChunkLayout, zero_fill
 from faultfs.core.context import REGISTRY_TAG, FaultContext, is_fault_key
@@ -193,7 +200,7 @@ class BlobMemory:
 
 def _shared_buffer(data: Buffer) -> int | None:
     """The identity of the buffer ``data`` is a part of, when it is only a part of it."""
-    if isinstance(data, memoryview) and data.obj is not None and len(data) < data.obj.__len__():
+    if isinstance(data, memoryview) and data.obj is not None and len(data) < len(data.obj):
         return id(data.obj)
     return None
 
@@ -352,8 +359,7 @@ class Engine:
                 index = tag.layout.blob_index(name)
                 if index is not None:
                     tag.mark_staged(index, True)
-                    self._lru[(tag.id, index)] = size
-                    self._lru_bytes += size
+                    self._note_stored((tag.id, index), size)
             return
         for name in self.store.list_blobs(tag.name):
             index = tag.layout.blob_index(name)
@@ -372,9 +378,7 @@ class Engine:
                 continue
             tag.mark_staged(index, True)
             if not header.dirty:
-                size = os.stat(path).st_blocks * 512
-                self._lru[(tag.id, index)] = size
-                self._lru_bytes += size
+                self._note_stored((tag.id, index), os.stat(path).st_blocks * 512)
 
     def recover(self) -> list[Tag]:
         """Bring back every tag whose context is in the registry (remount with no source)."""
@@ -539,11 +543,9 @@ class Engine:
         blob = self._open.get(key)
         first_read: Buffer | CorruptionError | None = None
         if blob is None:
-            try:  # open and first read together: inline when small, else one trip to the pool
-                if size <= self._inline_read:
-                    blob, first_read = self._open_and_read(tag, name, size, off)
-                else:
-                    blob, first_read = await self.run_io(self._open_and_read, tag, name, size, off)
+            try:  # open and first read together
+                blob, first_read = await self._store_read(size, self._open_and_read,
+                                                          tag, name, size, off)
             except CorruptionError as exc:
                 raise FaultfsError(str(exc), errno.EIO) from None
             if blob is None:
@@ -566,10 +568,7 @@ class Engine:
                 return first_read
             data = blob.pread_view(size, off, nowait=True)  # never blocks: page-cache hits only
             if data is None:
-                if size <= self._inline_read:
-                    data = blob.pread_view(size, off)  # a few blocks off the local store
-                else:
-                    data = await self.run_io(blob.pread_view, size, off)
+                data = await self._store_read(size, blob.pread_view, size, off)
             return data
         except CorruptionError as exc:
             log.warning("tag %s: %s", tag.name, exc)
@@ -586,6 +585,14 @@ class Engine:
                 del self._in_use[key]
                 if key not in self._open:
                     blob.close()
+
+    async def _store_read(self, size: int, fn, *args):
+        """``fn(*args)``, a read of ``size`` bytes from the store: on the serving thread when
+        it is small (``--inline-read-kb``: a few blocks off the local disk cost less than a
+        trip to the I/O pool and back), on the pool otherwise."""
+        if size <= self._inline_read:
+            return fn(*args)
+        return await self.run_io(fn, *args)
 
     def _unstage(self, tag: Tag, index: int) -> None:
         tag.mark_staged(index, False)
@@ -1058,7 +1065,7 @@ def remote_settings(src: str, options: SourceOptions) -> dict:
         return {}
     out: dict = {}
     endpoint = options.s3_endpoint_url
-    if endpoint and src.lower().startswith(("s3://", "s3a://")):
+    if endpoint and url_protocol(src) in S3_PROTOCOLS:
         parts = urlsplit(endpoint)
         if parts.username or parts.password or parts.query or parts.fragment:
             log.warning("the S3 endpoint carries credentials: not kept for remounts")

@@ -49,7 +49,7 @@ import fsspec
 from fsspec.asyn import AsyncFileSystem, sync
 from fsspec.utils import tokenize
 
-from faultfs.assimilators.sources import SourceOptions, SourceVersion
+from faultfs.assimilators.sources import S3_PROTOCOLS, SourceOptions, SourceVersion, url_protocol
 from faultfs.buffers import alloc
 from faultfs.errors import InvalidInput, SourceError
 
@@ -57,7 +57,6 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-S3_PROTOCOLS = ("s3", "s3a")
 HTTP_PROTOCOLS = ("http", "https")
 
 # The engine runs up to 32 faults at once (FAULTFS_IO_THREADS); the HTTP pool must never queue
@@ -288,10 +287,6 @@ _FILESYSTEMS: dict[str, fsspec.AbstractFileSystem] = {}
 _SYNC_LOCKS: weakref.WeakKeyDictionary[Any, threading.Lock] = weakref.WeakKeyDictionary()
 
 
-def _protocol(url: str) -> str:
-    return url.split("::", 1)[0].split("://", 1)[0].lower() if "://" in url else ""
-
-
 def s3_filesystem_kwargs(options: SourceOptions, environ: dict[str, str] | None = None) -> dict:
     """s3fs constructor arguments from the context fields, the AWS environment and storage_options.
 
@@ -365,7 +360,7 @@ def _shared_filesystem(protocol: str, kwargs: dict) -> fsspec.AbstractFileSystem
 
 
 def _filesystem_for(url: str, options: SourceOptions) -> tuple[fsspec.AbstractFileSystem, str]:
-    protocol = _protocol(url)
+    protocol = url_protocol(url)
     try:
         if protocol in S3_PROTOCOLS:
             fs = _shared_filesystem("s3", s3_filesystem_kwargs(options))
@@ -882,7 +877,7 @@ def open_fsspec_source(
             "mount it, or use credentials from the environment", errno.EACCES)
     fs, path = _filesystem_for(url, options)
     scrub = _scrubber(url, options)
-    protocol = _protocol(url)
+    protocol = url_protocol(url)
     reader: ObjectReader
     if protocol in S3_PROTOCOLS:
         reader = S3Reader(fs, path, scrub)
@@ -901,7 +896,7 @@ def expand_fsspec_glob(
     A ``?`` that starts an HTTP query or an S3 ``?versionId=`` is not a wildcard: such a URL
     without ``*`` or ``[`` is returned as it is.
     """
-    protocol = _protocol(pattern)
+    protocol = url_protocol(pattern)
     if protocol in HTTP_PROTOCOLS or (protocol in S3_PROTOCOLS and "?versionId=" in pattern):
         if not any(c in urlsplit(pattern).path for c in "*["):
             return [pattern]

@@ -66,6 +66,15 @@ class Source(Protocol):
     def close(self) -> None: ...
 
 
+S3_PROTOCOLS = ("s3", "s3a")
+
+
+def url_protocol(url: str) -> str:
+    """The protocol of ``url`` (of its first part, for a chained fsspec URL), lower case;
+    empty for a plain path."""
+    return url.split("::", 1)[0].split("://", 1)[0].lower() if "://" in url else ""
+
+
 def local_path(url: str) -> str | None:
     """The local path ``url`` names (plain path, ``file::/p``, ``file:///p``), else None."""
     if url.startswith("file::"):

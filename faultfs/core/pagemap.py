@@ -142,13 +142,7 @@ class PageMap:
     def iter_from_page(self, blob_name: str, blob_off: int, size: int) -> Iterator[PageRef]:
         """Lazily, the pages holding bytes ``[blob_off, blob_off+size)`` of one blob."""
         ps = self.page_size
-        if ps == 0 or size <= 0 or blob_off < 0:
-            return
-        lo, hi = blob_off, blob_off + size
-        for i in self._blob_index().get(blob_name, ()):
-            e = self.extents[i]
-            s = max(lo, e.blob_off)
-            t = min(hi, e.blob_off + e.size)
+        for e, s, t in self._overlaps(blob_name, blob_off, size):
             while s < t:
                 p = e.page_off + (s - e.blob_off)
                 page_id, dst_off = divmod(p, ps)
@@ -175,20 +169,27 @@ class PageMap:
             f"{e.blob_name} {e.blob_off} {e.page_off} {e.size}\n" for e in self.extents
         )
 
-    def _count_refs(self, blob_name: str, blob_off: int, size: int) -> int:
-        ps = self.page_size
-        if ps == 0 or size <= 0 or blob_off < 0:
-            return 0
+    def _overlaps(self, blob_name: str, blob_off: int, size: int
+                  ) -> Iterator[tuple[PageExtent, int, int]]:
+        """Each extent of ``blob_name`` overlapping ``[blob_off, blob_off+size)``, with the
+        overlap ``[s, t)`` in blob offsets (nothing when the map has no pages)."""
+        if self.page_size == 0 or size <= 0 or blob_off < 0:
+            return
         lo, hi = blob_off, blob_off + size
-        count = 0
         for i in self._blob_index().get(blob_name, ()):
             e = self.extents[i]
             s = max(lo, e.blob_off)
             t = min(hi, e.blob_off + e.size)
             if s < t:
-                first = e.page_off + (s - e.blob_off)
-                last = first + (t - s) - 1
-                count += last // ps - first // ps + 1
+                yield e, s, t
+
+    def _count_refs(self, blob_name: str, blob_off: int, size: int) -> int:
+        ps = self.page_size
+        count = 0
+        for e, s, t in self._overlaps(blob_name, blob_off, size):
+            first = e.page_off + (s - e.blob_off)
+            last = first + (t - s) - 1
+            count += last // ps - first // ps + 1
         return count
 
     def _blob_index(self) -> dict[str, tuple[int, ...]]:

@@ -292,13 +292,9 @@ class BlobStore:
         """Delete a blob that failed verification — unless it is dirty (user data), which
         raises CorruptionError instead: it cannot be re-faulted, so it must be reported."""
         path = self.blob_path(tag, name)
-        if self._is_dirty_on_disk(path):
+        if self.is_dirty(tag, name):
             raise CorruptionError(f"dirty blob {name} of tag {tag} is damaged: {path}")
         self._discard(path)
-
-    def _is_dirty_on_disk(self, path: str) -> bool:
-        header = self.read_header(path)
-        return header is not None and header.dirty
 
     def _discard(self, path: str) -> None:
         try:
@@ -322,7 +318,8 @@ class BlobStore:
     def is_dirty(self, tag: str, name: str) -> bool:
         """Whether the blob on disk is dirty (user data: never evicted, never replaced by a
         fault). Reads its header; False when it is absent or its header is damaged."""
-        return self._is_dirty_on_disk(self.blob_path(tag, name))
+        header = self.read_header(self.blob_path(tag, name))
+        return header is not None and header.dirty
 
     def delete(self, tag: str, name: str) -> int:
         """Remove a blob; returns the bytes freed."""
