@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from range_http import RangeHttpServer
@@ -36,6 +38,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "mount" in item.keywords:
             item.add_marker(skip)
+
+
+def check_concurrent_preads(src, data: bytes, count: int, seed: int) -> None:
+    """``count`` random ranges of ``src`` read from 16 threads at once, each compared with
+    the same range of ``data``."""
+    rng = random.Random(seed)
+    ranges = [(rng.randrange(len(data)), rng.randrange(1, 2**20)) for _ in range(count)]
+    with ThreadPoolExecutor(16) as pool:
+        got = list(pool.map(lambda r: src.pread(*r), ranges))
+    for (off, size), piece in zip(ranges, got, strict=True):
+        assert piece == data[off:off + size]
 
 
 def run_faultfs(*args: str, env: dict | None = None, timeout: float = 120,

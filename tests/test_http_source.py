@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import fsspec
 import pytest
+from conftest import check_concurrent_preads
 from fsspec.implementations.memory import MemoryFileSystem
 from range_http import RangeHttpServer
 
@@ -48,13 +49,7 @@ def test_http_open_version_and_range_reads(http_server: RangeHttpServer) -> None
 
 def test_http_concurrent_reads(http_server: RangeHttpServer) -> None:
     data = payload(4 * 2**20, 2)
-    src = open_source(http_server.put("/big", data))
-    rng = random.Random(3)
-    ranges = [(rng.randrange(len(data)), rng.randrange(1, 2**20)) for _ in range(96)]
-    with ThreadPoolExecutor(16) as pool:
-        got = list(pool.map(lambda r: src.pread(*r), ranges))
-    for (off, size), piece in zip(ranges, got, strict=True):
-        assert piece == data[off:off + size]
+    check_concurrent_preads(open_source(http_server.put("/big", data)), data, 96, seed=3)
 
 
 @pytest.mark.parametrize("honour_if_match", [True, False])

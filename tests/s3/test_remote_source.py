@@ -9,9 +9,9 @@ import errno
 import os
 import random
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from conftest import check_concurrent_preads
 
 from faultfs.assimilators import remote
 from faultfs.assimilators.remote import RetryPolicy, open_fsspec_source, s3_filesystem_kwargs
@@ -101,13 +101,7 @@ def test_concurrent_pread_from_16_threads(s3_client, make_bucket) -> None:
     bucket = make_bucket()
     data = payload(8 * 2**20, 3)
     s3_client.put_object(Bucket=bucket, Key="big", Body=data)
-    src = open_source(f"s3://{bucket}/big")
-    rng = random.Random(4)
-    ranges = [(rng.randrange(len(data)), rng.randrange(1, 2**20)) for _ in range(160)]
-    with ThreadPoolExecutor(16) as pool:
-        got = list(pool.map(lambda r: src.pread(*r), ranges))
-    for (off, size), piece in zip(ranges, got, strict=True):
-        assert piece == data[off:off + size]
+    check_concurrent_preads(open_source(f"s3://{bucket}/big"), data, 160, seed=4)
 
 
 # --- version pinning ---
