@@ -33,9 +33,11 @@ from typing import TextIO
 import xxhash
 
 from faultfs.core.coord import StreamCoordinate
+from faultfs.core.names import CTL_NAME, PAGE_PREFIX
+from faultfs.core.units import format_size
 from faultfs.errors import InvalidInput, SourceError
 
-CONTROL_DIR = ".faultfs"  # the mount's control directory: stats and registry, never warmed
+CONTROL_DIR = CTL_NAME  # the mount's control directory: stats and registry, never warmed
 READ_SIZE = 1 << 20  # one pread per MiB: large enough to stream, small enough to share a pool
 CHECKPOINT_BLOBS = 64  # blobs between checkpoints: bounds re-reading after a kill -9
 CHECKPOINT_SECONDS = 5.0  # ...and time between them, for large blobs
@@ -110,7 +112,7 @@ def tag_blobs(tag_dir: str) -> list[tuple[int, str]]:
     by_prefix: dict[str, list[tuple[int, str]]] = {}
     with os.scandir(tag_dir) as entries:
         for e in entries:
-            if e.name.startswith((".", "page:")) or not e.is_file(follow_symlinks=False):
+            if e.name.startswith((".", PAGE_PREFIX)) or not e.is_file(follow_symlinks=False):
                 continue
             m = _INDEXED_NAME.match(e.name)
             if m:
@@ -138,14 +140,6 @@ def read_whole_blob(path: str, size: int, buf: bytearray) -> int:
         os.close(fd)
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError  # pragma: no cover
-
-
 def _clock(seconds: float) -> str:
     s = int(seconds)
     return f"{s // 3600}:{s // 60 % 60:02}:{s % 60:02}"
@@ -171,7 +165,7 @@ class WarmProgress:
         filled = round(self.WIDTH * min(frac, 1.0))
         return (
             f"warm [{'#' * filled}{'.' * (self.WIDTH - filled)}] {frac:4.0%} "
-            f"{_human(bytes_read)}/{_human(self._total_bytes)} {_human(rate)}/s "
+            f"{format_size(bytes_read)}/{format_size(self._total_bytes)} {format_size(rate)}/s "
             f"ETA {_clock(eta) if eta is not None else '?:??:??'} "
             f"blobs {blobs_done}/{self._total_blobs} ({skipped} staged)"
         )

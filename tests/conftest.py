@@ -153,11 +153,12 @@ def sample(tmp_path):
 @pytest.fixture
 def http_server() -> Iterator[RangeHttpServer]:
     """A ``RangeHttpServer`` for the test; fsspec's shared HTTP file systems are dropped after."""
-    from faultfs.assimilators import remote
 
     server = RangeHttpServer()
     try:
         yield server
     finally:
         server.close()
-        remote.clear_filesystems()
+        from faultfs.sources import filesystems
+
+        filesystems.clear_filesystems()

@@ -12,8 +12,8 @@ def test_the_mount_daemon_does_not_import_numpy():
         "import sys\n"
         "import faultfs.cli\n"
         "faultfs.cli.build_parser()\n"
-        "import faultfs.mount, faultfs.engine, faultfs.fuse_ops, faultfs.pages\n"
-        "import faultfs.assimilators.remote, faultfs.assimilators.binary\n"
+        "import faultfs.daemon, faultfs.fuse.serve, faultfs.engine, faultfs.namespace\n"
+        "import faultfs.sources.remote, assimilators.binary\n"
         "print('numpy' in sys.modules)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -13,103 +13,19 @@ import threading
 import pytest
 import trio
 
-from faultfs import assimilators
-from faultfs.assimilators.sources import SourceOptions, SourceVersion
 from faultfs.config import Config
 from faultfs.core.context import REGISTRY_TAG, FaultContext
 from faultfs.engine import Engine
-from faultfs.errors import FaultfsError, InvalidInput, SourceError
+from faultfs.errors import FaultfsError, InvalidInput
+from faultfs.sources import SourceOptions
 from faultfs.store.blobfile import FLAG_DIRTY, FLAG_NO_FAULT
 from faultfs.store.blobstore import BlobStore
-
-CS = 4096
-
-
-class MemorySource:
-    """A source held in memory; counts reads; can fail on chosen calls or block on a gate."""
-
-    def __init__(self, data: bytes, url: str = "mem://x") -> None:
-        self.url = url
-        self.data = data
-        self.reads = 0
-        self.fail_calls: set[int] = set()
-        self.gate: threading.Event | None = None
-        self.token = "v1"
-        self._lock = threading.Lock()
-
-    def version(self) -> SourceVersion:
-        return SourceVersion(len(self.data), self.token)
-
-    def mtime(self) -> float:
-        return 1_700_000_000.0
-
-    def pread(self, off: int, size: int) -> bytes:
-        with self._lock:
-            self.reads += 1
-            call = self.reads
-        if self.gate is not None:
-            self.gate.wait(10)
-        if call in self.fail_calls:
-            raise SourceError(f"{self.url}: injected failure on call {call}")
-        return self.data[off:off + size]
-
-    def close(self) -> None:
-        pass
-
-
-class MemoryAssimilator:
-    """The binary assimilator's cut over ``MemorySource`` objects registered by URL."""
-
-    name = "memtest"
-    default_chunk_size = CS
-    sources: dict[str, MemorySource] = {}
-
-    def blob_bytes(self, ctx):
-        return ctx.chunk_size or CS
-
-    def open(self, ctx, options):
-        try:
-            return self.sources[ctx.src]
-        except KeyError:
-            raise InvalidInput(f"source {ctx.src} does not exist") from None
-
-    def read_blob(self, source, ctx, start, end):
-        return source.pread(start, end - start)
-
-
-class NoBlobAssimilator(MemoryAssimilator):
-    name = "noblob"
-
-    def blob_bytes(self, ctx):
-        return 0
-
-
-assimilators.register("memtest", MemoryAssimilator())
-assimilators.register("noblob", NoBlobAssimilator())
-
-
-def make_source(data: bytes, url: str = "mem://x") -> MemorySource:
-    src = MemorySource(data, url)
-    MemoryAssimilator.sources[url] = src
-    return src
+from faultfs.testing.fakes import CS, ctx_for, engine_for, make_source, payload
 
 
 @pytest.fixture
 def store(tmp_path):
     return BlobStore(str(tmp_path / "store"))
-
-
-def engine_for(store, **config) -> Engine:
-    config.setdefault("reserve_mb", 0)
-    return Engine(store, Config(store_dir=store.root, **config))
-
-
-def ctx_for(url="mem://x", tag="t", **kw) -> FaultContext:
-    return FaultContext(src=url, dst=tag, format="memtest", chunk_size=kw.pop("chunk_size", CS), **kw)
-
-
-def payload(n: int) -> bytes:
-    return bytes((i * 7 + i // 251) & 0xFF for i in range(n))
 
 
 def test_fault_then_hit_with_zero_tail(store):
@@ -166,7 +82,7 @@ def test_failed_fault_is_eio_never_zeros_and_is_retried_next_time(store):
         with pytest.raises(FaultfsError) as info:
             await eng.read_blob(tag, 0, 0, 10)
         assert info.value.errno == errno.EIO
-        assert not tag.is_staged(0)
+        assert not eng.is_staged(tag, 0)
         assert await eng.read_blob(tag, 0, 0, 10) == data[:10]
 
     trio.run(main)
@@ -256,7 +172,7 @@ def test_store_full_backoff_counts_exactly(store, monkeypatch):
     assert c["store_failures"] == 1
     assert c["readthrough_backoff"] == 256
     assert c["stored"] == 1  # fault 258 stores again
-    assert tag.is_staged(257) and not tag.is_staged(0) and not tag.is_staged(256)
+    assert eng.is_staged(tag, 257) and not eng.is_staged(tag, 0) and not eng.is_staged(tag, 256)
     assert [n for n in os.listdir(store.tag_dir("t")) if n.endswith(".tmp")] == []
 
 
@@ -272,20 +188,10 @@ def test_cache_cap_evicts_least_recently_used_clean_blobs(store):
         await eng.read_blob(tag, 3, 0, 1)  # evicts 1
 
     trio.run(main)
-    assert [tag.is_staged(i) for i in range(4)] == [True, False, True, True]
+    assert [eng.is_staged(tag, i) for i in range(4)] == [True, False, True, True]
     assert sorted(store.list_blobs("t")) == ["chunk_0", "chunk_2", "chunk_3"]
     assert eng.stats.counters["evicted"] == 1
     assert src.reads == 4
-
-
-def test_stage_only_request_stores_without_serving(store):
-    src = make_source(payload(CS * 2))
-    eng = engine_for(store)
-    tag = eng.register(ctx_for())
-    trio.run(eng.stage, tag, 1)
-    assert tag.is_staged(1) and src.reads == 1
-    trio.run(eng.stage, tag, 1)
-    assert src.reads == 1
 
 
 def test_remount_recovers_tags_and_hits_with_zero_source_reads(store):
@@ -302,7 +208,7 @@ def test_remount_recovers_tags_and_hits_with_zero_source_reads(store):
     src2 = make_source(data)  # same URL, fresh read counter
     eng2 = engine_for(store)
     [tag2] = eng2.recover()
-    assert tag2.name == "t" and tag2.staged_count == 4
+    assert tag2.name == "t" and eng2.staged_count(tag2) == 4
     assert trio.run(read_all, eng2, tag2) == data
     assert src2.reads == 0
     for name in store.list_blobs(REGISTRY_TAG):
@@ -322,7 +228,7 @@ def test_changed_source_makes_staged_blobs_stale_on_remount(store):
     src2.token = "v2"
     eng2 = engine_for(store)
     [tag2] = eng2.recover()
-    assert tag2.staged_count == 0 and tag2.stale_dropped == 2 and tag2.source_changed
+    assert eng2.staged_count(tag2) == 0 and tag2.stale_dropped == 2 and tag2.source_changed
     assert trio.run(eng2.snapshot)["tags"]["t"]["source_changed_at_mount"] is True
     assert trio.run(eng2.read_view, tag2, 0, len(new)) == new
     assert src2.reads == 2
@@ -394,7 +300,7 @@ def test_re_registration_with_a_new_context_replaces_the_old_one(store):
 async def settle(eng):
     """Wait until background prefetches and store writes (on threads) are done."""
     with trio.fail_after(10):
-        while eng._storing or eng._prefetching or eng._flights:  # noqa: ASYNC110 - test polls
+        while eng.busy:  # noqa: ASYNC110 - test polls
             await trio.sleep(0.005)
 
 
@@ -411,7 +317,7 @@ def test_attached_engine_prefetches_for_sequential_readers_only(store):
                 assert await eng.read_blob(tag, i, 0, CS) == data[i * CS:(i + 1) * CS]
             await settle(eng)
             assert eng.stats.counters["prefetches"] > 0
-            assert tag.is_staged(9), "blobs ahead of a sequential reader are faulted and stored"
+            assert eng.is_staged(tag, 9), "blobs ahead of a sequential reader are faulted and stored"
             before = eng.stats.counters["prefetches"]
             for i in (40, 20, 60, 30):  # random: no prefetch
                 assert await eng.read_blob(tag, i, 0, 10) == data[i * CS:i * CS + 10]
@@ -438,7 +344,7 @@ def test_background_store_keeps_bytes_servable_until_on_disk(store):
             # the store write may still be pending: the bytes are held, not re-faulted
             assert await eng.read_blob(tag, 1, 100, 10) == data[CS + 100:CS + 110]
             await settle(eng)
-            assert tag.is_staged(1) and not eng._storing
+            assert eng.is_staged(tag, 1) and not eng.pending_stores
             nursery.cancel_scope.cancel()
 
     trio.run(main)
@@ -472,13 +378,13 @@ def test_sequential_reader_of_staged_blobs_is_served_from_a_read_ahead(store):
 
 
 def test_registration_persists_no_credentials_from_a_url(store):
-    from faultfs.assimilators import remote
+    from faultfs.sources import persistable_src
 
     url = "mem://b/k?X-Amz-Signature=deadbeefcafe&X-Amz-Credential=AKIA123"
     make_source(payload(CS), url=url)
     eng = engine_for(store)
     tag = eng.register(ctx_for(url))
-    assert tag.ctx.src == remote.persistable_src(url) != url
+    assert tag.ctx.src == persistable_src(url) != url
     for name in store.list_blobs(REGISTRY_TAG):
         text = store.read(REGISTRY_TAG, name)
         assert b"deadbeefcafe" not in text and b"AKIA123" not in text
@@ -503,13 +409,13 @@ def test_small_staged_reads_inline_or_on_the_pool_serve_the_same_verified_bytes(
     eng2 = engine_for(store, inline_read_kb=inline_kb)
     [tag2] = eng2.recover()
     trips = []
-    real_run_io = eng2.run_io
+    real_run_io = eng2.pool.run
 
     async def counting_run_io(fn, *args):
         trips.append(getattr(fn, "__name__", repr(fn)))
         return await real_run_io(fn, *args)
 
-    eng2.run_io = counting_run_io
+    eng2.pool.run = counting_run_io
 
     async def reads():
         got = []
@@ -550,9 +456,10 @@ def test_remount_of_an_unchanged_source_reads_no_blob_headers(store, monkeypatch
     src = make_source(data)
     eng2 = engine_for(store)
     tag2 = eng2.register(ctx_for())
-    assert opened == [] and tag2.staged_count == 6 and eng2._lru_bytes > 0
-    [tag3] = engine_for(store).recover()
-    assert opened == [] and tag3.staged_count == 6
+    assert opened == [] and eng2.staged_count(tag2) == 6 and eng2.tiers.local.policy.lru_bytes > 0
+    eng3 = engine_for(store)
+    [tag3] = eng3.recover()
+    assert opened == [] and eng3.staged_count(tag3) == 6
     assert trio.run(eng2.read_view, tag2, 0, len(data)) == data and src.reads == 0
 
 
@@ -570,26 +477,26 @@ def test_a_blob_staged_from_another_version_is_refaulted_even_when_the_scan_trus
     src = make_source(data)
     eng2 = engine_for(store)
     tag2 = eng2.register(ctx_for())
-    assert tag2.staged_count == 2
+    assert eng2.staged_count(tag2) == 2
     assert trio.run(eng2.read_view, tag2, 0, len(data)) == data and src.reads == 1
 
 
 def test_memory_drops_the_blobs_of_a_run_together():
     """Blobs of one source run share a buffer: holding one must not keep the others' bytes,
     so dropping one drops its siblings and what is held stays within the bound."""
-    from faultfs.engine import BlobMemory
+    from faultfs.tiers.memory import MemoryTier
 
     run = memoryview(bytearray(4 * 100))
-    memory = BlobMemory(capacity=500)
+    memory = MemoryTier(capacity=500)
     for i in range(4):
-        memory.put((1, i), run[i * 100:(i + 1) * 100])
-    memory.put((2, 0), memoryview(bytearray(100)))
+        memory.keep((1, i), run[i * 100:(i + 1) * 100])
+    memory.keep((2, 0), memoryview(bytearray(100)))
     assert memory.size == 500
-    memory.get((1, 3))  # one blob of the run stays hot
-    memory.put((2, 1), memoryview(bytearray(100)))  # evicts (1, 0), and with it the run
+    memory.held((1, 3))  # one blob of the run stays hot
+    memory.keep((2, 1), memoryview(bytearray(100)))  # evicts (1, 0), and with it the run
     assert [k for k in [(1, i) for i in range(4)] if k in memory] == []
     assert (2, 0) in memory and (2, 1) in memory and memory.size == 200
-    memory.put((3, 0), b"x" * 50)  # plain bytes: no run
+    memory.keep((3, 0), b"x" * 50)  # plain bytes: no run
     memory.discard((3, 0))
     assert memory.size == 200
 

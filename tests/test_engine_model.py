@@ -15,11 +15,11 @@ import trio
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from test_engine import CS, ctx_for, engine_for, make_source, payload
 
 from faultfs.errors import FaultfsError
 from faultfs.store import blobstore
 from faultfs.store.blobstore import BlobStore
+from faultfs.testing.fakes import CS, ctx_for, engine_for, make_source, payload
 
 
 class EngineModel(RuleBasedStateMachine):
@@ -64,7 +64,7 @@ class EngineModel(RuleBasedStateMachine):
                     return exc  # not through the nursery: it would wrap it in a group
                 finally:
                     with trio.fail_after(10):
-                        while self.engine._storing or self.engine._prefetching:  # noqa: ASYNC110
+                        while self.engine.busy:  # noqa: ASYNC110
                             await trio.sleep(0.001)
                     nursery.cancel_scope.cancel()
 
@@ -131,7 +131,7 @@ class EngineModel(RuleBasedStateMachine):
     def staged_blobs_are_on_disk(self):
         on_disk = set(self.store.list_blobs("t"))
         for index in range(self.tag.layout.num_blobs):
-            if self.tag.is_staged(index):
+            if self.engine.is_staged(self.tag, index):
                 assert self.tag.layout.blob_name(index) in on_disk
 
 

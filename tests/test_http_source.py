@@ -19,10 +19,11 @@ from conftest import check_concurrent_preads
 from fsspec.implementations.memory import MemoryFileSystem
 from range_http import RangeHttpServer
 
-from faultfs.assimilators import remote
-from faultfs.assimilators.remote import RetryPolicy, display_url, open_fsspec_source
-from faultfs.assimilators.sources import SourceOptions, expand_sources, open_source
 from faultfs.errors import InvalidInput, SourceError
+from faultfs.sources import SourceOptions, SourceVersion, expand_sources, open_source
+from faultfs.sources.remote import open_fsspec_source
+from faultfs.sources.retry import RetryPolicy
+from faultfs.sources.secrets import display_url
 
 QUICK = RetryPolicy(attempts=3, base_delay_s=0.001, max_delay_s=0.005)
 
@@ -39,7 +40,7 @@ def test_http_open_version_and_range_reads(http_server: RangeHttpServer) -> None
     url = http_server.put("/data/field.bin", data)
     src = open_source(url)
     assert src.url == url
-    assert src.version() == remote.SourceVersion(len(data), 'etag:"v1"')
+    assert src.version() == SourceVersion(len(data), 'etag:"v1"')
     assert src.mtime() == 1_700_000_001
     for off, size in [(0, 1), (0, 2**20), (123_456, 654_321), (len(data) - 5, 5)]:
         assert src.pread(off, size) == data[off:off + size]
@@ -63,7 +64,7 @@ def test_http_changed_etag_fails_reads(http_server: RangeHttpServer, honour_if_m
         src.pread(0, 100)
     assert info.value.errno == errno.EIO
     assert url in str(info.value)
-    assert src.version() == remote.SourceVersion(10_000, 'etag:"v2"')
+    assert src.version() == SourceVersion(10_000, 'etag:"v2"')
 
 
 def test_http_without_etag_pins_last_modified_and_size(http_server: RangeHttpServer) -> None:

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from faultfs import pagemap_cli
+from faultfs.cli import pagemap as pagemap_cli
 from faultfs.errors import FaultfsError, InvalidInput
 
 GOOD = "pagemap\npage_size=1024\ntotal=1536\na 0 0 400\nd 16 1024 512\n"

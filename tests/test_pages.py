@@ -16,8 +16,8 @@ from faultfs.config import Config
 from faultfs.core.context import FaultContext
 from faultfs.core.pagemap import PageExtent, build
 from faultfs.engine import Engine
+from faultfs.engine.pages import MAX_PAGES_SHOWN, PAGEMAP_BLOB
 from faultfs.errors import FaultfsError, InvalidInput
-from faultfs.pages import HANDLE_BASE, MAX_PAGES_SHOWN, PAGEMAP_BLOB
 from faultfs.store.blobfile import FLAG_DIRTY
 from faultfs.store.blobstore import BlobStore
 
@@ -59,11 +59,11 @@ def model_page(extents, page_size, page_id, blobs) -> bytes:
 
 def test_no_pagemap_means_no_pages(setup):
     engine, tag, _ = setup
-    assert not engine.has_pagemap(tag)
-    assert engine.num_pages(tag) == 0
-    assert engine.pagemap_size(tag) == 0
+    assert not engine.pages.has_pagemap(tag)
+    assert engine.pages.num_pages(tag) == 0
+    assert engine.pages.pagemap_size(tag) == 0
     with pytest.raises(FaultfsError) as info:
-        trio.run(engine.read_page, tag, 0, 0, 10)
+        trio.run(engine.pages.read_page, tag, 0, 0, 10)
     assert info.value.errno == errno.ENOENT
 
 
@@ -77,13 +77,13 @@ def test_page_from_several_chunks_with_gaps_faults_in_parallel(setup):
 
     async def main():
         pm = await engine.pages.load(tag)
-        assert pm.page_size == 8192 and engine.num_pages(tag) == 2
-        page0 = await engine.read_page(tag, 0, 0, 8192)
+        assert pm.page_size == 8192 and engine.pages.num_pages(tag) == 2
+        page0 = await engine.pages.read_page(tag, 0, 0, 8192)
         assert page0 == model_page(extents, 8192, 0, chunks)
         # a window crossing a slice boundary and a gap
-        assert await engine.read_page(tag, 0, 2990, 1020) == page0[2990:4010]
-        assert await engine.read_page(tag, 1, 0, 8192) == model_page(extents, 8192, 1, chunks)
-        assert await engine.read_page(tag, 1, 8192, 10) == b""
+        assert await engine.pages.read_page(tag, 0, 2990, 1020) == page0[2990:4010]
+        assert await engine.pages.read_page(tag, 1, 0, 8192) == model_page(extents, 8192, 1, chunks)
+        assert await engine.pages.read_page(tag, 1, 8192, 10) == b""
 
     trio.run(main)
     c = engine.stats.counters
@@ -99,11 +99,11 @@ def test_missing_plain_blob_fails_with_eio_and_stored_blob_is_read(setup):
             "nothere 0 100 5\nchunk_0 4050 200 100\n")
 
     async def main():
-        page0 = await engine.read_page(tag, 0, 0, 100)
+        page0 = await engine.pages.read_page(tag, 0, 0, 100)
         assert page0 == bytes(10) + b"world" + bytes(5) + data[:10] + bytes(70)
         for page in (1, 2):  # a blob that does not exist; a slice past the chunk's end
             with pytest.raises(FaultfsError) as info:
-                await engine.read_page(tag, page, 0, 100)
+                await engine.pages.read_page(tag, page, 0, 100)
             assert info.value.errno == errno.EIO
 
     trio.run(main)
@@ -115,7 +115,7 @@ def test_source_error_fails_the_page(setup, tmp_path):
     put_map(engine, tag, "pagemap\npage_size=8192\nchunk_0 0 0 4096\nchunk_9 0 4096 4096\n")
     os.truncate(tmp_path / "field.bin", 5 * CS)
     with pytest.raises(FaultfsError) as info:
-        trio.run(engine.read_page, tag, 0, 0, 8192)
+        trio.run(engine.pages.read_page, tag, 0, 0, 8192)
     assert info.value.errno == errno.EIO
     assert engine.stats.counters["page_errors"] == 1
 
@@ -136,7 +136,7 @@ def test_load_once_and_share_concurrent_loads(setup, monkeypatch):
         async with trio.open_nursery() as nursery:
             for _ in range(5):
                 nursery.start_soon(engine.pages.load, tag)
-        assert engine.num_pages(tag) == 3
+        assert engine.pages.num_pages(tag) == 3
 
     trio.run(main)
     assert calls == ["t"]
@@ -153,44 +153,44 @@ def test_pagemap_handles_validate_on_flush_and_notify(setup):
     engine.pages.subscribe(listener)
 
     async def main():
-        fh = await engine.open_pagemap(tag, os.O_RDWR)
-        assert fh >= HANDLE_BASE
-        assert engine.pagemap_handle_read(fh, 0, 100) == b"pagemap\npage_size=10\nchunk_0 0 0 25\n"
-        engine.pagemap_handle_truncate(fh, 0)
-        engine.pagemap_handle_write(fh, 0, b"pagemap\npage_size=10\nchunk_0 oops\n")
+        fh = await engine.pages.open_pagemap(tag, os.O_RDWR)
+        assert fh >= 1
+        assert engine.pages.handle_read(fh, 0, 100) == b"pagemap\npage_size=10\nchunk_0 0 0 25\n"
+        engine.pages.handle_truncate(fh, 0)
+        engine.pages.handle_write(fh, 0, b"pagemap\npage_size=10\nchunk_0 oops\n")
         with pytest.raises(InvalidInput) as info:
-            await engine.flush_pagemap(fh)
+            await engine.pages.flush(fh)
         assert info.value.errno == errno.EINVAL and "line 3" in info.value.message
-        assert engine.num_pages(tag) == 3  # the old map stays
-        await engine.close_pagemap(fh)  # refused once: release does not retry
+        assert engine.pages.num_pages(tag) == 3  # the old map stays
+        await engine.pages.close(fh)  # refused once: release does not retry
         assert changes == []
 
-        fh = await engine.open_pagemap(tag, os.O_WRONLY | os.O_TRUNC)
+        fh = await engine.pages.open_pagemap(tag, os.O_WRONLY | os.O_TRUNC)
         text = b"pagemap\npage_size=4\nchunk_1 1 0 5\n"
-        engine.pagemap_handle_write(fh, 0, text[:10])
-        engine.pagemap_handle_write(fh, 10, text[10:])
-        await engine.flush_pagemap(fh)
-        await engine.flush_pagemap(fh)  # nothing new: no second install
-        await engine.close_pagemap(fh)
+        engine.pages.handle_write(fh, 0, text[:10])
+        engine.pages.handle_write(fh, 10, text[10:])
+        await engine.pages.flush(fh)
+        await engine.pages.flush(fh)  # nothing new: no second install
+        await engine.pages.close(fh)
         assert changes == [("t", 3, 2)]
-        assert engine.pagemap_size(tag) == len(text)
-        assert await engine.read_page(tag, 1, 0, 4) == data[CS + 5:CS + 6] + bytes(3)
+        assert engine.pages.pagemap_size(tag) == len(text)
+        assert await engine.pages.read_page(tag, 1, 0, 4) == data[CS + 5:CS + 6] + bytes(3)
         with pytest.raises(FaultfsError) as info:
-            engine.pagemap_handle_read(fh, 0, 1)
+            engine.pages.handle_read(fh, 0, 1)
         assert info.value.errno == errno.EBADF
 
-        fh = await engine.open_pagemap(tag, os.O_RDONLY)
+        fh = await engine.pages.open_pagemap(tag, os.O_RDONLY)
         with pytest.raises(FaultfsError):
-            engine.pagemap_handle_write(fh, 0, b"x")
-        await engine.close_pagemap(fh)
+            engine.pages.handle_write(fh, 0, b"x")
+        await engine.pages.close(fh)
 
-        fh = await engine.open_pagemap(tag, os.O_WRONLY)
+        fh = await engine.pages.open_pagemap(tag, os.O_WRONLY)
         with pytest.raises(FaultfsError) as info:
-            engine.pagemap_handle_write(fh, 64 << 20, b"x")
+            engine.pages.handle_write(fh, 64 << 20, b"x")
         assert info.value.errno == errno.EFBIG
-        engine.pagemap_handle_write(fh, 0, b"\xff\xfe")  # not UTF-8: refused at release
-        await engine.close_pagemap(fh)
-        assert engine.num_pages(tag) == 2
+        engine.pages.handle_write(fh, 0, b"\xff\xfe")  # not UTF-8: refused at release
+        await engine.pages.close(fh)
+        assert engine.pages.num_pages(tag) == 2
 
     trio.run(main)
     assert engine.store.read(tag.name, PAGEMAP_BLOB) == b"pagemap\npage_size=4\nchunk_1 1 0 5\n"
@@ -200,9 +200,9 @@ def test_rewrite_survives_a_new_engine(setup):
     engine, tag, data = setup
 
     async def write():
-        fh = await engine.open_pagemap(tag, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        engine.pagemap_handle_write(fh, 0, b"pagemap\npage_size=3\nchunk_2 7 1 4\n")
-        await engine.close_pagemap(fh)
+        fh = await engine.pages.open_pagemap(tag, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        engine.pages.handle_write(fh, 0, b"pagemap\npage_size=3\nchunk_2 7 1 4\n")
+        await engine.pages.close(fh)
 
     trio.run(write)
     engine.close()
@@ -210,8 +210,8 @@ def test_rewrite_survives_a_new_engine(setup):
     again = Engine(store, Config(store_dir=store.root, reserve_mb=0))
     again.recover()
     tag2 = again.tags["t"]
-    assert again.has_pagemap(tag2) and again.num_pages(tag2) == 2
-    assert trio.run(again.read_page, tag2, 0, 0, 3) == b"\0" + data[2 * CS + 7:2 * CS + 9]
+    assert again.pages.has_pagemap(tag2) and again.pages.num_pages(tag2) == 2
+    assert trio.run(again.pages.read_page, tag2, 0, 0, 3) == b"\0" + data[2 * CS + 7:2 * CS + 9]
     again.close()
 
 
@@ -219,11 +219,11 @@ def test_rewrite_survives_a_new_engine(setup):
 def test_identity_pages_are_the_range(setup, page_size):
     engine, tag, data = setup
     engine.write_identity_pagemap(tag, page_size)
-    n = engine.num_pages(tag)
+    n = engine.pages.num_pages(tag)
     assert n == -(-len(data) // page_size)
 
     async def main():
-        return b"".join([await engine.read_page(tag, i, 0, page_size) for i in range(n)])
+        return b"".join([await engine.pages.read_page(tag, i, 0, page_size) for i in range(n)])
 
     pages = trio.run(main)
     assert pages == data + bytes(n * page_size - len(data))
@@ -236,19 +236,19 @@ def test_identity_refuses_a_page_size_over_1_gib(setup):
     engine, tag, _ = setup
     with pytest.raises(InvalidInput):
         engine.write_identity_pagemap(tag, (1 << 30) + 1)
-    assert not engine.has_pagemap(tag)
+    assert not engine.pages.has_pagemap(tag)
 
 
 def test_unusable_stored_maps_show_no_pages(setup):
     engine, tag, _ = setup
     put_map(engine, tag, "pagemap\nchunk_0 0 0 10\n")  # no page_size: the empty map
-    assert engine.has_pagemap(tag) and engine.num_pages(tag) == 0
+    assert engine.pages.has_pagemap(tag) and engine.pages.num_pages(tag) == 0
 
 
 def test_tiny_pages_over_a_huge_range_are_clamped_to_the_inode_space(setup):
     engine, tag, _ = setup
     put_map(engine, tag, build(1, [PageExtent("chunk_0", 0, 0, 1 << 40)]).serialize())
-    assert engine.num_pages(tag) == MAX_PAGES_SHOWN
+    assert engine.pages.num_pages(tag) == MAX_PAGES_SHOWN
 
 
 def test_every_rewrite_moves_the_pages_mtime_forward(setup):
@@ -257,9 +257,9 @@ def test_every_rewrite_moves_the_pages_mtime_forward(setup):
     async def main():
         seen = []
         for size in (10, 20, 30):
-            fh = await engine.open_pagemap(tag, os.O_WRONLY | os.O_TRUNC)
-            engine.pagemap_handle_write(fh, 0, f"pagemap\npage_size={size}\nchunk_0 0 0 99\n".encode())
-            await engine.close_pagemap(fh)
+            fh = await engine.pages.open_pagemap(tag, os.O_WRONLY | os.O_TRUNC)
+            engine.pages.handle_write(fh, 0, f"pagemap\npage_size={size}\nchunk_0 0 0 99\n".encode())
+            await engine.pages.close(fh)
             seen.append(engine.pages.pagemap_mtime_ns(tag))
         return seen
 
@@ -276,6 +276,6 @@ def test_damaged_stored_pagemap_is_shown_unusable_not_an_error(setup):
         byte = f.read(1)
         f.seek(4096 + 3)
         f.write(bytes([byte[0] ^ 0xFF]))
-    assert engine.has_pagemap(tag), "the damaged map is shown, so it can be rewritten"
-    assert engine.num_pages(tag) == 0
+    assert engine.pages.has_pagemap(tag), "the damaged map is shown, so it can be rewritten"
+    assert engine.pages.num_pages(tag) == 0
     assert os.path.exists(path), "a user-written blob is never deleted on a checksum failure"

@@ -191,6 +191,12 @@ class CountingMemoryFS(MemoryFileSystem):
         self.log.append(("open", path))
         return CountingFile(bytes(self.store[path].getbuffer()), self.log, path)
 
+    def cat_file(self, path, start=None, end=None, **kwargs):
+        path = self._strip_protocol(path)
+        data = super().cat_file(path, start, end, **kwargs)
+        self.log.append(("read", path, start or 0, len(data)))
+        return data
+
 
 fsspec.register_implementation("countmem", CountingMemoryFS, clobber=True)
 
@@ -227,7 +233,7 @@ def test_jsonl_resume_opens_only_the_resume_shard_and_reads_from_its_offset(memf
     assert json.loads(first[0]) == {"shard": 2, "i": 40}
     opens = [e for e in CountingMemoryFS.log if e[0] == "open"]
     reads = [e for e in CountingMemoryFS.log if e[0] == "read"]
-    assert opens == [("open", f"{root}/s2.jsonl")], "no earlier shard is opened"
+    assert set(opens) <= {("open", f"{root}/s2.jsonl")}, "no earlier shard is opened"
     assert reads[0][2] == coord.byte_offset, "the first read starts at the checkpoint offset"
     assert all(r[1] == f"{root}/s2.jsonl" and r[2] >= coord.byte_offset for r in reads)
 
@@ -304,8 +310,8 @@ def test_parquet_resume_opens_row_group_and_skips_rows(memfs, tmp_path):
     assert out[:287] + rest == all_rows
     assert rest[0]["shard"] == 1
     assert rest[0]["i"] == 87
-    opens = [e[1] for e in CountingMemoryFS.log if e[0] == "open"]
-    assert opens == [f"{root}/p1.parquet", f"{root}/p2.parquet"]
+    touched = list(dict.fromkeys(e[1] for e in CountingMemoryFS.log))  # in order, once each
+    assert touched == [f"{root}/p1.parquet", f"{root}/p2.parquet"]
     # reads of shard 1 never touch the column chunks of row groups 0 and 1
     meta = pq.ParquetFile(io.BytesIO(fs.cat(f"{root}/p1.parquet"))).metadata
 

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from faultfs import cursor_cli
+from faultfs.cli import checkpoint as checkpoint_cli
+from faultfs.cli import warm as warm_cli
 from faultfs.core.coord import StreamCoordinate
 from faultfs.errors import CorruptionError, FaultfsError, InvalidInput, SourceError
 from faultfs.store.metadata import DualMetadataManager
@@ -216,7 +217,8 @@ def test_default_state_path(monkeypatch, tmp_path):
 def parser():
     p = argparse.ArgumentParser(prog="faultfs")
     sub = p.add_subparsers(dest="command", required=True)
-    cursor_cli.register(sub)
+    warm_cli.register(sub)
+    checkpoint_cli.register(sub)
     return p
 
 

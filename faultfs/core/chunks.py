@@ -9,9 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from faultfs.core.context import MAX_CHUNK_SIZE, MAX_INT
+from faultfs.core.inodes import MAX_INDEX
+from faultfs.core.names import parse_index
 from faultfs.errors import InvalidInput
 
-MAX_BLOB_INDEX = (1 << 36) - 1  # inode numbers carry the index in 36 bits
+MAX_BLOB_INDEX = MAX_INDEX  # inode numbers carry the index
 
 
 @dataclass(frozen=True)
@@ -50,15 +52,8 @@ class ChunkLayout:
         """
         if not name.startswith(self.blob_prefix):
             return None
-        digits = name[len(self.blob_prefix):]
-        if not digits or not digits.isascii() or not digits.isdigit():
-            return None
-        if len(digits) > 1 and digits[0] == "0":
-            return None
-        if len(digits) > 12:
-            return None
-        index = int(digits)
-        return index if index < self.num_blobs else None
+        index = parse_index(name[len(self.blob_prefix):])
+        return index if index is not None and index < self.num_blobs else None
 
     def source_range(self, index: int) -> tuple[int, int]:
         """Source bytes ``[start, end)`` blob ``index`` holds (end - start <= chunk_size)."""
@@ -66,6 +61,10 @@ class ChunkLayout:
             raise InvalidInput(f"blob index {index} is outside [0, {self.num_blobs})")
         start = self.range_off + index * self.chunk_size
         return start, min(start + self.chunk_size, self.range_end)
+
+    def coalesce(self, first: int, count: int) -> int:
+        """Adjacent chunks are adjacent source bytes, so any run of them is one source read."""
+        return max(0, min(count, self.num_blobs - first))
 
     def view_pieces(self, off: int, size: int) -> list[tuple[int, int, int]]:
         """Cut view bytes ``[off, off+size)`` (clipped to the view) into

@@ -9,6 +9,21 @@ from __future__ import annotations
 from faultfs.errors import InvalidInput
 
 MAX_NAME_BYTES = 255  # NAME_MAX of every Linux file system
+# The entries the mount keeps for itself (DESIGN §7): spelled here once.
+CTL_NAME = ".faultfs"  # the control directory at the root: stats, registry
+PAGEMAP_NAME = ".pagemap"  # a tag's pagemap text
+PAGE_PREFIX = "page:"  # page N of a tag is "page:N"
+MAX_INDEX_DIGITS = 12  # a blob index fits 36 bits (core.inodes): 12 decimal digits at most
+
+
+def parse_index(digits: str) -> int | None:
+    """The index a canonical decimal string names (``"7"``, not ``"07"``, ``"+7"`` or ``"٧"``),
+    else None."""
+    if not digits or len(digits) > MAX_INDEX_DIGITS or not digits.isascii() or not digits.isdigit():
+        return None
+    if len(digits) > 1 and digits[0] == "0":
+        return None
+    return int(digits)
 
 
 def check_name(name: str, what: str = "name", *, allow_dot: bool = False) -> str:

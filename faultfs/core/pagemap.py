@@ -21,6 +21,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from itertools import islice
 
+from faultfs.core.names import PAGE_PREFIX
 from faultfs.errors import InvalidInput
 
 # Upstream stores offsets as uint64; refusing >= 2**63 keeps every sum of two values inside
@@ -41,7 +42,7 @@ MAX_PAGE_REFS = 1 << 20
 # DESIGN §7: a blob name over 255 bytes cannot be a file name in the mount.
 MAX_BLOB_NAME_BYTES = 255
 # A slice naming a page blob would send a page read back through the page path without end.
-PAGE_BLOB_PREFIX = "page:"
+PAGE_BLOB_PREFIX = PAGE_PREFIX
 
 _HEADER = "pagemap"
 _PAGE_SIZE_KEY = "page_size="

@@ -315,6 +315,34 @@ class BlobStore:
         finally:
             blob.close()
 
+    def read_with_mtime(self, tag: str, name: str) -> tuple[bytes, int] | None:
+        """The whole verified payload of a blob and its file's mtime (ns), or None when it is
+        absent. CorruptionError for a damaged dirty blob (a damaged clean one is dropped)."""
+        blob = self.open_blob(tag, name)
+        if blob is None:
+            return None
+        try:
+            mtime_ns = os.fstat(blob.fd).st_mtime_ns
+            return blob.pread(blob.header.payload_len, 0) or b"", mtime_ns
+        except CorruptionError:
+            self.discard_damaged(tag, name)
+            return None
+        finally:
+            blob.close()
+
+    def blob_mtime_ns(self, tag: str, name: str) -> int | None:
+        try:
+            return os.stat(self.blob_path(tag, name)).st_mtime_ns
+        except OSError:
+            return None
+
+    def disk_bytes(self, tag: str, name: str) -> int:
+        """Bytes a blob file takes on disk (0 when it is absent)."""
+        try:
+            return os.stat(self.blob_path(tag, name)).st_blocks * 512
+        except OSError:
+            return 0
+
     def is_dirty(self, tag: str, name: str) -> bool:
         """Whether the blob on disk is dirty (user data: never evicted, never replaced by a
         fault). Reads its header; False when it is absent or its header is damaged."""

@@ -75,7 +75,7 @@ class LineShardReader:
     def __init__(self, shard: Shard, shard_id: int, start_offset: int, global_start: int) -> None:
         self._shard = shard
         self._shard_id = shard_id
-        self._file = shard.open(block_size=LINE_BLOCK)
+        self._file = shard.open()
         try:
             if start_offset:
                 self._file.seek(start_offset)

@@ -38,7 +38,7 @@ from faultfs.stream.readers import (
     RecordBlock,
     row_bytes,
 )
-from faultfs.stream.shards import Shard, expand_sources
+from faultfs.stream.shards import Shard, expand_shards
 
 _hash = xxhash.xxh3_64_intdigest
 
@@ -68,7 +68,7 @@ class RecordStream:
         dedup: bool = True,
         fs_options: Mapping[str, Any] | None = None,
     ) -> None:
-        self.shards: list[Shard] = expand_sources(sources, fs_options)
+        self.shards: list[Shard] = expand_shards(sources, fs_options)
         self._meta = DualMetadataManager.open(state)
         try:
             coord = self._meta.coord

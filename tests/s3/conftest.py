@@ -44,7 +44,6 @@ def moto_endpoint() -> Iterator[str]:
 def s3_env(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory,
            moto_endpoint: str) -> Iterator[str]:
     """Environment an s3fs client reads: fake credentials, moto endpoint, no real AWS files."""
-    from faultfs.assimilators import remote
 
     for name in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN", "AWS_REGION",
                  "AWS_ENDPOINT_URL_S3", "AWS_IGNORE_CONFIGURED_ENDPOINT_URLS"):
@@ -58,7 +57,9 @@ def s3_env(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFac
     monkeypatch.setenv("AWS_ENDPOINT_URL", moto_endpoint)
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     yield moto_endpoint
-    remote.clear_filesystems()
+    from faultfs.sources import filesystems
+
+    filesystems.clear_filesystems()
 
 
 @dataclass(frozen=True)

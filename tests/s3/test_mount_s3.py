@@ -20,7 +20,7 @@ import time
 import pytest
 from conftest import run_faultfs
 
-from faultfs.assimilators.remote import DEFAULT_RETRY
+from faultfs.sources.retry import DEFAULT_RETRY
 
 from .conftest import FAKE_KEY_ID, FAKE_SECRET, REGION
 

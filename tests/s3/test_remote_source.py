@@ -13,10 +13,11 @@ import time
 import pytest
 from conftest import check_concurrent_preads
 
-from faultfs.assimilators import remote
-from faultfs.assimilators.remote import RetryPolicy, open_fsspec_source, s3_filesystem_kwargs
-from faultfs.assimilators.sources import SourceOptions, expand_sources, open_source
 from faultfs.errors import InvalidInput, SourceError
+from faultfs.sources import SourceOptions, SourceVersion, expand_sources, open_source, remote
+from faultfs.sources.filesystems import s3_filesystem_kwargs
+from faultfs.sources.remote import open_fsspec_source
+from faultfs.sources.retry import RetryPolicy
 
 # Retries that take milliseconds, so failing tests stay fast.
 QUICK = RetryPolicy(attempts=3, base_delay_s=0.001, max_delay_s=0.005)
@@ -132,7 +133,7 @@ def test_versioned_bucket_serves_the_pinned_version(s3_client, make_bucket) -> N
     first = s3_client.put_object(Bucket=bucket, Key="k", Body=old)["VersionId"]
     src = open_source(f"s3://{bucket}/k")
     pinned = src.version()
-    assert pinned == remote.SourceVersion(len(old), f"vid:{first}")
+    assert pinned == SourceVersion(len(old), f"vid:{first}")
     s3_client.put_object(Bucket=bucket, Key="k", Body=new)
     assert src.pread(0, 20_000) == old  # the pinned version, whole and consistent
     assert src.pread(9_990, 100) == old[9_990:]

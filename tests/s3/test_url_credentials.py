@@ -6,13 +6,10 @@ import errno
 
 import pytest
 
-from faultfs.assimilators.remote import (
-    has_redacted_credentials,
-    open_fsspec_source,
-    persistable_src,
-)
-from faultfs.assimilators.sources import SourceOptions
 from faultfs.errors import InvalidInput
+from faultfs.sources import SourceOptions
+from faultfs.sources.remote import open_fsspec_source
+from faultfs.sources.secrets import has_redacted_credentials, persistable_src
 
 
 @pytest.mark.parametrize(("url", "persisted"), [

@@ -19,10 +19,11 @@ import os
 import sys
 from typing import Any
 
+from faultfs.core.names import PAGEMAP_NAME
 from faultfs.core.pagemap import MAX_PAGEMAP_TEXT, PageMap, parse, parse_strict
 from faultfs.errors import FaultfsError, InvalidInput
 
-PAGEMAP_FILE = ".pagemap"  # DESIGN §7: the hidden, writable pagemap file of a tag directory
+PAGEMAP_FILE = PAGEMAP_NAME  # DESIGN §7: the hidden, writable pagemap file of a tag directory
 
 
 def register(subparsers: Any) -> None:

@@ -1,9 +1,6 @@
-"""The cursor subcommands of ``faultfs``: ``warm`` and ``checkpoint show``.
+"""``faultfs checkpoint show FILE.meta``: decode a ping-pong checkpoint (streams, warm).
 
 Invariants:
-- ``register(subparsers)`` only adds parsers; each sets ``func`` to a handler
-  ``handler(args) -> int`` (the exit code). Handlers raise FaultfsError subclasses for anything a
-  user can get wrong; the main CLI prints their one-line message.
 - ``checkpoint show`` never writes: it reads the 128-byte .meta (and the size of its WAL) and
   reports each slot as valid or why not, which slot recovery would pick, and the coordinate.
   An unrecoverable file is still described, then reported as a CorruptionError.
@@ -14,44 +11,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from typing import TYPE_CHECKING, Any
 
 from faultfs.core.slots import SLOT_A_OFFSET, SLOT_B_OFFSET, SlotReading
-from faultfs.errors import CorruptionError, InvalidInput
-from faultfs.warm import CHECKPOINT_BLOBS, CHECKPOINT_SECONDS, default_state_path, warm
+from faultfs.errors import CorruptionError
 
 if TYPE_CHECKING:
     from faultfs.store.metadata import Recovery
 
 
 def register(subparsers: Any) -> None:
-    """Add ``warm`` and ``checkpoint show`` to an argparse subparsers object."""
-    w = subparsers.add_parser(
-        "warm",
-        help="eagerly ingest a mount or one tag (resumable, with a progress bar)",
-        description=(
-            "Read every blob of MNT (all tags) or MNT/TAG that is not yet staged, so later reads "
-            "are hits. Progress is checkpointed; an interrupted warm resumes where it stopped."
-        ),
-    )
-    w.add_argument("target", metavar="MNT[/TAG]", help="a faultfs mount root or tag directory")
-    w.add_argument(
-        "--state",
-        metavar="FILE.meta",
-        help="checkpoint file (default: <store>/warm/<hash of target>.meta)",
-    )
-    w.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    w.add_argument(
-        "--checkpoint-every",
-        type=int,
-        default=CHECKPOINT_BLOBS,
-        metavar="N",
-        help=f"checkpoint every N blobs (default {CHECKPOINT_BLOBS}; also every "
-        f"{CHECKPOINT_SECONDS:g} s)",
-    )
-    w.set_defaults(func=cmd_warm)
-
+    """Add ``checkpoint show`` to an argparse subparsers object."""
     cp = subparsers.add_parser("checkpoint", help="inspect stream and warm checkpoints")
     cp_sub = cp.add_subparsers(dest="checkpoint_command", metavar="COMMAND")
     cp_sub.required = True
@@ -64,32 +34,6 @@ def register(subparsers: Any) -> None:
     show.add_argument("file", metavar="FILE.meta")
     show.add_argument("--json", action="store_true", help="machine-readable output")
     show.set_defaults(func=cmd_checkpoint_show)
-
-
-def cmd_warm(args: argparse.Namespace) -> int:
-    if args.checkpoint_every < 1:
-        raise InvalidInput(f"--checkpoint-every must be >= 1, got {args.checkpoint_every}")
-    state = args.state or default_state_path(args.target)
-    report = warm(
-        args.target,
-        state,
-        progress=not args.no_progress,
-        checkpoint_blobs=args.checkpoint_every,
-    )
-    for note in report.notes:
-        print(f"warm: {note}", file=sys.stderr)
-    resumed = ""
-    if report.resumed_from is not None:
-        resumed = (
-            f", resumed at tag {report.resumed_from.shard_id} "
-            f"blob {report.resumed_from.byte_offset}"
-        )
-    print(
-        f"warmed {report.blobs_warmed} blobs ({report.bytes_read} bytes), "
-        f"{report.blobs_skipped} already staged, {report.tags} tags in "
-        f"{report.seconds:.1f}s{resumed}; checkpoint {report.state_path}"
-    )
-    return 0
 
 
 def _slot_dict(name: str, offset: int, reading: SlotReading) -> dict[str, Any]:

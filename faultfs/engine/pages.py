@@ -1,8 +1,9 @@
 """PageService: the pages of a tag in the mount — its pagemap (load, cache, rewrite) and page reads.
 
 A tag's pagemap is blob ``pagemap`` of the tag in the store (a user-written, dirty, durable
-blob holding the text of docs/FORMAT-pagemap.md). The engine delegates every page operation
-here; like the engine this knows nothing of pyfuse3 and raises ``FaultfsError`` with an errno.
+blob holding the text of docs/FORMAT-pagemap.md). Pages reach blobs only through the narrow
+``PageBlobs`` protocol (chunk reads through the fault path, the tag's other stored blobs, the
+stored map); like the engine this knows nothing of pyfuse3 and raises ``FaultfsError``.
 
 Invariants:
 - The map is loaded lazily, once per tag, on the I/O pool (parsing a large map takes seconds)
@@ -30,10 +31,11 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import trio
 
+from faultfs.core.inodes import MAX_INDEX
 from faultfs.core.pagemap import (
     EMPTY_PAGEMAP,
     MAX_PAGEMAP_TEXT,
@@ -44,19 +46,18 @@ from faultfs.core.pagemap import (
     parse_strict,
 )
 from faultfs.core.pagify import assemble, plan_page, window_size
+from faultfs.engine.tags import Tag
 from faultfs.errors import FaultfsError, InvalidInput
-from faultfs.store.blobfile import FLAG_DIRTY
-
-if TYPE_CHECKING:
-    from faultfs.engine import Engine, Tag
+from faultfs.iopool import IoPool
+from faultfs.stats import Stats
+from faultfs.tiers.base import Buffer
 
 log = logging.getLogger("faultfs.pages")
 
 PAGEMAP_BLOB = "pagemap"  # DESIGN §2: the pagemap is blob "pagemap" of its tag
-HANDLE_BASE = 1 << 62  # pagemap handles live above every computed inode (fuse_ops routes them)
-# Page inodes carry the page index in 36 bits (fuse_ops.INDEX_BITS): a hostile map with tiny
-# pages over a huge range shows only this many pages rather than colliding inode numbers.
-MAX_PAGES_SHOWN = 1 << 36
+# A hostile map with tiny pages over a huge range shows only as many pages as an inode can
+# number (core.inodes), rather than colliding inode numbers.
+MAX_PAGES_SHOWN = MAX_INDEX + 1
 
 # subscriber(tag, pages_before, pages_after), awaited after a map is replaced in a mount.
 ChangeListener = Callable[["Tag", int, int], Awaitable[None]]
@@ -95,14 +96,37 @@ class _TagPages:
     write_lock: trio.Lock = field(default_factory=trio.Lock)
 
 
+class PageBlobs(Protocol):
+    """What pages need of the engine's blobs. The blocking calls run on the I/O pool."""
+
+    async def read_chunk(self, tag: Tag, index: int, off: int, size: int) -> Buffer:
+        """Bytes of chunk ``index`` through the fault path."""
+        ...
+
+    def read_stored(self, tag: Tag, name: str) -> bytes | None:
+        """The payload of another stored blob of the tag (blocking); None when absent.
+        FaultfsError when it is damaged user data."""
+        ...
+
+    def load_pagemap(self, tag: Tag) -> tuple[bytes, int] | None:
+        """The stored map's text and when it was written (ns), or None (blocking)."""
+        ...
+
+    def save_pagemap(self, tag: Tag, data: bytes) -> int:
+        """Replace the stored map atomically and durably; when it was written (blocking)."""
+        ...
+
+
 class PageService:
     """Pages and pagemaps of an engine's tags; see the module docstring for the rules."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(self, blobs: PageBlobs, pool: IoPool, stats: Stats) -> None:
+        self.blobs = blobs
+        self.pool = pool
+        self.stats = stats
         self._tags: dict[int, _TagPages] = {}
         self._handles: dict[int, _Handle] = {}
-        self._next_fh = HANDLE_BASE
+        self._next_fh = 1
         self._listeners: list[ChangeListener] = []
 
     def subscribe(self, listener: ChangeListener) -> None:
@@ -119,16 +143,11 @@ class PageService:
 
     def _read_blocking(self, tag: Tag) -> _Loaded:
         """Read and parse the stored map (blocking: on the pool, or the sync fallback)."""
-        store = self.engine.store
-        try:
-            blob = store.open_blob(tag.name, PAGEMAP_BLOB)
-            if blob is None:
+        try:  # payload blocks are verified by the read
+            stored = self.blobs.load_pagemap(tag)
+            if stored is None:
                 return _ABSENT
-            try:  # payload blocks are verified by the read
-                mtime_ns = os.fstat(blob.fd).st_mtime_ns
-                data = blob.pread(blob.header.payload_len, 0)
-            finally:
-                blob.close()
+            data, mtime_ns = stored
         except FaultfsError as exc:  # a damaged dirty blob: shown, unusable, rewritable
             log.error("tag %s: pagemap blob is damaged (%s): no pages are shown", tag.name, exc)
             return _Loaded(True, EMPTY_PAGEMAP, 0, time.time_ns())
@@ -156,7 +175,7 @@ class PageService:
             state.loading = event = trio.Event()
             generation = state.generation
             try:
-                loaded = await self.engine.run_io(self._read_blocking, tag)
+                loaded = await self.pool.run(self._read_blocking, tag)
                 if state.generation == generation and state.loaded is None:
                     state.loaded = loaded
             finally:
@@ -203,7 +222,7 @@ class PageService:
         window = window_size(pagemap, off, size)
         if window == 0:
             return b""
-        stats = self.engine.stats
+        stats = self.stats
         stats.add("page_reads")
         slices = plan_page(pagemap, page_id, off, window)
         stats.add("page_slices", len(slices))
@@ -245,8 +264,8 @@ class PageService:
         page then."""
         index = tag.layout.blob_index(piece.blob_name)
         if index is not None:
-            return await self.engine.read_blob(tag, index, piece.blob_off, piece.size)
-        data = await self.engine.run_io(self.engine.store.read, tag.name, piece.blob_name)
+            return bytes(await self.blobs.read_chunk(tag, index, piece.blob_off, piece.size))
+        data = await self.pool.run(self.blobs.read_stored, tag, piece.blob_name)
         if data is None:
             raise FaultfsError(f"blob {piece.blob_name} of tag {tag.name} does not exist",
                                errno.EIO)
@@ -261,7 +280,7 @@ class PageService:
         buf = bytearray()
         if not truncate:
             await self._load(tag)
-            data = await self.engine.run_io(self._stored_text, tag)
+            data = await self.pool.run(self._stored_text, tag)
             buf = bytearray(data)
         handle = _Handle(tag, writable, buf, dirty=truncate)
         fh = self._next_fh
@@ -271,10 +290,10 @@ class PageService:
 
     def _stored_text(self, tag: Tag) -> bytes:
         try:
-            data = self.engine.store.read(tag.name, PAGEMAP_BLOB)
+            stored = self.blobs.load_pagemap(tag)
         except FaultfsError:
             return b""  # damaged: reads empty, and a rewrite replaces it
-        return data or b""
+        return stored[0] if stored is not None else b""
 
     def _handle(self, fh: int) -> _Handle:
         handle = self._handles.get(fh)
@@ -332,8 +351,8 @@ class PageService:
         async with state.write_lock:
             previous = await self._load(tag)
             before = previous.pagemap
-            pagemap = await self.engine.run_io(_validate, tag.name, data)
-            loaded = await self.engine.run_io(self._store_blocking, tag, data, pagemap)
+            pagemap = await self.pool.run(_validate, tag.name, data)
+            loaded = await self.pool.run(self._store_blocking, tag, data, pagemap)
             # File times are coarse (a jiffy): two rewrites must still differ, or the kernel's
             # mtime check (auto_inval_data) would keep the older pages' cached data.
             loaded.mtime_ns = max(loaded.mtime_ns, previous.mtime_ns + 1)
@@ -348,15 +367,7 @@ class PageService:
 
     def _store_blocking(self, tag: Tag, data: bytes, pagemap: PageMap) -> _Loaded:
         """Replace the stored map atomically and durably (blocking)."""
-        store = self.engine.store
-        store.put(tag.name, PAGEMAP_BLOB, data, flags=FLAG_DIRTY, durable=True)
-        return _Loaded(True, pagemap, len(data), self._mtime_ns(tag))
-
-    def _mtime_ns(self, tag: Tag) -> int:
-        try:
-            return os.stat(self.engine.store.blob_path(tag.name, PAGEMAP_BLOB)).st_mtime_ns
-        except OSError:
-            return time.time_ns()
+        return _Loaded(True, pagemap, len(data), self.blobs.save_pagemap(tag, data))
 
     # -- identity maps (--page-size) ----------------------------------------------------------
 
@@ -368,8 +379,12 @@ class PageService:
         data = pagemap.serialize().encode("utf-8")
         state = self._state(tag)
         state.generation += 1
-        if self._stored_text(tag) == data:  # a remount with the same --page-size
-            state.loaded = _Loaded(True, pagemap, len(data), self._mtime_ns(tag))
+        try:
+            stored = self.blobs.load_pagemap(tag)
+        except FaultfsError:
+            stored = None  # damaged: replaced below
+        if stored is not None and stored[0] == data:  # a remount with the same --page-size
+            state.loaded = _Loaded(True, pagemap, len(data), stored[1])
             return
         state.loaded = self._store_blocking(tag, data, pagemap)
         log.info("tag %s: identity pagemap written (%d pages of %d bytes)", tag.name,

@@ -1,0 +1,228 @@
+"""``faultfs mount SRC... MNT``: register sources (or remount a store) and serve them.
+
+By default it starts the daemon and returns only once the mount answers, or says why it
+failed. The daemon gets its arguments on stdin, not on its command line: a source URL may
+carry credentials, and /proc/PID/cmdline is readable by every local user.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+
+from faultfs.cli.common import EXIT_ERROR, range_arg, size_arg
+from faultfs.config import Config, default_store_dir
+from faultfs.errors import FaultfsError
+
+log = logging.getLogger("faultfs")
+
+ARGV_STDIN = "--argv-on-stdin"  # how `faultfs mount` hands its arguments to the daemon
+READY_TIMEOUT_S = 300.0  # registering many remote shards can take a while
+
+
+def register(sub) -> None:
+    m = sub.add_parser("mount", help="mount sources (or remount a store) at MNT",
+                       description="Mount SRC... at MNT. With no SRC, remount every tag the "
+                                   "store has registered.")
+    m.add_argument("paths", nargs="+", metavar="SRC... MNT",
+                   help="sources (paths, file::/p, file:///p, s3://b/k, fsspec URLs, globs) then the mountpoint")
+    m.add_argument("--tag", help="tag name (one source only; default: the source's stem)")
+    m.add_argument("--chunk-size", type=size_arg("chunk size"), default=0,
+                   help="bytes per chunk blob: 4M, 1MiB, 1048576 (0: the assimilator's default, 1 MiB)")
+    m.add_argument("--blob-prefix", default="chunk_", help="blob name prefix (default chunk_; may be empty)")
+    m.add_argument("--range", type=range_arg, metavar="OFF:SIZE",
+                   help="ingest only this byte range of the source (SIZE 0: to the end)")
+    m.add_argument("--format", default="binary", help="assimilator (default: binary)")
+    m.add_argument("--page-size", type=size_arg("page size"), default=0,
+                   help="write an identity pagemap with pages of this size")
+    m.add_argument("--store", metavar="DIR", help="store directory (default $XDG_CACHE_HOME/faultfs)")
+    m.add_argument("--reserve-mb", type=int, help="keep this much free on the store's file system (default 512)")
+    m.add_argument("--cache-size", type=size_arg("cache size"),
+                   help="cap the store at this many bytes, evicting least-recently-used clean blobs")
+    m.add_argument("--no-store", action="store_true", help="never store: pure read-through")
+    m.add_argument("--io-threads", type=int, help="size of the I/O pool for blocking reads (default 32)")
+    m.add_argument("--stats", action="store_true", help="log the counters every 5 s")
+    m.add_argument("--memory-mb", type=int, help="recently faulted blobs kept in memory (default 64)")
+    m.add_argument("--prefetch-mb", type=int, help="fault up to this much ahead of sequential readers (default 32; 0: off)")
+    m.add_argument("--readahead-kb", type=int, help="kernel readahead of the mount (default 4096; 0: kernel default)")
+    m.add_argument("--inline-read-kb", type=int,
+                   help="staged reads up to this size are read on the serving thread, not the I/O pool "
+                        "(default 64; 0: always the pool, e.g. for a store on a network disk)")
+    m.add_argument("--s3-endpoint-url", default="", help="S3 endpoint (default: AWS configuration)")
+    m.add_argument("--s3-region", default="", help="S3 region")
+    m.add_argument("--s3-profile", default="", help="AWS profile for S3 credentials")
+    m.add_argument("--anon", action="store_true", help="read remote sources anonymously")
+    m.add_argument("--allow-other", action="store_true", help="let other users read the mount")
+    m.add_argument("--foreground", "-f", action="store_true", help="stay in the foreground")
+    m.add_argument("--debug", action="store_true", help="debug logging and tracebacks")
+    m.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
+    m.set_defaults(func=cmd_mount)
+
+
+def cmd_mount(args: argparse.Namespace) -> int:
+    if args.foreground or args.ready_fd is not None:
+        return _mount_here(args)
+    return _mount_daemon(args)
+
+
+def _mount_daemon(args: argparse.Namespace) -> int:
+    """Start the daemon and wait until it says the mount answers (or why it failed)."""
+    read_fd, write_fd = os.pipe()
+    store = os.path.abspath(os.path.expanduser(args.store or default_store_dir()))
+    log_path = os.path.join(store, "log", "faultfs.log")
+    try:
+        os.makedirs(os.path.dirname(log_path), exist_ok=True)
+        log_file = open(log_path, "ab")
+    except OSError:
+        log_file = None
+    # The arguments travel on the daemon's stdin, not its command line: a source URL may
+    # carry credentials (a presigned query, user:password@), and /proc/PID/cmdline is
+    # readable by every local user for as long as the daemon runs.
+    cmd = [sys.executable, "-m", "faultfs.cli", ARGV_STDIN]
+    proc = subprocess.Popen(
+        cmd, pass_fds=(write_fd,), start_new_session=True, stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL, stderr=log_file or subprocess.DEVNULL)
+    assert proc.stdin is not None
+    try:
+        proc.stdin.write(json.dumps([*args.argv, "--ready-fd", str(write_fd)]).encode())
+        proc.stdin.close()
+    except BrokenPipeError:
+        pass  # the daemon died at once; _read_ready reports it
+    os.close(write_fd)
+    if log_file is not None:
+        log_file.close()
+    message = _read_ready(read_fd, proc)
+    os.close(read_fd)
+    if message.startswith("ok"):
+        info = json.loads(message[2:] or "{}")
+        tags = ", ".join(info.get("tags", []))
+        print(f"mounted {info.get('mountpoint', '')} (tags: {tags}; pid {proc.pid})")
+        return 0
+    if message.startswith("error "):
+        print(f"faultfs: {message[6:]}", file=sys.stderr)
+    else:
+        code = proc.poll()
+        print(f"faultfs: the daemon exited before the mount was ready (exit code {code}); "
+              f"see {log_path}", file=sys.stderr)
+    return EXIT_ERROR
+
+
+def _read_ready(fd: int, proc: subprocess.Popen) -> str:
+    data = b""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    import select
+
+    while time.monotonic() < deadline:
+        readable, _, _ = select.select([fd], [], [], 0.2)
+        if readable:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            data += chunk
+            if b"\n" in data:
+                break
+        elif proc.poll() is not None and not data:
+            # the child is gone; drain what it may have written
+            readable, _, _ = select.select([fd], [], [], 0)
+            if not readable:
+                break
+    return data.decode(errors="replace").strip()
+
+
+def _setup_logging(args: argparse.Namespace, store_dir: str | None) -> None:
+    level = logging.DEBUG if args.debug else logging.INFO
+    fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    root = logging.getLogger()
+    root.handlers.clear()
+    handler: logging.Handler = logging.StreamHandler(sys.stderr)
+    if args.ready_fd is not None and store_dir is not None:
+        try:
+            os.makedirs(os.path.join(store_dir, "log"), exist_ok=True)
+            handler = logging.FileHandler(os.path.join(store_dir, "log", "faultfs.log"))
+        except OSError:
+            pass  # the store itself will say why it is unusable
+    handler.setFormatter(logging.Formatter(fmt))
+    root.addHandler(handler)
+    root.setLevel(level)
+    if not args.debug:
+        for noisy in ("botocore", "s3fs", "fsspec", "aiobotocore", "urllib3", "asyncio"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _setup_logging(args: argparse.Namespace, store_dir: str | None) -> None:
+    level = logging.DEBUG if args.debug else logging.INFO
+    fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    root = logging.getLogger()
+    root.handlers.clear()
+    handler: logging.Handler = logging.StreamHandler(sys.stderr)
+    if args.ready_fd is not None and store_dir is not None:
+        try:
+            os.makedirs(os.path.join(store_dir, "log"), exist_ok=True)
+            handler = logging.FileHandler(os.path.join(store_dir, "log", "faultfs.log"))
+        except OSError:
+            pass  # the store itself will say why it is unusable
+    handler.setFormatter(logging.Formatter(fmt))
+    root.addHandler(handler)
+    root.setLevel(level)
+    if not args.debug:
+        for noisy in ("botocore", "s3fs", "fsspec", "aiobotocore", "urllib3", "asyncio"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _mount_here(args: argparse.Namespace) -> int:
+    """Register, recover and serve in this process (the daemon, or --foreground)."""
+    from faultfs import daemon
+    from faultfs.sources import SourceOptions
+
+    ready_fd = args.ready_fd
+
+    def report(line: str) -> None:
+        nonlocal ready_fd
+        if ready_fd is not None:
+            try:
+                os.write(ready_fd, (line + "\n").encode())
+                os.close(ready_fd)
+            except OSError:
+                pass
+            ready_fd = None
+
+    def ready(tags: list[str], mountpoint: str) -> None:
+        report("ok" + json.dumps({"mountpoint": mountpoint, "tags": tags}))
+
+    try:
+        config = Config.build(store_dir=args.store, reserve_mb=args.reserve_mb,
+                              store_enabled=False if args.no_store else None,
+                              io_threads=args.io_threads, stats_log=True if args.stats else None,
+                              cache_size=args.cache_size, memory_mb=args.memory_mb,
+                              prefetch_mb=args.prefetch_mb, readahead_kb=args.readahead_kb,
+                              inline_read_kb=args.inline_read_kb)
+        _setup_logging(args, config.store_dir)
+        options = SourceOptions(s3_region=args.s3_region, s3_profile=args.s3_profile,
+                                s3_endpoint_url=args.s3_endpoint_url, anon=args.anon)
+        *sources, mountpoint = args.paths
+        range_off, range_size = args.range or (0, 0)
+        spec = daemon.MountSpec(
+            sources=tuple(sources), mountpoint=mountpoint, tag=args.tag,
+            chunk_size=args.chunk_size, blob_prefix=args.blob_prefix, range_off=range_off,
+            range_size=range_size, format=args.format, page_size=args.page_size,
+            allow_other=args.allow_other)
+        daemon.run(spec, config, options, ready=ready)
+    except FaultfsError as exc:
+        if args.debug:
+            log.exception("mount failed")
+        report(f"error {exc}")
+        if args.ready_fd is None:
+            raise
+        return EXIT_ERROR
+    except BaseException as exc:
+        log.exception("mount failed")
+        report(f"error unexpected failure: {exc!r}")
+        if args.ready_fd is None:
+            raise
+        return EXIT_ERROR
+    return 0

@@ -1,0 +1,73 @@
+"""``faultfs stat MNT``: a live mount's counters as a table (or ``--json``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from faultfs.core.units import format_size
+from faultfs.fuse.mountpoint import read_stats
+
+
+def register(sub) -> None:
+    s = sub.add_parser("stat", help="show a mount's counters")
+    s.add_argument("mountpoint")
+    s.add_argument("--json", action="store_true", help="print the raw JSON")
+    s.add_argument("--debug", action="store_true")
+    s.set_defaults(func=cmd_stat)
+
+
+def cmd_stat(args: argparse.Namespace) -> int:
+    snap = read_stats(args.mountpoint)
+    if args.json:
+        print(json.dumps(snap, indent=1, sort_keys=True))
+        return 0
+    print(render_stats(snap))
+    return 0
+
+
+def _memory_line(snap: dict) -> str:
+    buffers = snap.get("read_buffers", {})
+    return (f"memory         blobs held {format_size(snap.get('memory_bytes', 0))}; read buffers "
+            f"{buffers.get('mapped', 0)} mapped, {buffers.get('reused', 0)} reuses, "
+            f"{buffers.get('lent', 0)} in use, {format_size(buffers.get('free_bytes', 0))} free")
+
+
+def render_stats(snap: dict) -> str:
+    """The counters of ``faultfs stat`` as a readable table."""
+    c = snap.get("counters", {})
+    lat = snap.get("fault_latency", {})
+    lines = [
+        f"store          {snap.get('store')}  (free {format_size(snap.get('store_free_bytes', 0))}, "
+        f"reserve {format_size(snap.get('reserve_bytes', 0))}"
+        + (f", cap {format_size(snap['cache_size'])}" if snap.get("cache_size") else "")
+        + ("" if snap.get("store_enabled", True) else ", storing OFF (read-through)") + ")",
+        f"daemon         pid {snap.get('pid')}, up {snap.get('uptime_s', 0):.0f} s, "
+        f"{snap.get('io_threads')} I/O threads",
+        _memory_line(snap),
+        "",
+        f"{'reads':<22}{c.get('reads', 0):>12}    {'bytes served':<22}{format_size(c.get('bytes_served', 0)):>12}",
+        f"{'hits':<22}{c.get('hits', 0):>12}    {'faults':<22}{c.get('faults', 0):>12}",
+        f"{'source reads':<22}{c.get('source_reads', 0):>12}    {'bytes from source':<22}{format_size(c.get('source_bytes', 0)):>12}",
+        f"{'stored':<22}{c.get('stored', 0):>12}    {'bytes stored':<22}{format_size(c.get('stored_bytes', 0)):>12}",
+        f"{'skipped (reserve)':<22}{c.get('skipped_reserve', 0):>12}    {'skipped (no-store)':<22}{c.get('skipped_no_store', 0):>12}",
+        f"{'skipped (cache cap)':<22}{c.get('skipped_cache_cap', 0):>12}    {'evicted':<22}{c.get('evicted', 0):>12}",
+        f"{'store failures':<22}{c.get('store_failures', 0):>12}    {'read-through (backoff)':<22}{c.get('readthrough_backoff', 0):>12}",
+        f"{'fault errors':<22}{c.get('fault_errors', 0):>12}    {'single-flight joins':<22}{c.get('single_flight_joins', 0):>12}",
+        f"{'page reads':<22}{c.get('page_reads', 0):>12}    {'page slices':<22}{c.get('page_slices', 0):>12}",
+        f"{'zero-filled bytes':<22}{c.get('zero_filled_bytes', 0):>12}    {'stale blobs dropped':<22}{c.get('stale_blobs_dropped', 0):>12}",
+        f"{'memory hits':<22}{c.get('memory_hits', 0):>12}    {'read ahead (store)':<22}{c.get('store_readahead', 0):>12}",
+        f"fault latency  p50 {lat.get('p50_ms', 0)} ms, p90 {lat.get('p90_ms', 0)} ms, "
+        f"p99 {lat.get('p99_ms', 0)} ms, max {lat.get('max_ms', 0)} ms",
+        "",
+        f"{'tag':<20} {'blobs':>9} {'staged':>9} {'chunk':>10} {'size':>11}  source",
+    ]
+    for name, t in sorted(snap.get("tags", {}).items()):
+        lines.append(f"{name:<20} {t['blobs']:>9} {t['staged_blobs']:>9} "
+                     f"{format_size(t['chunk_size']):>10} {format_size(t['size']):>11}  {t['source']}")
+        if t.get("stale_dropped_at_mount") or t.get("source_changed_at_mount"):
+            lines.append(f"  source changed since the last mount: {t.get('stale_dropped_at_mount', 0)} "
+                         "stale blobs dropped, re-faulting from the new version")
+        if t.get("source_error"):
+            lines.append(f"  source unavailable: {t['source_error']}")
+    return "\n".join(lines)

@@ -1,0 +1,19 @@
+"""``faultfs umount MNT``: unmount and wait for the daemon, so its store is free."""
+
+from __future__ import annotations
+
+import argparse
+
+from faultfs.fuse.mountpoint import unmount
+
+
+def register(sub) -> None:
+    u = sub.add_parser("umount", help="unmount MNT and wait for its daemon")
+    u.add_argument("mountpoint")
+    u.add_argument("--debug", action="store_true")
+    u.set_defaults(func=cmd_umount)
+
+
+def cmd_umount(args: argparse.Namespace) -> int:
+    unmount(args.mountpoint)
+    return 0

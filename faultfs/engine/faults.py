@@ -1,0 +1,117 @@
+"""Faults: bring blobs in from the source (one source read per run of adjacent blobs), hand
+them to their readers at once, then to the tiers.
+
+Invariants:
+- A failed fault raises (EIO) to every reader that joined it; zeros are never served in place
+  of data. A later read tries the source again.
+- Concurrent faults of one blob share one source read (``flights``).
+- Readers get the bytes as soon as the source read is done; the store write follows (behind
+  the reader when the engine is attached to a mount), the bytes held until it is on disk.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+from faultfs.engine.flights import Flight, Flights
+from faultfs.engine.tags import Tag
+from faultfs.errors import FaultfsError, SourceError
+from faultfs.iopool import IoPool
+from faultfs.stats import Stats
+from faultfs.tiers.base import Buffer
+from faultfs.tiers.multilevel import TierStack
+
+log = logging.getLogger("faultfs.engine")
+
+
+class Faulter:
+    def __init__(self, flights: Flights, tiers: TierStack, pool: IoPool, stats: Stats) -> None:
+        self.flights = flights
+        self.tiers = tiers
+        self.pool = pool
+        self.stats = stats
+
+    async def fault(self, tag: Tag, index: int) -> Buffer:
+        """Blob ``index`` of ``tag``, all of it, from the source (single-flight)."""
+        key = (tag.id, index)
+        data = await self.flights.read_ahead(key)  # a read-ahead of the staged copy
+        if data is not None:
+            return data
+        flight = self.flights.get(key)
+        if flight is None:
+            [flight] = await self.fault_run(tag, index, self.flights.claim([key]))
+        else:
+            self.stats.add("single_flight_joins")
+            await flight.done.wait()
+        if flight.error is not None:
+            if isinstance(flight.error, FaultfsError):
+                raise FaultfsError(flight.error.message, flight.error.errno)
+            raise SourceError(f"fault of {tag.name}/{tag.layout.blob_name(index)} failed: "
+                              f"{flight.error}")
+        assert flight.data is not None
+        return flight.data
+
+    async def fault_run(self, tag: Tag, first: int, flights: list[Flight]) -> list[Flight]:
+        """Fault the claimed blobs ``first ..`` with ONE source read (a run of adjacent blobs
+        costs one request to a remote source, not one each), then hand each to readers and to
+        the tiers. Errors are left in the flights for their readers."""
+        count = len(flights)
+        keys = [(tag.id, index) for index in range(first, first + count)]
+        self.stats.add("faults", count)
+        started = time.monotonic()
+        datas: Sequence[Buffer] = []
+        try:
+            datas = await self.pool.run(self.read_source, tag, first, count)
+            self._count_source_read(tag, first, count)
+            for key, flight, data in zip(keys, flights, datas, strict=True):
+                flight.data = data
+                self.tiers.hold(key, data)
+        except BaseException as exc:
+            for flight in flights:
+                flight.error = exc
+            if not isinstance(exc, Exception):
+                raise
+            self.stats.add("fault_errors", count)
+            if not isinstance(exc, FaultfsError):
+                log.exception("fault of blobs %d..%d of tag %s failed", first,
+                              first + count - 1, tag.name)
+            datas = []
+        finally:
+            self.flights.settle(keys, flights)
+            self.stats.latencies.append(time.monotonic() - started)
+        for key, data in zip(keys, datas, strict=False):
+            await self.tiers.store(key, data)
+        return flights
+
+    def read_source(self, tag: Tag, first: int, count: int = 1) -> Sequence[Buffer]:
+        """Blobs ``first .. first+count-1`` from the source, each zero-filled to the blob size
+        (blocking: on the pool)."""
+        if tag.source is None:
+            raise SourceError(f"source {tag.ctx.src} of tag {tag.name} is unavailable: "
+                              f"{tag.source_error}")
+        layout = tag.layout
+        start = layout.source_range(first)[0]
+        end = layout.source_range(first + count - 1)[1]
+        try:
+            blobs = tag.assimilator.read_blobs(tag.source, tag.ctx, layout, first, count)
+        except FaultfsError as exc:
+            log.error("tag %s: reading %s [%d, %d) failed: %s", tag.name, tag.ctx.src, start,
+                      end, exc)
+            raise
+        except OSError as exc:
+            log.error("tag %s: reading %s [%d, %d) failed: %s", tag.name, tag.ctx.src, start,
+                      end, exc)
+            raise SourceError(f"reading {tag.ctx.src} [{start}, {end}) failed: {exc}") from None
+        if len(blobs) != count or any(len(b) != layout.chunk_size for b in blobs):
+            raise SourceError(f"assimilator {tag.ctx.format!r} returned blobs of the wrong size "
+                              f"for {tag.ctx.src} [{start}, {end})")
+        return blobs
+
+    def _count_source_read(self, tag: Tag, first: int, count: int) -> None:
+        start = tag.layout.source_range(first)[0]
+        end = tag.layout.source_range(first + count - 1)[1]
+        self.stats.add("source_reads")
+        self.stats.add("source_bytes", end - start)
+        self.stats.add("zero_filled_bytes", count * tag.layout.chunk_size - (end - start))

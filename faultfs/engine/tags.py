@@ -1,0 +1,284 @@
+"""Tags: registering sources on-fault (check, then persist) and recovering registered ones.
+
+Invariants:
+- ``plan`` checks everything a registration needs — name, assimilator (-20 when it cannot
+  ingest per blob), source (exists, is a file), range, chunk size — and persists nothing;
+  ``commit`` persists the context (secrets blanked) and the tag state, then adds the tag.
+- A tag re-registered with a different context loses its old blobs and registry entry.
+- ``recover`` brings back every tag whose context is in the registry; a tag whose source is
+  unreachable still serves what is staged (``source_error`` says why the rest fails).
+- Registration and recovery block (they run before the mount answers).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import time
+from dataclasses import dataclass, field, replace
+from urllib.parse import urlsplit
+
+import assimilators
+from assimilators.base import Assimilator, BlobLayout
+from faultfs.core.context import REGISTRY_TAG, FaultContext
+from faultfs.core.names import check_name, check_tag_name
+from faultfs.errors import RC_CANNOT_INGEST_PER_BLOB, FaultfsError, InvalidInput
+from faultfs.sources import (
+    S3_PROTOCOLS,
+    Source,
+    SourceOptions,
+    SourceVersion,
+    local_path,
+    persistable_src,
+    url_protocol,
+)
+from faultfs.stats import Stats
+from faultfs.store.blobstore import BlobStore
+from faultfs.store.registry import Registry, RegistryProblem
+from faultfs.store.tagstate import TagState, read_tag_state, write_tag_state
+from faultfs.tiers.base import TierTag
+from faultfs.tiers.multilevel import TierStack
+
+log = logging.getLogger("faultfs.engine")
+
+
+@dataclass
+class Tag:
+    """One registered source: its context, layout, pinned version and how its reads go."""
+
+    id: int
+    name: str
+    ctx: FaultContext
+    layout: BlobLayout
+    version: SourceVersion
+    mtime: float
+    view_name: str
+    assimilator: Assimilator
+    shard: int = 0
+    source: Source | None = None
+    source_error: str = ""
+    stale_dropped: int = 0
+    source_changed: bool = False  # the source differs from what the last mount recorded
+    remote: dict = field(default_factory=dict)  # how the source was reached (tag state)
+    last_index: int = -1  # the blob read last: sequential readers get prefetch
+    window: int = 0  # blobs to prefetch ahead of a sequential reader (grows, resets)
+
+    @property
+    def key(self) -> str:
+        return self.ctx.key
+
+    @property
+    def version_text(self) -> str:
+        return self.version.to_text()
+
+    def tier_view(self) -> TierTag:
+        layout = self.layout
+        return TierTag(self.id, self.name, self.version_text, layout.num_blobs,
+                       layout.chunk_size, layout.blob_name, layout.blob_index)
+
+
+@dataclass
+class RegistrationPlan:
+    """A checked registration, not yet persisted."""
+
+    ctx: FaultContext
+    source: Source
+    version: SourceVersion
+    layout: BlobLayout
+    assimilator: Assimilator
+
+
+class Tags:
+    """The registered tags of one store, by name and by id."""
+
+    def __init__(self, store: BlobStore, tiers: TierStack, stats: Stats,
+                 source_options: SourceOptions) -> None:
+        self.store = store
+        self.registry_store = Registry(store)
+        self.tiers = tiers
+        self.stats = stats
+        self.source_options = source_options
+        self.by_name: dict[str, Tag] = {}
+        self.by_id: dict[int, Tag] = {}
+        self.registry: dict[str, bytes] = {}  # fault key -> canonical context bytes
+        self._next_id = 1
+
+    # -- registration ------------------------------------------------------------------------
+
+    def plan(self, ctx: FaultContext) -> RegistrationPlan:
+        """Check a registration without persisting anything."""
+        check_tag_name(ctx.dst)
+        if ctx.dst == REGISTRY_TAG:
+            raise InvalidInput(f"tag name {ctx.dst!r} is reserved for the registry")
+        assimilator = assimilators.get(ctx.format)
+        if ctx.on_fault and assimilator.blob_bytes(ctx) == 0:
+            raise FaultfsError(
+                f"assimilator {ctx.format!r} cannot ingest per blob (result code "
+                f"{RC_CANNOT_INGEST_PER_BLOB}): it cannot serve source {ctx.src} on fault",
+                errno.ENOTSUP, code=RC_CANNOT_INGEST_PER_BLOB)
+        source = assimilator.open(ctx, self.source_options)
+        try:
+            version = source.version()
+            layout = assimilator.layout(ctx, version)
+        except BaseException:
+            source.close()
+            raise
+        ctx = persistable(ctx)  # the source is open with the real URL; credentials stop here
+        old = self.by_name.get(ctx.dst)
+        if old is not None and old.key != ctx.key:
+            source.close()
+            raise InvalidInput(f"tag {ctx.dst!r} is registered twice with different sources")
+        return RegistrationPlan(ctx, source, version, layout, assimilator)
+
+    def commit(self, plan: RegistrationPlan, *, shard: int = 0) -> Tag:
+        """Persist a checked registration and add its tag."""
+        ctx = plan.ctx
+        if ctx.dst in self.by_name:
+            plan.source.close()
+            return self.by_name[ctx.dst]
+        previous = read_tag_state(self.store, ctx.dst)
+        if previous is not None and previous.key != ctx.key:
+            log.info("tag %s is re-registered with a new context: dropping its old blobs", ctx.dst)
+            self.registry_store.delete(previous.key)
+            self.registry.pop(previous.key, None)
+            self.store.forget_tag(ctx.dst)
+        self.registry[ctx.key] = self.registry_store.put(ctx)
+        recorded = previous.source_version if previous is not None and previous.key == ctx.key else None
+        tag = self._add(ctx, plan.layout, plan.version, plan.source, plan.assimilator,
+                        shard=shard, recorded=recorded)
+        tag.remote = remote_settings(ctx.src, self.source_options)
+        self._write_state(tag)
+        return tag
+
+    def _write_state(self, tag: Tag) -> None:
+        write_tag_state(self.store, tag.name, TagState(
+            key=tag.key, source_version=tag.version_text, shard=tag.shard,
+            view_name=tag.view_name, mtime=tag.mtime, remote=tag.remote))
+
+    def _add(self, ctx: FaultContext, layout: BlobLayout, version: SourceVersion,
+             source: Source | None, assimilator: Assimilator, *, shard: int,
+             mtime: float | None = None, view_name: str | None = None,
+             recorded: str | None = None) -> Tag:
+        """``recorded``: the source version the tag's state file names, if any."""
+        if view_name is None:
+            view_name = view_name_for(ctx.src)
+        if mtime is None:
+            mtime = source.mtime() if source else time.time()
+        tag = Tag(id=self._next_id, name=ctx.dst, ctx=ctx, layout=layout, version=version,
+                  mtime=mtime, view_name=view_name, assimilator=assimilator, shard=shard,
+                  source=source)
+        self._next_id += 1
+        scan = self.tiers.open_tag(tag.tier_view(), trusted=recorded == tag.version_text)
+        tag.stale_dropped = scan.stale_dropped
+        self.stats.add("stale_blobs_dropped", scan.stale_dropped)
+        self.stats.add("corrupt_blobs_dropped", scan.corrupt_dropped)
+        self.by_name[tag.name] = tag
+        self.by_id[tag.id] = tag
+        return tag
+
+    # -- recovery ----------------------------------------------------------------------------
+
+    def recover(self) -> list[Tag]:
+        """Bring back every tag whose context is in the registry (remount with no source)."""
+        recovered = []
+        for entry in self.registry_store.entries():
+            if isinstance(entry, RegistryProblem):
+                log.warning("registry entry %s is %s: skipped", entry.key, entry.reason)
+                continue
+            key, ctx, data = entry
+            if ctx.dst in self.by_name:
+                continue
+            self.registry[key] = data
+            recovered.append(self._recover(ctx))
+        return recovered
+
+    def _recover(self, ctx: FaultContext) -> Tag:
+        state = read_tag_state(self.store, ctx.dst) or TagState(key=ctx.key)
+        assimilator = assimilators.get(ctx.format)
+        recorded = SourceVersion.from_text(state.source_version) if state.source_version else None
+        source: Source | None = None
+        error = ""
+        options = recovery_options(self.source_options, state.remote)
+        try:
+            source = assimilator.open(ctx, options)
+            version = source.version()
+        except FaultfsError as exc:
+            if recorded is None:
+                raise
+            error = exc.message
+            version = recorded
+            log.warning("tag %s: source unavailable (%s); staged blobs still serve", ctx.dst, error)
+        layout = assimilator.layout(ctx, version)
+        tag = self._add(ctx, layout, version, source, assimilator, shard=state.shard,
+                        mtime=state.mtime if source is None else None,
+                        view_name=state.view_name,
+                        recorded=recorded.to_text() if recorded is not None else None)
+        tag.source_error = error
+        tag.remote = remote_settings(ctx.src, recovery_options(SourceOptions(), state.remote))
+        if recorded is not None and recorded != version:
+            tag.source_changed = True
+            log.warning("tag %s: source %s changed (%s -> %s); %d stale blobs dropped, "
+                        "re-faulting from the new version", ctx.dst, ctx.src, recorded.describe(),
+                        version.describe(), tag.stale_dropped)
+        if recorded != version or state.view_name is None:
+            self._write_state(tag)
+        return tag
+
+    def close(self) -> None:
+        for tag in self.by_name.values():
+            if tag.source is not None:
+                tag.source.close()
+
+
+def remote_settings(src: str, options: SourceOptions) -> dict:
+    """What a remount needs to reach a remote source again, recorded in the tag state when
+    the tag is registered (a remount never changes it; registering the source again does):
+    the S3 endpoint given with ``--s3-endpoint-url`` (S3 sources only) and ``--anon``. Empty
+    for a local source. An endpoint carrying credentials (userinfo, a query) is not kept."""
+    if local_path(src) is not None:
+        return {}
+    out: dict = {}
+    endpoint = options.s3_endpoint_url
+    if endpoint and url_protocol(src) in S3_PROTOCOLS:
+        parts = urlsplit(endpoint)
+        if parts.username or parts.password or parts.query or parts.fragment:
+            log.warning("the S3 endpoint carries credentials: not kept for remounts")
+        else:
+            out["s3_endpoint_url"] = endpoint
+    if options.anon:
+        out["anon"] = True
+    return out
+
+
+def recovery_options(options: SourceOptions, recorded: dict) -> SourceOptions:
+    """The options a recovered tag opens its source with: the mount's flags first, then what
+    the tag was registered with (then, inside the S3 client, the environment)."""
+    endpoint = options.s3_endpoint_url or str(recorded.get("s3_endpoint_url") or "")
+    return replace(options, s3_endpoint_url=endpoint,
+                   anon=options.anon or recorded.get("anon") is True)
+
+
+def persistable(ctx: FaultContext) -> FaultContext:
+    """``ctx`` as it may be hashed and persisted: a remote source URL with the credentials it
+    carries (a presigned query, ``user:password@``) replaced by ``***`` (DESIGN §3)."""
+    src = persistable_src(ctx.src)
+    return ctx if src == ctx.src else replace(ctx, src=src)
+
+
+def view_name_for(src: str) -> str:
+    """The whole-object view's name: the source's basename."""
+    path = local_path(src)
+    base = os.path.basename((path if path is not None else src.split("?")[0]).rstrip("/"))
+    try:
+        return check_name(base, "source basename")
+    except InvalidInput:
+        return "data"
+
+
+def default_tag_name(src: str) -> str:
+    """A tag name from the source: its basename without the last extension."""
+    base = view_name_for(src)
+    stem = base.rsplit(".", 1)[0] if "." in base.lstrip(".") else base
+    stem = stem.lstrip(".") or "data"
+    return stem.replace("..", "_")

@@ -1,0 +1,150 @@
+"""The thin pyfuse3 adapter: each handler converts its arguments, awaits the namespace, and
+builds the reply.
+
+The only exception a handler raises is ``pyfuse3.FUSEError``: a ``FaultfsError`` becomes its
+errno, anything unexpected is logged with its traceback and becomes EIO, so one bad request
+never kills the daemon (``fuse_boundary``).
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import os
+
+import pyfuse3
+
+from faultfs.engine import Engine
+from faultfs.errors import FaultfsError
+from faultfs.fuse.handles import HandleTable
+from faultfs.fuse.invalidate import Invalidator
+from faultfs.namespace import BLOCK_SIZE, Attributes, Files, OpenFile, Tree
+
+log = logging.getLogger("faultfs.fuse")
+UID, GID = os.getuid(), os.getgid()  # every entry belongs to the daemon's user
+
+
+def fuse_boundary(fn):
+    """Turn engine errors into their errno and anything unexpected into a logged EIO."""
+
+    @functools.wraps(fn)
+    async def wrapper(*args, **kwargs):
+        try:
+            return await fn(*args, **kwargs)
+        except pyfuse3.FUSEError:
+            raise
+        except FaultfsError as exc:
+            log.debug("%s: %s", fn.__name__, exc)
+            raise pyfuse3.FUSEError(exc.errno) from None
+        except Exception:
+            log.exception("unexpected error in %s", fn.__name__)
+            raise pyfuse3.FUSEError(errno.EIO) from None
+
+    return wrapper
+
+
+def entry(attr: Attributes) -> pyfuse3.EntryAttributes:
+    out = pyfuse3.EntryAttributes()
+    out.st_ino = attr.inode
+    out.st_mode = attr.mode
+    out.st_nlink = attr.nlink
+    out.st_uid = UID
+    out.st_gid = GID
+    out.st_size = attr.size
+    out.st_blocks = attr.blocks
+    out.st_blksize = BLOCK_SIZE
+    out.st_atime_ns = out.st_mtime_ns = out.st_ctime_ns = attr.mtime_ns
+    out.entry_timeout = attr.entry_timeout
+    out.attr_timeout = attr.attr_timeout
+    return out
+
+
+def file_info(fh: int, handle: OpenFile) -> pyfuse3.FileInfo:
+    return pyfuse3.FileInfo(fh=fh, direct_io=handle.direct_io, keep_cache=handle.keep_cache)
+
+
+class FaultOperations(pyfuse3.Operations):
+    """pyfuse3 operations over a ``Tree`` of an ``Engine``."""
+
+    def __init__(self, engine: Engine) -> None:
+        super().__init__()
+        self.engine = engine
+        self.tree = Tree(engine)
+        self.files = Files(self.tree)
+        self.handles = HandleTable()
+        self.invalidator = Invalidator()
+        engine.pages.subscribe(self.invalidator.pages_changed)
+
+    @fuse_boundary
+    async def lookup(self, parent_inode, name, ctx=None):
+        return entry(await self.tree.lookup(parent_inode, os.fsdecode(name)))
+
+    @fuse_boundary
+    async def getattr(self, inode, ctx=None):
+        return entry(await self.tree.getattr(inode))
+
+    async def forget(self, inode_list):
+        return  # computed inodes: nothing was allocated, nothing to release
+
+    @fuse_boundary
+    async def opendir(self, inode, ctx):
+        if not self.tree.node(inode).is_dir:
+            raise FaultfsError("not a directory", errno.ENOTDIR)
+        return inode
+
+    @fuse_boundary
+    async def readdir(self, fh, start_id, token):
+        for pos, name, attr in await self.tree.listing(fh, start_id):
+            if not pyfuse3.readdir_reply(token, os.fsencode(name), entry(attr), pos + 1):
+                break
+
+    async def releasedir(self, fh):
+        return
+
+    @fuse_boundary
+    async def open(self, inode, flags, ctx):
+        handle = await self.files.open(inode, flags)
+        return file_info(self.handles.add(handle), handle)
+
+    @fuse_boundary
+    async def create(self, parent_inode, name, mode, flags, ctx):
+        handle, attr = await self.files.create(parent_inode, os.fsdecode(name), flags)
+        return file_info(self.handles.add(handle), handle), entry(attr)
+
+    @fuse_boundary
+    async def read(self, fh, off, size):
+        return await self.handles[fh].read(off, size)
+
+    @fuse_boundary
+    async def write(self, fh, off, buf):
+        return await self.handles[fh].write(off, buf)
+
+    @fuse_boundary
+    async def setattr(self, inode, attr, fields, fh, ctx):
+        if fields.update_size:
+            await self.files.set_size(inode, attr.st_size, self.handles.get(fh))
+        elif fields.update_mode or fields.update_uid or fields.update_gid:
+            raise FaultfsError("the tree is read-only", errno.EROFS)
+        return entry(await self.tree.getattr(inode))
+
+    @fuse_boundary
+    async def flush(self, fh):
+        await self.handles[fh].flush()
+
+    @fuse_boundary
+    async def release(self, fh):
+        handle = self.handles.pop(fh)
+        if handle is not None:
+            await handle.release()
+
+    @fuse_boundary
+    async def statfs(self, ctx):
+        st = await self.engine.run_io(os.statvfs, self.engine.store.root)
+        out = pyfuse3.StatvfsData()
+        for name in ("f_bsize", "f_frsize", "f_blocks", "f_bfree", "f_bavail", "f_files",
+                     "f_ffree", "f_favail"):
+            setattr(out, name, getattr(st, name))
+        out.f_namemax = 255
+        return out
+

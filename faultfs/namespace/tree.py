@@ -1,0 +1,251 @@
+"""The mounted tree (DESIGN §7): which entries exist, what they are, and their attributes.
+
+    <mount>/.faultfs/{stats, registry/fault:<16 hex>}
+    <mount>/<tag>/{<view>, .pagemap, chunk_N…, page:N…}
+
+Plain code over the engine, with no pyfuse3: the FUSE adapter only converts. Inodes are
+computed (``core.inodes``). A lookup or listing that involves pages loads the tag's pagemap
+first (off the trio thread, once per tag), so attributes are then built without I/O.
+
+Invariants:
+- Every name a listing shows, lookup finds with the same inode, and the reverse.
+- Listings stream from any position; a tag with millions of chunks costs nothing per entry.
+- An inode that names nothing (an index past the end, a tag gone) is ENOENT.
+"""
+
+from __future__ import annotations
+
+import errno
+import stat
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from faultfs.core import inodes
+from faultfs.core.inodes import (
+    CTL_DIR,
+    KIND_CHUNK,
+    KIND_DIR,
+    KIND_PAGE,
+    KIND_PAGEMAP,
+    KIND_REGISTRY,
+    KIND_VIEW,
+    REGISTRY_DIR,
+    ROOT,
+    STATS_FILE,
+)
+from faultfs.core.names import CTL_NAME, PAGE_PREFIX, PAGEMAP_NAME, parse_index
+from faultfs.engine import Engine, Tag
+from faultfs.errors import FaultfsError
+
+ENTRY_TIMEOUT = 300.0  # the tree's shape never changes while mounted
+ATTR_TIMEOUT = 1.0  # st_blocks grows as blobs are staged: let du see it within a second
+BLOCK_SIZE = 1 << 17  # st_blksize: tools read in 128 KiB pieces (FUSE's default request)
+STATS_NAME, REGISTRY_NAME = "stats", "registry"
+FIXED_DIRS = (ROOT, CTL_DIR, REGISTRY_DIR)
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    """What an inode is: its kind, its tag (None for the root's fixed entries) and index."""
+
+    inode: int
+    kind: int
+    tag: Tag | None = None
+    index: int = 0
+
+    @property
+    def is_dir(self) -> bool:
+        return self.inode in FIXED_DIRS or self.kind == KIND_DIR
+
+
+@dataclass(slots=True)
+class Attributes:
+    """``stat`` of an entry, as the kernel will see it."""
+
+    inode: int
+    mode: int
+    size: int = 0
+    staged_bytes: int = 0  # st_blocks is this in 512-byte units (rounded up)
+    mtime_ns: int = 0
+    nlink: int = 1
+    attr_timeout: float = ATTR_TIMEOUT
+    entry_timeout: float = ENTRY_TIMEOUT
+
+    @property
+    def blocks(self) -> int:
+        return (self.staged_bytes + 511) // 512
+
+
+def _missing() -> FaultfsError:
+    return FaultfsError("no such entry", errno.ENOENT)
+
+
+class Tree:
+    """Entries and attributes of one mount's tree."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.pages = engine.pages
+        self.mounted_at = time.time_ns()
+        self.registry_keys = sorted(engine.registry)
+
+    # -- nodes -------------------------------------------------------------------------------
+
+    def tag_of(self, tag_id: int) -> Tag:
+        tag = self.engine.tags_by_id.get(tag_id)
+        if tag is None:
+            raise _missing()
+        return tag
+
+    def node(self, inode: int) -> Node:
+        """What ``inode`` is; ENOENT when it names nothing (pages: the map must be loaded)."""
+        if inode in (ROOT, CTL_DIR, REGISTRY_DIR, STATS_FILE):
+            return Node(inode, 0)
+        tag_id, kind, index = inodes.split(inode)
+        if kind == KIND_REGISTRY:
+            if tag_id or index >= len(self.registry_keys):
+                raise _missing()
+            return Node(inode, kind, None, index)
+        tag = self.tag_of(tag_id)
+        if kind == KIND_CHUNK and index < tag.layout.num_blobs:
+            return Node(inode, kind, tag, index)
+        if kind == KIND_PAGE and index < self.pages.num_pages(tag):
+            return Node(inode, kind, tag, index)
+        if kind in (KIND_DIR, KIND_VIEW, KIND_PAGEMAP) and not index:
+            return Node(inode, kind, tag)  # .pagemap: lookup shows it only when there is one
+        raise _missing()
+
+    async def load(self, inode: int) -> Node:
+        """``node(inode)``, after loading what its attributes need (a tag's pagemap)."""
+        tag_id, kind, _ = inodes.split(inode)
+        if kind in (KIND_PAGE, KIND_PAGEMAP) and inode not in (ROOT, CTL_DIR, REGISTRY_DIR,
+                                                               STATS_FILE):
+            await self.pages.load(self.tag_of(tag_id))
+        return self.node(inode)
+
+    # -- lookups and listings ----------------------------------------------------------------
+
+    async def lookup(self, parent: int, name: str) -> Attributes:
+        if parent == ROOT:
+            if name == CTL_NAME:
+                return self.attributes(self.node(CTL_DIR))
+            tag = self.engine.tags.get(name)
+            if tag is None:
+                raise _missing()
+            return self.attributes(Node(inodes.make(tag.id, KIND_DIR), KIND_DIR, tag))
+        if parent == CTL_DIR:
+            fixed = {STATS_NAME: STATS_FILE, REGISTRY_NAME: REGISTRY_DIR}.get(name)
+            if fixed is None:
+                raise _missing()
+            return self.attributes(self.node(fixed))
+        if parent == REGISTRY_DIR:
+            try:
+                index = self.registry_keys.index(name)
+            except ValueError:
+                raise _missing() from None
+            return self.attributes(self.node(inodes.make(0, KIND_REGISTRY, index)))
+        directory = self.node(parent)
+        if not directory.is_dir or directory.tag is None:
+            raise FaultfsError("not a directory", errno.ENOTDIR)
+        tag = directory.tag
+        if name == PAGEMAP_NAME or name.startswith(PAGE_PREFIX):
+            await self.pages.load(tag)  # off the trio thread, once per tag
+        return self.attributes(self.node(self._inode_in_tag(tag, name)))
+
+    def _inode_in_tag(self, tag: Tag, name: str) -> int:
+        if name == tag.view_name:
+            return inodes.make(tag.id, KIND_VIEW)
+        if name.startswith(PAGE_PREFIX):
+            index = parse_index(name[len(PAGE_PREFIX):])
+            if index is None or index >= self.pages.num_pages(tag):
+                raise _missing()
+            return inodes.make(tag.id, KIND_PAGE, index)
+        if name == PAGEMAP_NAME:
+            if not self.pages.has_pagemap(tag):
+                raise _missing()
+            return inodes.make(tag.id, KIND_PAGEMAP)
+        index = tag.layout.blob_index(name)
+        if index is None:
+            raise _missing()
+        return inodes.make(tag.id, KIND_CHUNK, index)
+
+    async def getattr(self, inode: int) -> Attributes:
+        return self.attributes(await self.load(inode))
+
+    async def listing(self, inode: int, start: int) -> Iterator[tuple[int, str, Attributes]]:
+        """``(position, name, attributes)`` of a directory's entries from ``start``, lazily."""
+        directory = self.node(inode)
+        if not directory.is_dir:
+            raise FaultfsError("not a directory", errno.ENOTDIR)
+        if directory.tag is not None:
+            await self.pages.load(directory.tag)
+        return self._listing(directory, start)
+
+    def _listing(self, directory: Node, start: int) -> Iterator[tuple[int, str, Attributes]]:
+        for pos, name, inode in self._entries(directory, start):
+            yield pos, name, self.attributes(self.node(inode))
+
+    def _entries(self, directory: Node, start: int) -> Iterator[tuple[int, str, int]]:
+        if directory.inode == ROOT:
+            tags = sorted(self.engine.tags.values(), key=lambda t: t.name)
+            fixed = [(CTL_NAME, CTL_DIR)] + [(t.name, inodes.make(t.id, KIND_DIR)) for t in tags]
+            yield from ((i, n, ino) for i, (n, ino) in enumerate(fixed) if i >= start)
+        elif directory.inode == CTL_DIR:
+            fixed = [(REGISTRY_NAME, REGISTRY_DIR), (STATS_NAME, STATS_FILE)]
+            yield from ((i, n, ino) for i, (n, ino) in enumerate(fixed) if i >= start)
+        elif directory.inode == REGISTRY_DIR:
+            yield from ((i, k, inodes.make(0, KIND_REGISTRY, i))
+                        for i, k in enumerate(self.registry_keys) if i >= start)
+        else:
+            assert directory.tag is not None
+            yield from self._tag_entries(directory.tag, start)
+
+    def _tag_entries(self, tag: Tag, start: int) -> Iterator[tuple[int, str, int]]:
+        fixed = [(tag.view_name, inodes.make(tag.id, KIND_VIEW))]
+        if self.pages.has_pagemap(tag):
+            fixed.append((PAGEMAP_NAME, inodes.make(tag.id, KIND_PAGEMAP)))
+        pos = start
+        while pos < len(fixed):
+            yield (pos, *fixed[pos])
+            pos += 1
+        n_chunks = tag.layout.num_blobs
+        while pos < len(fixed) + n_chunks:
+            index = pos - len(fixed)
+            yield pos, tag.layout.blob_name(index), inodes.make(tag.id, KIND_CHUNK, index)
+            pos += 1
+        n_pages = self.pages.num_pages(tag)
+        while pos < len(fixed) + n_chunks + n_pages:
+            index = pos - len(fixed) - n_chunks
+            yield pos, f"{PAGE_PREFIX}{index}", inodes.make(tag.id, KIND_PAGE, index)
+            pos += 1
+
+    # -- attributes --------------------------------------------------------------------------
+
+    def attributes(self, node: Node) -> Attributes:
+        if node.is_dir:
+            mtime = self.mounted_at if node.tag is None else int(node.tag.mtime * 1e9)
+            return Attributes(node.inode, stat.S_IFDIR | 0o755, mtime_ns=mtime, nlink=2)
+        if node.inode == STATS_FILE:
+            return Attributes(node.inode, stat.S_IFREG | 0o444, mtime_ns=self.mounted_at,
+                              attr_timeout=0)
+        if node.kind == KIND_REGISTRY:
+            size = len(self.engine.registry[self.registry_keys[node.index]])
+            return Attributes(node.inode, stat.S_IFREG | 0o400, size, mtime_ns=self.mounted_at)
+        tag = node.tag
+        assert tag is not None
+        mtime = int(tag.mtime * 1e9)
+        cs = tag.layout.chunk_size
+        if node.kind == KIND_CHUNK:
+            staged = cs if self.engine.is_staged(tag, node.index) else 0
+            return Attributes(node.inode, stat.S_IFREG | 0o444, cs, staged, mtime)
+        if node.kind == KIND_VIEW:
+            size = tag.layout.size
+            staged = min(size, self.engine.staged_count(tag) * cs)
+            return Attributes(node.inode, stat.S_IFREG | 0o444, size, staged, mtime)
+        map_mtime = self.pages.pagemap_mtime_ns(tag) or mtime
+        if node.kind == KIND_PAGE:
+            return Attributes(node.inode, stat.S_IFREG | 0o444, self.pages.page_size(tag),
+                              mtime_ns=map_mtime)
+        return Attributes(node.inode, stat.S_IFREG | 0o644, self.pages.pagemap_size(tag),
+                          mtime_ns=map_mtime, attr_timeout=0)  # KIND_PAGEMAP

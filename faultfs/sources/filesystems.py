@@ -1,0 +1,147 @@
+"""fsspec file systems for remote sources: one instance per (protocol, resolved options, process),
+tuned so that ``faultfs.sources.retry`` is the only retry loop.
+
+Invariants:
+- S3 and HTTP file systems are shared by every source that resolves to the same options;
+  a forked process builds its own (an async file system is bound to its parent's loop).
+- Listing caches are off: a cached listing would hide a changed object.
+- Endpoint, region and profile follow the AWS conventions (flag, then environment, then the
+  shared configuration), resolved here so that the shared instance is keyed by them.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from typing import Any
+
+import fsspec
+from fsspec.utils import tokenize
+
+from faultfs.errors import InvalidInput
+from faultfs.sources.base import HTTP_PROTOCOLS, S3_PROTOCOLS, SourceOptions, url_protocol
+from faultfs.sources.secrets import display_url
+
+# The engine runs up to 32 faults at once (FAULTFS_IO_THREADS); the HTTP pool must never queue
+# them, and glob/stat calls from registration come on top.
+MAX_POOL_CONNECTIONS = 64
+# A loopback or in-region endpoint connects in milliseconds; 5 s means the endpoint is gone.
+CONNECT_TIMEOUT_S = 5.0
+# No bytes for 15 s on an open connection: give up on this try and let the retry loop decide
+# (the same values s3fs uses by default).
+READ_TIMEOUT_S = 15.0
+
+# --- file systems: one per (protocol, resolved options), shared by all sources ---
+
+_FS_LOCK = threading.Lock()
+_FILESYSTEMS: dict[str, fsspec.AbstractFileSystem] = {}
+_SYNC_LOCKS: weakref.WeakKeyDictionary[Any, threading.Lock] = weakref.WeakKeyDictionary()
+
+
+def s3_filesystem_kwargs(options: SourceOptions, environ: dict[str, str] | None = None) -> dict:
+    """s3fs constructor arguments from the context fields, the AWS environment and storage_options.
+
+    botocore (installed version) already honours AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL,
+    ``endpoint_url`` in the shared config, AWS_PROFILE, AWS_DEFAULT_REGION and the shared
+    config/credential files. Filled in here: ``s3_endpoint_url`` > AWS_ENDPOINT_URL_S3 >
+    AWS_ENDPOINT_URL resolved explicitly (so the shared file-system instance is keyed by it),
+    AWS_REGION (which botocore does not read) after ``s3_region``, and ``s3_profile``.
+    """
+    env = os.environ if environ is None else environ
+    kwargs: dict[str, Any] = {
+        "anon": options.anon,
+        "use_listings_cache": False,  # a listing cache would hide a changed object
+        "skip_instance_cache": True,  # this instance is tuned (retries off); do not share it
+        "config_kwargs": {
+            "max_pool_connections": MAX_POOL_CONNECTIONS,
+            "connect_timeout": CONNECT_TIMEOUT_S,
+            "read_timeout": READ_TIMEOUT_S,
+            "retries": {"total_max_attempts": 1},  # RetryPolicy is the only retry loop
+        },
+    }
+    endpoint = options.s3_endpoint_url
+    if not endpoint and env.get("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "").lower() != "true":
+        endpoint = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL") or ""
+    if endpoint:
+        kwargs["endpoint_url"] = endpoint
+    region = options.s3_region or env.get("AWS_REGION", "")
+    if region:
+        kwargs["client_kwargs"] = {"region_name": region}
+    if options.s3_profile:
+        kwargs["profile"] = options.s3_profile
+    for name, value in options.storage_options.items():
+        if name in ("config_kwargs", "client_kwargs") and isinstance(value, dict):
+            kwargs[name] = {**kwargs.get(name, {}), **value}
+        else:
+            kwargs[name] = value
+    return kwargs
+
+
+def http_filesystem_kwargs(options: SourceOptions) -> dict:
+    import aiohttp
+
+    kwargs: dict[str, Any] = {
+        "skip_instance_cache": True,
+        "client_kwargs": {
+            "timeout": aiohttp.ClientTimeout(
+                total=None, sock_connect=CONNECT_TIMEOUT_S, sock_read=READ_TIMEOUT_S
+            ),
+        },
+    }
+    for name, value in options.storage_options.items():
+        if name == "client_kwargs" and isinstance(value, dict):
+            kwargs[name] = {**kwargs[name], **value}
+        else:
+            kwargs[name] = value
+    return kwargs
+
+
+def shared_filesystem(protocol: str, kwargs: dict) -> fsspec.AbstractFileSystem:
+    # the pid: an async file system is bound to its parent's event loop and refuses to work
+    # after a fork, so a forked daemon builds its own
+    key = tokenize(protocol, kwargs, os.getpid())
+    with _FS_LOCK:
+        fs = _FILESYSTEMS.get(key)
+        if fs is None:
+            fs = fsspec.filesystem(protocol, **kwargs)
+            if protocol in S3_PROTOCOLS:
+                fs.retries = 1  # s3fs's own retry loop off (glob/list): RetryPolicy bounds tries
+            _FILESYSTEMS[key] = fs
+        return fs
+
+
+def filesystem_for(url: str, options: SourceOptions) -> tuple[fsspec.AbstractFileSystem, str]:
+    protocol = url_protocol(url)
+    try:
+        if protocol in S3_PROTOCOLS:
+            fs = shared_filesystem("s3", s3_filesystem_kwargs(options))
+            return fs, fs._strip_protocol(url)
+        if protocol in HTTP_PROTOCOLS:
+            return shared_filesystem("http", http_filesystem_kwargs(options)), url
+        kwargs = {"use_listings_cache": False, **options.storage_options}
+        return fsspec.url_to_fs(url, **kwargs)
+    except ImportError as exc:
+        raise InvalidInput(
+            f"source {display_url(url)} needs a package that is not installed: {exc}"
+        ) from None
+    except ValueError as exc:
+        raise InvalidInput(f"source {display_url(url)} is not a usable URL: {exc}") from None
+
+
+def sync_lock(fs: Any) -> threading.Lock:
+    with _FS_LOCK:
+        lock = _SYNC_LOCKS.get(fs)
+        if lock is None:
+            lock = _SYNC_LOCKS[fs] = threading.Lock()
+        return lock
+
+
+def clear_filesystems() -> None:
+    """Forget the shared file-system instances (tests; a process that changes its AWS setup)."""
+    with _FS_LOCK:
+        _FILESYSTEMS.clear()
+
+
+# --- what a backend reports, and how it reads ---
+

@@ -1,0 +1,353 @@
+"""The local tier: staged blobs in the embedded store (a directory of blob files, ``store/``).
+
+It knows which blobs of each tag are staged (one bit per blob, so a tag with millions of
+chunks costs bytes, not objects), keeps recently read blob files open (a random reader skips
+the open and the header read), reads staged bytes verified block by block, and writes blobs
+under the store policy (``tiers/policy.py``).
+
+Invariants:
+- A read is served only from a blob file whose header matched its tag, name and source
+  version and whose blocks verified in the same read; a torn, foreign or stale clean blob is
+  dropped and reported as a miss (the engine re-faults it). A damaged dirty blob raises EIO.
+- Small reads (``--inline-read-kb``) of staged blobs run on the serving thread — a few blocks
+  off the local disk cost less than a trip to the I/O pool (docs/decisions.md); a read of
+  bytes already in the page cache (``RWF_NOWAIT``) never blocks it; everything else runs on
+  the I/O pool.
+- A blob file is never closed while a read of it is in flight.
+- Dirty blobs (user data) are never evicted or replaced by a fault.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import logging
+import resource
+from dataclasses import dataclass
+
+from faultfs.errors import CorruptionError, FaultfsError, StoreFull
+from faultfs.iopool import IoPool
+from faultfs.stats import Stats
+from faultfs.store.blobfile import FLAG_NO_FAULT, HEADER_LEN
+from faultfs.store.blobstore import BlobStore, OpenBlob
+from faultfs.tiers.base import BlobKey, Buffer, Capacity, StoreOutcome, TierTag
+from faultfs.tiers.policy import StorePolicy
+
+log = logging.getLogger("faultfs.tiers")
+
+# Store files kept open for hits (about 1.3 KB each): a random reader of staged blobs then
+# skips the open and the header read. At most a quarter of the descriptor limit.
+OPEN_BLOB_CACHE = 8192
+
+
+class StagedSet:
+    """One bit per blob of a tag: which are staged in the local store."""
+
+    __slots__ = ("bits", "count")
+
+    def __init__(self, num_blobs: int) -> None:
+        self.bits = bytearray((num_blobs + 7) // 8)
+        self.count = 0
+
+    def __contains__(self, index: int) -> bool:
+        return bool(self.bits[index >> 3] & (1 << (index & 7)))
+
+    def mark(self, index: int, staged: bool) -> None:
+        byte, bit = index >> 3, 1 << (index & 7)
+        was = bool(self.bits[byte] & bit)
+        if staged and not was:
+            self.bits[byte] |= bit
+            self.count += 1
+        elif was and not staged:
+            self.bits[byte] &= ~bit
+            self.count -= 1
+
+
+@dataclass
+class ScanResult:
+    """What ``open_tag`` found in the store for a tag."""
+
+    staged: int = 0
+    stale_dropped: int = 0
+    corrupt_dropped: int = 0
+
+
+class LocalTier:
+    name = "local"
+
+    def __init__(self, store: BlobStore, policy: StorePolicy, pool: IoPool, stats: Stats, *,
+                 inline_read: int) -> None:
+        self.store = store
+        self.policy = policy
+        self.pool = pool
+        self.stats = stats
+        self.inline_read = inline_read
+        self._tags: dict[int, TierTag] = {}
+        self._staged: dict[int, StagedSet] = {}
+        self._open: collections.OrderedDict[BlobKey, OpenBlob] = collections.OrderedDict()
+        self._in_use: collections.Counter[BlobKey] = collections.Counter()
+        self._open_cap = open_cap()
+
+    # -- tags --------------------------------------------------------------------------------
+
+    def open_tag(self, tag: TierTag, *, trusted: bool = False) -> ScanResult:
+        """Mark the blobs the store holds for ``tag`` (blocking; payloads are verified on read).
+
+        ``trusted``: the tag's recorded source version is the current one, so every clean
+        blob in its directory was staged from it — a listing and a ``stat`` per blob, no
+        header read (a remount with millions of staged blobs opens none of them). Otherwise
+        each header is read and blobs of another version are dropped now. Either way a read
+        checks the header again and re-faults a blob that is torn, foreign or stale."""
+        self._tags[tag.id] = tag
+        staged = self._staged[tag.id] = StagedSet(tag.num_blobs)
+        result = ScanResult()
+        if trusted:
+            for name, size in self.store.scan_blobs(tag.name):
+                index = tag.blob_index(name)
+                if index is not None:
+                    staged.mark(index, True)
+                    self.policy.note_stored((tag.id, index), size)
+            result.staged = staged.count
+            return result
+        for name in self.store.list_blobs(tag.name):
+            index = tag.blob_index(name)
+            if index is None:
+                continue
+            header = self.store.read_header(self.store.blob_path(tag.name, name))
+            if header is None:
+                self.store.delete(tag.name, name)
+                result.corrupt_dropped += 1
+                continue
+            if not header.dirty and header.source_version != tag.version:
+                self.store.delete(tag.name, name)
+                result.stale_dropped += 1
+                continue
+            staged.mark(index, True)
+            if not header.dirty:
+                self.policy.note_stored((tag.id, index), self.store.disk_bytes(tag.name, name))
+        result.staged = staged.count
+        return result
+
+    def contains(self, key: BlobKey) -> bool:
+        staged = self._staged.get(key[0])
+        return staged is not None and key[1] in staged
+
+    def staged_count(self, tag_id: int) -> int:
+        staged = self._staged.get(tag_id)
+        return 0 if staged is None else staged.count
+
+    def touch(self, key: BlobKey) -> None:
+        self.policy.touch(key)
+
+    # -- reads -------------------------------------------------------------------------------
+
+    async def get(self, key: BlobKey, off: int, size: int) -> Buffer | None:
+        """Bytes of a staged blob, verified block by block; None when it turned out torn,
+        foreign or stale (it is dropped and the caller re-faults it)."""
+        if not self.contains(key):
+            return None
+        tag = self._tags[key[0]]
+        name = tag.blob_name(key[1])
+        blob = self._open.get(key)
+        first_read: Buffer | CorruptionError | None = None
+        if blob is None:
+            try:  # open and first read together
+                blob, first_read = await self._store_read(size, self._open_and_read,
+                                                          tag, name, size, off, False)
+            except CorruptionError as exc:
+                raise FaultfsError(str(exc), errno.EIO) from None
+            if blob is None:
+                self._unstage(key)
+                return None
+            if key in self._open:  # another reader opened it meanwhile
+                blob.close()
+                blob = self._open[key]
+            else:
+                self._open[key] = blob
+                self._trim_open()
+        self._open.move_to_end(key)
+        self.policy.touch(key)
+        self._in_use[key] += 1
+        try:
+            if isinstance(first_read, CorruptionError):
+                raise first_read
+            if first_read is not None:
+                return first_read
+            data = blob.pread_view(size, off, nowait=True)  # never blocks: page-cache hits only
+            if data is None:
+                data = await self._store_read(size, blob.pread_view, size, off)
+            return data
+        except CorruptionError as exc:
+            log.warning("tag %s: %s", tag.name, exc)
+            self._drop_open(key)
+            try:
+                await self.pool.run(self.store.discard_damaged, tag.name, name)
+            except CorruptionError as dirty:
+                raise FaultfsError(str(dirty), errno.EIO) from None
+            self._unstage(key)
+            return None
+        finally:
+            self._in_use[key] -= 1
+            if not self._in_use[key]:
+                del self._in_use[key]
+                if key not in self._open:
+                    blob.close()
+
+    async def load(self, key: BlobKey) -> Buffer | None:
+        if not self.contains(key):
+            return None
+        [data] = await self.pool.run(self.load_blocking, [key])
+        return data
+
+    def load_blocking(self, keys: list[BlobKey]) -> list[Buffer | None]:
+        """Whole verified payloads of staged blobs (on the pool: header and payload in one
+        read each); None for one that is gone or damaged (its reader then takes the normal
+        path, which drops it)."""
+        out: list[Buffer | None] = []
+        for key in keys:
+            tag = self._tags[key[0]]
+            blob, data = self._open_and_read(tag, tag.blob_name(key[1]), tag.blob_size, 0, True)
+            if blob is not None:
+                blob.close()
+            out.append(None if isinstance(data, CorruptionError) else data)
+        return out
+
+    async def _store_read(self, size: int, fn, *args):
+        """``fn(*args)``, a read of ``size`` bytes from the store: on the serving thread when
+        it is small (``--inline-read-kb``), on the pool otherwise."""
+        if size <= self.inline_read:
+            return fn(*args)
+        return await self.pool.run(fn, *args)
+
+    def _open_and_read(self, tag: TierTag, name: str, size: int, off: int, whole: bool
+                       ) -> tuple[OpenBlob | None, Buffer | CorruptionError | None]:
+        """Open a staged blob and read from it; a damaged block is returned, not raised, so
+        the caller handles it with the blob registered. ``whole``: header and payload in one
+        read, for a caller that reads all of it and closes the blob."""
+        blob = self.store.open_blob(tag.name, name, source_version=tag.version, whole=whole)
+        if blob is None:
+            return None, None
+        try:
+            return blob, blob.pread_view(size, off)
+        except CorruptionError as exc:
+            return blob, exc
+
+    def _unstage(self, key: BlobKey) -> None:
+        self.mark(key, False)
+        self.policy.forget(key)
+        self.stats.add("corrupt_blobs_dropped")
+
+    def mark(self, key: BlobKey, staged: bool) -> None:
+        target = self._staged.get(key[0])
+        if target is not None:
+            target.mark(key[1], staged)
+
+    def _trim_open(self) -> None:
+        while len(self._open) > self._open_cap:
+            key, blob = self._open.popitem(last=False)
+            if not self._in_use.get(key):
+                blob.close()
+
+    def _drop_open(self, key: BlobKey) -> None:
+        blob = self._open.pop(key, None)
+        if blob is not None and not self._in_use.get(key):
+            blob.close()
+
+    # -- writes ------------------------------------------------------------------------------
+
+    async def put(self, key: BlobKey, data: Buffer) -> StoreOutcome:
+        """Apply the store policy to a faulted blob and write it (on the pool)."""
+        outcome = self.policy.admit()
+        if outcome is not None:
+            return self._count(outcome)
+        victims = self.policy.victims(len(data) + HEADER_LEN, self._in_use.__contains__)
+        if victims is None:
+            return self._count(StoreOutcome.SKIPPED_CACHE_CAP)
+        named = []
+        for victim in victims:
+            self._drop_open(victim)
+            self.mark(victim, False)
+            owner = self._tags.get(victim[0])
+            if owner is not None:
+                named.append((victim, owner.name, owner.blob_name(victim[1])))
+        tag = self._tags[key[0]]
+        outcome, stored, kept, freed = await self.pool.run(
+            self._store_blocking, tag, tag.blob_name(key[1]), data, named)
+        self.stats.add("evicted", len(named) - len(kept))
+        self.stats.add("evicted_bytes", freed)
+        for victim in kept:  # dirty (user data): never evicted, still staged
+            self.mark(victim, True)
+            self.stats.add("dirty_kept")
+        if outcome is StoreOutcome.STORED:
+            self._drop_open(key)
+            self.mark(key, True)
+            self.policy.note_stored(key, stored)
+            self.stats.add("stored_bytes", stored)
+        elif outcome is StoreOutcome.FULL:
+            self.policy.store_full()
+            log.warning("store %s is full: serving from the source for the next %d faults",
+                        self.store.root, self.policy.backoff_faults)
+        return self._count(outcome)
+
+    def _count(self, outcome: StoreOutcome) -> StoreOutcome:
+        self.stats.add(outcome.counter)
+        return outcome
+
+    def _store_blocking(self, tag: TierTag, name: str, data: Buffer,
+                        victims: list[tuple[BlobKey, str, str]]
+                        ) -> tuple[StoreOutcome, int, list[BlobKey], int]:
+        """Evict, check the reserve, write the blob: (outcome, bytes stored, victims kept
+        because they are dirty, bytes freed). A dirty blob — user data, which the scan at
+        mount may have listed without reading its header — is never deleted or replaced."""
+        kept, freed = [], 0
+        for victim, victim_tag, victim_name in victims:
+            if self.store.is_dirty(victim_tag, victim_name):
+                kept.append(victim)
+            else:
+                freed += self.store.delete(victim_tag, victim_name)
+        if not self.policy.fits_reserve(self.store.free_bytes(), len(data) + HEADER_LEN):
+            return StoreOutcome.SKIPPED_RESERVE, 0, kept, freed
+        if self.store.is_dirty(tag.name, name):
+            return StoreOutcome.SKIPPED_DIRTY, 0, kept, freed
+        try:
+            stored = self.store.put(tag.name, name, data, flags=FLAG_NO_FAULT,
+                                    source_version=tag.version)
+        except StoreFull:
+            return StoreOutcome.FULL, 0, kept, freed
+        except OSError as exc:
+            log.error("storing %s/%s in %s failed: %s", tag.name, name, self.store.root, exc)
+            return StoreOutcome.FAILED, 0, kept, freed
+        return StoreOutcome.STORED, stored, kept, freed
+
+    async def evict(self, key: BlobKey) -> int:
+        tag = self._tags.get(key[0])
+        if tag is None or not self.contains(key):
+            return 0
+        name = tag.blob_name(key[1])
+        if await self.pool.run(self.store.is_dirty, tag.name, name):
+            return 0
+        self._drop_open(key)
+        self.mark(key, False)
+        self.policy.forget(key)
+        return await self.pool.run(self.store.delete, tag.name, name)
+
+    def capacity(self) -> Capacity:
+        return Capacity(self.policy.lru_bytes, self.policy.cache_size)
+
+    # -- lifetime ----------------------------------------------------------------------------
+
+    def raise_open_cap(self) -> None:
+        """Re-read the descriptor limit (the mount raises it before serving)."""
+        self._open_cap = open_cap()
+
+    def close(self) -> None:
+        for blob in self._open.values():
+            blob.close()
+        self._open.clear()
+
+
+def open_cap() -> int:
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return OPEN_BLOB_CACHE
+    return max(16, min(OPEN_BLOB_CACHE, soft // 4))

@@ -1,0 +1,120 @@
+"""The tiers of a mount composed nearest first: memory, then the local store (DESIGN §5.1).
+
+A faulted blob is held in memory at once and written to the local store behind the reader
+(in the mount's nursery, when one is attached), its bytes held until they are on disk so no
+reader faults the same blob twice; the bytes waiting for their store write are bounded
+(``attach``). A blob read ahead from a farther tier fills the nearer ones.
+
+Invariants:
+- ``held`` answers from memory or from a pending store write, with no I/O and no await.
+- ``drain`` returns once every pending store write is done; a store failure is counted and
+  logged, never raised to a reader (the reader already has its bytes).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import trio
+
+from faultfs.iopool import IoPool
+from faultfs.stats import Stats
+from faultfs.tiers.base import BlobKey, Buffer, TierTag
+from faultfs.tiers.local import LocalTier, ScanResult
+from faultfs.tiers.memory import MemoryTier
+
+log = logging.getLogger("faultfs.tiers")
+
+
+class TierStack:
+    def __init__(self, memory: MemoryTier, local: LocalTier, pool: IoPool, stats: Stats) -> None:
+        self.memory = memory
+        self.local = local
+        self.pool = pool
+        self.stats = stats
+        self._pending: dict[BlobKey, Buffer] = {}  # faulted, being written to the local tier
+        self._background: trio.Nursery | None = None
+        self._slots: trio.Semaphore | None = None
+
+    def open_tag(self, tag: TierTag, *, trusted: bool = False) -> ScanResult:
+        self.memory.open_tag(tag)
+        return self.local.open_tag(tag, trusted=trusted)
+
+    def attach(self, nursery: trio.Nursery, budget: int, blob_size: int) -> None:
+        """Write faulted blobs to the store in ``nursery`` (the mount's), off the reader's path,
+        with at most ``budget`` bytes of blobs of ``blob_size`` waiting for their write.
+        Without it (unit tests, embedding) a fault stores before it returns."""
+        self._background = nursery
+        self._slots = trio.Semaphore(max(2, budget // max(1, blob_size)))
+        self.local.raise_open_cap()
+
+    # -- reads -------------------------------------------------------------------------------
+
+    def held(self, key: BlobKey) -> Buffer | None:
+        """The whole blob when memory holds it or its store write is pending (no I/O)."""
+        data = self.memory.held(key)
+        if data is None:
+            data = self._pending.get(key)
+        if data is not None:
+            self.local.touch(key)
+        return data
+
+    def is_held(self, key: BlobKey) -> bool:
+        return key in self.memory or key in self._pending
+
+    def contains(self, key: BlobKey) -> bool:
+        """Staged in a store tier (a read may still find it damaged: then it is a miss)."""
+        return self.local.contains(key)
+
+    async def get(self, key: BlobKey, off: int, size: int) -> Buffer | None:
+        """Bytes of a blob from the nearest tier that has it, or None."""
+        data = self.held(key)
+        if data is not None:
+            return memoryview(data)[off:off + size]
+        return await self.local.get(key, off, size)
+
+    def read_ahead_blocking(self, keys: list[BlobKey]) -> list[Buffer | None]:
+        """Whole blobs from the local store (blocking, on the pool); the caller fills memory."""
+        return self.local.load_blocking(keys)
+
+    def fill(self, key: BlobKey, data: Buffer) -> None:
+        """Hold a blob read from a farther tier in the nearer one (memory)."""
+        self.memory.keep(key, data)
+
+    # -- faulted blobs -----------------------------------------------------------------------
+
+    def hold(self, key: BlobKey, data: Buffer) -> None:
+        """Keep a just-faulted blob where readers find it at once, until it is stored."""
+        self.memory.keep(key, data)
+        if self._background is not None:
+            self._pending[key] = data
+
+    async def store(self, key: BlobKey, data: Buffer) -> None:
+        """Write a held blob to the local store: behind the reader when attached."""
+        if self._background is None or self._slots is None:
+            await self.local.put(key, data)
+            return
+        try:
+            await self._slots.acquire()  # back-pressure: bounded bytes await storing
+        except BaseException:
+            self._pending.pop(key, None)
+            raise
+        self._background.start_soon(self._store_behind, key, data)
+
+    async def _store_behind(self, key: BlobKey, data: Buffer) -> None:
+        try:
+            await self.local.put(key, data)
+        except Exception:  # a background task must never take the mount down
+            log.exception("storing blob %s failed", key)
+            self.stats.add("store_failures")
+        finally:
+            self._pending.pop(key, None)
+            assert self._slots is not None
+            self._slots.release()
+
+    @property
+    def pending_stores(self) -> int:
+        return len(self._pending)
+
+    def close(self) -> None:
+        self.local.close()
