@@ -180,18 +180,22 @@ class Engine:
         """Memory (or a pending store write), a read-ahead in flight, the store, the source."""
         key = (tag.id, index)
         self.prefetch.note_access(tag, index)
-        held = self.tiers.held(key)
-        if held is None:
-            held = await self.flights.read_ahead(key)
-        if held is not None:
-            self.stats.add("hits")
-            self.stats.add("memory_hits")
-            return memoryview(held)[off:off + size]
-        if self.tiers.contains(key):
+        for _ in range(2):  # a second look: see below
+            held = self.tiers.held(key)
+            if held is None and key in self.flights:
+                held = await self.flights.read_ahead(key)
+            if held is not None:
+                self.stats.add("hits")
+                self.stats.add("memory_hits")
+                return memoryview(held)[off:off + size]
+            if not self.tiers.contains(key):
+                break
             data = await self.tiers.local.get(key, off, size)
             if data is not None:
                 self.stats.add("hits")
                 return data
+            # The staged copy was damaged and is dropped. Another reader that found it so may
+            # have re-faulted and stored it meanwhile: look once more before faulting.
         blob = await self.faults.fault(tag, index)
         return memoryview(blob)[off:off + size]
 
@@ -200,7 +204,8 @@ class Engine:
     async def snapshot(self) -> dict:
         """Everything ``faultfs stat`` shows, as plain JSON-able values."""
         free = await self.pool.run(self.store.free_bytes)  # statvfs: not on the trio thread
-        return snapshot(self, free)
+        return snapshot(self.config, self.store.root, free, self.stats, self.tiers,
+                        self.tags.values())
 
 
 class _PageBlobs:

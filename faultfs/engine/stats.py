@@ -9,22 +9,23 @@ from __future__ import annotations
 
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable
+from typing import Any
 
 from faultfs import buffers
+from faultfs.config import Config
+from faultfs.engine.tags import Tag
+from faultfs.stats import Stats
+from faultfs.tiers.multilevel import TierStack
 
-if TYPE_CHECKING:
-    from faultfs.engine.engine import Engine
 
-
-def snapshot(engine: Engine, store_free_bytes: int) -> dict[str, Any]:
-    config = engine.config
-    tiers = engine.tiers
+def snapshot(config: Config, store_root: str, store_free_bytes: int, stats: Stats,
+             tiers: TierStack, tags: Iterable[Tag]) -> dict[str, Any]:
     policy = tiers.local.policy
     return {
         "pid": os.getpid(),
-        "uptime_s": round(time.time() - engine.stats.started, 1),
-        "store": engine.store.root,
+        "uptime_s": round(time.time() - stats.started, 1),
+        "store": store_root,
         "store_free_bytes": store_free_bytes,
         "reserve_bytes": config.reserve_bytes,
         "store_enabled": config.store_enabled,
@@ -34,16 +35,16 @@ def snapshot(engine: Engine, store_free_bytes: int) -> dict[str, Any]:
         "backoff_faults_left": policy.backoff_left,
         "memory_bytes": tiers.memory.size,
         "read_buffers": buffers.POOL.snapshot(),
-        "counters": dict(engine.stats.counters),
-        "fault_latency": engine.stats.percentiles(),
+        "counters": dict(stats.counters),
+        "fault_latency": stats.percentiles(),
         "tags": {
             t.name: {
                 "source": t.ctx.src, "key": t.key, "chunk_size": t.layout.chunk_size,
-                "blobs": t.layout.num_blobs, "staged_blobs": engine.staged_count(t),
+                "blobs": t.layout.num_blobs, "staged_blobs": tiers.local.staged_count(t.id),
                 "size": t.layout.size, "source_version": t.version_text,
                 "stale_dropped_at_mount": t.stale_dropped, "source_error": t.source_error,
                 "source_changed_at_mount": t.source_changed,
                 "shard": t.shard, "remote": t.remote,
-            } for t in engine.tags.values()
+            } for t in tags
         },
     }

@@ -58,6 +58,7 @@ class OpenBlob:
     fd: int
     header: BlobHeader
     loaded: memoryview | None = None  # the stored payload, when opened ``whole``
+    ino: int | None = None  # the file's inode: which file a damaged read came from
 
     def pread(self, size: int, off: int, *, nowait: bool = False) -> bytes | None:
         """Payload bytes ``[off, off+size)``; CorruptionError if a block fails its checksum.
@@ -174,7 +175,7 @@ class BlobStore:
         return [name for name, _ in self.scan_blobs(tag)]
 
     def scan_blobs(self, tag: str) -> list[tuple[str, int]]:
-        """``(name, bytes on disk)`` of the blob files in ``tag`` (not verified): one
+        """``(name, file bytes)`` of the blob files in ``tag`` (not verified): one
         directory listing and a ``stat`` per file, no file is opened (except the rare blob
         whose name is too long for a file name). Removes temporary files left by a crash."""
         directory = self.tag_dir(tag)
@@ -200,7 +201,7 @@ class BlobStore:
             else:
                 continue
             try:
-                size = entry.stat(follow_symlinks=False).st_blocks * 512
+                size = entry.stat(follow_symlinks=False).st_size
             except FileNotFoundError:
                 continue
             found.append((name, size))
@@ -276,7 +277,7 @@ class BlobStore:
                 raise CorruptionError(f"{path} holds blob {header.name!r} of tag {header.tag!r}")
         except CorruptionError:
             os.close(fd)
-            self.discard_damaged(tag, name)
+            self.discard_damaged(tag, name, ino=st.st_ino)
             return None
         except BaseException:
             os.close(fd)
@@ -284,23 +285,30 @@ class BlobStore:
         if (source_version is not None and not header.dirty
                 and header.source_version != source_version):
             os.close(fd)
-            self._discard(path)  # stale: staged from another version of the source
+            self._discard(path, st.st_ino)  # stale: staged from another version of the source
             return None
-        return OpenBlob(fd, header, loaded)
+        return OpenBlob(fd, header, loaded, st.st_ino)
 
-    def discard_damaged(self, tag: str, name: str) -> None:
+    def discard_damaged(self, tag: str, name: str, *, ino: int | None = None) -> bool:
         """Delete a blob that failed verification — unless it is dirty (user data), which
-        raises CorruptionError instead: it cannot be re-faulted, so it must be reported."""
+        raises CorruptionError instead: it cannot be re-faulted, so it must be reported.
+
+        ``ino``: the inode that was found damaged. A blob file replaced since (a concurrent
+        re-fault stored a good copy) is another inode and is left alone. True when the
+        damaged file was removed by this call."""
         path = self.blob_path(tag, name)
         if self.is_dirty(tag, name):
             raise CorruptionError(f"dirty blob {name} of tag {tag} is damaged: {path}")
-        self._discard(path)
+        return self._discard(path, ino)
 
-    def _discard(self, path: str) -> None:
+    def _discard(self, path: str, ino: int | None = None) -> bool:
         try:
+            if ino is not None and os.lstat(path).st_ino != ino:
+                return False  # replaced meanwhile: not the file that was found bad
             os.unlink(path)
         except FileNotFoundError:
-            pass
+            return False
+        return True
 
     def read(self, tag: str, name: str, *, source_version: str | None = None) -> bytes | None:
         """The whole verified payload of a blob, or None."""
@@ -310,7 +318,7 @@ class BlobStore:
         try:
             return blob.pread(blob.header.payload_len, 0)
         except CorruptionError:
-            self.discard_damaged(tag, name)
+            self.discard_damaged(tag, name, ino=blob.ino)
             return None
         finally:
             blob.close()
@@ -325,7 +333,7 @@ class BlobStore:
             mtime_ns = os.fstat(blob.fd).st_mtime_ns
             return blob.pread(blob.header.payload_len, 0) or b"", mtime_ns
         except CorruptionError:
-            self.discard_damaged(tag, name)
+            self.discard_damaged(tag, name, ino=blob.ino)
             return None
         finally:
             blob.close()
@@ -336,10 +344,11 @@ class BlobStore:
         except OSError:
             return None
 
-    def disk_bytes(self, tag: str, name: str) -> int:
-        """Bytes a blob file takes on disk (0 when it is absent)."""
+    def file_bytes(self, tag: str, name: str) -> int:
+        """Bytes of a blob file, header included (0 when it is absent): what ``put`` returned
+        for it, and what a ``--cache-size`` cap counts."""
         try:
-            return os.stat(self.blob_path(tag, name)).st_blocks * 512
+            return os.stat(self.blob_path(tag, name)).st_size
         except OSError:
             return 0
 
@@ -353,7 +362,7 @@ class BlobStore:
         """Remove a blob; returns the bytes freed."""
         path = self.blob_path(tag, name)
         try:
-            size = os.stat(path).st_blocks * 512
+            size = os.stat(path).st_size
             os.unlink(path)
         except FileNotFoundError:
             return 0

@@ -30,6 +30,7 @@ class MemorySource:
         self.url = url
         self.data = data
         self.reads = 0
+        self.ranges: list[tuple[int, int]] = []  # (off, size) of every read, in order
         self.failures = 0  # injected failures raised so far
         self.fail_calls: set[int] = set()
         self.gate: threading.Event | None = None
@@ -45,6 +46,7 @@ class MemorySource:
     def pread(self, off: int, size: int) -> bytes:
         with self._lock:
             self.reads += 1
+            self.ranges.append((off, size))
             call = self.reads
             failing = call in self.fail_calls
             if failing:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import errno
+import functools
 import logging
 import resource
 from dataclasses import dataclass
@@ -124,7 +125,7 @@ class LocalTier:
                 continue
             staged.mark(index, True)
             if not header.dirty:
-                self.policy.note_stored((tag.id, index), self.store.disk_bytes(tag.name, name))
+                self.policy.note_stored((tag.id, index), self.store.file_bytes(tag.name, name))
         result.staged = staged.count
         return result
 
@@ -181,10 +182,12 @@ class LocalTier:
             log.warning("tag %s: %s", tag.name, exc)
             self._drop_open(key)
             try:
-                await self.pool.run(self.store.discard_damaged, tag.name, name)
+                removed = await self.pool.run(
+                    functools.partial(self.store.discard_damaged, tag.name, name, ino=blob.ino))
             except CorruptionError as dirty:
                 raise FaultfsError(str(dirty), errno.EIO) from None
-            self._unstage(key)
+            if removed:  # else a reader that found it too dropped it (and may have re-faulted)
+                self._unstage(key)
             return None
         finally:
             self._in_use[key] -= 1
@@ -260,9 +263,16 @@ class LocalTier:
         outcome = self.policy.admit()
         if outcome is not None:
             return self._count(outcome)
-        victims = self.policy.victims(len(data) + HEADER_LEN, self._in_use.__contains__)
+        need = len(data) + HEADER_LEN
+        victims = self.policy.victims(need, self._in_use.__contains__)
         if victims is None:
             return self._count(StoreOutcome.SKIPPED_CACHE_CAP)
+        try:
+            return await self._put(key, data, victims)
+        finally:
+            self.policy.release(need)
+
+    async def _put(self, key: BlobKey, data: Buffer, victims: list[BlobKey]) -> StoreOutcome:
         named = []
         for victim in victims:
             self._drop_open(victim)

@@ -86,13 +86,15 @@ class TierStack:
     def hold(self, key: BlobKey, data: Buffer) -> None:
         """Keep a just-faulted blob where readers find it at once, until it is stored."""
         self.memory.keep(key, data)
-        if self._background is not None:
-            self._pending[key] = data
+        self._pending[key] = data
 
     async def store(self, key: BlobKey, data: Buffer) -> None:
         """Write a held blob to the local store: behind the reader when attached."""
         if self._background is None or self._slots is None:
-            await self.local.put(key, data)
+            try:
+                await self.local.put(key, data)
+            finally:
+                self._pending.pop(key, None)
             return
         try:
             await self._slots.acquire()  # back-pressure: bounded bytes await storing

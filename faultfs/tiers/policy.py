@@ -30,6 +30,7 @@ class StorePolicy:
         self.backoff_left = 0
         self._lru: collections.OrderedDict[BlobKey, int] = collections.OrderedDict()
         self.lru_bytes = 0  # bytes of the clean blobs in the LRU
+        self.reserved = 0  # bytes of blobs admitted under the cap, being written now
 
     def admit(self) -> StoreOutcome | None:
         """A ``SKIPPED_*`` outcome when no blob may be stored now, else None."""
@@ -42,13 +43,15 @@ class StorePolicy:
 
     def victims(self, need: int, busy: Callable[[BlobKey], bool]) -> list[BlobKey] | None:
         """Least-recently-used clean blobs to evict so ``need`` more bytes fit the cap, taken
-        out of the LRU; None (nothing changed) when nothing evictable makes room."""
+        out of the LRU, and ``need`` reserved until ``release`` (writes in flight count
+        against the cap, so concurrent faults cannot overshoot it together); None (nothing
+        changed) when nothing evictable makes room."""
         cap = self.cache_size
         if not cap:
             return []
         if need > cap:
             return None
-        over = self.lru_bytes + need - cap
+        over = self.lru_bytes + self.reserved + need - cap
         picked: list[BlobKey] = []
         for key, size in self._lru.items():
             if over <= 0:
@@ -61,7 +64,13 @@ class StorePolicy:
             return None
         for key in picked:
             self.forget(key)
+        self.reserved += need
         return picked
+
+    def release(self, need: int) -> None:
+        """The write ``victims`` reserved for is done (stored or not)."""
+        if self.cache_size:
+            self.reserved -= need
 
     def fits_reserve(self, free_bytes: int, need: int) -> bool:
         return free_bytes - need >= self.reserve_bytes

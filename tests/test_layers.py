@@ -1,0 +1,150 @@
+"""The layout is the architecture (DESIGN §1): no import cycle among our modules, and no lower
+layer importing a higher one.
+
+    errors < core < config, buffers, stats, iopool < store < sources < assimilators < tiers
+      < engine, stream < namespace < fuse < daemon, warm < cli < testing
+
+Every import counts, also one inside a function or under ``TYPE_CHECKING`` (a lazy or typing
+import is still a dependency). A module may import lower layers and modules of its own unit;
+units of the same layer do not import each other.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+LAYERS = [
+    ["faultfs.errors"],
+    ["faultfs.core"],
+    ["faultfs.config", "faultfs.buffers", "faultfs.stats", "faultfs.iopool"],
+    ["faultfs.store"],
+    ["faultfs.sources"],
+    ["assimilators"],
+    ["faultfs.tiers"],
+    ["faultfs.engine", "faultfs.stream"],
+    ["faultfs.namespace"],
+    ["faultfs.fuse"],
+    ["faultfs.daemon", "faultfs.warm"],
+    ["faultfs.cli"],
+    ["faultfs.testing"],
+]
+RANK = {unit: rank for rank, layer in enumerate(LAYERS) for unit in layer}
+UNLAYERED = ("faultfs",)  # the package's own __init__ (its version) may be imported by anyone
+
+
+def unit_of(module: str) -> str | None:
+    """The layered unit (package or module) ``module`` belongs to."""
+    for unit in RANK:
+        if module == unit or module.startswith(unit + "."):
+            return unit
+    return None
+
+
+def our_modules() -> dict[str, pathlib.Path]:
+    found = {}
+    for base in ("faultfs", "assimilators"):
+        for path in (ROOT / base).rglob("*.py"):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join(parts)] = path
+    return found
+
+
+def imports_of(module: str, source: str, known: set[str], *, is_package: bool = False) -> set[str]:
+    """Our modules that ``module`` imports (each resolved to the longest known name)."""
+    package = module if is_package else module.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                anchor = parts[: len(parts) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            targets = [base] + [f"{base}.{a.name}" for a in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in known:
+                target = target.rpartition(".")[0]
+            if target and target != module:
+                out.add(target)
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = our_modules()
+    known = set(modules)
+    return {m: imports_of(m, p.read_text(), known, is_package=p.name == "__init__.py")
+            for m, p in modules.items()}
+
+
+def upward_imports(edges: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for module, targets in sorted(edges.items()):
+        unit = unit_of(module)
+        if unit is None:
+            continue
+        for target in sorted(targets):
+            other = unit_of(target)
+            if other is not None and other != unit and RANK[other] >= RANK[unit]:
+                bad.append(f"{module} imports {target} ({other} is not below {unit})")
+    return bad
+
+
+def find_cycles(edges: dict[str, set[str]]) -> list[str]:
+    state: dict[str, int] = {}  # 1: on the stack, 2: done
+    stack: list[str] = []
+    cycles = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == 1:
+                cycles.append(" -> ".join([*stack[stack.index(nxt):], nxt]))
+            elif nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(edges):
+        if node not in state:
+            visit(node)
+    return cycles
+
+
+def test_every_module_has_a_layer():
+    missing = sorted(m for m in our_modules() if m not in UNLAYERED and unit_of(m) is None)
+    assert missing == [], f"modules outside every layer of DESIGN §1: {missing}"
+
+
+def test_no_lower_layer_imports_a_higher_one():
+    bad = upward_imports(import_graph())
+    assert bad == [], "\n".join(bad)
+
+
+def test_no_import_cycles():
+    cycles = find_cycles(import_graph())
+    assert cycles == [], "import cycles:\n" + "\n".join(cycles)
+
+
+def test_the_checks_find_planted_violations():
+    """The checks must be able to fail: planted upward, sideways and cyclic imports."""
+    known = {"faultfs.core.chunks", "faultfs.engine", "faultfs.engine.tags", "faultfs.stream",
+             "faultfs.engine.faults"}
+    found = imports_of("faultfs.core.chunks",
+                       "def f():\n    from faultfs.engine import tags\n", known)
+    assert found == {"faultfs.engine", "faultfs.engine.tags"}
+    assert imports_of("faultfs.engine.faults", "from .tags import Tag\n", known) == {
+        "faultfs.engine.tags"}
+    assert upward_imports({"faultfs.core.chunks": {"faultfs.engine.tags"}}) != []
+    assert upward_imports({"faultfs.stream": {"faultfs.engine"}}) != []  # same layer
+    assert upward_imports({"faultfs.engine.faults": {"faultfs.engine.tags"}}) == []
+    assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a -> b -> c -> a"]
+    assert find_cycles({"a": {"b"}, "b": set()}) == []
