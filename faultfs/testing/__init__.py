@@ -1,0 +1,1 @@
+"""Test helpers shipped with the package: fakes, failing sources and tiers, proxies."""
