@@ -288,6 +288,28 @@ def test_the_proxy_stops_after_its_lifetime(upstream: Upstream) -> None:
         proxy.close()
 
 
+def test_idle_and_excess_connections_are_closed(upstream: Upstream) -> None:
+    with proxy_to(upstream, idle_timeout_s=0.4, max_connections=1) as proxy:
+        with socket.create_connection(("127.0.0.1", proxy.port), timeout=3) as idle:
+            with socket.create_connection(("127.0.0.1", proxy.port), timeout=3) as excess:
+                assert read_to_end(excess)[0] == b""  # closed (or reset) at once
+            start = time.monotonic()
+            assert read_to_end(idle)[0] == b""
+            assert 0.4 <= time.monotonic() - start < 2.0
+        stats = proxy.stats()
+        assert (stats["connections_total"], stats["refused_connections"]) == (1, 1)
+
+
+def test_an_unreachable_upstream_gets_a_502(upstream: Upstream) -> None:
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
+        port = unused.getsockname()[1]
+        with LatencyProxy("127.0.0.1", port, delay_ms=0) as proxy, client(proxy) as conn:
+            status, body, _ = fetch(conn, "/bytes/1")
+            assert status == 502 and b"<Code>BadGateway</Code>" in body
+            assert proxy.stats()["upstream_errors"] == 1
+
+
 # -- faults --
 
 
