@@ -1,13 +1,13 @@
 """Large read buffers, recycled, that the kernel fills without faulting page by page.
 
-The daemon fixes glibc's mmap threshold at 256 KiB (``mount.bound_malloc``) so freed blob
+The daemon fixes glibc's mmap threshold at 1 MiB (``fuse.serve.bound_malloc``) so freed blob
 buffers leave the process and memory stays bounded. The price is that every large ``bytes``
 is a fresh anonymous mapping, which the read filling it faults in 4 KiB at a time: a 1 MiB
 ``pread`` from the page cache then runs at about 1.6 GB/s on this machine, most of it page
 faults, against 9 GB/s into a buffer that is already mapped (``docs/benchmarks.md``, "What
 was tried").
 
-So reads of 256 KiB and more go into mappings of our own that are recycled: a buffer is
+So reads of ``SMALL`` (256 KiB) and more go into mappings of our own that are recycled: a buffer is
 handed out as a ``memoryview``; the pool keeps the mapping and takes it back once no view of
 it is alive (replies, blobs held in memory and store writes all hold views). "No view is
 alive" is exactly when CPython lets an mmap be resized, so the pool asks that, for the same

@@ -11,7 +11,8 @@ Invariants:
 - No tag or blob name can escape the root: every path component is derived by encoding.
 - A blob file is served only after ``decode_header`` accepted it and its tag, name and
   source version match what is asked; a payload is verified once per open handle.
-- Blocking: every method does file I/O; the engine calls them on its I/O pool.
+- Blocking: every method does file I/O. The tiers call them on the I/O pool, except small
+  reads of staged blobs, which run on the serving thread (``tiers/local.py``).
 """
 
 from __future__ import annotations

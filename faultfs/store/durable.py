@@ -1,4 +1,7 @@
-"""Durability helpers: the only place faultfs calls fsync.
+"""Durability helpers of the store: temp + fsync + rename, and directory fsyncs.
+
+Only ``faultfs/store`` makes data durable (this module for whole files; the checkpoint
+manager, ``metadata.py``, fsyncs its ping-pong slots and WAL through its ``FileOps`` seam).
 
 ``write_atomic`` = write a temporary file in the same directory, fsync it, rename it into
 place, fsync the directory. After a crash the old or the new file is there, never a mix.

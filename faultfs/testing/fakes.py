@@ -26,9 +26,10 @@ MEMTEST = "memtest"
 class MemorySource:
     """A source held in memory; counts reads; can fail on chosen calls or block on a gate."""
 
-    def __init__(self, data: bytes, url: str = "mem://x") -> None:
+    def __init__(self, data: bytes, url: str = "mem://x", *, size: int | None = None) -> None:
         self.url = url
         self.data = data
+        self.size = size  # claimed size (a huge layout without the bytes); None: len(data)
         self.reads = 0
         self.ranges: list[tuple[int, int]] = []  # (off, size) of every read, in order
         self.failures = 0  # injected failures raised so far
@@ -38,7 +39,7 @@ class MemorySource:
         self._lock = threading.Lock()
 
     def version(self) -> SourceVersion:
-        return SourceVersion(len(self.data), self.token)
+        return SourceVersion(len(self.data) if self.size is None else self.size, self.token)
 
     def mtime(self) -> float:
         return 1_700_000_000.0
@@ -88,8 +89,8 @@ assimilators.register(MEMTEST, MemoryAssimilator())
 assimilators.register("noblob", NoBlobAssimilator())
 
 
-def make_source(data: bytes, url: str = "mem://x") -> MemorySource:
-    src = MemorySource(data, url)
+def make_source(data: bytes, url: str = "mem://x", *, size: int | None = None) -> MemorySource:
+    src = MemorySource(data, url, size=size)
     MemoryAssimilator.sources[url] = src
     return src
 

@@ -1,0 +1,140 @@
+"""The tree without a mount: entries, lookups, attributes and opens of faultfs.namespace."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import stat
+
+import pytest
+import trio
+
+from faultfs.core import inodes
+from faultfs.core.inodes import CTL_DIR, KIND_CHUNK, REGISTRY_DIR, ROOT, STATS_FILE
+from faultfs.errors import FaultfsError
+from faultfs.namespace import Files, Tree
+from faultfs.store.blobstore import BlobStore
+from faultfs.testing.fakes import CS, ctx_for, engine_for, make_source, payload
+
+
+@pytest.fixture
+def tree(tmp_path):
+    store = BlobStore(str(tmp_path / "store"))
+    engine = engine_for(store)
+    make_source(payload(3 * CS + 10), url="mem://ns/field.bin")
+    make_source(payload(CS), url="mem://ns/other.bin")
+    engine.register(ctx_for("mem://ns/field.bin", "field"))
+    engine.register(ctx_for("mem://ns/other.bin", "other"))
+    yield Tree(engine)
+    engine.close()
+
+
+def run(fn, *args):
+    return trio.run(fn, *args)
+
+
+def names(tree: Tree, inode: int, start: int = 0) -> list[str]:
+    async def listing():
+        return [name for _, name, _ in await tree.listing(inode, start)]
+    return run(listing)
+
+
+def errno_of(fn, *args) -> int:
+    with pytest.raises(FaultfsError) as info:
+        run(fn, *args)
+    return info.value.errno
+
+
+def test_the_root_lists_the_control_dir_and_the_tags(tree):
+    assert names(tree, ROOT) == [".faultfs", "field", "other"]
+    assert names(tree, ROOT, start=2) == ["other"]
+    assert names(tree, CTL_DIR) == ["registry", "stats"]
+    assert names(tree, REGISTRY_DIR) == sorted(tree.engine.registry)
+
+
+def test_every_listed_name_looks_up_to_the_same_inode(tree):
+    async def consistent(directory: int) -> None:
+        for _, name, attr in await tree.listing(directory, 0):
+            assert (await tree.lookup(directory, name)).inode == attr.inode
+
+    for directory in (ROOT, CTL_DIR, REGISTRY_DIR):
+        run(consistent, directory)
+    field = run(tree.lookup, ROOT, "field")
+    assert names(tree, field.inode) == ["field.bin", "chunk_0", "chunk_1", "chunk_2", "chunk_3"]
+    assert names(tree, field.inode, start=3) == ["chunk_2", "chunk_3"]
+    run(consistent, field.inode)
+
+
+def test_attributes_of_chunks_and_the_view_follow_what_is_staged(tree):
+    field = run(tree.lookup, ROOT, "field")
+    assert stat.S_ISDIR(field.mode) and field.nlink == 2
+    chunk = run(tree.lookup, field.inode, "chunk_1")
+    view = run(tree.lookup, field.inode, "field.bin")
+    assert stat.S_ISREG(chunk.mode) and chunk.size == CS
+    assert view.size == 3 * CS + 10
+    tag = tree.engine.tags["field"]
+    run(tree.engine.read_blob, tag, 1, 0, 1)  # fault chunk_1
+    assert run(tree.getattr, chunk.inode).staged_bytes == CS
+    assert run(tree.getattr, view.inode).staged_bytes == CS
+
+
+def test_names_that_are_not_entries_are_enoent(tree):
+    field = run(tree.lookup, ROOT, "field").inode
+    for name in ("chunk_4", "chunk_07", "chunk_+1", "chunk_", "page:0", ".pagemap", "nope",
+                 "chunk_٣"):
+        assert errno_of(tree.lookup, field, name) == errno.ENOENT, name
+    assert errno_of(tree.lookup, ROOT, "missing") == errno.ENOENT
+    assert errno_of(tree.getattr, inodes.make(99, KIND_CHUNK, 0)) == errno.ENOENT
+    assert errno_of(tree.getattr, inodes.make(1, KIND_CHUNK, 4)) == errno.ENOENT
+    chunk = run(tree.lookup, field, "chunk_0").inode
+    assert errno_of(tree.lookup, chunk, "x") == errno.ENOTDIR
+
+
+def test_pages_appear_with_a_pagemap(tree):
+    tag = tree.engine.tags["field"]
+    tree.engine.write_identity_pagemap(tag, 2 * CS)
+    field = run(tree.lookup, ROOT, "field").inode
+    assert names(tree, field) == ["field.bin", ".pagemap", "chunk_0", "chunk_1", "chunk_2",
+                                  "chunk_3", "page:0", "page:1"]
+    page = run(tree.lookup, field, "page:1")
+    assert page.size == 2 * CS
+    for name in ("page:2", "page:01", "page:-1", "page:"):
+        assert errno_of(tree.lookup, field, name) == errno.ENOENT, name
+
+
+def test_opens_read_through_the_engine_and_refuse_writes(tree):
+    files = Files(tree)
+    field = run(tree.lookup, ROOT, "field").inode
+    view = run(tree.lookup, field, "field.bin").inode
+
+    async def main():
+        handle = await files.open(view, os.O_RDONLY)
+        assert handle.keep_cache and not handle.direct_io
+        assert bytes(await handle.read(CS - 5, 10)) == payload(3 * CS + 10)[CS - 5:CS + 5]
+        stats = await files.open(STATS_FILE, os.O_RDONLY)
+        assert stats.direct_io
+        doc = json.loads(bytes(await stats.read(0, 1 << 20)))
+        assert set(doc["tags"]) == {"field", "other"}
+        key = sorted(tree.engine.registry)[0]
+        entry = await files.open((await tree.lookup(REGISTRY_DIR, key)).inode, os.O_RDONLY)
+        assert bytes(await entry.read(0, 1 << 20)) == tree.engine.registry[key]
+
+    run(main)
+    assert errno_of(files.open, view, os.O_RDWR) == errno.EROFS
+    assert errno_of(files.open, STATS_FILE, os.O_WRONLY) == errno.EACCES
+    assert errno_of(files.open, field, os.O_RDONLY) == errno.EISDIR
+    assert errno_of(files.create, field, "newfile", os.O_WRONLY) == errno.EROFS
+    assert errno_of(files.create, ROOT, ".pagemap", os.O_WRONLY) == errno.EROFS
+
+
+def test_a_tag_of_a_million_chunks_lists_from_any_position_at_once(tmp_path):
+    store = BlobStore(str(tmp_path / "store"))
+    engine = engine_for(store)
+    make_source(b"", url="mem://ns/huge", size=(1 << 20) * 512)
+    tag = engine.register(ctx_for("mem://ns/huge", "huge", chunk_size=512))
+    tree = Tree(engine)
+    directory = inodes.make(tag.id, inodes.KIND_DIR)
+    assert names(tree, directory, start=(1 << 20) - 1)[:2] == [f"chunk_{(1 << 20) - 2}",
+                                                               f"chunk_{(1 << 20) - 1}"]
+    engine.close()
