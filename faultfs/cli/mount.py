@@ -154,26 +154,6 @@ def _setup_logging(args: argparse.Namespace, store_dir: str | None) -> None:
             logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-def _setup_logging(args: argparse.Namespace, store_dir: str | None) -> None:
-    level = logging.DEBUG if args.debug else logging.INFO
-    fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-    root = logging.getLogger()
-    root.handlers.clear()
-    handler: logging.Handler = logging.StreamHandler(sys.stderr)
-    if args.ready_fd is not None and store_dir is not None:
-        try:
-            os.makedirs(os.path.join(store_dir, "log"), exist_ok=True)
-            handler = logging.FileHandler(os.path.join(store_dir, "log", "faultfs.log"))
-        except OSError:
-            pass  # the store itself will say why it is unusable
-    handler.setFormatter(logging.Formatter(fmt))
-    root.addHandler(handler)
-    root.setLevel(level)
-    if not args.debug:
-        for noisy in ("botocore", "s3fs", "fsspec", "aiobotocore", "urllib3", "asyncio"):
-            logging.getLogger(noisy).setLevel(logging.WARNING)
-
-
 def _mount_here(args: argparse.Namespace) -> int:
     """Register, recover and serve in this process (the daemon, or --foreground)."""
     from faultfs import daemon
