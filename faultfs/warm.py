@@ -7,7 +7,9 @@ Invariants:
   blobs named ``<prefix><index>`` plus views that are not blobs (``page:N``, ``.pagemap``, the
   whole-object view). The blobs of a tag are its regular files whose names end in a decimal
   index and share the tag's most common prefix, warmed in index order; tags in name order.
-- A blob is staged iff ``st_blocks > 0`` (the mount reports staged bytes there); staged blobs
+- A blob is staged iff the mount says so in its ``user.faultfs.staged`` attribute (``st_blocks``
+  cannot: the mount reports at least one block for every non-empty file, so archivers never
+  take unread data for a hole; without the attribute, fully allocated means staged); staged blobs
   are skipped without being read. Warming reads the whole blob in large ``pread``s into one
   reused buffer: the read faults it in and the mount stores it.
 - The checkpoint is a DualMetadataManager coordinate: ``shard_id`` = tag index, ``byte_offset``
@@ -33,7 +35,7 @@ from typing import TextIO
 import xxhash
 
 from faultfs.core.coord import StreamCoordinate
-from faultfs.core.names import CTL_NAME, PAGE_PREFIX
+from faultfs.core.names import CTL_NAME, PAGE_PREFIX, XATTR_STAGED
 from faultfs.core.units import format_size
 from faultfs.errors import InvalidInput, SourceError
 
@@ -125,6 +127,14 @@ def tag_blobs(tag_dir: str) -> list[tuple[int, str]]:
     return sorted(by_prefix[prefix])
 
 
+def is_staged(path: str, st: os.stat_result) -> bool:
+    """Whether the mount holds ``path``'s bytes already (see the module invariants)."""
+    try:
+        return os.getxattr(path, XATTR_STAGED) == b"1"
+    except OSError:
+        return st.st_size > 0 and st.st_blocks * 512 >= st.st_size
+
+
 def read_whole_blob(path: str, size: int, buf: bytearray) -> int:
     """Read ``path`` to its end with large preads into ``buf``; the bytes read."""
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
@@ -193,7 +203,7 @@ def _plan(tags: list[str], start: StreamCoordinate) -> list[Blob]:
                 st = os.stat(path)
             except FileNotFoundError:
                 continue  # vanished since listing (e.g. evicted and forgotten)
-            blobs.append(Blob(tag_idx, index, path, st.st_size, st.st_blocks > 0))
+            blobs.append(Blob(tag_idx, index, path, st.st_size, is_staged(path, st)))
     return blobs
 
 

@@ -6,7 +6,8 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
 need_pkgs=()
-for pkg in fuse3 libfuse3-dev pkg-config gcc; do
+# scripts/test adds the tools its tests drive through real mounts (FAULTFS_EXTRA_PKGS)
+for pkg in fuse3 libfuse3-dev pkg-config gcc ${FAULTFS_EXTRA_PKGS:-}; do
     dpkg -s "$pkg" >/dev/null 2>&1 || need_pkgs+=("$pkg")
 done
 PY="${PYTHON:-python3}"

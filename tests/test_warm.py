@@ -1,5 +1,5 @@
 """faultfs warm and checkpoint show, against a plain directory tree shaped like a mount
-(DESIGN §7): sparse files (st_blocks == 0) stand for unstaged blobs, written files for staged
+(DESIGN §7): files whose ``user.faultfs.staged`` attribute is "0" stand for unstaged blobs, "1" for staged
 ones."""
 
 from __future__ import annotations
@@ -35,11 +35,13 @@ def make_mount(root: Path, tags: dict[str, dict]) -> Path:
         d.mkdir()
         for i in range(spec["n"]):
             p = d / f"{spec['prefix']}{i}"
-            if i in spec.get("staged", ()):
+            staged = i in spec.get("staged", ())
+            if staged:
                 p.write_bytes(b"\x01" * CHUNK)
             else:
                 with p.open("wb") as f:
-                    f.truncate(CHUNK)  # sparse: st_blocks == 0, "not staged"
+                    f.truncate(CHUNK)  # like the mount: not staged, no bytes yet
+            os.setxattr(p, "user.faultfs.staged", b"1" if staged else b"0")
         with (d / f"{name}.bin").open("wb") as f:  # the whole-object view
             f.truncate(CHUNK * spec["n"])
         with (d / "page:0").open("wb") as f:

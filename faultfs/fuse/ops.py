@@ -139,6 +139,17 @@ class FaultOperations(pyfuse3.Operations):
             await handle.release()
 
     @fuse_boundary
+    async def getxattr(self, inode, name, ctx):
+        value = self.tree.xattrs(await self.tree.load(inode)).get(os.fsdecode(name))
+        if value is None:
+            raise FaultfsError("no such attribute", errno.ENODATA)
+        return value
+
+    @fuse_boundary
+    async def listxattr(self, inode, ctx):
+        return [os.fsencode(name) for name in self.tree.xattrs(await self.tree.load(inode))]
+
+    @fuse_boundary
     async def statfs(self, ctx):
         st = await self.engine.run_io(os.statvfs, self.engine.store.root)
         out = pyfuse3.StatvfsData()

@@ -6,6 +6,13 @@ Public: ``Tree`` (lookups, listings, attributes), ``Files`` (opens), ``OpenFile`
 """
 
 from faultfs.namespace.files import Files, OpenFile
-from faultfs.namespace.tree import ATTR_TIMEOUT, BLOCK_SIZE, Attributes, Node, Tree
+from faultfs.namespace.tree import (
+    ATTR_TIMEOUT,
+    BLOCK_SIZE,
+    Attributes,
+    Node,
+    Tree,
+)
 
-__all__ = ["ATTR_TIMEOUT", "BLOCK_SIZE", "Attributes", "Files", "Node", "OpenFile", "Tree"]
+__all__ = ["ATTR_TIMEOUT", "BLOCK_SIZE", "Attributes", "Files", "Node", "OpenFile",
+           "Tree"]

@@ -34,7 +34,15 @@ from faultfs.core.inodes import (
     ROOT,
     STATS_FILE,
 )
-from faultfs.core.names import CTL_NAME, PAGE_PREFIX, PAGEMAP_NAME, parse_index
+from faultfs.core.names import (
+    CTL_NAME,
+    PAGE_PREFIX,
+    PAGEMAP_NAME,
+    XATTR_SOURCE,
+    XATTR_STAGED,
+    XATTR_TAG,
+    parse_index,
+)
 from faultfs.engine import Engine, Tag
 from faultfs.errors import FaultfsError
 
@@ -74,7 +82,11 @@ class Attributes:
 
     @property
     def blocks(self) -> int:
-        return (self.staged_bytes + 511) // 512
+        """``st_blocks``: the staged bytes in 512-byte units, and never 0 for a non-empty
+        file. A file with data and no blocks is one whole hole to archivers (GNU tar -S,
+        bsdtar, cp --sparse): they would store zeros without reading a byte."""
+        blocks = (self.staged_bytes + 511) // 512
+        return max(blocks, 1) if self.size > 0 else blocks
 
 
 def _missing() -> FaultfsError:
@@ -219,6 +231,23 @@ class Tree:
             index = pos - len(fixed) - n_chunks
             yield pos, f"{PAGE_PREFIX}{index}", inodes.make(tag.id, KIND_PAGE, index)
             pos += 1
+
+    # -- extended attributes -----------------------------------------------------------------
+
+    def xattrs(self, node: Node) -> dict[str, bytes]:
+        """``user.faultfs.*`` of an entry: what is staged (``st_blocks`` cannot say it for a
+        file smaller than a block), and for a tag's files the tag and its source."""
+        tag = node.tag
+        if tag is None or node.is_dir:
+            return {}
+        out = {XATTR_TAG: tag.name.encode("utf-8", "surrogateescape")}
+        if node.kind == KIND_CHUNK:
+            out[XATTR_STAGED] = b"1" if self.engine.is_staged(tag, node.index) else b"0"
+        elif node.kind == KIND_VIEW:
+            out[XATTR_STAGED] = f"{self.engine.staged_count(tag)}/{tag.layout.num_blobs}".encode()
+        if node.kind in (KIND_CHUNK, KIND_VIEW):
+            out[XATTR_SOURCE] = tag.ctx.src.encode("utf-8", "surrogateescape")
+        return out
 
     # -- attributes --------------------------------------------------------------------------
 

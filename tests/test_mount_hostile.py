@@ -1,0 +1,54 @@
+"""Defects found by trying the mount as a hostile (or merely unlucky) user would: each test
+failed before its fix. Real mounts through the CLI."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+pytestmark = pytest.mark.mount
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def read(path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def run(*cmd: str, cwd=None) -> None:
+    result = subprocess.run(list(cmd), capture_output=True, text=True, cwd=cwd, timeout=120)
+    assert result.returncode == 0, f"{' '.join(cmd)}: {result.stderr}"
+
+
+def test_unread_data_is_never_taken_for_a_hole(mounter, sample, tmp_path):
+    """A file with data and zero blocks is one whole hole to GNU tar -S, bsdtar and
+    cp --sparse: they archived zeros without reading a byte and exited 0."""
+    src = sample(5 * MiB + 1000)
+    data = read(src)
+    m = mounter(src, args=["--chunk-size", "1M"])
+    tag = m.tag("field")
+    for i in range(5):
+        st = os.stat(os.path.join(tag, f"chunk_{i}"))
+        assert st.st_size == MiB and st.st_blocks >= 1, "an unstaged chunk still has a block"
+        assert os.getxattr(os.path.join(tag, f"chunk_{i}"), "user.faultfs.staged") == b"0"
+    out = tmp_path / "out"
+    out.mkdir()
+    run("tar", "-S", "-cf", str(tmp_path / "gnu.tar"), "-C", tag, "chunk_0")
+    run("tar", "-xf", str(tmp_path / "gnu.tar"), "-C", str(out))
+    assert read(out / "chunk_0") == data[:MiB], "GNU tar -S archived zeros"
+    run("bsdtar", "-cf", str(tmp_path / "bsd.tar"), "-C", tag, "chunk_1")
+    run("bsdtar", "-xf", str(tmp_path / "bsd.tar"), "-C", str(out))
+    assert read(out / "chunk_1") == data[MiB:2 * MiB], "bsdtar archived zeros"
+    run("cp", "--sparse=always", os.path.join(tag, "chunk_2"), str(out / "cp2"))
+    assert read(out / "cp2") == data[2 * MiB:3 * MiB], "cp --sparse=always copied zeros"
+    run("rsync", "-S", os.path.join(tag, "chunk_3"), str(out / "rs3"))
+    assert read(out / "rs3") == data[3 * MiB:4 * MiB], "rsync -S copied zeros"
+    assert os.getxattr(os.path.join(tag, "chunk_0"), "user.faultfs.staged") == b"1"
+    run("tar", "-S", "-cf", str(tmp_path / "view.tar"), "-C", tag, "field.bin")
+    run("tar", "-xf", str(tmp_path / "view.tar"), "-C", str(out))
+    assert read(out / "field.bin") == data, "the partly staged view archived with holes"
+    du = os.stat(os.path.join(tag, "field.bin")).st_blocks * 512
+    assert du >= 5 * MiB, "du still shows what was staged"
