@@ -37,6 +37,10 @@ class SourceError(FaultfsError):
         super().__init__(message, errno)
 
 
+class SourceChanged(SourceError):
+    """The source is no longer the version the mount pinned: its bytes are not served."""
+
+
 class CorruptionError(FaultfsError):
     """A persisted file (blob, checkpoint, registry entry) failed verification."""
 

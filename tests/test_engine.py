@@ -6,6 +6,7 @@ is a fixture, not a mock of the engine.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import threading
@@ -558,3 +559,73 @@ def test_remote_settings_are_recorded_at_registration_and_kept_by_remounts(store
     assert tag.remote == {"anon": True} and store.read_tag_state("t")["remote"] == {"anon": True}
     engine_for(store).register(ctx_for())  # registering the source again records anew
     assert "remote" not in store.read_tag_state("t")
+
+
+def test_a_local_source_rewritten_in_place_with_its_mtime_restored_is_a_new_version(tmp_path):
+    """cp -p, rsync -t, tar x and os.utime put the old mtime back; the change time and the
+    inode still tell: the fault of the rest fails (never old MiBs next to new ones), a remount
+    re-faults everything from the new bytes."""
+    path = tmp_path / "field.bin"
+    old = payload(3 * CS)
+    path.write_bytes(old)
+    store = BlobStore(str(tmp_path / "store"))
+    eng = engine_for(store)
+    tag = eng.register(FaultContext(src=str(path), dst="t", chunk_size=CS))
+    assert bytes(trio.run(eng.read_blob, tag, 0, 0, CS)) == old[:CS]
+    st = os.stat(path)
+    new = bytes(b ^ 0xFF for b in old)
+    with open(path, "r+b") as f:  # same size, in place
+        f.write(new)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert os.stat(path).st_mtime_ns == st.st_mtime_ns and os.stat(path).st_size == st.st_size
+    with pytest.raises(FaultfsError) as info:
+        trio.run(eng.read_blob, tag, 1, 0, CS)
+    assert info.value.errno == errno.EIO and "changed under the mount" in info.value.message
+    assert tag.changed_under_mount
+    snap = trio.run(eng.snapshot)
+    assert "changed under the mount" in snap["tags"]["t"]["source_changed_under_mount"]
+    eng.close()
+    eng2 = engine_for(store)
+    [tag2] = eng2.recover()
+    assert tag2.source_changed and tag2.stale_dropped == 1
+    assert bytes(trio.run(eng2.read_view, tag2, 0, 3 * CS)) == new
+
+
+def test_a_local_source_replaced_under_its_name_is_a_new_version(tmp_path):
+    path = tmp_path / "field.bin"
+    path.write_bytes(payload(2 * CS))
+    store = BlobStore(str(tmp_path / "store"))
+    eng = engine_for(store)
+    tag = eng.register(FaultContext(src=str(path), dst="t", chunk_size=CS))
+    trio.run(eng.read_view, tag, 0, 2 * CS)
+    st = os.stat(path)
+    other = tmp_path / "other.bin"
+    other.write_bytes(payload(2 * CS)[::-1])
+    os.utime(other, ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.replace(other, path)
+    eng.close()
+    eng2 = engine_for(store)
+    [tag2] = eng2.recover()
+    assert tag2.source_changed and tag2.stale_dropped == 2
+    assert bytes(trio.run(eng2.read_view, tag2, 0, 2 * CS)) == payload(2 * CS)[::-1]
+
+
+@pytest.mark.parametrize("kind", ["fifo", "socket"])
+def test_a_source_that_is_not_a_regular_file_is_refused_at_once(tmp_path, kind):
+    import socket
+    import time
+
+    path = tmp_path / "src"
+    with contextlib.ExitStack() as stack:
+        if kind == "fifo":
+            os.mkfifo(path)
+        else:
+            sock = stack.enter_context(socket.socket(socket.AF_UNIX))
+            sock.bind(str(path))
+        store = BlobStore(str(tmp_path / "store"))
+        eng = engine_for(store)
+        started = time.monotonic()
+        with pytest.raises(InvalidInput, match="is not a regular file"):
+            eng.register(FaultContext(src=str(path), dst="t"))
+        assert time.monotonic() - started < 5
+        assert store.list_blobs(REGISTRY_TAG) == []

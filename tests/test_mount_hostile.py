@@ -52,3 +52,29 @@ def test_unread_data_is_never_taken_for_a_hole(mounter, sample, tmp_path):
     assert read(out / "field.bin") == data, "the partly staged view archived with holes"
     du = os.stat(os.path.join(tag, "field.bin")).st_blocks * 512
     assert du >= 5 * MiB, "du still shows what was staged"
+
+
+def test_a_source_rewritten_with_its_mtime_restored_never_mixes_versions(mounter, sample, tmp_path):
+    from conftest import run_faultfs
+
+    src = sample(4 * MiB)
+    old = read(src)
+    m = mounter(src, args=["--chunk-size", "1M", "--prefetch-mb", "0"])
+    view = os.path.join(m.tag("field"), "field.bin")
+    with open(view, "rb") as f:
+        assert f.read(MiB) == old[:MiB]
+    st = os.stat(src)
+    new = bytes(b ^ 0xA5 for b in old)
+    with open(src, "r+b") as f:
+        f.write(new)
+    os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(OSError) as info, open(view, "rb") as f:
+        f.seek(2 * MiB)
+        f.read(MiB)  # never served: it would be new bytes beside old staged ones
+    assert info.value.errno == 5
+    out = run_faultfs("stat", m.path).stdout
+    assert "source changed under the mount" in out
+    m.umount()
+    m2 = mounter(store=m.store)
+    assert read(os.path.join(m2.tag("field"), "field.bin")) == new
+    assert m2.stats()["tags"]["field"]["source_changed_at_mount"]

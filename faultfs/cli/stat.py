@@ -68,6 +68,9 @@ def render_stats(snap: dict) -> str:
         if t.get("stale_dropped_at_mount") or t.get("source_changed_at_mount"):
             lines.append(f"  source changed since the last mount: {t.get('stale_dropped_at_mount', 0)} "
                          "stale blobs dropped, re-faulting from the new version")
+        if t.get("source_changed_under_mount"):
+            lines.append(f"  source changed under the mount ({t['source_changed_under_mount']}): "
+                         "unstaged blobs fail (EIO) until a remount")
         if t.get("source_error"):
             lines.append(f"  source unavailable: {t['source_error']}")
     return "\n".join(lines)

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from faultfs.engine.flights import Flight, Flights
 from faultfs.engine.tags import Tag
-from faultfs.errors import FaultfsError, SourceError
+from faultfs.errors import FaultfsError, SourceChanged, SourceError
 from faultfs.iopool import IoPool
 from faultfs.stats import Stats
 from faultfs.tiers.base import Buffer
@@ -96,6 +96,12 @@ class Faulter:
         end = layout.source_range(first + count - 1)[1]
         try:
             blobs = tag.assimilator.read_blobs(tag.source, tag.ctx, layout, first, count)
+        except SourceChanged as exc:
+            if not tag.changed_under_mount:
+                log.warning("tag %s: %s; its unstaged blobs fail until a remount re-faults "
+                            "them from the new version", tag.name, exc)
+            tag.changed_under_mount = exc.message
+            raise
         except FaultfsError as exc:
             log.error("tag %s: reading %s [%d, %d) failed: %s", tag.name, tag.ctx.src, start,
                       end, exc)

@@ -44,6 +44,7 @@ def snapshot(config: Config, store_root: str, store_free_bytes: int, stats: Stat
                 "size": t.layout.size, "source_version": t.version_text,
                 "stale_dropped_at_mount": t.stale_dropped, "source_error": t.source_error,
                 "source_changed_at_mount": t.source_changed,
+                "source_changed_under_mount": t.changed_under_mount,
                 "shard": t.shard, "remote": t.remote,
             } for t in tags
         },

@@ -60,6 +60,7 @@ class Tag:
     source_error: str = ""
     stale_dropped: int = 0
     source_changed: bool = False  # the source differs from what the last mount recorded
+    changed_under_mount: str = ""  # why a fault found the source changed since the mount
     remote: dict = field(default_factory=dict)  # how the source was reached (tag state)
     last_index: int = -1  # the blob read last: sequential readers get prefetch
     window: int = 0  # blobs to prefetch ahead of a sequential reader (grows, resets)

@@ -15,7 +15,8 @@ from typing import Protocol
 class SourceVersion:
     """What identifies the bytes of a source: its size and a version token.
 
-    Files: ``mtime_ns:<n>``; objects: ``etag:<etag>`` or ``vid:<version id>``.
+    Files: ``mtime_ns:<n>;ctime_ns:<n>;ino:<dev>:<ino>``; objects: ``etag:<etag>`` or
+    ``vid:<version id>``.
     """
 
     size: int

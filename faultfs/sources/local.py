@@ -1,9 +1,11 @@
 """Local files as sources: one descriptor read with ``os.pread``, pinned to the file's version.
 
 Invariants:
-- Only regular files are sources; anything else is refused when it is opened.
-- Every read is checked after it returns against the version pinned at open: a file changed
-  during or before the read fails it (``SourceError``), never serving mixed bytes.
+- Only regular files are sources; anything else (a FIFO, a socket, a device, a directory) is
+  refused when it is opened, without blocking.
+- Every read is checked after it returns against the version pinned at open (size, mtime,
+  ctime): a file changed during or before the read fails it (``SourceChanged``), never serving
+  mixed bytes, also when its old mtime was put back.
 """
 
 from __future__ import annotations
@@ -14,18 +16,36 @@ import stat as stat_mod
 import threading
 
 from faultfs.buffers import pread_full
-from faultfs.errors import InvalidInput, SourceError
+from faultfs.errors import InvalidInput, SourceChanged, SourceError
 from faultfs.sources.base import SourceVersion
 
 
+def file_version(st: os.stat_result) -> SourceVersion:
+    """A local file's version: size, modification time, change time, device and inode.
+
+    The change time is what ``utime`` cannot set: a file rewritten in place and given its old
+    mtime back (``cp -p``, ``rsync -t``, ``tar x``, ``os.utime``) still has a new ctime; a file
+    replaced by another under the same name has another inode."""
+    return SourceVersion(st.st_size, f"mtime_ns:{st.st_mtime_ns};ctime_ns:{st.st_ctime_ns};"
+                                     f"ino:{st.st_dev}:{st.st_ino}")
+
+
 class LocalFileSource:
-    """A regular local file, read with ``os.pread``; version = size + mtime_ns."""
+    """A regular local file, read with ``os.pread`` on one descriptor, pinned to its version
+    (``file_version``) when opened."""
 
     def __init__(self, url: str, path: str) -> None:
         self.url = url
         self.path = os.path.abspath(path)
         try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+            # not a FIFO, socket or device: opening one could block or have side effects
+            st = os.stat(self.path)
+            if stat_mod.S_ISDIR(st.st_mode):
+                raise InvalidInput(f"source {url} is a directory, not a file", errno.EISDIR)
+            if not stat_mod.S_ISREG(st.st_mode):
+                raise InvalidInput(f"source {url} is not a regular file ({_kind(st.st_mode)})")
+            # O_NONBLOCK: a FIFO swapped in after the check must not block the open either
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
         except FileNotFoundError:
             raise InvalidInput(f"source {url} does not exist", errno.ENOENT) from None
         except PermissionError:
@@ -33,23 +53,21 @@ class LocalFileSource:
         except OSError as exc:
             raise InvalidInput(f"source {url} cannot be opened: {exc.strerror}", exc.errno or errno.EIO) from None
         st = os.fstat(fd)
-        if stat_mod.S_ISDIR(st.st_mode):
-            os.close(fd)
-            raise InvalidInput(f"source {url} is a directory, not a file", errno.EISDIR)
         if not stat_mod.S_ISREG(st.st_mode):
             os.close(fd)
-            raise InvalidInput(f"source {url} is not a regular file")
+            raise InvalidInput(f"source {url} is not a regular file ({_kind(st.st_mode)})")
         self._fd = fd
         self._lock = threading.Lock()
         self._stat = st
-        self._pinned = (st.st_size, st.st_mtime_ns)
+        self.pinned = file_version(st)
 
     def version(self) -> SourceVersion:
+        """What the path names now (another file, after a replacement, has another inode)."""
         try:
             st = os.stat(self.path)
         except OSError as exc:
             raise SourceError(f"source {self.url} vanished: {exc.strerror}") from None
-        return SourceVersion(st.st_size, f"mtime_ns:{st.st_mtime_ns}")
+        return file_version(st)
 
     def mtime(self) -> float:
         return self._stat.st_mtime
@@ -61,11 +79,11 @@ class LocalFileSource:
             raise SourceError(
                 f"reading source {self.url} [{off}, {off + size}) failed: {exc.strerror}"
             ) from None
-        st = os.fstat(self._fd)  # after the read: a write during it moved mtime or size
-        if (st.st_size, st.st_mtime_ns) != self._pinned:
-            raise SourceError(
-                f"source {self.url} changed under the mount (was {self._pinned[0]} bytes, "
-                f"mtime_ns {self._pinned[1]}; now {st.st_size} bytes, mtime_ns {st.st_mtime_ns})")
+        now = file_version(os.fstat(self._fd))  # after the read: a write during it counts
+        if now != self.pinned:
+            raise SourceChanged(
+                f"source {self.url} changed under the mount (was {self.pinned.describe()}; "
+                f"now {now.describe()})")
         return out
 
     def close(self) -> None:
@@ -73,3 +91,11 @@ class LocalFileSource:
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat_mod.S_ISFIFO, "a FIFO"), (stat_mod.S_ISSOCK, "a socket"),
+                       (stat_mod.S_ISCHR, "a character device"), (stat_mod.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return "not a file"

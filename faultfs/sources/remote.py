@@ -20,7 +20,7 @@ import errno
 import logging
 from urllib.parse import urlsplit
 
-from faultfs.errors import InvalidInput, SourceError
+from faultfs.errors import InvalidInput, SourceChanged, SourceError
 from faultfs.sources.base import (
     HTTP_PROTOCOLS,
     S3_PROTOCOLS,
@@ -105,7 +105,7 @@ class FsspecSource:
                 self._change_logged = True
                 log.warning("source %s changed since it was opened (%s): %s",
                             self.url, self._pin.version.describe(), exc)
-            raise SourceError(
+            raise SourceChanged(
                 f"source {self.url} changed since it was opened "
                 f"(pinned {self._pin.version.describe()}): {exc}"
             ) from None
