@@ -629,3 +629,57 @@ def test_a_source_that_is_not_a_regular_file_is_refused_at_once(tmp_path, kind):
             eng.register(FaultContext(src=str(path), dst="t"))
         assert time.monotonic() - started < 5
         assert store.list_blobs(REGISTRY_TAG) == []
+
+
+@pytest.mark.parametrize("kind", ["fifo", "symlink", "directory", "symlinked tag directory"])
+def test_a_foreign_entry_where_a_blob_should_be_is_absent_never_a_hang(tmp_path, kind):
+    """A FIFO there froze the serving thread (and every request of the mount); a link was
+    followed out of the store. Each is now absent: re-faulted, served, stored."""
+    import time
+
+    data = payload(3 * CS)
+    make_source(data)
+    store = BlobStore(str(tmp_path / "store"))
+    eng = engine_for(store)
+    tag = eng.register(ctx_for())
+    trio.run(eng.read_view, tag, 0, len(data))  # everything staged
+    eng.close()
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"not yours")
+    path = store.blob_path("t", "chunk_1")
+    if kind == "symlinked tag directory":
+        elsewhere = tmp_path / "elsewhere"
+        os.rename(store.tag_dir("t"), elsewhere)
+        os.symlink(elsewhere, store.tag_dir("t"))
+    else:
+        os.unlink(path)
+        if kind == "fifo":
+            os.mkfifo(path)
+        elif kind == "symlink":
+            os.symlink(outside, path)
+        else:
+            os.mkdir(path)
+    eng2 = engine_for(store)
+    started = time.monotonic()
+    [tag2] = eng2.recover()
+    assert trio.run(eng2.read_view, tag2, 0, len(data)) == data
+    assert time.monotonic() - started < 10
+    assert outside.read_bytes() == b"not yours"
+    assert os.path.isfile(path) and not os.path.islink(path), "the blob was stored again"
+    assert not os.path.islink(store.tag_dir("t"))
+
+
+def test_a_foreign_tag_state_is_ignored_not_fatal(tmp_path):
+    data = payload(2 * CS)
+    make_source(data)
+    store = BlobStore(str(tmp_path / "store"))
+    eng = engine_for(store)
+    tag = eng.register(ctx_for())
+    trio.run(eng.read_view, tag, 0, len(data))
+    eng.close()
+    state = os.path.join(store.tag_dir("t"), "tag.json")
+    os.unlink(state)
+    os.mkfifo(state)
+    eng2 = engine_for(store)
+    [tag2] = eng2.recover()
+    assert trio.run(eng2.read_view, tag2, 0, len(data)) == data

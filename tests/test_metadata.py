@@ -557,3 +557,22 @@ def test_sim_disk_drops_unsynced_writes():
 
 def test_slot_size_constant():
     assert SLOT_SIZE * 2 == 128
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_a_checkpoint_that_is_not_a_file_is_a_clear_error_at_once(tmp_path, kind):
+    import time
+
+    from faultfs.store.metadata import read_meta
+
+    path = tmp_path / "x.meta"
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.mkdir()
+    started = time.monotonic()
+    for call in (lambda: read_meta(str(path)), lambda: DualMetadataManager.open(path)):
+        with pytest.raises(InvalidInput, match="not a checkpoint file") as info:
+            call()
+        assert ("a directory" in info.value.message) == (kind == "directory")
+    assert time.monotonic() - started < 5

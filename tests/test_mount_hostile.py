@@ -81,3 +81,40 @@ def test_a_source_rewritten_with_its_mtime_restored_never_mixes_versions(mounter
     m2 = mounter(store=m.store)
     assert read(os.path.join(m2.tag("field"), "field.bin")) == new
     assert m2.stats()["tags"]["field"]["source_changed_at_mount"]
+
+
+def test_a_fifo_in_the_store_neither_freezes_the_mount_nor_fails_reads(mounter, sample, tmp_path):
+    from conftest import run_faultfs
+
+    src = sample(3 * MiB)
+    data = read(src)
+    m = mounter(src, args=["--chunk-size", "1M"])
+    assert read(os.path.join(m.tag("field"), "field.bin")) == data
+    m.umount()
+    blob = os.path.join(m.store, "tags", "t-field", "b-chunk_1")
+    os.unlink(blob)
+    os.mkfifo(blob)
+    m2 = mounter(store=m.store)
+    got = subprocess.run(["cat", os.path.join(m2.tag("field"), "field.bin")],
+                         capture_output=True, timeout=30).stdout
+    assert got == data
+    assert os.path.isfile(blob)
+    fifo = tmp_path / "cp.meta"
+    os.mkfifo(fifo)
+    shown = run_faultfs("checkpoint", "show", str(fifo), timeout=30)
+    assert shown.returncode == 1 and "not a regular file, not a checkpoint file" in shown.stderr
+    shown = run_faultfs("checkpoint", "show", str(tmp_path), timeout=30)
+    assert shown.returncode == 1 and "is a directory, not a checkpoint file" in shown.stderr
+
+
+def test_a_fifo_as_the_source_is_refused_at_once(tmp_path):
+    from conftest import run_faultfs
+
+    fifo = tmp_path / "data.bin"
+    os.mkfifo(fifo)
+    (tmp_path / "mnt").mkdir()
+    result = run_faultfs("mount", str(fifo), str(tmp_path / "mnt"), "--store",
+                         str(tmp_path / "store"), timeout=60)
+    assert result.returncode == 1
+    assert "is not a regular file (a FIFO)" in result.stderr
+    assert not os.path.ismount(tmp_path / "mnt")

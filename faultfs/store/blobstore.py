@@ -43,6 +43,7 @@ WHOLE_READ_MAX = 64 << 20  # open_blob(whole=True) reads header and payload at o
 _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", None)
 MAX_ENCODED_NAME = 240  # NAME_MAX is 255: leave room for the "b-" prefix and margin
 TAG_STATE = "tag.json"
+MAX_TAG_STATE = 1 << 20  # a tag state of more than this is not one we wrote
 
 
 def _encode(prefix: str, name: str) -> str:
@@ -111,33 +112,121 @@ class OpenBlob:
             self.fd = -1
 
 
-class BlobStore:
-    """Staged blobs under ``root``; see the module docstring for the layout."""
+class ForeignEntry(Exception):
+    """Something other than a regular file (a FIFO, a directory, a symbolic link, a device)
+    stands where a store file should be."""
 
-    def __init__(self, root: str) -> None:
+
+def open_regular(path: str, flags: int = os.O_RDONLY) -> int | None:
+    """A descriptor of the regular file ``path`` names, never following a symbolic link and
+    never blocking (a FIFO's open would); None when it is absent. ForeignEntry for anything
+    else, so no hostile entry in the store can hang a request or lead outside the store."""
+    try:
+        fd = os.open(path, flags | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.EOPNOTSUPP):
+            raise ForeignEntry(path) from None  # a link, a directory, a socket
+        raise
+    if not stat_mod.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ForeignEntry(path)
+    return fd
+
+
+def remove_entry(path: str) -> None:
+    """Remove whatever is at ``path`` (not what a link points to)."""
+    try:
+        if stat_mod.S_ISDIR(os.lstat(path).st_mode):
+            import shutil
+
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+# The file system refuses writes but the staged blobs can still be read: mount degraded.
+DEGRADED_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
+PRIVATE = 0o700  # the store names sources and tags: for its owner only (files 0600)
+
+
+class BlobStore:
+    """Staged blobs under ``root``; see the module docstring for the layout.
+
+    ``create=False`` touches nothing: ``create()`` makes (or checks) the directories later,
+    once everything else of a mount has been validated."""
+
+    def __init__(self, root: str, *, create: bool = True) -> None:
         self.root = os.path.abspath(os.path.expanduser(root))
         self._lock_fd = -1
-        try:
-            os.makedirs(os.path.join(self.root, "tags"), exist_ok=True)
-            os.makedirs(os.path.join(self.root, "log"), exist_ok=True)
-        except OSError as exc:
-            raise InvalidInput(f"store {self.root} cannot be created: {exc.strerror}", exc.errno or errno.EIO) from None
-        if not os.path.isdir(self.root):
+        self.degraded = ""  # why nothing can be written (a full or read-only file system)
+        if create:
+            self.create()
+
+    def create(self) -> None:
+        """Make the store's directories (0700) or check them; find out whether it can be
+        written. A store on a full or read-only file system is *degraded* (``degraded``
+        says why): what is staged is served, nothing is written. Anything else that keeps
+        it from being used is InvalidInput."""
+        if os.path.lexists(self.root) and not os.path.isdir(self.root):
             raise InvalidInput(f"store {self.root} is not a directory", errno.ENOTDIR)
+        for sub in ("", "tags", "log"):
+            path = os.path.join(self.root, sub) if sub else self.root
+            if sub and os.path.islink(path):
+                raise InvalidInput(f"store {path} is a symbolic link: faultfs does not follow "
+                                   "links inside its store", errno.ELOOP)
+            try:
+                os.makedirs(path, mode=PRIVATE, exist_ok=True)
+                _tighten(path)
+            except OSError as exc:
+                if exc.errno in DEGRADED_ERRNOS and os.path.isdir(os.path.join(self.root, "tags")):
+                    self.degraded = f"{exc.strerror} (store {self.root})"
+                    return
+                raise InvalidInput(f"store {self.root} cannot be created: {exc.strerror}",
+                                   exc.errno or errno.EIO) from None
         probe = os.path.join(self.root, f".probe-{secrets.token_hex(4)}")
         try:
-            with open(probe, "wb"):
-                pass
-            os.unlink(probe)
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            try:
+                os.write(fd, b"x")  # a full file system may still create an empty file
+            finally:
+                os.close(fd)
+                os.unlink(probe)
         except OSError as exc:
-            raise InvalidInput(f"store {self.root} is not writable: {exc.strerror}", exc.errno or errno.EACCES) from None
+            if exc.errno in DEGRADED_ERRNOS:
+                _unlink_quietly(probe)
+                self.degraded = f"{exc.strerror} (store {self.root})"
+                return
+            raise InvalidInput(f"store {self.root} is not writable: {exc.strerror}",
+                               exc.errno or errno.EACCES) from None
+
+    @property
+    def writable(self) -> bool:
+        return not self.degraded
+
+    def _require_writable(self) -> None:
+        if self.degraded:
+            raise StoreFull(f"store {self.root} cannot be written: {self.degraded}")
 
     # -- ownership ---------------------------------------------------------------------------
 
     def acquire(self) -> None:
-        """Take the store's lock; FaultfsError(EBUSY) when another process owns it."""
+        """Take the store's lock; FaultfsError(EBUSY) when another process owns it. A degraded
+        store is locked when its lock file exists (a read-only one cannot be written by
+        anyone, so there is nothing to keep out when it does not)."""
         path = os.path.join(self.root, "lock")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fd = open_regular(path, os.O_RDWR if self.writable else os.O_RDONLY)
+            if fd is None and self.writable:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+                             | os.O_NOFOLLOW, 0o600)
+        except ForeignEntry:
+            raise InvalidInput(f"store lock {path} is not a regular file", errno.EEXIST) from None
+        if fd is None:
+            return
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -146,8 +235,9 @@ class BlobStore:
             raise FaultfsError(
                 f"store {self.root} is in use by pid {owner}: unmount that mount first, "
                 "or pick another --store", errno.EBUSY) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        if self.writable:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._lock_fd = fd
 
     def release(self) -> None:
@@ -180,12 +270,16 @@ class BlobStore:
         directory listing and a ``stat`` per file, no file is opened (except the rare blob
         whose name is too long for a file name). Removes temporary files left by a crash."""
         directory = self.tag_dir(tag)
+        if not self._real_dir(directory):
+            return []  # a link or a file where the tag's directory should be: nothing staged
         try:
             entries = list(os.scandir(directory))
         except FileNotFoundError:
             return []
         found = []
         for entry in entries:
+            if not entry.is_file(follow_symlinks=False):
+                continue  # foreign (FIFO, link, directory): absent; dropped when it is opened
             if entry.name.startswith("b-"):
                 name = unquote(entry.name[2:])
             elif entry.name.startswith("h-"):
@@ -217,15 +311,20 @@ class BlobStore:
         Clean blobs are written without fsync unless ``durable``: they can always be
         re-faulted, and a torn one fails verification. Dirty blobs are always fsynced.
         Raises StoreFull on ENOSPC/EDQUOT (nothing partial is left behind)."""
+        self._require_writable()
         header, with_payload = encode_header(tag, name, payload, flags=flags,
                                              source_version=source_version)
-        directory = self.tag_dir(tag)
-        os.makedirs(directory, exist_ok=True)
+        self._make_tag_dir(tag)
         if durable is None:
             durable = bool(flags & FLAG_DIRTY)
         parts = [header, payload] if with_payload else [header]
+        path = self.blob_path(tag, name)
         try:
-            write_atomic(self.blob_path(tag, name), parts, mode=0o600, durable=durable)
+            try:
+                write_atomic(path, parts, mode=0o600, durable=durable)
+            except IsADirectoryError:  # a foreign directory stands there: the blob replaces it
+                remove_entry(path)
+                write_atomic(path, parts, mode=0o600, durable=durable)
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise StoreFull(f"store {self.root} is full") from None
@@ -233,9 +332,12 @@ class BlobStore:
         return len(header) + (len(payload) if with_payload else 0)
 
     def read_header(self, path: str) -> BlobHeader | None:
+        """The verified header of a blob file; None when it is absent, damaged or foreign."""
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
+            fd = open_regular(path)
+        except ForeignEntry:
+            return None
+        if fd is None:
             return None
         try:
             return decode_header(os.pread(fd, HEADER_LEN, 0), file_size=os.fstat(fd).st_size)
@@ -257,14 +359,16 @@ class BlobStore:
         must be reported, not silently re-faulted."""
         path = self.blob_path(tag, name)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
+            fd = open_regular(path)
+        except ForeignEntry:
+            if self.writable:
+                remove_entry(path)  # foreign: absent, so the blob re-faults and can be stored
+            return None
+        if fd is None:
             return None
         loaded: memoryview | None = None
         try:
             st = os.fstat(fd)
-            if not stat_mod.S_ISREG(st.st_mode):
-                raise CorruptionError(f"{path} is not a regular file")
             if whole and HEADER_LEN <= st.st_size <= HEADER_LEN + WHOLE_READ_MAX:
                 raw = pread_full(fd, st.st_size, 0)
                 if len(raw) != st.st_size:
@@ -309,6 +413,10 @@ class BlobStore:
             os.unlink(path)
         except FileNotFoundError:
             return False
+        except OSError as exc:
+            if exc.errno in DEGRADED_ERRNOS:
+                return False  # a read-only store keeps it; it is re-faulted on every read
+            raise
         return True
 
     def read(self, tag: str, name: str, *, source_version: str | None = None) -> bytes | None:
@@ -360,30 +468,54 @@ class BlobStore:
         return header is not None and header.dirty
 
     def delete(self, tag: str, name: str) -> int:
-        """Remove a blob; returns the bytes freed."""
+        """Remove a blob; returns the bytes freed (0 also when a degraded store cannot)."""
         path = self.blob_path(tag, name)
         try:
-            size = os.stat(path).st_size
+            size = os.lstat(path).st_size
             os.unlink(path)
         except FileNotFoundError:
             return 0
+        except OSError as exc:
+            if exc.errno in DEGRADED_ERRNOS:
+                return 0
+            raise
         return size
 
     # -- per-tag state -----------------------------------------------------------------------
 
     def write_tag_state(self, tag: str, state: dict) -> None:
-        directory = self.tag_dir(tag)
-        os.makedirs(directory, exist_ok=True)
+        self._require_writable()
+        directory = self._make_tag_dir(tag)
         data = json.dumps(state, sort_keys=True, indent=1).encode()
         write_atomic(os.path.join(directory, TAG_STATE), [data], mode=0o600)
+
+    def _make_tag_dir(self, tag: str) -> str:
+        """The tag's directory, made (0700) if needed; whatever else stands there (a link, a
+        file) is removed first, so no write lands outside the store."""
+        directory = self.tag_dir(tag)
+        if not self._real_dir(directory):
+            remove_entry(directory)
+        os.makedirs(directory, mode=PRIVATE, exist_ok=True)
+        return directory
+
+    @staticmethod
+    def _real_dir(path: str) -> bool:
+        try:
+            return stat_mod.S_ISDIR(os.lstat(path).st_mode)
+        except FileNotFoundError:
+            return False
 
     def read_tag_state(self, tag: str) -> dict | None:
         path = os.path.join(self.tag_dir(tag), TAG_STATE)
         try:
-            with open(path, "rb") as f:
-                doc = json.loads(f.read())
-        except FileNotFoundError:
+            fd = open_regular(path)
+        except ForeignEntry:
+            raise CorruptionError(f"tag state {path} is not a regular file") from None
+        if fd is None:
             return None
+        try:
+            with os.fdopen(fd, "rb") as f:
+                doc = json.loads(f.read(MAX_TAG_STATE))
         except ValueError:
             raise CorruptionError(f"tag state {path} is not valid JSON") from None
         if not isinstance(doc, dict):
@@ -402,3 +534,17 @@ class BlobStore:
     def free_bytes(self) -> int:
         st = os.statvfs(self.root)
         return st.f_bavail * st.f_frsize
+
+
+def _tighten(path: str) -> None:
+    """Make a store directory private (an older faultfs made them 0755)."""
+    st = os.lstat(path)
+    if st.st_uid == os.geteuid() and stat_mod.S_IMODE(st.st_mode) != PRIVATE:
+        os.chmod(path, PRIVATE)
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass

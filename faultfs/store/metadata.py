@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -67,7 +68,18 @@ class OsFileOps:
         return os.path.exists(path)
 
     def open(self, path: str, flags: int, mode: int = 0o600) -> int:
-        return os.open(path, flags | getattr(os, "O_CLOEXEC", 0), mode)
+        """Regular files only, opened without blocking (a FIFO's open would block forever)."""
+        try:
+            fd = os.open(path, flags | os.O_CLOEXEC | os.O_NONBLOCK, mode)
+        except IsADirectoryError:
+            raise InvalidInput(f"{path} is a directory, not a checkpoint file", errno.EISDIR) from None
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            what = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+            raise InvalidInput(f"{path} is {what}, not a checkpoint file",
+                               errno.EISDIR if stat.S_ISDIR(st.st_mode) else errno.EINVAL)
+        return fd
 
     def close(self, fd: int) -> None:
         os.close(fd)

@@ -13,10 +13,14 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from faultfs.errors import CorruptionError
 from faultfs.store.blobstore import BlobStore
+
+log = logging.getLogger("faultfs.store")
 
 
 @dataclass(frozen=True)
@@ -51,7 +55,13 @@ class TagState:
 
 
 def read_tag_state(store: BlobStore, tag: str) -> TagState | None:
-    doc = store.read_tag_state(tag)
+    """The tag's state; None when there is none, or when it is damaged (logged: the tag is
+    then recovered without trusting its staged blobs, whose headers are all checked)."""
+    try:
+        doc = store.read_tag_state(tag)
+    except CorruptionError as exc:
+        log.warning("tag %s: %s: its staged blobs are checked one by one", tag, exc)
+        return None
     return None if doc is None else TagState.from_doc(doc)
 
 
