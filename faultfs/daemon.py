@@ -9,7 +9,10 @@ Invariants:
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -18,12 +21,13 @@ from faultfs.core.context import MAX_CHUNK_SIZE, FaultContext
 from faultfs.core.names import check_tag_name
 from faultfs.core.pagemap import MAX_PAGE_SIZE
 from faultfs.engine import Engine, default_tag_name
-from faultfs.errors import InvalidInput
+from faultfs.errors import FaultfsError, InvalidInput
 from faultfs.fuse.mountpoint import prepare_mountpoint
 from faultfs.sources import SourceOptions, expand_sources
 from faultfs.store.blobstore import BlobStore
 
 log = logging.getLogger("faultfs")
+LOG_NAME = "faultfs.log"  # <store>/log/faultfs.log: the daemon's log
 
 
 @dataclass(frozen=True)
@@ -50,14 +54,30 @@ class MountSpec:
             raise InvalidInput(f"page size {self.page_size} is over the 1 GiB limit")
 
 
-def prepare(spec: MountSpec, config: Config, options: SourceOptions) -> tuple[Engine, str]:
+def prepare(spec: MountSpec, config: Config, options: SourceOptions,
+            ) -> tuple[Engine, str, list[str]]:
     """Everything a mount needs before it answers: store, lock, tags. Returns the engine (its
-    store locked) and the absolute mountpoint."""
+    store locked), the absolute mountpoint and warnings for the user (a degraded store).
+
+    Everything that can be checked is checked before anything is written: a refused mount
+    leaves no store directory, lock, log or registration behind."""
     spec.check()
-    store = BlobStore(config.store_dir)
-    store.acquire()
+    store = BlobStore(config.store_dir, create=False)
+    mountpoint = prepare_mountpoint(spec.mountpoint)
+    if _within(store.root, mountpoint):
+        raise InvalidInput(f"store {store.root} is inside the mountpoint {mountpoint}: the mount "
+                           "would hide it; pick a --store outside it")
+    log_file = os.path.join(store.root, "log", LOG_NAME)
+    if os.path.islink(log_file):
+        raise InvalidInput(f"store log {log_file} is a symbolic link: faultfs does not follow "
+                           "links inside its store", errno.ELOOP)
+    existed = os.path.isdir(os.path.join(store.root, "tags"))
+    if not spec.sources and not existed:
+        raise InvalidInput(f"store {store.root} has no registered tags: give a source to mount")
+    if existed:  # lock an existing store before reading it (its lock file is there already)
+        store.create()
+        store.acquire()
     try:
-        mountpoint = prepare_mountpoint(spec.mountpoint)
         engine = Engine(store, config, options)
         urls = expand_sources(list(spec.sources), options) if spec.sources else []
         if spec.tag is not None and len(urls) > 1:
@@ -73,6 +93,9 @@ def prepare(spec: MountSpec, config: Config, options: SourceOptions) -> tuple[En
                 range_off=spec.range_off, range_size=spec.range_size,
                 chunk_size=spec.chunk_size, on_fault=True))
         plans = [engine.plan(ctx) for ctx in contexts]  # validates every source first
+        if not existed:
+            store.create()
+            store.acquire()
         # A URL with credentials in it (userinfo, a presigned query) was opened as given; the
         # context that is persisted and hashed names it with those values as *** (the registry
         # never holds a secret). The real URL lives only in the opened source, in memory: a
@@ -82,27 +105,67 @@ def prepare(spec: MountSpec, config: Config, options: SourceOptions) -> tuple[En
         engine.recover()
         if not engine.tags:
             raise InvalidInput(f"store {store.root} has no registered tags: give a source to mount")
+        warnings = []
+        if store.degraded:
+            warnings.append(f"store {store.root} cannot be written ({store.degraded}): serving "
+                            "what is staged, reading the rest through from the sources")
+            log.warning("%s", warnings[-1])
         if spec.page_size:
             for plan in plans:
-                engine.write_identity_pagemap(engine.tags[plan.ctx.dst], spec.page_size)
+                try:
+                    engine.write_identity_pagemap(engine.tags[plan.ctx.dst], spec.page_size)
+                except FaultfsError as exc:
+                    if not store.degraded:
+                        raise
+                    warnings.append(f"tag {plan.ctx.dst}: no identity pagemap ({exc.message})")
     except BaseException:
         store.release()
         raise
-    return engine, mountpoint
+    return engine, mountpoint, warnings
 
 
 def run(spec: MountSpec, config: Config, options: SourceOptions, *,
-        ready: Callable[[list[str], str], None]) -> None:
-    """Prepare and serve until unmounted; ``ready(tags, mountpoint)`` once the mount answers."""
+        ready: Callable[[list[str], str, list[str]], None], log_to_store: bool = False) -> None:
+    """Prepare and serve until unmounted; ``ready(tags, mountpoint, warnings)`` once the
+    mount answers. ``log_to_store``: the daemon's log (and stderr) move to the store's log."""
     from faultfs.fuse.serve import serve  # pyfuse3: only in the process that serves
 
-    engine, mountpoint = prepare(spec, config, options)
+    engine, mountpoint, warnings = prepare(spec, config, options)
     try:
-        serve(engine, mountpoint, ready=lambda: ready(sorted(engine.tags), mountpoint),
+        if log_to_store:
+            attach_store_log(engine.store)
+        serve(engine, mountpoint, ready=lambda: ready(sorted(engine.tags), mountpoint, warnings),
               allow_other=spec.allow_other)
     finally:
         engine.store.release()
     log.info("unmounted %s", mountpoint)
+
+
+def attach_store_log(store: BlobStore) -> None:
+    """Send stderr (and so the log) to ``<store>/log/faultfs.log``: created 0600, appended,
+    never through a symbolic link. A degraded store keeps the log where it was."""
+    if store.degraded:
+        return
+    path = os.path.join(store.root, "log", LOG_NAME)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+                     | os.O_NONBLOCK, 0o600)
+    except OSError as exc:
+        log.warning("cannot log to %s (%s): logging to stderr", path, exc.strerror)
+        return
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            log.warning("%s is not a regular file: logging to stderr", path)
+            return
+        os.fchmod(fd, 0o600)  # an older faultfs made it 0644
+        os.dup2(fd, 2)
+    finally:
+        os.close(fd)
+
+
+def _within(path: str, directory: str) -> bool:
+    path, directory = os.path.realpath(path), os.path.realpath(directory)
+    return path == directory or path.startswith(directory.rstrip("/") + "/")
 
 
 def _unique(name: str, used: set[str]) -> str:

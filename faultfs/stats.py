@@ -18,7 +18,7 @@ COUNTERS = (
     "skipped_cache_cap", "store_failures", "readthrough_backoff", "evicted", "evicted_bytes",
     "zero_filled_bytes", "bytes_served", "page_reads", "page_slices", "page_errors",
     "stale_blobs_dropped", "corrupt_blobs_dropped", "memory_hits", "prefetches",
-    "prefetch_errors", "store_readahead", "dirty_kept", "skipped_dirty",
+    "prefetch_errors", "store_readahead", "dirty_kept", "skipped_dirty", "skipped_degraded",
 )
 
 

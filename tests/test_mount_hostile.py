@@ -3,6 +3,7 @@ failed before its fix. Real mounts through the CLI."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 
@@ -118,3 +119,147 @@ def test_a_fifo_as_the_source_is_refused_at_once(tmp_path):
     assert result.returncode == 1
     assert "is not a regular file (a FIFO)" in result.stderr
     assert not os.path.ismount(tmp_path / "mnt")
+
+
+def _tree(path) -> list[str]:
+    return sorted(os.path.relpath(os.path.join(base, name), path)
+                  for base, dirs, files in os.walk(path) for name in dirs + files)
+
+
+@pytest.mark.parametrize("bad", ["missing source", "bad tag", "store inside the mountpoint"])
+def test_a_refused_mount_changes_nothing(tmp_path, sample, bad):
+    from conftest import run_faultfs
+
+    src = sample(1000)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    store = tmp_path / "fresh-store"
+    args = [src, str(mnt), "--store", str(store)]
+    if bad == "missing source":
+        args[0] = str(tmp_path / "nope.bin")
+    elif bad == "bad tag":
+        args += ["--tag", "a/b"]
+    else:
+        store = mnt / "store"
+        args[2:4] = ["--store", str(store)]
+    result = run_faultfs("mount", *args)
+    assert result.returncode == 1 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert not store.exists(), "a refused mount created the store"
+    assert os.listdir(mnt) == [] and not os.path.ismount(mnt)
+    if bad == "store inside the mountpoint":
+        assert "is inside the mountpoint" in result.stderr
+    good = run_faultfs("mount", src, str(mnt), "--store", str(tmp_path / "store2"))
+    assert good.returncode == 0, good.stderr  # the mountpoint is still usable
+    run_faultfs("umount", str(mnt), check=True)
+
+
+def test_a_refused_mount_of_an_existing_store_keeps_it_as_it_was(mounter, sample, tmp_path):
+    from conftest import run_faultfs
+
+    m = mounter(sample(3000))
+    m.umount()
+    before = {p: os.stat(os.path.join(m.store, p)).st_mtime_ns for p in _tree(m.store)}
+    (tmp_path / "mnt9").mkdir()
+    result = run_faultfs("mount", str(tmp_path / "nope.bin"), str(tmp_path / "mnt9"),
+                         "--store", m.store)
+    assert result.returncode == 1
+    after = {p: os.stat(os.path.join(m.store, p)).st_mtime_ns for p in _tree(m.store)}
+    changed = {p for p in set(before) | set(after) if before.get(p) != after.get(p)}
+    assert changed <= {"lock"}, changed  # only the lock file's pid is written
+
+
+def test_the_store_is_private_and_its_log_never_follows_a_link(mounter, sample, tmp_path):
+    import stat
+
+    from conftest import run_faultfs
+
+    m = mounter(sample(3000))
+    for sub in ("", "tags", "log"):
+        mode = stat.S_IMODE(os.stat(os.path.join(m.store, sub)).st_mode)
+        assert mode == 0o700, (sub, oct(mode))
+    log_file = os.path.join(m.store, "log", "faultfs.log")
+    assert stat.S_IMODE(os.stat(log_file).st_mode) == 0o600
+    assert os.path.getsize(log_file) > 0, "the daemon logs there"
+    m.umount()
+    os.chmod(m.store, 0o755)  # as an older faultfs left it
+    m2 = mounter(store=m.store)
+    assert stat.S_IMODE(os.stat(m.store).st_mode) == 0o700
+    m2.umount()
+    target = tmp_path / "victim"
+    target.write_text("keep me\n")
+    os.unlink(log_file)
+    os.symlink(target, log_file)
+    (tmp_path / "mnt9").mkdir()
+    result = run_faultfs("mount", str(tmp_path / "mnt9"), "--store", m.store)
+    assert result.returncode == 1 and "is a symbolic link" in result.stderr
+    assert target.read_text() == "keep me\n"
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """``small_fs(size_kb, inodes) -> path`` of a tmpfs of its own (unmounted at teardown)."""
+    made = []
+
+    def make(size_kb: int, inodes: int | None = None):
+        path = tmp_path / f"fs{len(made)}"
+        path.mkdir()
+        opts = f"size={size_kb}k" + (f",nr_inodes={inodes}" if inodes else "")
+        subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], check=True)
+        made.append(path)
+        return path
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    yield make
+    for path in made:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def _fill(directory) -> None:
+    """Fill a file system: bytes until ENOSPC, then inodes until ENOSPC."""
+    n = 0
+    with open(os.path.join(directory, "filler"), "wb") as f:
+        try:
+            while True:
+                f.write(b"\xff" * (64 * KiB))
+                f.flush()
+        except OSError:
+            pass
+    while True:
+        n += 1
+        try:
+            open(os.path.join(directory, f"inode-{n}"), "wb").close()
+        except OSError:
+            return
+
+
+@pytest.mark.parametrize("how", ["full of bytes and inodes", "read-only"])
+def test_a_store_that_cannot_be_written_mounts_degraded(mounter, sample, small_fs, tmp_path, how):
+    from conftest import run_faultfs
+
+    src = sample(4 * MiB)
+    data = read(src)
+    fs = small_fs(16 * 1024, inodes=200)
+    store = fs / "store"
+    m = mounter(src, store=str(store), args=["--chunk-size", "1M", "--prefetch-mb", "0"])
+    for i in (0, 1):  # chunks 0 and 1 staged (the chunk files: no readahead past them)
+        assert read(os.path.join(m.tag("field"), f"chunk_{i}")) == data[i * MiB:(i + 1) * MiB]
+    m.umount()
+    if how == "read-only":
+        subprocess.run(["mount", "-o", "remount,ro", str(fs)], check=True)
+    else:
+        _fill(fs)
+    mnt = tmp_path / "mnt-degraded"
+    mnt.mkdir()
+    result = run_faultfs("mount", str(mnt), "--store", str(store), "--prefetch-mb", "0")
+    assert result.returncode == 0, result.stderr
+    assert "warning: store" in result.stderr and "cannot be written" in result.stderr
+    try:
+        assert read(mnt / "field" / "field.bin") == data
+        stats = json.loads(read(mnt / ".faultfs" / "stats"))
+        c = stats["counters"]
+        assert stats["store_degraded"]
+        assert c["hits"] >= 2 and c["source_reads"] >= 2 and c["stored"] == 0
+        assert "DEGRADED" in run_faultfs("stat", str(mnt)).stdout
+    finally:
+        run_faultfs("umount", str(mnt))

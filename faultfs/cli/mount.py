@@ -13,16 +13,18 @@ import logging
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 from faultfs.cli.common import EXIT_ERROR, range_arg, size_arg
-from faultfs.config import Config, default_store_dir
+from faultfs.config import Config
 from faultfs.errors import FaultfsError
 
 log = logging.getLogger("faultfs")
 
 ARGV_STDIN = "--argv-on-stdin"  # how `faultfs mount` hands its arguments to the daemon
 READY_TIMEOUT_S = 300.0  # registering many remote shards can take a while
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def register(sub) -> None:
@@ -71,22 +73,20 @@ def cmd_mount(args: argparse.Namespace) -> int:
 
 
 def _mount_daemon(args: argparse.Namespace) -> int:
-    """Start the daemon and wait until it says the mount answers (or why it failed)."""
+    """Start the daemon and wait until it says the mount answers (or why it failed).
+
+    Nothing is written to the store here: until the daemon has validated the request and
+    opened the store's log, its stderr goes to a private temporary file, shown if it dies
+    without a word and removed after."""
     read_fd, write_fd = os.pipe()
-    store = os.path.abspath(os.path.expanduser(args.store or default_store_dir()))
-    log_path = os.path.join(store, "log", "faultfs.log")
-    try:
-        os.makedirs(os.path.dirname(log_path), exist_ok=True)
-        log_file = open(log_path, "ab")
-    except OSError:
-        log_file = None
+    early = tempfile.TemporaryFile(prefix="faultfs-mount-")  # 0600, unlinked already
     # The arguments travel on the daemon's stdin, not its command line: a source URL may
     # carry credentials (a presigned query, user:password@), and /proc/PID/cmdline is
     # readable by every local user for as long as the daemon runs.
     cmd = [sys.executable, "-m", "faultfs.cli", ARGV_STDIN]
     proc = subprocess.Popen(
         cmd, pass_fds=(write_fd,), start_new_session=True, stdin=subprocess.PIPE,
-        stdout=subprocess.DEVNULL, stderr=log_file or subprocess.DEVNULL)
+        stdout=subprocess.DEVNULL, stderr=early)
     assert proc.stdin is not None
     try:
         proc.stdin.write(json.dumps([*args.argv, "--ready-fd", str(write_fd)]).encode())
@@ -94,22 +94,26 @@ def _mount_daemon(args: argparse.Namespace) -> int:
     except BrokenPipeError:
         pass  # the daemon died at once; _read_ready reports it
     os.close(write_fd)
-    if log_file is not None:
-        log_file.close()
     message = _read_ready(read_fd, proc)
     os.close(read_fd)
-    if message.startswith("ok"):
-        info = json.loads(message[2:] or "{}")
-        tags = ", ".join(info.get("tags", []))
-        print(f"mounted {info.get('mountpoint', '')} (tags: {tags}; pid {proc.pid})")
-        return 0
-    if message.startswith("error "):
-        print(f"faultfs: {message[6:]}", file=sys.stderr)
-    else:
-        code = proc.poll()
-        print(f"faultfs: the daemon exited before the mount was ready (exit code {code}); "
-              f"see {log_path}", file=sys.stderr)
-    return EXIT_ERROR
+    try:
+        if message.startswith("ok"):
+            info = json.loads(message[2:] or "{}")
+            tags = ", ".join(info.get("tags", []))
+            print(f"mounted {info.get('mountpoint', '')} (tags: {tags}; pid {proc.pid})")
+            for warning in info.get("warnings", []):
+                print(f"faultfs: warning: {warning}", file=sys.stderr)
+            return 0
+        if message.startswith("error "):
+            print(f"faultfs: {message[6:]}", file=sys.stderr)
+        else:
+            early.seek(0)
+            said = early.read()[-2000:].decode(errors="replace").strip()
+            print(f"faultfs: the daemon exited before the mount was ready (exit code "
+                  f"{proc.poll()})" + (f":\n{said}" if said else ""), file=sys.stderr)
+        return EXIT_ERROR
+    finally:
+        early.close()
 
 
 def _read_ready(fd: int, proc: subprocess.Popen) -> str:
@@ -134,19 +138,14 @@ def _read_ready(fd: int, proc: subprocess.Popen) -> str:
     return data.decode(errors="replace").strip()
 
 
-def _setup_logging(args: argparse.Namespace, store_dir: str | None) -> None:
+def _setup_logging(args: argparse.Namespace) -> None:
+    """Log to stderr; the daemon moves its log into the store once the store is ready
+    (``daemon.log_to_store``)."""
     level = logging.DEBUG if args.debug else logging.INFO
-    fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
     root = logging.getLogger()
     root.handlers.clear()
-    handler: logging.Handler = logging.StreamHandler(sys.stderr)
-    if args.ready_fd is not None and store_dir is not None:
-        try:
-            os.makedirs(os.path.join(store_dir, "log"), exist_ok=True)
-            handler = logging.FileHandler(os.path.join(store_dir, "log", "faultfs.log"))
-        except OSError:
-            pass  # the store itself will say why it is unusable
-    handler.setFormatter(logging.Formatter(fmt))
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
     root.addHandler(handler)
     root.setLevel(level)
     if not args.debug:
@@ -171,8 +170,8 @@ def _mount_here(args: argparse.Namespace) -> int:
                 pass
             ready_fd = None
 
-    def ready(tags: list[str], mountpoint: str) -> None:
-        report("ok" + json.dumps({"mountpoint": mountpoint, "tags": tags}))
+    def ready(tags: list[str], mountpoint: str, warnings: list[str]) -> None:
+        report("ok" + json.dumps({"mountpoint": mountpoint, "tags": tags, "warnings": warnings}))
 
     try:
         config = Config.build(store_dir=args.store, reserve_mb=args.reserve_mb,
@@ -181,7 +180,7 @@ def _mount_here(args: argparse.Namespace) -> int:
                               cache_size=args.cache_size, memory_mb=args.memory_mb,
                               prefetch_mb=args.prefetch_mb, readahead_kb=args.readahead_kb,
                               inline_read_kb=args.inline_read_kb)
-        _setup_logging(args, config.store_dir)
+        _setup_logging(args)
         options = SourceOptions(s3_region=args.s3_region, s3_profile=args.s3_profile,
                                 s3_endpoint_url=args.s3_endpoint_url, anon=args.anon)
         *sources, mountpoint = args.paths
@@ -191,7 +190,7 @@ def _mount_here(args: argparse.Namespace) -> int:
             chunk_size=args.chunk_size, blob_prefix=args.blob_prefix, range_off=range_off,
             range_size=range_size, format=args.format, page_size=args.page_size,
             allow_other=args.allow_other)
-        daemon.run(spec, config, options, ready=ready)
+        daemon.run(spec, config, options, ready=ready, log_to_store=args.ready_fd is not None)
     except FaultfsError as exc:
         if args.debug:
             log.exception("mount failed")

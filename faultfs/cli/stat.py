@@ -41,7 +41,9 @@ def render_stats(snap: dict) -> str:
         f"store          {snap.get('store')}  (free {format_size(snap.get('store_free_bytes', 0))}, "
         f"reserve {format_size(snap.get('reserve_bytes', 0))}"
         + (f", cap {format_size(snap['cache_size'])}" if snap.get("cache_size") else "")
-        + ("" if snap.get("store_enabled", True) else ", storing OFF (read-through)") + ")",
+        + ("" if snap.get("store_enabled", True) else ", storing OFF (read-through)") + ")"
+        + (f"\n  DEGRADED: the store cannot be written ({snap['store_degraded']}): serving what is "
+           "staged, reading the rest through" if snap.get("store_degraded") else ""),
         f"daemon         pid {snap.get('pid')}, up {snap.get('uptime_s', 0):.0f} s, "
         f"{snap.get('io_threads')} I/O threads",
         _memory_line(snap),

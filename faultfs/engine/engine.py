@@ -205,7 +205,7 @@ class Engine:
         """Everything ``faultfs stat`` shows, as plain JSON-able values."""
         free = await self.pool.run(self.store.free_bytes)  # statvfs: not on the trio thread
         return snapshot(self.config, self.store.root, free, self.stats, self.tiers,
-                        self.tags.values())
+                        self.tags.values(), self.store.degraded)
 
 
 class _PageBlobs:

@@ -20,7 +20,7 @@ from faultfs.tiers.multilevel import TierStack
 
 
 def snapshot(config: Config, store_root: str, store_free_bytes: int, stats: Stats,
-             tiers: TierStack, tags: Iterable[Tag]) -> dict[str, Any]:
+             tiers: TierStack, tags: Iterable[Tag], store_degraded: str = "") -> dict[str, Any]:
     policy = tiers.local.policy
     return {
         "pid": os.getpid(),
@@ -29,6 +29,7 @@ def snapshot(config: Config, store_root: str, store_free_bytes: int, stats: Stat
         "store_free_bytes": store_free_bytes,
         "reserve_bytes": config.reserve_bytes,
         "store_enabled": config.store_enabled,
+        "store_degraded": store_degraded,
         "cache_size": config.cache_size,
         "cached_bytes": policy.lru_bytes,
         "io_threads": config.io_threads,

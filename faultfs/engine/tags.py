@@ -139,12 +139,21 @@ class Tags:
             plan.source.close()
             return self.by_name[ctx.dst]
         previous = read_tag_state(self.store, ctx.dst)
+        degraded = self.store.degraded
         if previous is not None and previous.key != ctx.key:
+            if degraded:
+                raise InvalidInput(f"tag {ctx.dst!r} is registered with another source, and the "
+                                   f"store cannot be written ({degraded}) to replace it")
             log.info("tag %s is re-registered with a new context: dropping its old blobs", ctx.dst)
             self.registry_store.delete(previous.key)
             self.registry.pop(previous.key, None)
             self.store.forget_tag(ctx.dst)
-        self.registry[ctx.key] = self.registry_store.put(ctx)
+        if degraded:
+            log.warning("tag %s: registered for this mount only: the store cannot be written "
+                        "(%s)", ctx.dst, degraded)
+            self.registry[ctx.key] = ctx.encode()
+        else:
+            self.registry[ctx.key] = self.registry_store.put(ctx)
         recorded = previous.source_version if previous is not None and previous.key == ctx.key else None
         tag = self._add(ctx, plan.layout, plan.version, plan.source, plan.assimilator,
                         shard=shard, recorded=recorded)
@@ -153,6 +162,8 @@ class Tags:
         return tag
 
     def _write_state(self, tag: Tag) -> None:
+        if self.store.degraded:
+            return  # nothing can be written; the next writable mount records it
         write_tag_state(self.store, tag.name, TagState(
             key=tag.key, source_version=tag.version_text, shard=tag.shard,
             view_name=tag.view_name, mtime=tag.mtime, remote=tag.remote))

@@ -163,6 +163,7 @@ class BlobStore:
         self.root = os.path.abspath(os.path.expanduser(root))
         self._lock_fd = -1
         self.degraded = ""  # why nothing can be written (a full or read-only file system)
+        self.degraded_errno = 0
         if create:
             self.create()
 
@@ -183,7 +184,7 @@ class BlobStore:
                 _tighten(path)
             except OSError as exc:
                 if exc.errno in DEGRADED_ERRNOS and os.path.isdir(os.path.join(self.root, "tags")):
-                    self.degraded = f"{exc.strerror} (store {self.root})"
+                    self._degrade(exc)
                     return
                 raise InvalidInput(f"store {self.root} cannot be created: {exc.strerror}",
                                    exc.errno or errno.EIO) from None
@@ -198,10 +199,14 @@ class BlobStore:
         except OSError as exc:
             if exc.errno in DEGRADED_ERRNOS:
                 _unlink_quietly(probe)
-                self.degraded = f"{exc.strerror} (store {self.root})"
+                self._degrade(exc)
                 return
             raise InvalidInput(f"store {self.root} is not writable: {exc.strerror}",
                                exc.errno or errno.EACCES) from None
+
+    def _degrade(self, exc: OSError) -> None:
+        self.degraded = exc.strerror or str(exc)
+        self.degraded_errno = exc.errno or errno.EROFS
 
     @property
     def writable(self) -> bool:
@@ -209,7 +214,8 @@ class BlobStore:
 
     def _require_writable(self) -> None:
         if self.degraded:
-            raise StoreFull(f"store {self.root} cannot be written: {self.degraded}")
+            raise FaultfsError(f"store {self.root} cannot be written: {self.degraded}",
+                               self.degraded_errno)
 
     # -- ownership ---------------------------------------------------------------------------
 

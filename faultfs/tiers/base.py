@@ -34,6 +34,7 @@ class StoreOutcome(enum.Enum):
     SKIPPED_RESERVE = "skipped_reserve"  # it would cross the free-space reserve
     SKIPPED_CACHE_CAP = "skipped_cache_cap"  # nothing evictable makes room under --cache-size
     SKIPPED_DIRTY = "skipped_dirty"  # a user's blob of that name is there: never replaced
+    SKIPPED_DEGRADED = "skipped_degraded"  # the store's file system is full or read-only
     FULL = "full"  # the file system said ENOSPC/EDQUOT: back off
     FAILED = "failed"  # any other error (logged)
 

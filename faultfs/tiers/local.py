@@ -260,6 +260,8 @@ class LocalTier:
 
     async def put(self, key: BlobKey, data: Buffer) -> StoreOutcome:
         """Apply the store policy to a faulted blob and write it (on the pool)."""
+        if self.store.degraded:
+            return self._count(StoreOutcome.SKIPPED_DEGRADED)
         outcome = self.policy.admit()
         if outcome is not None:
             return self._count(outcome)
