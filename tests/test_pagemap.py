@@ -480,3 +480,17 @@ def test_parse_never_raises_and_strict_agrees(text):
         strict, reason = None, str(err)
     assert "\n" not in reason
     assert strict is None or strict == m
+
+
+@settings(max_examples=200, deadline=None)
+@given(ps=st.integers(1, 64), raw=st.lists(st.tuples(st.integers(0, 300), st.integers(1, 80)),
+                                           max_size=30))
+def test_max_slices_per_page_matches_counting_every_page(ps, raw):
+    from faultfs.core.pagemap import max_slices_per_page
+
+    pm = build(ps, [PageExtent("b", 0, off, size) for off, size in raw])
+    want = max((len(pm.to_page(p)) for p in range(pm.num_pages)), default=0)
+    got, page = max_slices_per_page(pm)
+    assert got == want
+    if want:
+        assert len(pm.to_page(page)) == want

@@ -279,3 +279,63 @@ def test_damaged_stored_pagemap_is_shown_unusable_not_an_error(setup):
     assert engine.pages.has_pagemap(tag), "the damaged map is shown, so it can be rewritten"
     assert engine.pages.num_pages(tag) == 0
     assert os.path.exists(path), "a user-written blob is never deleted on a checksum failure"
+
+
+def test_a_page_of_many_slices_does_not_starve_other_readers(tmp_path):
+    """A valid pagemap of one-byte slices from thousands of blobs once queued a fault per
+    slice at once: every other read of the mount waited behind them."""
+    import time
+
+    from faultfs.testing.fakes import ctx_for, engine_for, make_source
+
+    n = 4096
+    data = payload(n * 512)
+    src = make_source(data, url="mem://many")
+    src.delay_s = 0.001
+    other = make_source(payload(4096), url="mem://other")
+    store = BlobStore(str(tmp_path / "store"))
+    engine = engine_for(store)
+    tag = engine.register(ctx_for("mem://many", "many", chunk_size=512))
+    quiet = engine.register(ctx_for("mem://other", "quiet", chunk_size=512))
+    text = f"pagemap\npage_size={n}\n" + "".join(f"chunk_{i} 0 {i} 1\n" for i in range(n))
+    engine.store.put(tag.name, PAGEMAP_BLOB, text.encode(), flags=FLAG_DIRTY, durable=True)
+    waits = []
+
+    async def main():
+        async def page():
+            got = await engine.pages.read_page(tag, 0, 0, n)
+            assert got == bytes(data[i * 512] for i in range(n))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(page)
+            await trio.sleep(0.05)  # the page read is under way
+            for i in range(8):
+                started = time.monotonic()
+                assert bytes(await engine.read_blob(quiet, i % 8, 0, 64)) == other.data[
+                    (i % 8) * 512:(i % 8) * 512 + 64]
+                waits.append(time.monotonic() - started)
+
+    trio.run(main)
+    engine.close()
+    assert max(waits) < 0.5, f"another tag's reads waited {max(waits):.2f} s behind the page"
+    assert src.reads <= n, "each blob of the page was fetched once"
+
+
+def test_a_page_over_the_slice_limit_is_refused(setup):
+    from faultfs.core.pagemap import MAX_PAGE_SLICES
+
+    engine, tag, _ = setup
+    text = f"pagemap\npage_size={MAX_PAGE_SLICES + 1}\n" + "".join(
+        f"chunk_0 0 {i} 1\n" for i in range(MAX_PAGE_SLICES + 1))
+
+    async def write():
+        fh = await engine.pages.open_pagemap(tag, os.O_WRONLY | os.O_TRUNC)
+        engine.pages.handle_write(fh, 0, text.encode())
+        try:
+            await engine.pages.flush(fh)
+        finally:
+            await engine.pages.close(fh)
+
+    with pytest.raises(InvalidInput, match=f"over the limit of {MAX_PAGE_SLICES}"):
+        trio.run(write)
+    assert not engine.pages.has_pagemap(tag)

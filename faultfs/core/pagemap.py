@@ -37,6 +37,9 @@ MAX_PAGEMAP_EXTENTS = 1 << 20
 MAX_PAGEMAP_LINES = MAX_PAGEMAP_EXTENTS + 4096
 # MAX_PAGEMAP_EXTENTS lines of about 64 characters; longer texts are refused before parsing.
 MAX_PAGEMAP_TEXT = 64 << 20
+# A page read assembles every slice of its window; a page may have at most this many slices,
+# so one read of one page bounds the work (and the blobs fetched) one request can cause.
+MAX_PAGE_SLICES = 1 << 16
 # from_page materialises one PageRef per page touched; more than this must use iter_from_page.
 MAX_PAGE_REFS = 1 << 20
 # DESIGN §7: a blob name over 255 bytes cannot be a file name in the mount.
@@ -269,7 +272,7 @@ def build(page_size: int, extents: Iterable[PageExtent]) -> PageMap:
         _check_value("blob_off", e.blob_off)
         _check_value("page_off", e.page_off)
         _check_value("size", e.size)
-    return _build_checked(page_size, items)
+    return _check_slices(_build_checked(page_size, items))
 
 
 def _build_checked(page_size: int, items: list[PageExtent]) -> PageMap:
@@ -285,6 +288,38 @@ def _build_checked(page_size: int, items: list[PageExtent]) -> PageMap:
         kept.append(e)
         end = e.page_off + e.size
     return PageMap(page_size or 1, tuple(kept))
+
+
+def max_slices_per_page(pagemap: PageMap) -> tuple[int, int]:
+    """``(slices, page)``: the most slices any page of the map has, and the first such page.
+
+    Kept extents are sorted and disjoint, so the slices of page ``p`` are the extents that
+    start in ``p`` plus, at most, the one extent before them that runs into ``p``: one pass."""
+    ps = pagemap.page_size
+    if ps == 0 or not pagemap.extents:
+        return 0, 0
+    best, best_page = 1, pagemap.extents[0].page_off // ps
+    i, extents = 0, pagemap.extents
+    while i < len(extents):
+        page = extents[i].page_off // ps
+        j = i
+        while j < len(extents) and extents[j].page_off // ps == page:
+            j += 1
+        count = j - i
+        if i > 0 and (_extent_end(extents[i - 1]) - 1) // ps >= page:
+            count += 1  # the extent before runs into this page
+        if count > best:
+            best, best_page = count, page
+        i = j
+    return best, best_page
+
+
+def _check_slices(pagemap: PageMap) -> PageMap:
+    slices, page = max_slices_per_page(pagemap)
+    if slices > MAX_PAGE_SLICES:
+        raise InvalidInput(
+            f"pagemap: page {page} has {slices} slices, over the limit of {MAX_PAGE_SLICES}")
+    return pagemap
 
 
 def identity(page_size: int, total: int, chunk_size: int, blob_prefix: str) -> PageMap:
@@ -305,6 +340,10 @@ def identity(page_size: int, total: int, chunk_size: int, blob_prefix: str) -> P
             " use a larger chunk size"
         )
     _check_page_size(page_size)
+    if -(-page_size // chunk_size) + 1 > MAX_PAGE_SLICES:
+        raise InvalidInput(
+            f"pagemap: pages of {page_size} bytes over {chunk_size}-byte chunks would have over "
+            f"{MAX_PAGE_SLICES} slices each; use a larger chunk size or a smaller page size")
     # Names differ only in their digits, so the first and the longest speak for all of them.
     for name in (f"{blob_prefix}0", f"{blob_prefix}{max(chunks - 1, 0)}"):
         problem = blob_name_problem(name)
@@ -375,7 +414,8 @@ def _parse(text: str, strict: bool) -> PageMap:
         raise InvalidInput("pagemap: no page_size line")
     if page_size == 0:
         raise InvalidInput("pagemap: page_size is 0")
-    return _build_checked(page_size, extents)  # every value was checked as it was read
+    # every value was checked as it was read; a page of too many slices refuses the map
+    return _check_slices(_build_checked(page_size, extents))
 
 
 def parse(text: str) -> PageMap:

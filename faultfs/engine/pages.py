@@ -9,10 +9,11 @@ Invariants:
 - The map is loaded lazily, once per tag, on the I/O pool (parsing a large map takes seconds)
   and cached parsed; concurrent first uses share one load. A rewrite replaces the cached map
   itself, and a load that raced a rewrite never installs the older map (a generation check).
-- Reading a page plans the slices of the requested window, fetches them all concurrently
-  (chunk blobs of the tag through the fault path, any other blob from the store), and
-  assembles them over zeros. A slice that cannot be read fails the whole read with EIO: zeros
-  are never served in place of data.
+- Reading a page plans the slices of the requested window, fetches each blob they name once
+  (chunk blobs of the tag through the fault path, any other blob from the store; at most
+  ``PAGE_FETCHES`` at a time) and copies the slices over zeros in bounded steps, so one
+  reader of a page of many slices cannot starve the mount. A slice that cannot be read fails
+  the whole read with EIO: zeros are never served in place of data.
 - ``.pagemap`` handles buffer text in memory (at most ``MAX_PAGEMAP_TEXT`` bytes each). A
   handle that was written or truncated is validated with ``parse_strict`` when the writer
   flushes (close): a malformed map is refused with EINVAL and the stored map stays; a valid one
@@ -34,18 +35,18 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import trio
+import trio.lowlevel
 
 from faultfs.core.inodes import MAX_INDEX
 from faultfs.core.pagemap import (
     EMPTY_PAGEMAP,
     MAX_PAGEMAP_TEXT,
     PageMap,
-    PageSlice,
     identity,
     parse,
     parse_strict,
 )
-from faultfs.core.pagify import assemble, plan_page, window_size
+from faultfs.core.pagify import plan_page, window_size
 from faultfs.engine.tags import Tag
 from faultfs.errors import FaultfsError, InvalidInput
 from faultfs.iopool import IoPool
@@ -59,6 +60,8 @@ PAGEMAP_BLOB = "pagemap"  # DESIGN §2: the pagemap is blob "pagemap" of its tag
 # number (core.inodes), rather than colliding inode numbers.
 MAX_PAGES_SHOWN = MAX_INDEX + 1
 
+PAGE_FETCHES = 8  # blobs one page read fetches at once: the I/O pool stays open to others
+ASSEMBLE_STEP = 4096  # slices copied between checkpoints of the serving thread
 # subscriber(tag, pages_before, pages_after), awaited after a map is replaced in a mount.
 ChangeListener = Callable[["Tag", int, int], Awaitable[None]]
 
@@ -215,7 +218,12 @@ class PageService:
     # -- page reads ---------------------------------------------------------------------------
 
     async def read_page(self, tag: Tag, page_id: int, off: int, size: int) -> bytes:
-        """Bytes ``[off, off+size)`` of page ``page_id`` (clipped to the page size)."""
+        """Bytes ``[off, off+size)`` of page ``page_id`` (clipped to the page size).
+
+        Each blob the window's slices name is fetched once (the span of it they cover), by
+        at most ``PAGE_FETCHES`` at a time, then the slices are copied into place with a
+        checkpoint every ``ASSEMBLE_STEP``: a page of many slices never fills the I/O pool
+        or holds the serving thread, so other readers of the mount keep being served."""
         pagemap = await self.load(tag)
         if pagemap.empty or not 0 <= page_id < min(pagemap.num_pages, MAX_PAGES_SHOWN):
             raise FaultfsError(f"tag {tag.name} has no page {page_id}", errno.ENOENT)
@@ -226,30 +234,51 @@ class PageService:
         stats.add("page_reads")
         slices = plan_page(pagemap, page_id, off, window)
         stats.add("page_slices", len(slices))
-        pieces: list[bytes | None] = [None] * len(slices)
+        spans: dict[str, list[int]] = {}  # blob -> [lo, hi) of it the slices cover
+        for piece in slices:
+            span = spans.get(piece.blob_name)
+            end = piece.blob_off + piece.size
+            if span is None:
+                spans[piece.blob_name] = [piece.blob_off, end]
+            else:
+                span[0], span[1] = min(span[0], piece.blob_off), max(span[1], end)
+        fetched: dict[str, Buffer] = {}
         errors: list[str] = []
+        todo = iter(spans.items())
 
-        async def fetch(i: int, piece: PageSlice) -> None:
-            try:
-                pieces[i] = await self._read_slice(tag, piece)
-            except FaultfsError as exc:
-                errors.append(exc.message)
-            except Exception as exc:
-                log.exception("tag %s page %d: reading %s failed", tag.name, page_id,
-                              piece.blob_name)
-                errors.append(f"{piece.blob_name}: {exc}")
+        async def fetcher() -> None:
+            for name, (lo, hi) in todo:
+                try:
+                    fetched[name] = await self._read_span(tag, name, lo, hi)
+                except FaultfsError as exc:
+                    errors.append(exc.message)
+                except Exception as exc:
+                    log.exception("tag %s page %d: reading %s failed", tag.name, page_id, name)
+                    errors.append(f"{name}: {exc}")
 
-        if len(slices) == 1:
-            await fetch(0, slices[0])
-        elif slices:
+        if len(spans) == 1:
+            await fetcher()
+        elif spans:
             # No cancellation on the first failure: a fault other readers may have joined
             # must finish, or they would see a spurious error.
             async with trio.open_nursery() as nursery:
-                for i, piece in enumerate(slices):
-                    nursery.start_soon(fetch, i, piece)
-        dst = bytearray(window)
-        result = assemble(dst, slices, pieces)
-        if errors or not result.ok:
+                for _ in range(min(PAGE_FETCHES, len(spans))):
+                    nursery.start_soon(fetcher)
+        dst = bytearray(window)  # zeros: gaps read as zero
+        short = False
+        for k, piece in enumerate(slices):
+            if errors:
+                break
+            data = fetched[piece.blob_name]
+            lo = spans[piece.blob_name][0]
+            part = memoryview(data)[piece.blob_off - lo:piece.blob_off - lo + piece.size]
+            if len(part) != piece.size:
+                short = True  # the blob is shorter than the map says: the page fails
+                break
+            dst[piece.dst_off:piece.dst_off + piece.size] = part
+            if k % ASSEMBLE_STEP == ASSEMBLE_STEP - 1:
+                await trio.lowlevel.checkpoint()
+        if errors or short:
             stats.add("page_errors")
             reason = errors[0] if errors else "a slice is shorter than the pagemap says"
             log.error("tag %s: page %d [%d, %d) failed: %s", tag.name, page_id, off,
@@ -257,19 +286,16 @@ class PageService:
             raise FaultfsError(f"page {page_id} of tag {tag.name}: {reason}", errno.EIO)
         return bytes(dst)
 
-    async def _read_slice(self, tag: Tag, piece: PageSlice) -> bytes:
-        """The bytes of one slice: a chunk through the fault path, else a stored blob.
-
-        May return fewer bytes than the slice asks (the blob is shorter); assemble fails the
-        page then."""
-        index = tag.layout.blob_index(piece.blob_name)
+    async def _read_span(self, tag: Tag, name: str, lo: int, hi: int) -> Buffer:
+        """Bytes ``[lo, hi)`` of one blob a page needs: a chunk through the fault path, else a
+        stored blob. May be shorter (the blob is); the page then fails."""
+        index = tag.layout.blob_index(name)
         if index is not None:
-            return bytes(await self.blobs.read_chunk(tag, index, piece.blob_off, piece.size))
-        data = await self.pool.run(self.blobs.read_stored, tag, piece.blob_name)
+            return await self.blobs.read_chunk(tag, index, lo, hi - lo)
+        data = await self.pool.run(self.blobs.read_stored, tag, name)
         if data is None:
-            raise FaultfsError(f"blob {piece.blob_name} of tag {tag.name} does not exist",
-                               errno.EIO)
-        return data[piece.blob_off:piece.blob_off + piece.size]
+            raise FaultfsError(f"blob {name} of tag {tag.name} does not exist", errno.EIO)
+        return memoryview(data)[lo:hi]
 
     # -- .pagemap handles ---------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ assimilator. ``engine_for`` and ``ctx_for`` build an engine and a context over t
 from __future__ import annotations
 
 import threading
+import time
 
 import assimilators
 from assimilators.binary import BinaryFileAssimilator
@@ -35,6 +36,7 @@ class MemorySource:
         self.failures = 0  # injected failures raised so far
         self.fail_calls: set[int] = set()
         self.gate: threading.Event | None = None
+        self.delay_s = 0.0  # each read takes at least this long (a slow source)
         self.token = "v1"
         self._lock = threading.Lock()
 
@@ -54,6 +56,8 @@ class MemorySource:
                 self.failures += 1
         if self.gate is not None:
             self.gate.wait(10)
+        if self.delay_s:
+            time.sleep(self.delay_s)
         if failing:
             raise SourceError(f"{self.url}: injected failure on call {call}")
         return self.data[off:off + size]
