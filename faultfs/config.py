@@ -21,6 +21,13 @@ PREFETCH_MB = 32  # sequential readers get up to this much faulted ahead of them
 READAHEAD_KB = 4096  # kernel readahead of the mount: 1 MiB requests, several in flight
 INLINE_READ_KB = 64  # staged reads up to this size block the event loop's thread, no pool trip
 
+# Upper bounds: beyond them a value is a typo, not a setting (an absurd reserve silently
+# turned every fault into a read-through).
+MAX_IO_THREADS = 1024
+MAX_MB = 1 << 30  # 1 PiB in MiB
+MAX_READAHEAD_KB = 1 << 20  # 1 GiB
+MAX_BYTES = (1 << 63) - 1
+
 ENV_ALIASES = {
     "FAULTFS_RESERVE_MB": "CLIO_CAE_FAULT_RESERVE_MB",
     "FAULTFS_STORE": "CLIO_CAE_FAULT_STORE",
@@ -92,6 +99,15 @@ class Config:
             raise InvalidInput("--cache-size must not be negative")
         if min(self.memory_mb, self.prefetch_mb, self.readahead_kb, self.inline_read_kb) < 0:
             raise InvalidInput("memory, prefetch, readahead and inline-read sizes must not be negative")
+        for flag, value, most in (("--io-threads", self.io_threads, MAX_IO_THREADS),
+                                  ("--reserve-mb", self.reserve_mb, MAX_MB),
+                                  ("--memory-mb", self.memory_mb, MAX_MB),
+                                  ("--prefetch-mb", self.prefetch_mb, MAX_MB),
+                                  ("--readahead-kb", self.readahead_kb, MAX_READAHEAD_KB),
+                                  ("--inline-read-kb", self.inline_read_kb, MAX_READAHEAD_KB),
+                                  ("--cache-size", self.cache_size, MAX_BYTES)):
+            if value > most:
+                raise InvalidInput(f"{flag} must be at most {most} (it is {value})")
 
     @property
     def reserve_bytes(self) -> int:

@@ -13,8 +13,9 @@ Invariants:
   are skipped without being read. Warming reads the whole blob in large ``pread``s into one
   reused buffer: the read faults it in and the mount stores it.
 - The checkpoint is a DualMetadataManager coordinate: ``shard_id`` = tag index, ``byte_offset``
-  = index of the next blob of that tag, ``global_row_idx`` = blobs done (read or skipped) since
-  the warm began. It is committed every ``checkpoint_blobs`` blobs or ``checkpoint_seconds``,
+  = index of the next blob of that tag, ``page_idx`` = the tag's name as 32 bits (``tag_mark``:
+  a resume finds the tag by name, also after tags were added or forgotten), ``global_row_idx``
+  = blobs done (read or skipped) since the warm began. It is committed every ``checkpoint_blobs`` blobs or ``checkpoint_seconds``,
   at the end of each tag, and on an interrupt or error; a kill -9 loses at most one interval.
   A checkpoint past the last tag means the previous warm completed: the next one starts over.
 """
@@ -27,9 +28,10 @@ import os
 import re
 import sys
 import time
+import zlib
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TextIO
 
 import xxhash
@@ -77,7 +79,7 @@ def default_state_path(target: str | os.PathLike[str]) -> str:
     """``<store>/warm/<xxh3 of the target's real path>.meta`` for a mounted faultfs (the
     checkpoint lives with the blobs it describes), else under ``$XDG_CACHE_HOME/faultfs``."""
     real = os.path.realpath(os.fspath(target))
-    key = xxhash.xxh3_64_hexdigest(real.encode())
+    key = xxhash.xxh3_64_hexdigest(os.fsencode(real))
     for root in (real, os.path.dirname(real)):
         try:
             with open(os.path.join(root, CONTROL_DIR, "stats"), "rb") as f:
@@ -207,6 +209,37 @@ def _plan(tags: list[str], start: StreamCoordinate) -> list[Blob]:
     return blobs
 
 
+def tag_mark(tag_dir: str) -> int:
+    """A tag's name as 32 bits for the checkpoint (never 0: 0 is "no tag recorded")."""
+    return zlib.crc32(os.fsencode(os.path.basename(tag_dir))) | 1
+
+
+def _at(tags: list[str], tag_idx: int, blob: int, done: int) -> StreamCoordinate:
+    """The coordinate of blob ``blob`` of tag ``tag_idx``: ``page_idx`` names the tag, so a
+    resume finds it again when tags were added or forgotten meanwhile."""
+    mark = tag_mark(tags[tag_idx]) if tag_idx < len(tags) else 0
+    return StreamCoordinate(shard_id=tag_idx, byte_offset=blob, page_idx=mark,
+                            global_row_idx=done)
+
+
+def _follow_tag(tags: list[str], start: StreamCoordinate, report: WarmReport) -> StreamCoordinate:
+    """Where a checkpoint resumes in today's tag list: at the tag it names, wherever that tag
+    sorts now; from the start when that tag is gone (its blobs staged since are skipped)."""
+    if not start.page_idx:  # written before tags were named: trust the position
+        report.resumed_from = start
+        return start
+    for idx, tag in enumerate(tags):
+        if tag_mark(tag) == start.page_idx:
+            if idx != start.shard_id:
+                report.notes.append(f"tags changed since the checkpoint: resuming at "
+                                    f"{os.path.basename(tag)} (now tag {idx})")
+            moved = replace(start, shard_id=idx)
+            report.resumed_from = moved
+            return moved
+    report.notes.append("the tag the previous warm was in is gone; starting over")
+    return StreamCoordinate()
+
+
 def warm(
     target: str | os.PathLike[str],
     state_path: str | os.PathLike[str] | None = None,
@@ -235,7 +268,7 @@ def warm(
             report.notes.append("the previous warm completed; starting over")
             start = StreamCoordinate()
         else:
-            report.resumed_from = start
+            start = _follow_tag(tags, start, report)
         blobs = _plan(tags, start)
         report.blobs_total = len(blobs)
         bar = (
@@ -271,16 +304,10 @@ def warm(
                         ) from err
                     report.blobs_warmed += 1
                 done += 1
-                position = StreamCoordinate(
-                    shard_id=blob.tag_idx,
-                    byte_offset=blob.index + 1,
-                    global_row_idx=start.global_row_idx + done,
-                )
+                position = _at(tags, blob.tag_idx, blob.index + 1, start.global_row_idx + done)
                 next_tag = blobs[i + 1].tag_idx if i + 1 < len(blobs) else len(tags)
                 if next_tag != blob.tag_idx:
-                    position = StreamCoordinate(
-                        shard_id=blob.tag_idx + 1, global_row_idx=position.global_row_idx
-                    )
+                    position = _at(tags, blob.tag_idx + 1, 0, position.global_row_idx)
                     checkpoint(position)
                 elif (
                     done - last_commit_done >= checkpoint_blobs
@@ -289,9 +316,7 @@ def warm(
                     checkpoint(position)
                 if bar:
                     bar.update(report.bytes_read, done, report.blobs_skipped)
-            position = StreamCoordinate(
-                shard_id=len(tags), global_row_idx=start.global_row_idx + done
-            )
+            position = _at(tags, len(tags), 0, start.global_row_idx + done)
             checkpoint(position)
             report.completed = True
         finally:

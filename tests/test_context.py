@@ -69,7 +69,17 @@ def test_decode_refuses_non_canonical_spacing():
 text = st.text(st.characters(blacklist_characters="\x00", blacklist_categories=("Cs",)), max_size=30)
 
 
-@given(src=text.filter(bool), dst=text, prefix=text.filter(lambda s: "/" not in s),
+def _valid_prefix(prefix: str) -> bool:
+    from faultfs.core.names import check_blob_prefix
+
+    try:
+        check_blob_prefix(prefix)
+    except InvalidInput:
+        return False
+    return True
+
+
+@given(src=text.filter(bool), dst=text, prefix=text.filter(_valid_prefix),
        off=st.integers(0, 1 << 40), size=st.integers(0, 1 << 40), cs=st.integers(0, 1 << 30))
 def test_encode_decode_round_trip_and_key_is_stable(src, dst, prefix, off, size, cs):
     ctx = FaultContext(src, dst, blob_prefix=prefix, range_off=off, range_size=size, chunk_size=cs)
@@ -84,3 +94,17 @@ def test_is_fault_key():
     assert not is_fault_key("fault:0123456789ABCDEF")
     assert not is_fault_key("fault:0123")
     assert not is_fault_key("chunk_0")
+
+
+@pytest.mark.parametrize(("prefix", "reason"), [
+    ("page:", "would name chunks like pages"), (".c", "would name chunks like pages or hidden"),
+    ("a\tb", "control character"), ("a/b", "contains '/'"), ("x\udcff", "not valid UTF-8"),
+])
+def test_blob_prefixes_that_would_collide_or_break_listings_are_refused(prefix, reason):
+    with pytest.raises(InvalidInput, match=reason):
+        FaultContext("/x", "t", blob_prefix=prefix)
+
+
+def test_a_source_name_that_is_not_utf8_is_refused_clearly():
+    with pytest.raises(InvalidInput, match="source '/data/x.+' is not valid UTF-8"):
+        FaultContext("/data/x\udcff.bin", "t")

@@ -263,3 +263,77 @@ def test_a_store_that_cannot_be_written_mounts_degraded(mounter, sample, small_f
         assert "DEGRADED" in run_faultfs("stat", str(mnt)).stdout
     finally:
         run_faultfs("umount", str(mnt))
+
+
+def test_changes_to_the_tree_are_refused_with_what_a_user_expects(mounter, sample):
+    import errno
+
+    m = mounter(sample(3 * MiB), args=["--chunk-size", "1M", "--page-size", "1M"])
+    tag = m.tag("field")
+    for name in ("chunk_0", "field.bin", "page:0", ".pagemap"):
+        path = os.path.join(tag, name)
+        for call in (os.unlink, lambda p: os.rename(p, os.path.join(tag, "x"))):
+            with pytest.raises(OSError) as info:
+                call(path)
+            assert info.value.errno == errno.EPERM, (name, info.value)
+    with pytest.raises(OSError) as info:
+        os.rmdir(tag)
+    assert info.value.errno == errno.EPERM
+    for call in (lambda: os.mkdir(os.path.join(tag, "d")),
+                 lambda: os.symlink("x", os.path.join(tag, "l")),
+                 lambda: os.mkdir(os.path.join(m.path, "newtag"))):
+        with pytest.raises(OSError) as info:
+            call()
+        assert info.value.errno == errno.EROFS
+    result = subprocess.run(["rm", "-f", os.path.join(tag, "chunk_1")], capture_output=True,
+                            text=True)
+    assert "Operation not permitted" in result.stderr and "not implemented" not in result.stderr
+
+
+def test_the_stats_file_has_the_size_of_its_document(mounter, sample):
+    m = mounter(sample(1000))
+    path = os.path.join(m.path, ".faultfs", "stats")
+    size = os.stat(path).st_size
+    assert size > 100
+    data = read(path)
+    assert abs(len(data) - size) < 64 and json.loads(data)["counters"]
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--blob-prefix", "page:"], "blob prefix 'page:' would name chunks like pages"),
+    (["--blob-prefix", ".x"], "blob prefix '.x' would name chunks like pages or hidden"),
+    (["--tag", "a\nb"], "tag name 'a\\nb' contains a control character"),
+    (["--tag", "page:1"], "tag name 'page:1' starts with 'page:'"),
+    (["--reserve-mb", "9" * 30], "--reserve-mb must be at most"),
+    (["--io-threads", "100000"], "--io-threads must be at most"),
+])
+def test_more_bad_input_is_one_clear_line(tmp_path, sample, args, message):
+    from conftest import run_faultfs
+
+    (tmp_path / "mnt").mkdir()
+    result = run_faultfs("mount", sample(1000), str(tmp_path / "mnt"), "--store",
+                         str(tmp_path / "store"), *args)
+    if os.path.ismount(tmp_path / "mnt"):  # accepted after all: leave nothing mounted
+        run_faultfs("umount", str(tmp_path / "mnt"))
+    assert result.returncode in (1, 2)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and "unexpected" not in lines[0], lines
+    assert not (tmp_path / "store").exists()
+
+
+def test_names_that_are_not_utf8_and_unparsable_urls_are_one_clear_line(tmp_path):
+    from conftest import run_faultfs
+
+    (tmp_path / "mnt").mkdir()
+    bad = os.path.join(os.fsencode(tmp_path), b"data\xff.bin")
+    with open(bad, "wb") as f:
+        f.write(b"x" * 1000)
+    for source, message in ((os.fsdecode(bad), "is not valid UTF-8"),
+                            ("http://[::1/x", "source URL (http://…) is not usable")):
+        result = run_faultfs("mount", source, str(tmp_path / "mnt"), "--store",
+                             str(tmp_path / "store"))
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 1 and len(lines) == 1, lines
+        assert message in lines[0] and "unexpected" not in lines[0], lines
+    result = run_faultfs("warm", os.fsdecode(bad))
+    assert result.returncode == 1 and "Traceback" not in result.stderr

@@ -101,7 +101,7 @@ def test_warm_reads_every_unstaged_blob_once_in_order(mount, tmp_path):
     assert report.completed
     assert report.resumed_from is None
     with DualMetadataManager.open(tmp_path / "w.meta") as m:
-        assert m.coord == StreamCoordinate(shard_id=3, global_row_idx=17)
+        assert m.coord == StreamCoordinate(shard_id=3, global_row_idx=17)  # past the last tag
 
 
 def test_default_reader_reads_whole_blobs(mount, tmp_path):
@@ -123,6 +123,42 @@ def test_interrupted_warm_resumes_where_it_stopped(mount, tmp_path):
     assert first.read + second.read == [
         f"alpha/chunk_{i}" for i in range(12) if i not in (0, 5)
     ] + ["beta/0", "beta/1", "beta/2"], "nothing read twice, nothing missed"
+
+
+@pytest.mark.parametrize("change", ["a tag added before it", "a tag forgotten before it"])
+def test_a_resume_finds_its_tag_by_name_when_tags_changed(mount, tmp_path, change):
+    """Checkpoints named tags by their sorted position: a tag added or forgotten between an
+    interrupted warm and its resume made it resume on the wrong tag."""
+    state = tmp_path / "w.meta"
+    first = recorder(mount, fail_at=11)  # 10 of alpha, then beta/0
+    with pytest.raises(KeyboardInterrupt):
+        warm(mount, state, progress=False, read_blob=first, checkpoint_blobs=1)
+    assert first.read[-1] == "beta/0"
+    if change == "a tag added before it":
+        make_mount(tmp_path / "extra", {"aaa": {"prefix": "chunk_", "n": 4}})
+        os.rename(tmp_path / "extra" / "aaa", mount / "aaa")
+    else:
+        import shutil
+
+        shutil.rmtree(mount / "alpha")
+    second = recorder(mount)
+    report = warm(mount, state, progress=False, read_blob=second)
+    assert second.read == ["beta/1", "beta/2"], "resumed in beta, after beta/0"
+    assert any("resuming at beta" in note for note in report.notes)
+
+
+def test_a_resume_whose_tag_is_gone_starts_over(mount, tmp_path):
+    import shutil
+
+    state = tmp_path / "w.meta"
+    with pytest.raises(KeyboardInterrupt):
+        warm(mount, state, progress=False, read_blob=recorder(mount, fail_at=11),
+             checkpoint_blobs=1)
+    shutil.rmtree(mount / "beta")
+    second = recorder(mount)
+    report = warm(mount, state, progress=False, read_blob=second)
+    assert any("is gone; starting over" in note for note in report.notes)
+    assert second.read[0] == "alpha/chunk_1"
 
 
 def test_read_error_is_a_source_error_and_keeps_progress(mount, tmp_path):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, fields, replace
 
+from faultfs.core.names import check_blob_prefix
 from faultfs.errors import InvalidInput
 
 FNV64_OFFSET_BASIS = 0xCBF29CE484222325
@@ -64,6 +65,12 @@ class FaultContext:
                 raise InvalidInput(f"context field {name} must be a string, not {value!r}")
             if "\x00" in value:
                 raise InvalidInput(f"context field {name} contains NUL")
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                what = f"source {value!r}" if name == "src" else f"context field {name}"
+                raise InvalidInput(f"{what} is not valid UTF-8 (faultfs keeps names as "
+                                   "UTF-8: rename it, or link it under a UTF-8 name)") from None
         for name in INT_FIELDS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
@@ -76,8 +83,7 @@ class FaultContext:
             raise InvalidInput(f"context flag on_fault must be a bool, not {self.on_fault!r}")
         if not self.src:
             raise InvalidInput("context has no source")
-        if "/" in self.blob_prefix:
-            raise InvalidInput(f"blob prefix {self.blob_prefix!r} contains '/'")
+        check_blob_prefix(self.blob_prefix)
 
     def redacted(self) -> FaultContext:
         """The context with secrets blanked: what may be hashed, persisted or shown."""

@@ -1,7 +1,8 @@
 """Name rules for tags and blobs: what a directory entry of the mount may be called.
 
-A valid name is 1..255 UTF-8 bytes with no '/', no NUL, not '.' or '..', and (for names the
-user picks) no leading '.', which the mount keeps for its own entries (.faultfs, .pagemap).
+A valid name is 1..255 bytes of valid UTF-8 with no '/', NUL or other control character (a
+newline would break every listing and log line), not '.' or '..', and (for names the user
+picks) no leading '.', which the mount keeps for its own entries (.faultfs, .pagemap).
 """
 
 from __future__ import annotations
@@ -30,11 +31,27 @@ def parse_index(digits: str) -> int | None:
     return int(digits)
 
 
+def text_problem(text: str) -> str | None:
+    """Why ``text`` cannot name anything of faultfs (not UTF-8, a control character), or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return "is not valid UTF-8 (faultfs keeps names as UTF-8: rename it, or link it under a UTF-8 name)"
+    if "\x00" in text:
+        return "contains NUL"
+    if any(ord(c) < 32 or ord(c) == 127 for c in text):
+        return "contains a control character"
+    return None
+
+
 def check_name(name: str, what: str = "name", *, allow_dot: bool = False) -> str:
     """Return ``name`` if it is a valid entry name, else raise InvalidInput saying why."""
     if not isinstance(name, str) or not name:
         raise InvalidInput(f"{what} must not be empty")
-    raw = name.encode("utf-8", "surrogateescape")
+    problem = text_problem(name)
+    if problem is not None:
+        raise InvalidInput(f"{what} {name!r} {problem}")
+    raw = name.encode("utf-8")
     if len(raw) > MAX_NAME_BYTES:
         raise InvalidInput(f"{what} {name[:40]!r}... is {len(raw)} bytes, over {MAX_NAME_BYTES}")
     if "/" in name:
@@ -53,4 +70,20 @@ def check_tag_name(name: str) -> str:
     check_name(name, "tag name")
     if ".." in name:
         raise InvalidInput(f"tag name {name!r} contains '..'")
+    if name.startswith(PAGE_PREFIX):
+        raise InvalidInput(f"tag name {name!r} starts with {PAGE_PREFIX!r}, which names pages")
     return name
+
+
+def check_blob_prefix(prefix: str) -> str:
+    """A chunk-name prefix (may be empty): its names must be valid names that are not pages
+    or hidden entries of a tag directory."""
+    if "/" in prefix:
+        raise InvalidInput(f"blob prefix {prefix!r} contains '/'")
+    problem = text_problem(prefix)
+    if problem is not None:
+        raise InvalidInput(f"blob prefix {prefix!r} {problem}")
+    if prefix.startswith(PAGE_PREFIX) or prefix.startswith("."):
+        raise InvalidInput(f"blob prefix {prefix!r} would name chunks like pages or hidden "
+                           f"entries (it must not start with {PAGE_PREFIX!r} or '.')")
+    return prefix

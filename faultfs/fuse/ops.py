@@ -139,6 +139,34 @@ class FaultOperations(pyfuse3.Operations):
             await handle.release()
 
     @fuse_boundary
+    async def unlink(self, parent_inode, name, ctx):
+        await self.files.change(parent_inode, os.fsdecode(name))
+
+    @fuse_boundary
+    async def rmdir(self, parent_inode, name, ctx):
+        await self.files.change(parent_inode, os.fsdecode(name))
+
+    @fuse_boundary
+    async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
+        await self.files.change(parent_inode_old, os.fsdecode(name_old))
+
+    @fuse_boundary
+    async def mkdir(self, parent_inode, name, mode, ctx):
+        await self.files.change(parent_inode, os.fsdecode(name))
+
+    @fuse_boundary
+    async def mknod(self, parent_inode, name, mode, rdev, ctx):
+        await self.files.change(parent_inode, os.fsdecode(name))
+
+    @fuse_boundary
+    async def symlink(self, parent_inode, name, target, ctx):
+        await self.files.change(parent_inode, os.fsdecode(name))
+
+    @fuse_boundary
+    async def link(self, inode, new_parent_inode, new_name, ctx):
+        await self.files.change(new_parent_inode, os.fsdecode(new_name))
+
+    @fuse_boundary
     async def getxattr(self, inode, name, ctx):
         value = self.tree.xattrs(await self.tree.load(inode)).get(os.fsdecode(name))
         if value is None:

@@ -14,7 +14,6 @@ Invariants:
 from __future__ import annotations
 
 import errno
-import json
 import os
 from typing import Protocol
 
@@ -133,10 +132,6 @@ class Files:
         self.tree = tree
         self.engine = tree.engine
 
-    async def stats_bytes(self) -> bytes:
-        snap = await self.engine.snapshot()
-        return (json.dumps(snap, indent=1, sort_keys=True) + "\n").encode()
-
     async def open(self, inode: int, flags: int) -> OpenFile:
         node = await self.tree.load(inode)
         if node.is_dir:
@@ -145,7 +140,7 @@ class Files:
         if inode == STATS_FILE:
             if writing:
                 raise FaultfsError("stats are read-only", errno.EACCES)
-            return BytesFile(await self.stats_bytes(), direct_io=True)
+            return BytesFile(await self.tree.stats_document(), direct_io=True)
         if node.kind == KIND_PAGEMAP:
             assert node.tag is not None
             return PagemapFile(self.engine, await self.engine.pages.open_pagemap(node.tag, flags))
@@ -170,6 +165,19 @@ class Files:
         # the map exists once the handle is flushed; its entry is shown from now on
         node = Node(inodes.make(tag.id, KIND_PAGEMAP), KIND_PAGEMAP, tag)
         return handle, self.tree.attributes(node)
+
+    async def change(self, parent: int, name: str) -> None:
+        """A request to remove, rename or link ``name`` in ``parent``, or to make an entry
+        there: EPERM for what the mount shows (chunks, views, pages, ``.pagemap``, tags,
+        ``.faultfs``), EROFS for anything else — never "not implemented"."""
+        try:
+            await self.tree.lookup(parent, name)
+        except FaultfsError as exc:
+            if exc.errno != errno.ENOENT:
+                raise
+            raise _read_only() from None
+        raise FaultfsError(f"{name} is part of the mounted tree: it cannot be removed, "
+                           "renamed or replaced", errno.EPERM)
 
     async def set_size(self, inode: int, size: int, handle: OpenFile | None) -> None:
         """``truncate``/``ftruncate``: through the open handle, or (by path) a handle of its

@@ -16,6 +16,7 @@ Invariants:
 from __future__ import annotations
 
 import errno
+import json
 import stat
 import time
 from collections.abc import Iterator
@@ -101,6 +102,7 @@ class Tree:
         self.pages = engine.pages
         self.mounted_at = time.time_ns()
         self.registry_keys = sorted(engine.registry)
+        self.stats_size = 0  # bytes of the last stats document: .faultfs/stats' size
 
     # -- nodes -------------------------------------------------------------------------------
 
@@ -136,6 +138,13 @@ class Tree:
             await self.pages.load(self.tag_of(tag_id))
         return self.node(inode)
 
+    async def stats_document(self) -> bytes:
+        """``.faultfs/stats``: the engine's snapshot as JSON (its size is the file's size)."""
+        snap = await self.engine.snapshot()
+        data = (json.dumps(snap, indent=1, sort_keys=True) + "\n").encode()
+        self.stats_size = len(data)
+        return data
+
     # -- lookups and listings ----------------------------------------------------------------
 
     async def lookup(self, parent: int, name: str) -> Attributes:
@@ -150,6 +159,8 @@ class Tree:
             fixed = {STATS_NAME: STATS_FILE, REGISTRY_NAME: REGISTRY_DIR}.get(name)
             if fixed is None:
                 raise _missing()
+            if fixed == STATS_FILE:
+                await self.stats_document()
             return self.attributes(self.node(fixed))
         if parent == REGISTRY_DIR:
             try:
@@ -183,6 +194,8 @@ class Tree:
         return inodes.make(tag.id, KIND_CHUNK, index)
 
     async def getattr(self, inode: int) -> Attributes:
+        if inode == STATS_FILE:
+            await self.stats_document()  # its size is what reading it now gives
         return self.attributes(await self.load(inode))
 
     async def listing(self, inode: int, start: int) -> Iterator[tuple[int, str, Attributes]]:
@@ -192,6 +205,8 @@ class Tree:
             raise FaultfsError("not a directory", errno.ENOTDIR)
         if directory.tag is not None:
             await self.pages.load(directory.tag)
+        elif inode == CTL_DIR:
+            await self.stats_document()
         return self._listing(directory, start)
 
     def _listing(self, directory: Node, start: int) -> Iterator[tuple[int, str, Attributes]]:
@@ -256,8 +271,8 @@ class Tree:
             mtime = self.mounted_at if node.tag is None else int(node.tag.mtime * 1e9)
             return Attributes(node.inode, stat.S_IFDIR | 0o755, mtime_ns=mtime, nlink=2)
         if node.inode == STATS_FILE:
-            return Attributes(node.inode, stat.S_IFREG | 0o444, mtime_ns=self.mounted_at,
-                              attr_timeout=0)
+            return Attributes(node.inode, stat.S_IFREG | 0o444, self.stats_size,
+                              mtime_ns=time.time_ns(), attr_timeout=0)
         if node.kind == KIND_REGISTRY:
             size = len(self.engine.registry[self.registry_keys[node.index]])
             return Attributes(node.inode, stat.S_IFREG | 0o400, size, mtime_ns=self.mounted_at)

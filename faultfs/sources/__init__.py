@@ -14,6 +14,7 @@ from faultfs.sources.base import (
     Source,
     SourceOptions,
     SourceVersion,
+    check_url,
     local_path,
     url_protocol,
 )
@@ -34,6 +35,7 @@ def open_source(url: str, options: SourceOptions | None = None) -> Source:
         if not path:
             raise InvalidInput("source path is empty")
         return LocalFileSource(url, path)
+    check_url(url)
     try:
         from faultfs.sources.remote import open_fsspec_source
     except ImportError as exc:  # pragma: no cover - depends on installed extras

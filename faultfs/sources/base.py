@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Protocol
+from urllib.parse import urlsplit
+
+from faultfs.errors import InvalidInput
 
 
 @dataclass(frozen=True)
@@ -77,3 +80,12 @@ def local_path(url: str) -> str | None:
         return None
     return url
 
+
+def check_url(url: str) -> None:
+    """InvalidInput for a URL that cannot be parsed (the message does not repeat it: it may
+    carry credentials that cannot be told apart when it does not parse)."""
+    try:
+        urlsplit(url).port  # noqa: B018 - parsing the port is the check
+    except ValueError as exc:
+        scheme = url.split("://", 1)[0] if "://" in url else "?"
+        raise InvalidInput(f"source URL ({scheme}://…) is not usable: {exc}") from None

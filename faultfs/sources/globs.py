@@ -10,7 +10,7 @@ import glob
 import os
 
 from faultfs.errors import InvalidInput
-from faultfs.sources.base import SourceOptions, local_path
+from faultfs.sources.base import SourceOptions, check_url, local_path
 
 
 def expand_sources(patterns: list[str], options: SourceOptions | None = None) -> list[str]:
@@ -31,5 +31,6 @@ def expand_sources(patterns: list[str], options: SourceOptions | None = None) ->
         else:
             from faultfs.sources.remote import expand_fsspec_glob  # fsspec: only when needed
 
+            check_url(pattern)
             out.extend(expand_fsspec_glob(pattern, options or SourceOptions()))
     return out
