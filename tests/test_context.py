@@ -106,5 +106,5 @@ def test_blob_prefixes_that_would_collide_or_break_listings_are_refused(prefix, 
 
 
 def test_a_source_name_that_is_not_utf8_is_refused_clearly():
-    with pytest.raises(InvalidInput, match="source '/data/x.+' is not valid UTF-8"):
+    with pytest.raises(InvalidInput, match=r"source '/data/x.+' is not valid UTF-8"):
         FaultContext("/data/x\udcff.bin", "t")
