@@ -20,6 +20,7 @@ MEMORY_MB = 64  # recently faulted blobs kept in memory: later pieces of a blob 
 PREFETCH_MB = 32  # sequential readers get up to this much faulted ahead of them
 READAHEAD_KB = 4096  # kernel readahead of the mount: 1 MiB requests, several in flight
 INLINE_READ_KB = 64  # staged reads up to this size block the event loop's thread, no pool trip
+DIRTY_MB = 64  # written bytes held in memory (and the journal) before they are folded
 
 # Upper bounds: beyond them a value is a typo, not a setting (an absurd reserve silently
 # turned every fault into a read-through).
@@ -89,6 +90,8 @@ class Config:
     prefetch_mb: int = PREFETCH_MB
     readahead_kb: int = READAHEAD_KB
     inline_read_kb: int = INLINE_READ_KB
+    read_only: bool = False  # --read-only: writes get EROFS
+    dirty_mb: int = DIRTY_MB
 
     def __post_init__(self) -> None:
         if self.io_threads < 1:
@@ -97,7 +100,8 @@ class Config:
             raise InvalidInput("--reserve-mb must not be negative")
         if self.cache_size < 0:
             raise InvalidInput("--cache-size must not be negative")
-        if min(self.memory_mb, self.prefetch_mb, self.readahead_kb, self.inline_read_kb) < 0:
+        if min(self.memory_mb, self.prefetch_mb, self.readahead_kb, self.inline_read_kb,
+               self.dirty_mb) < 0:
             raise InvalidInput("memory, prefetch, readahead and inline-read sizes must not be negative")
         for flag, value, most in (("--io-threads", self.io_threads, MAX_IO_THREADS),
                                   ("--reserve-mb", self.reserve_mb, MAX_MB),
@@ -105,6 +109,7 @@ class Config:
                                   ("--prefetch-mb", self.prefetch_mb, MAX_MB),
                                   ("--readahead-kb", self.readahead_kb, MAX_READAHEAD_KB),
                                   ("--inline-read-kb", self.inline_read_kb, MAX_READAHEAD_KB),
+                                  ("--dirty-mb", self.dirty_mb, MAX_MB),
                                   ("--cache-size", self.cache_size, MAX_BYTES)):
             if value > most:
                 raise InvalidInput(f"{flag} must be at most {most} (it is {value})")
@@ -119,6 +124,7 @@ class Config:
               stats_log: bool | None = None, cache_size: int | None = None,
               memory_mb: int | None = None, prefetch_mb: int | None = None,
               readahead_kb: int | None = None, inline_read_kb: int | None = None,
+              read_only: bool | None = None, dirty_mb: int | None = None,
               env: Mapping[str, str] | None = None) -> Config:
         """Flags (non-None arguments) win over the environment, which wins over defaults."""
         return cls(
@@ -132,4 +138,6 @@ class Config:
             prefetch_mb=prefetch_mb if prefetch_mb is not None else _env_int("FAULTFS_PREFETCH_MB", PREFETCH_MB, env),
             readahead_kb=readahead_kb if readahead_kb is not None else _env_int("FAULTFS_READAHEAD_KB", READAHEAD_KB, env),
             inline_read_kb=inline_read_kb if inline_read_kb is not None else _env_int("FAULTFS_INLINE_READ_KB", INLINE_READ_KB, env),
+            read_only=read_only if read_only is not None else _env_flag("FAULTFS_READ_ONLY", False, env),
+            dirty_mb=dirty_mb if dirty_mb is not None else _env_int("FAULTFS_DIRTY_MB", DIRTY_MB, env),
         )

@@ -19,6 +19,7 @@ COUNTERS = (
     "zero_filled_bytes", "bytes_served", "page_reads", "page_slices", "page_errors",
     "stale_blobs_dropped", "corrupt_blobs_dropped", "memory_hits", "prefetches",
     "prefetch_errors", "store_readahead", "dirty_kept", "skipped_dirty", "skipped_degraded",
+    "writes", "bytes_written", "fsyncs", "folds", "checkpoints",
 )
 
 

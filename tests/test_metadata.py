@@ -21,7 +21,9 @@ from hypothesis import strategies as st
 from faultfs.core.coord import StreamCoordinate
 from faultfs.core.slots import SLOT_SIZE, DiskSlot
 from faultfs.errors import CorruptionError, InvalidInput
-from faultfs.store.metadata import DualMetadataManager, OsFileOps, read_meta
+from faultfs.store.fileops import OsFileOps
+from faultfs.store.metadata import DualMetadataManager, read_meta
+from faultfs.testing.crashfs import SimDisk, SimOps, SimulatedCrash
 
 C1 = StreamCoordinate(0, 100, 0, 0, 0, 10)
 C2 = StreamCoordinate(1, 200, 0, 0, 0, 20)
@@ -305,144 +307,6 @@ def test_read_meta_missing_file(tmp_path):
 
 # ---------------------------------------------------------------------------------------------
 # crash simulation
-
-
-class SimulatedCrash(Exception):
-    pass
-
-
-class _Inode:
-    def __init__(self, data=b""):
-        self.durable = bytes(data)
-        self.current = bytearray(data)
-        self.pending = []  # ("write", offset, data) | ("truncate", length), in issue order
-
-
-def _apply(buf, op):
-    if op[0] == "write":
-        _, off, data = op
-        if len(buf) < off:
-            buf.extend(bytes(off - len(buf)))
-        buf[off : off + len(data)] = data
-    else:
-        del buf[op[1] :]
-
-
-class SimDisk:
-    """An in-memory file system that remembers what an fsync made durable."""
-
-    def __init__(self, files=None):
-        self.inodes = {}
-        self.names = {}
-        for name, data in (files or {}).items():
-            ino = len(self.inodes) + 1
-            self.inodes[ino] = _Inode(data)
-            self.names[name] = ino
-        self.durable_names = dict(self.names)
-        self.name_ops = []
-
-    def crash(self, rng):
-        """The disk as a reboot after a power cut would find it."""
-        names = dict(self.durable_names)
-        keep = rng.randint(0, len(self.name_ops))
-        for op in self.name_ops[:keep]:
-            if op[0] == "link":
-                names[op[1]] = op[2]
-            else:
-                names[op[2]] = names.pop(op[1])
-        files = {}
-        for name, ino in names.items():
-            node = self.inodes[ino]
-            buf = bytearray(node.durable)
-            for op in node.pending:
-                fate = rng.choice(("apply", "drop", "tear"))
-                if fate == "apply" or (fate == "tear" and op[0] == "truncate"):
-                    _apply(buf, op)
-                elif fate == "tear":
-                    _, off, data = op
-                    old = bytes(buf[off : off + len(data)]).ljust(len(data), b"\0")
-                    mixed = bytes(n if rng.random() < 0.5 else o for n, o in zip(data, old, strict=True))
-                    _apply(buf, ("write", off, mixed[: rng.randint(0, len(data))]))
-            files[name] = bytes(buf)
-        return SimDisk(files)
-
-
-class SimOps:
-    """The manager's FileOps over a SimDisk, raising SimulatedCrash at the n-th mutation."""
-
-    def __init__(self, disk, crash_at=None):
-        self.disk = disk
-        self.crash_at = crash_at
-        self.points = 0
-        self.fds = {}
-
-    def _point(self):
-        if self.crash_at is not None and self.points == self.crash_at:
-            raise SimulatedCrash
-        self.points += 1
-
-    def exists(self, path):
-        return path in self.disk.names
-
-    def open(self, path, flags, mode=0o600):
-        d = self.disk
-        if path not in d.names:
-            if not flags & os.O_CREAT:
-                raise FileNotFoundError(path)
-            self._point()
-            ino = max(d.inodes, default=0) + 1
-            d.inodes[ino] = _Inode()
-            d.names[path] = ino
-            d.name_ops.append(("link", path, ino))
-        ino = d.names[path]
-        if flags & os.O_TRUNC:
-            self._truncate(ino, 0)
-        fd = max(self.fds, default=2) + 1
-        self.fds[fd] = ino
-        return fd
-
-    def close(self, fd):
-        del self.fds[fd]
-
-    def pread(self, fd, size, offset):
-        return bytes(self.disk.inodes[self.fds[fd]].current[offset : offset + size])
-
-    def pwrite(self, fd, data, offset):
-        self._point()
-        node = self.disk.inodes[self.fds[fd]]
-        op = ("write", offset, bytes(data))
-        node.pending.append(op)
-        _apply(node.current, op)
-        return len(data)
-
-    def _truncate(self, ino, length):
-        self._point()
-        node = self.disk.inodes[ino]
-        node.pending.append(("truncate", length))
-        _apply(node.current, ("truncate", length))
-
-    def ftruncate(self, fd, length):
-        self._truncate(self.fds[fd], length)
-
-    def fsync(self, fd):
-        self._point()
-        node = self.disk.inodes[self.fds[fd]]
-        node.durable = bytes(node.current)
-        node.pending.clear()
-
-    def size(self, fd):
-        return len(self.disk.inodes[self.fds[fd]].current)
-
-    def rename(self, src, dst):
-        self._point()
-        d = self.disk
-        d.names[dst] = d.names.pop(src)
-        d.name_ops.append(("rename", src, dst))
-
-    def fsync_dir(self, path):
-        self._point()
-        self.disk.durable_names = dict(self.disk.names)
-        self.disk.name_ops.clear()
 
 
 META = "/sim/s.meta"

@@ -366,12 +366,17 @@ def test_umount_and_stat_of_something_not_mounted(tmp_path):
     assert r.returncode != 0 and "not a faultfs mount" in r.stderr
 
 
-def test_writes_are_refused_read_only(mounter, sample):
+@pytest.mark.parametrize("flag", ["--read-only", "--no-store"])
+def test_writes_are_refused_on_read_only_and_read_through_mounts(mounter, sample, flag):
     src = sample(MiB)
-    m = mounter(src)
+    m = mounter(src, args=[flag])
+    for name in ("chunk_0", "field.bin"):
+        with pytest.raises(OSError) as info:
+            open(os.path.join(m.tag("field"), name), "r+b")
+        assert info.value.errno == 30  # EROFS
     with pytest.raises(OSError) as info:
-        open(os.path.join(m.tag("field"), "chunk_0"), "r+b")
-    assert info.value.errno == 30  # EROFS
+        open(os.path.join(m.tag("field"), "new.txt"), "wb")
+    assert info.value.errno == 30
     assert read(src) == read(os.path.join(m.tag("field"), "field.bin"))
 
 

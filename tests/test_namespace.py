@@ -49,7 +49,7 @@ def errno_of(fn, *args) -> int:
 def test_the_root_lists_the_control_dir_and_the_tags(tree):
     assert names(tree, ROOT) == [".faultfs", "field", "other"]
     assert names(tree, ROOT, start=2) == ["other"]
-    assert names(tree, CTL_DIR) == ["registry", "stats"]
+    assert names(tree, CTL_DIR) == ["control", "registry", "stats"]
     assert names(tree, REGISTRY_DIR) == sorted(tree.engine.registry)
 
 
@@ -121,11 +121,25 @@ def test_opens_read_through_the_engine_and_refuse_writes(tree):
         assert bytes(await entry.read(0, 1 << 20)) == tree.engine.registry[key]
 
     run(main)
-    assert errno_of(files.open, view, os.O_RDWR) == errno.EROFS
     assert errno_of(files.open, STATS_FILE, os.O_WRONLY) == errno.EACCES
     assert errno_of(files.open, field, os.O_RDONLY) == errno.EISDIR
-    assert errno_of(files.create, field, "newfile", os.O_WRONLY) == errno.EROFS
     assert errno_of(files.create, ROOT, ".pagemap", os.O_WRONLY) == errno.EROFS
+    assert errno_of(files.create, field, "chunk_1", os.O_WRONLY) == errno.EPERM
+
+
+def test_a_read_only_engine_refuses_writes(tmp_path):
+    store = BlobStore(str(tmp_path / "store"))
+    engine = engine_for(store, read_only=True)
+    make_source(payload(CS), url="mem://ro/x.bin")
+    engine.register(ctx_for("mem://ro/x.bin", "x"))
+    tree = Tree(engine)
+    files = Files(tree)
+    field = run(tree.lookup, ROOT, "x").inode
+    view = run(tree.lookup, field, "x.bin")
+    assert view.mode & 0o222 == 0
+    assert errno_of(files.open, view.inode, os.O_RDWR) == errno.EROFS
+    assert errno_of(files.create, field, "newfile", os.O_WRONLY) == errno.EROFS
+    engine.close()
 
 
 def test_a_tag_of_a_million_chunks_lists_from_any_position_at_once(tmp_path):

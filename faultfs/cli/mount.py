@@ -46,7 +46,12 @@ def register(sub) -> None:
     m.add_argument("--reserve-mb", type=int, help="keep this much free on the store's file system (default 512)")
     m.add_argument("--cache-size", type=size_arg("cache size"),
                    help="cap the store at this many bytes, evicting least-recently-used clean blobs")
-    m.add_argument("--no-store", action="store_true", help="never store: pure read-through")
+    m.add_argument("--no-store", action="store_true",
+                   help="never store: pure read-through (writes are refused)")
+    m.add_argument("--read-only", action="store_true", help="refuse every write (EROFS)")
+    m.add_argument("--dirty-mb", type=int,
+                   help="written bytes held in memory before they are folded into files "
+                        "(default 64)")
     m.add_argument("--io-threads", type=int, help="size of the I/O pool for blocking reads (default 32)")
     m.add_argument("--stats", action="store_true", help="log the counters every 5 s")
     m.add_argument("--memory-mb", type=int, help="recently faulted blobs kept in memory (default 64)")
@@ -179,7 +184,9 @@ def _mount_here(args: argparse.Namespace) -> int:
                               io_threads=args.io_threads, stats_log=True if args.stats else None,
                               cache_size=args.cache_size, memory_mb=args.memory_mb,
                               prefetch_mb=args.prefetch_mb, readahead_kb=args.readahead_kb,
-                              inline_read_kb=args.inline_read_kb)
+                              inline_read_kb=args.inline_read_kb,
+                              read_only=True if args.read_only else None,
+                              dirty_mb=args.dirty_mb)
         _setup_logging(args)
         options = SourceOptions(s3_region=args.s3_region, s3_profile=args.s3_profile,
                                 s3_endpoint_url=args.s3_endpoint_url, anon=args.anon)

@@ -69,17 +69,23 @@ class ChunkLayout:
     def view_pieces(self, off: int, size: int) -> list[tuple[int, int, int]]:
         """Cut view bytes ``[off, off+size)`` (clipped to the view) into
         ``(blob_index, offset_in_blob, length)`` pieces, in order."""
-        if off < 0 or size < 0:
-            raise InvalidInput(f"negative view range ({off}, {size})")
-        end = min(off + size, self.size)
-        pieces = []
-        pos = off
-        while pos < end:
-            index, inner = divmod(pos, self.chunk_size)
-            length = min(self.chunk_size - inner, end - pos)
-            pieces.append((index, inner, length))
-            pos += length
-        return pieces
+        return pieces(off, size, self.size, self.chunk_size)
+
+
+def pieces(off: int, size: int, total: int, chunk_size: int) -> list[tuple[int, int, int]]:
+    """Bytes ``[off, off+size)`` of a ``total``-byte run of ``chunk_size`` chunks (clipped to
+    ``total``), as ``(chunk_index, offset_in_chunk, length)`` pieces in order."""
+    if off < 0 or size < 0:
+        raise InvalidInput(f"negative view range ({off}, {size})")
+    end = min(off + size, total)
+    out = []
+    pos = off
+    while pos < end:
+        index, inner = divmod(pos, chunk_size)
+        length = min(chunk_size - inner, end - pos)
+        out.append((index, inner, length))
+        pos += length
+    return out
 
 
 def zero_fill(data: bytes | memoryview, size: int) -> bytes | memoryview:

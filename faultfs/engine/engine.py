@@ -14,18 +14,22 @@ Invariants:
 
 from __future__ import annotations
 
+import errno
+import logging
 import time
 
 import trio
 
 from faultfs.config import Config
 from faultfs.core.context import FaultContext
+from faultfs.core.names import check_tag_name
 from faultfs.engine.faults import Faulter
 from faultfs.engine.flights import Flights
 from faultfs.engine.pages import PAGEMAP_BLOB, PageService
 from faultfs.engine.prefetch import Prefetcher
 from faultfs.engine.stats import snapshot
 from faultfs.engine.tags import RegistrationPlan, Tag, Tags
+from faultfs.engine.writes import Writes
 from faultfs.errors import FaultfsError
 from faultfs.iopool import IoPool
 from faultfs.sources import SourceOptions
@@ -37,6 +41,8 @@ from faultfs.tiers.local import LocalTier
 from faultfs.tiers.memory import MemoryTier
 from faultfs.tiers.multilevel import TierStack
 from faultfs.tiers.policy import StorePolicy
+
+log = logging.getLogger("faultfs.engine")
 
 
 class Engine:
@@ -60,6 +66,11 @@ class Engine:
         self.faults = Faulter(self.flights, self.tiers, self.pool, self.stats)
         self.prefetch = Prefetcher(config, self.flights, self.tiers, self.faults, self.pool,
                                    self.stats)
+        self.writes = Writes(store.root, _CleanReads(self), self.pool, self.stats,
+                             writable=(config.store_enabled and not config.read_only
+                                       and store.writable),
+                             fold_bytes=config.dirty_mb << 20)
+        self._writes_open = False
         self.pages = PageService(_PageBlobs(self), self.pool, self.stats)
 
     # -- tags --------------------------------------------------------------------------------
@@ -83,15 +94,42 @@ class Engine:
 
     def commit_plan(self, plan: RegistrationPlan, *, shard: int = 0) -> Tag:
         """Persist a checked registration and add its tag (blocking)."""
-        return self._tags.commit(plan, shard=shard)
+        known = plan.ctx.dst in self.tags
+        tag = self._tags.commit(plan, shard=shard)
+        if not known:
+            self.writes.open_tag(tag)
+        return tag
 
     def register(self, ctx: FaultContext, *, shard: int = 0) -> Tag:
         """Register ``ctx`` on-fault: check it, then persist it (blocking)."""
         return self.commit_plan(self.plan(ctx), shard=shard)
 
     def recover(self) -> list[Tag]:
-        """Bring back every tag the store has registered (blocking)."""
-        return self._tags.recover()
+        """Bring back every tag the store has registered, and their writes (blocking)."""
+        tags = self._tags.recover()
+        for tag in tags:
+            self.writes.open_tag(tag)
+        self.open_writes()
+        return tags
+
+    def open_writes(self) -> None:
+        """Replay the write journal over the tags known now (once; blocking)."""
+        if not self._writes_open:
+            self._writes_open = True
+            applied = self.writes.replay(self.tags)
+            if applied:
+                log.info("replayed %d journal records of writes", applied)
+
+    async def clone_tag(self, parent: Tag, name: str) -> Tag:
+        """``faultfs clone``: tag ``name``, a point-in-time copy of ``parent`` (§12)."""
+        if name in self.tags:
+            raise FaultfsError(f"tag {name!r} exists", errno.EEXIST)
+        check_tag_name(name)
+        await self.writes.prepare_clone(parent, name)
+        child = await self.pool.run(self._tags.clone, parent, name)
+        await self.pool.run(self.writes.open_tag, child)
+        log.info("tag %s: cloned from %s", name, parent.name)
+        return child
 
     def is_staged(self, tag: Tag, index: int) -> bool:
         return self.tiers.contains((tag.id, index))
@@ -113,6 +151,7 @@ class Engine:
         # a faulted blob waiting for its store write is held in memory: bound those bytes
         self.tiers.attach(nursery, (self.config.memory_mb << 20) // 2, blob)
         self.prefetch.attach(nursery)
+        self.writes.attach(nursery)
 
     @property
     def pending_stores(self) -> int:
@@ -131,7 +170,13 @@ class Engine:
             await trio.sleep(0.01)
         return not self.tiers.pending_stores
 
+    async def close_writes(self) -> None:
+        """Unmount: every write folded and durable (the journal emptied)."""
+        if self._writes_open:
+            await self.writes.close()
+
     def close(self) -> None:
+        self.writes.journal.close()
         self.tiers.close()
         self._tags.close()
 
@@ -147,12 +192,20 @@ class Engine:
             return b""
         size = min(size, cs - off)
         self.stats.add("reads")
-        data = await self._blob_bytes(tag, index, off, size)
+        if self.writes.blobs and self.writes.touches(tag, index):
+            data: Buffer = await self.writes.read_chunk(tag, index, off, size)
+        else:
+            data = await self._blob_bytes(tag, index, off, size)
         self.stats.add("bytes_served", len(data))
         return data
 
     async def read_view(self, tag: Tag, off: int, size: int) -> Buffer:
         """Bytes ``[off, off+size)`` of the whole-object view (exact source bytes)."""
+        if tag.id in self.writes.changed:
+            self.stats.add("reads")
+            data = await self.writes.read_view(tag, off, size)
+            self.stats.add("bytes_served", len(data))
+            return data
         pieces = tag.layout.view_pieces(off, size)
         if not pieces:
             return b""
@@ -208,6 +261,33 @@ class Engine:
                         self.tags.values(), self.store.degraded)
 
 
+class _CleanReads:
+    """The engine's clean path as writes see it (``engine.writes.CleanReads``)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    async def read_clean(self, tag: Tag, index: int, off: int, size: int) -> Buffer:
+        return await self._engine._blob_bytes(tag, index, off, size)
+
+    async def stage_clean(self, tag: Tag, index: int) -> Buffer | None:
+        """The size-0 request: fault the chunk if it is not staged, and pin the staged copy."""
+        engine = self._engine
+        key = (tag.id, index)
+        local = engine.tiers.local
+        if not local.contains(key):
+            data = await engine.faults.fault(tag, index)
+            if not local.contains(key):
+                await local.put(key, data)
+            if not local.contains(key):
+                return bytes(data)  # the store could not keep it: the writes hold it
+        local.pin(key)
+        return None
+
+    def unpin(self, tag: Tag, index: int) -> None:
+        self._engine.tiers.local.unpin((tag.id, index))
+
+
 class _PageBlobs:
     """The engine's blobs as pages see them (``engine.pages.PageBlobs``)."""
 
@@ -218,8 +298,29 @@ class _PageBlobs:
     async def read_chunk(self, tag: Tag, index: int, off: int, size: int) -> Buffer:
         return await self._engine.read_blob(tag, index, off, size)
 
-    def read_stored(self, tag: Tag, name: str) -> bytes | None:
-        return self._store.read(tag.name, name)
+    async def read_named(self, tag: Tag, name: str, lo: int, hi: int) -> Buffer | None:
+        writes = self._engine.writes
+        if writes.user_id(tag, name) is not None:
+            return await writes.read_user(tag, name, lo, hi - lo)
+        data = await self._engine.pool.run(self._store.read, tag.name, name)
+        return None if data is None else memoryview(data)[lo:hi]
+
+    async def write_slice(self, tag: Tag, name: str, off: int, data: bytes) -> None:
+        writes = self._engine.writes
+        index = tag.layout.blob_index(name)
+        if index is not None:
+            await writes.write_chunk(tag, index, off, data)
+        elif writes.user_id(tag, name) is not None:
+            await writes.write_user(tag, name, off, data)
+        else:
+            raise FaultfsError(f"page slice names blob {name} of tag {tag.name}, which cannot "
+                               "be written", errno.EIO)
+
+    async def read_gap(self, tag: Tag, page: int, off: int, size: int) -> bytes | None:
+        return await self._engine.writes.read_gap(tag, page, off, size)
+
+    async def write_gap(self, tag: Tag, page: int, off: int, data: bytes) -> None:
+        await self._engine.writes.write_gap(tag, page, off, data)
 
     def load_pagemap(self, tag: Tag) -> tuple[bytes, int] | None:
         return self._store.read_with_mtime(tag.name, PAGEMAP_BLOB)

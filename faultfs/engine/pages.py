@@ -106,9 +106,21 @@ class PageBlobs(Protocol):
         """Bytes of chunk ``index`` through the fault path."""
         ...
 
-    def read_stored(self, tag: Tag, name: str) -> bytes | None:
-        """The payload of another stored blob of the tag (blocking); None when absent.
-        FaultfsError when it is damaged user data."""
+    async def read_named(self, tag: Tag, name: str, lo: int, hi: int) -> Buffer | None:
+        """Bytes ``[lo, hi)`` of another blob of the tag (a user blob, or one stored by
+        name); None when there is none. FaultfsError when it is damaged user data."""
+        ...
+
+    async def write_slice(self, tag: Tag, name: str, off: int, data: bytes) -> None:
+        """Write bytes a page maps onto blob ``name`` (a chunk or a user blob)."""
+        ...
+
+    async def read_gap(self, tag: Tag, page: int, off: int, size: int) -> bytes | None:
+        """Bytes written into the gaps of page ``page`` (None: none were)."""
+        ...
+
+    async def write_gap(self, tag: Tag, page: int, off: int, data: bytes) -> None:
+        """Keep bytes written where the map has no slice (they read back, survive remounts)."""
         ...
 
     def load_pagemap(self, tag: Tag) -> tuple[bytes, int] | None:
@@ -264,7 +276,10 @@ class PageService:
             async with trio.open_nursery() as nursery:
                 for _ in range(min(PAGE_FETCHES, len(spans))):
                     nursery.start_soon(fetcher)
-        dst = bytearray(window)  # zeros: gaps read as zero
+        gaps = await self.blobs.read_gap(tag, page_id, off, window)
+        dst = bytearray(window)  # gaps read as zero, or as what was written there
+        if gaps:
+            dst[:len(gaps)] = gaps
         short = False
         for k, piece in enumerate(slices):
             if errors:
@@ -286,16 +301,42 @@ class PageService:
             raise FaultfsError(f"page {page_id} of tag {tag.name}: {reason}", errno.EIO)
         return bytes(dst)
 
+    async def write_page(self, tag: Tag, page_id: int, off: int, data: bytes) -> int:
+        """Write bytes ``[off, off+len(data))`` of page ``page_id``: each slice's bytes go to
+        its blob (copy-on-write); bytes over gaps are kept for the page (``write_gap``)."""
+        pagemap = await self.load(tag)
+        if pagemap.empty or not 0 <= page_id < min(pagemap.num_pages, MAX_PAGES_SHOWN):
+            raise FaultfsError(f"tag {tag.name} has no page {page_id}", errno.ENOENT)
+        if off + len(data) > pagemap.page_size:
+            raise FaultfsError(f"page {page_id} of tag {tag.name} is {pagemap.page_size} bytes: "
+                               "a write past its end cannot grow it", errno.EFBIG)
+        covered = 0  # bytes of the window [0, len(data)) up to which slices or gaps were written
+        for piece in plan_page(pagemap, page_id, off, len(data)):
+            if piece.dst_off > covered:
+                await self.blobs.write_gap(tag, page_id, off + covered,
+                                           data[covered:piece.dst_off])
+            await self.blobs.write_slice(tag, piece.blob_name, piece.blob_off,
+                                         data[piece.dst_off:piece.dst_off + piece.size])
+            covered = piece.dst_off + piece.size
+        if covered < len(data):
+            await self.blobs.write_gap(tag, page_id, off + covered, data[covered:])
+        return len(data)
+
+    def cached_map(self, tag: Tag) -> PageMap | None:
+        """The tag's map if it is loaded (no I/O), else None."""
+        state = self._tags.get(tag.id)
+        return None if state is None or state.loaded is None else state.loaded.pagemap
+
     async def _read_span(self, tag: Tag, name: str, lo: int, hi: int) -> Buffer:
         """Bytes ``[lo, hi)`` of one blob a page needs: a chunk through the fault path, else a
         stored blob. May be shorter (the blob is); the page then fails."""
         index = tag.layout.blob_index(name)
         if index is not None:
             return await self.blobs.read_chunk(tag, index, lo, hi - lo)
-        data = await self.pool.run(self.blobs.read_stored, tag, name)
+        data = await self.blobs.read_named(tag, name, lo, hi)
         if data is None:
             raise FaultfsError(f"blob {name} of tag {tag.name} does not exist", errno.EIO)
-        return memoryview(data)[lo:hi]
+        return data
 
     # -- .pagemap handles ---------------------------------------------------------------------
 

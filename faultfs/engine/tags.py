@@ -189,6 +189,23 @@ class Tags:
         self.by_id[tag.id] = tag
         return tag
 
+    def clone(self, parent: Tag, name: str) -> Tag:
+        """Register ``name`` as a copy of ``parent``'s source (blocking): the same source at
+        the same version, its own blobs; the caller gives it the parent's writes first."""
+        check_tag_name(name)
+        if name in self.by_name or name == REGISTRY_TAG:
+            raise FaultfsError(f"tag {name!r} exists", errno.EEXIST)
+        if read_tag_state(self.store, name) is not None:
+            raise FaultfsError(f"the store has a tag {name!r} already (not mounted)",
+                               errno.EEXIST)
+        ctx = replace(parent.ctx, dst=name, src_data=f"clone of {parent.key}")
+        self.registry[ctx.key] = self.registry_store.put(ctx)
+        tag = self._add(ctx, parent.layout, parent.version, parent.source, parent.assimilator,
+                        shard=parent.shard, mtime=parent.mtime, view_name=parent.view_name)
+        tag.remote = dict(parent.remote)
+        self._write_state(tag)
+        return tag
+
     # -- recovery ----------------------------------------------------------------------------
 
     def recover(self) -> list[Tag]:

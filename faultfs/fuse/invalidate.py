@@ -37,6 +37,17 @@ class Invalidator:
         await trio.to_thread.run_sync(self._pages, tag.id, before, after,
                                       limiter=self._one_at_a_time)
 
+    async def inodes(self, stale: list[int]) -> None:
+        """Drop the kernel's cached data of ``stale`` inodes (awaited by a write's handler:
+        the serving thread keeps answering meanwhile, so a read the kernel waits on can
+        complete and nothing deadlocks)."""
+        await trio.to_thread.run_sync(self._inodes, stale, limiter=self._one_at_a_time)
+
+    @staticmethod
+    def _inodes(stale: list[int]) -> None:
+        for inode in stale:
+            _quietly(pyfuse3.invalidate_inode, inode, False)
+
     @staticmethod
     def _pages(tag_id: int, before: int, after: int) -> None:
         directory = inodes.make(tag_id, KIND_DIR)

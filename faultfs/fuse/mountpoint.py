@@ -17,7 +17,7 @@ from faultfs.errors import FaultfsError, InvalidInput
 
 log = logging.getLogger("faultfs.mount")
 
-UNMOUNT_WAIT_S = 30.0  # how long `faultfs umount` waits for the daemon to finish
+UNMOUNT_WAIT_S = 120.0  # how long `faultfs umount` waits for the daemon (it folds writes)
 
 
 def is_dead_mount(path: str) -> bool:

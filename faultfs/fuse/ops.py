@@ -74,6 +74,7 @@ class FaultOperations(pyfuse3.Operations):
         self.files = Files(self.tree)
         self.handles = HandleTable()
         self.invalidator = Invalidator()
+        self.files.invalidate = self.invalidator.inodes
         engine.pages.subscribe(self.invalidator.pages_changed)
 
     @fuse_boundary
@@ -125,8 +126,12 @@ class FaultOperations(pyfuse3.Operations):
         if fields.update_size:
             await self.files.set_size(inode, attr.st_size, self.handles.get(fh))
         elif fields.update_mode or fields.update_uid or fields.update_gid:
-            raise FaultfsError("the tree is read-only", errno.EROFS)
-        return entry(await self.tree.getattr(inode))
+            raise FaultfsError("modes and owners are the mount's", errno.EPERM)
+        return entry(await self.tree.getattr(inode))  # times: the tree's, taken as set
+
+    @fuse_boundary
+    async def fsync(self, fh, datasync):
+        await self.handles[fh].fsync()
 
     @fuse_boundary
     async def flush(self, fh):
@@ -140,7 +145,7 @@ class FaultOperations(pyfuse3.Operations):
 
     @fuse_boundary
     async def unlink(self, parent_inode, name, ctx):
-        await self.files.change(parent_inode, os.fsdecode(name))
+        await self.files.remove(parent_inode, os.fsdecode(name))
 
     @fuse_boundary
     async def rmdir(self, parent_inode, name, ctx):
@@ -148,7 +153,8 @@ class FaultOperations(pyfuse3.Operations):
 
     @fuse_boundary
     async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
-        await self.files.change(parent_inode_old, os.fsdecode(name_old))
+        await self.files.rename(parent_inode_old, os.fsdecode(name_old), parent_inode_new,
+                                os.fsdecode(name_new))
 
     @fuse_boundary
     async def mkdir(self, parent_inode, name, mode, ctx):

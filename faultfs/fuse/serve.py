@@ -64,11 +64,14 @@ async def _serve_async(engine: Engine, mountpoint: str, ready: Callable[[], None
         if engine.config.stats_log:
             nursery.start_soon(_log_stats, engine)
         nursery.start_soon(_announce_ready, mountpoint, ready, engine.config.readahead_kb)
+        if engine.writes.held:
+            engine.writes.start_checkpoint()  # writes replayed from the journal: fold them
         await pyfuse3.main()
         with trio.move_on_after(DRAIN_TIMEOUT_S):
             await engine.drain()  # blobs faulted just before the unmount reach the store
         if engine.pending_stores:
             log.warning("unmounting with %d blob(s) not yet stored", engine.pending_stores)
+        await engine.close_writes()  # every write folded and durable (level 2 of §11)
         nursery.cancel_scope.cancel()
 
 

@@ -1,13 +1,19 @@
-"""Open files of the tree: what a read, write, truncate, flush or release of each entry does.
+"""Open files of the tree: what a read, write, truncate, fsync, flush or release of each entry
+does, and what creating, removing and renaming entries does.
 
 Each open returns an ``OpenFile``; the FUSE adapter keeps them in one handle table and only
-converts. Chunks, views and pages read through the engine and keep the kernel's page cache;
-``.faultfs/stats`` is one snapshot per open (a reader reading in pieces gets one consistent
-document); ``.pagemap`` buffers its text and installs it on flush (``engine.pages``).
+converts. Chunks, views, pages and user blobs read and write through the engine (writes are
+copy-on-write, ``engine/writes.py``) and keep the kernel's page cache; ``.faultfs/stats`` is
+one snapshot per open; ``.pagemap`` buffers its text and installs it on flush
+(``engine.pages``); ``.faultfs/control`` takes one request per open (``namespace/control``).
 
 Invariants:
-- Only ``.pagemap`` is writable (writes of data land with copy-on-write, DESIGN §11): any
-  other write is EROFS, a write open of ``stats`` EACCES.
+- A write through one name is seen through every other name of the same bytes: the kernel's
+  cached pages of the other inodes that were opened are invalidated before the write is
+  answered (never those of the inode written: the kernel holds its pages during the write).
+- Writes are refused with EROFS on a read-only, read-through or degraded mount; a chunk's
+  size is fixed (EFBIG past its end); what the mount shows cannot be removed or renamed
+  (EPERM); only user blobs can.
 - Nothing here blocks the trio thread.
 """
 
@@ -15,22 +21,30 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Protocol
 
 from faultfs.core import inodes
+from faultfs.core.chunks import pieces
 from faultfs.core.inodes import (
+    CONTROL_FILE,
     KIND_CHUNK,
     KIND_PAGE,
     KIND_PAGEMAP,
     KIND_REGISTRY,
+    KIND_USER,
     KIND_VIEW,
     STATS_FILE,
 )
 from faultfs.core.names import PAGEMAP_NAME
 from faultfs.engine import Engine, Tag
 from faultfs.errors import FaultfsError
+from faultfs.namespace.control import ControlFile
 from faultfs.namespace.tree import Attributes, Node, Tree
 from faultfs.tiers.base import Buffer
+
+Invalidate = Callable[[list[int]], Awaitable[None]]
+INVALIDATE_MAX = 4096  # inodes invalidated after one write at most (pages past it: mtime)
 
 
 def _read_only() -> FaultfsError:
@@ -47,12 +61,16 @@ class OpenFile(Protocol):
 
     async def truncate(self, size: int) -> None: ...
 
+    async def fsync(self) -> None: ...
+
     async def flush(self) -> None: ...
 
     async def release(self) -> None: ...
 
 
-class _ReadOnly:
+class _Plain:
+    """Defaults: read-only, nothing to flush or release."""
+
     keep_cache = True
     direct_io = False
 
@@ -62,6 +80,9 @@ class _ReadOnly:
     async def truncate(self, size: int) -> None:
         raise _read_only()
 
+    async def fsync(self) -> None:
+        return
+
     async def flush(self) -> None:
         return
 
@@ -69,25 +90,63 @@ class _ReadOnly:
         return
 
 
-class BlobFile(_ReadOnly):
-    """A chunk, the whole-object view or a page."""
+class BlobFile(_Plain):
+    """A chunk, the whole-object view, a page or a user blob."""
 
-    def __init__(self, engine: Engine, node: Node) -> None:
+    def __init__(self, files: Files, node: Node) -> None:
         assert node.tag is not None
-        self.engine = engine
+        self.files = files
+        self.engine = files.engine
         self.tag: Tag = node.tag
         self.kind = node.kind
         self.index = node.index
+        self.inode = node.inode
+
+    def _user(self) -> str:
+        name = self.engine.writes.user_name(self.tag, self.index)
+        if name is None:
+            raise FaultfsError("the blob was removed", errno.ENOENT)
+        return name
 
     async def read(self, off: int, size: int) -> Buffer:
         if self.kind == KIND_CHUNK:
             return await self.engine.read_blob(self.tag, self.index, off, size)
         if self.kind == KIND_VIEW:
             return await self.engine.read_view(self.tag, off, size)
+        if self.kind == KIND_USER:
+            return await self.engine.writes.read_user(self.tag, self._user(), off, size)
         return await self.engine.pages.read_page(self.tag, self.index, off, size)
 
+    async def write(self, off: int, data: bytes) -> int:
+        writes = self.engine.writes
+        if self.kind == KIND_CHUNK:
+            n = await writes.write_chunk(self.tag, self.index, off, data)
+        elif self.kind == KIND_VIEW:
+            n = await writes.write_view(self.tag, off, data)
+        elif self.kind == KIND_USER:
+            n = await writes.write_user(self.tag, self._user(), off, data)
+        else:
+            n = await self.engine.pages.write_page(self.tag, self.index, off, data)
+        await self.files.written(self, off, len(data))
+        return n
 
-class BytesFile(_ReadOnly):
+    async def truncate(self, size: int) -> None:
+        writes = self.engine.writes
+        if self.kind == KIND_VIEW:
+            await writes.truncate_view(self.tag, size)
+        elif self.kind == KIND_USER:
+            await writes.truncate_user(self.tag, self._user(), size)
+        elif self.kind == KIND_CHUNK and size == self.tag.layout.chunk_size:
+            return
+        else:
+            raise FaultfsError("chunks and pages have a fixed size", errno.EPERM)
+        await self.files.written(self, 0, size)
+
+    async def fsync(self) -> None:
+        await self.engine.writes.fsync()
+
+
+class BytesFile(_Plain):
     """Fixed bytes: a registry entry, or a stats snapshot taken at open."""
 
     def __init__(self, data: bytes, *, direct_io: bool = False) -> None:
@@ -99,7 +158,7 @@ class BytesFile(_ReadOnly):
         return self.data[off:off + size]
 
 
-class PagemapFile:
+class PagemapFile(_Plain):
     """``<tag>/.pagemap``: a private copy of the text, installed on flush and release."""
 
     keep_cache = False
@@ -126,11 +185,13 @@ class PagemapFile:
 
 
 class Files:
-    """Opens entries of a ``Tree``."""
+    """Opens entries of a ``Tree``, and creates, removes and renames them."""
 
-    def __init__(self, tree: Tree) -> None:
+    def __init__(self, tree: Tree, invalidate: Invalidate | None = None) -> None:
         self.tree = tree
         self.engine = tree.engine
+        self.invalidate = invalidate
+        self.opened: set[int] = set()  # inodes opened since the mount: the kernel may cache them
 
     async def open(self, inode: int, flags: int) -> OpenFile:
         node = await self.tree.load(inode)
@@ -141,56 +202,148 @@ class Files:
             if writing:
                 raise FaultfsError("stats are read-only", errno.EACCES)
             return BytesFile(await self.tree.stats_document(), direct_io=True)
+        if inode == CONTROL_FILE:
+            return ControlFile(self.engine, self.invalidate_tag)
         if node.kind == KIND_PAGEMAP:
             assert node.tag is not None
             return PagemapFile(self.engine, await self.engine.pages.open_pagemap(node.tag, flags))
-        if writing:
-            raise _read_only()
         if node.kind == KIND_REGISTRY:
+            if writing:
+                raise _read_only()
             return BytesFile(self.engine.registry[self.tree.registry_keys[node.index]])
-        if node.kind in (KIND_CHUNK, KIND_VIEW, KIND_PAGE):
-            return BlobFile(self.engine, node)
+        if node.kind in (KIND_CHUNK, KIND_VIEW, KIND_PAGE, KIND_USER):
+            if writing and not self.engine.writes.writable:
+                raise _read_only()
+            self.opened.add(inode)
+            return BlobFile(self, node)
         raise FaultfsError("not a file", errno.EIO)
 
     async def create(self, parent: int, name: str, flags: int) -> tuple[OpenFile, Attributes]:
-        """Only ``<tag>/.pagemap`` can be created: a tag without a map gets one on close."""
+        """``<tag>/.pagemap`` (a tag without a map gets one on close), or a user blob."""
         directory = self.tree.node(parent)
-        if directory.tag is None or not directory.is_dir or name != PAGEMAP_NAME:
+        if directory.tag is None or not directory.is_dir:
             raise _read_only()
         tag = directory.tag
-        await self.engine.pages.load(tag)
-        if flags & os.O_EXCL and self.engine.pages.has_pagemap(tag):
-            raise FaultfsError(f"{tag.name}/{PAGEMAP_NAME} exists", errno.EEXIST)
-        handle = PagemapFile(self.engine, await self.engine.pages.open_pagemap(tag, flags))
-        # the map exists once the handle is flushed; its entry is shown from now on
-        node = Node(inodes.make(tag.id, KIND_PAGEMAP), KIND_PAGEMAP, tag)
-        return handle, self.tree.attributes(node)
+        if name == PAGEMAP_NAME:
+            await self.engine.pages.load(tag)
+            if flags & os.O_EXCL and self.engine.pages.has_pagemap(tag):
+                raise FaultfsError(f"{tag.name}/{PAGEMAP_NAME} exists", errno.EEXIST)
+            handle = PagemapFile(self.engine, await self.engine.pages.open_pagemap(tag, flags))
+            # the map exists once the handle is flushed; its entry is shown from now on
+            node = Node(inodes.make(tag.id, KIND_PAGEMAP), KIND_PAGEMAP, tag)
+            return handle, self.tree.attributes(node)
+        writes = self.engine.writes
+        if not writes.writable:
+            raise _read_only()
+        await writes.create_user(tag, name)
+        uid = writes.user_id(tag, name)
+        assert uid is not None
+        node = Node(inodes.make(tag.id, KIND_USER, uid), KIND_USER, tag, uid)
+        self.opened.add(node.inode)
+        return BlobFile(self, node), self.tree.attributes(node)
+
+    async def remove(self, parent: int, name: str) -> None:
+        """``unlink``: a user blob goes; what the mount shows cannot (EPERM)."""
+        node = await self._existing(parent, name)
+        if node.kind != KIND_USER:
+            raise self._fixed(name)
+        assert node.tag is not None
+        await self.engine.writes.unlink_user(node.tag, name)
+
+    async def rename(self, parent: int, name: str, new_parent: int, new_name: str) -> None:
+        node = await self._existing(parent, name)
+        if node.kind != KIND_USER:
+            raise self._fixed(name)
+        if new_parent != parent:
+            raise FaultfsError("a blob stays in its tag", errno.EXDEV)
+        assert node.tag is not None
+        await self.engine.writes.rename_user(node.tag, name, new_name)
 
     async def change(self, parent: int, name: str) -> None:
-        """A request to remove, rename or link ``name`` in ``parent``, or to make an entry
-        there: EPERM for what the mount shows (chunks, views, pages, ``.pagemap``, tags,
-        ``.faultfs``), EROFS for anything else — never "not implemented"."""
+        """``mkdir``, ``rmdir``, ``mknod``, ``symlink``, ``link``: EPERM for what the mount
+        shows, EROFS for anything else — never "not implemented"."""
         try:
             await self.tree.lookup(parent, name)
         except FaultfsError as exc:
             if exc.errno != errno.ENOENT:
                 raise
             raise _read_only() from None
-        raise FaultfsError(f"{name} is part of the mounted tree: it cannot be removed, "
-                           "renamed or replaced", errno.EPERM)
+        raise self._fixed(name)
+
+    async def _existing(self, parent: int, name: str) -> Node:
+        return self.tree.node((await self.tree.lookup(parent, name)).inode)
+
+    @staticmethod
+    def _fixed(name: str) -> FaultfsError:
+        return FaultfsError(f"{name} is part of the mounted tree: it cannot be removed, "
+                            "renamed or replaced", errno.EPERM)
 
     async def set_size(self, inode: int, size: int, handle: OpenFile | None) -> None:
         """``truncate``/``ftruncate``: through the open handle, or (by path) a handle of its
-        own, installed at once."""
+        own (a pagemap's is installed at once)."""
         node = await self.tree.load(inode)
-        if node.kind != KIND_PAGEMAP or node.tag is None:
+        if node.tag is None:
             raise _read_only()
-        if handle is not None:
-            await handle.truncate(size)
+        if handle is None:
+            handle = await self.open(inode, os.O_RDWR)
+            try:
+                await handle.truncate(size)
+                await handle.flush()
+            finally:
+                await handle.release()
             return
-        own = PagemapFile(self.engine, await self.engine.pages.open_pagemap(node.tag, os.O_RDWR))
-        try:
-            await own.truncate(size)
-            await own.flush()
-        finally:
-            await own.release()
+        await handle.truncate(size)
+
+    # -- coherence ---------------------------------------------------------------------------
+
+    async def invalidate_tag(self, tag: Tag) -> None:
+        """Everything the kernel cached of ``tag``'s files (a reset changed all of them)."""
+        if self.invalidate is not None:
+            stale = [i for i in self.opened if inodes.split(i)[0] == tag.id]
+            if stale:
+                await self.invalidate(stale)
+
+    async def written(self, file: BlobFile, off: int, size: int) -> None:
+        """Invalidate what the kernel cached of the other names of the bytes just written."""
+        if self.invalidate is None:
+            return
+        stale = [i for i in self._names_of(file, off, size) if i in self.opened and i != file.inode]
+        if stale:
+            await self.invalidate(stale[:INVALIDATE_MAX])
+
+    def _names_of(self, file: BlobFile, off: int, size: int) -> Iterable[int]:
+        """Inodes that show bytes ``[off, off+size)`` of ``file`` (besides ``file``)."""
+        tag = file.tag
+        cs = tag.layout.chunk_size
+        view = inodes.make(tag.id, KIND_VIEW)
+        pagemap = self.engine.pages.cached_map(tag)
+        blob_ranges: list[tuple[str, int, int]] = []  # (blob name, off, size) written
+        if file.kind == KIND_CHUNK:
+            yield view
+            blob_ranges.append((tag.layout.blob_name(file.index), off, size))
+        elif file.kind == KIND_VIEW:
+            for index, inner, length in pieces(off, size, off + size, cs):
+                yield inodes.make(tag.id, KIND_CHUNK, index)
+                blob_ranges.append((tag.layout.blob_name(index), inner, length))
+        elif file.kind == KIND_USER:
+            name = self.engine.writes.user_name(tag, file.index)
+            if name is not None:
+                blob_ranges.append((name, off, size))
+        elif pagemap is not None:  # a page: the blobs its slices name
+            yield view
+            for piece in pagemap.to_page(file.index):
+                lo, hi = max(off, piece.dst_off), min(off + size, piece.dst_off + piece.size)
+                if lo < hi:
+                    blob_ranges.append((piece.blob_name, piece.blob_off + lo - piece.dst_off,
+                                        hi - lo))
+                    index = tag.layout.blob_index(piece.blob_name)
+                    if index is not None:
+                        yield inodes.make(tag.id, KIND_CHUNK, index)
+                    else:
+                        uid = self.engine.writes.user_id(tag, piece.blob_name)
+                        if uid is not None:
+                            yield inodes.make(tag.id, KIND_USER, uid)
+        if pagemap is not None and not pagemap.empty:
+            for name, lo, length in blob_ranges:
+                for ref in pagemap.iter_from_page(name, lo, length):
+                    yield inodes.make(tag.id, KIND_PAGE, ref.page_id)

@@ -24,12 +24,14 @@ from dataclasses import dataclass
 
 from faultfs.core import inodes
 from faultfs.core.inodes import (
+    CONTROL_FILE,
     CTL_DIR,
     KIND_CHUNK,
     KIND_DIR,
     KIND_PAGE,
     KIND_PAGEMAP,
     KIND_REGISTRY,
+    KIND_USER,
     KIND_VIEW,
     REGISTRY_DIR,
     ROOT,
@@ -52,6 +54,8 @@ ATTR_TIMEOUT = 1.0  # st_blocks grows as blobs are staged: let du see it within 
 BLOCK_SIZE = 1 << 17  # st_blksize: tools read in 128 KiB pieces (FUSE's default request)
 STATS_NAME, REGISTRY_NAME = "stats", "registry"
 FIXED_DIRS = (ROOT, CTL_DIR, REGISTRY_DIR)
+FIXED = (ROOT, CTL_DIR, REGISTRY_DIR, STATS_FILE, CONTROL_FILE)  # the root's own entries
+CONTROL_NAME = "control"  # .faultfs/control: requests to the daemon (reset, clone)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +118,7 @@ class Tree:
 
     def node(self, inode: int) -> Node:
         """What ``inode`` is; ENOENT when it names nothing (pages: the map must be loaded)."""
-        if inode in (ROOT, CTL_DIR, REGISTRY_DIR, STATS_FILE):
+        if inode in FIXED:
             return Node(inode, 0)
         tag_id, kind, index = inodes.split(inode)
         if kind == KIND_REGISTRY:
@@ -122,7 +126,9 @@ class Tree:
                 raise _missing()
             return Node(inode, kind, None, index)
         tag = self.tag_of(tag_id)
-        if kind == KIND_CHUNK and index < tag.layout.num_blobs:
+        if kind == KIND_CHUNK and index < self.engine.writes.num_chunks(tag):
+            return Node(inode, kind, tag, index)
+        if kind == KIND_USER and self.engine.writes.user_name(tag, index) is not None:
             return Node(inode, kind, tag, index)
         if kind == KIND_PAGE and index < self.pages.num_pages(tag):
             return Node(inode, kind, tag, index)
@@ -133,8 +139,7 @@ class Tree:
     async def load(self, inode: int) -> Node:
         """``node(inode)``, after loading what its attributes need (a tag's pagemap)."""
         tag_id, kind, _ = inodes.split(inode)
-        if kind in (KIND_PAGE, KIND_PAGEMAP) and inode not in (ROOT, CTL_DIR, REGISTRY_DIR,
-                                                               STATS_FILE):
+        if kind in (KIND_PAGE, KIND_PAGEMAP) and inode not in FIXED:
             await self.pages.load(self.tag_of(tag_id))
         return self.node(inode)
 
@@ -156,7 +161,8 @@ class Tree:
                 raise _missing()
             return self.attributes(Node(inodes.make(tag.id, KIND_DIR), KIND_DIR, tag))
         if parent == CTL_DIR:
-            fixed = {STATS_NAME: STATS_FILE, REGISTRY_NAME: REGISTRY_DIR}.get(name)
+            fixed = {STATS_NAME: STATS_FILE, REGISTRY_NAME: REGISTRY_DIR,
+                     CONTROL_NAME: CONTROL_FILE}.get(name)
             if fixed is None:
                 raise _missing()
             if fixed == STATS_FILE:
@@ -188,10 +194,18 @@ class Tree:
             if not self.pages.has_pagemap(tag):
                 raise _missing()
             return inodes.make(tag.id, KIND_PAGEMAP)
+        writes = self.engine.writes
         index = tag.layout.blob_index(name)
-        if index is None:
+        if index is None and name.startswith(tag.layout.blob_prefix):  # a chunk past the source
+            index = parse_index(name[len(tag.layout.blob_prefix):])
+            if index is not None and index >= writes.num_chunks(tag):
+                index = None
+        if index is not None:
+            return inodes.make(tag.id, KIND_CHUNK, index)
+        uid = writes.user_id(tag, name)
+        if uid is None:
             raise _missing()
-        return inodes.make(tag.id, KIND_CHUNK, index)
+        return inodes.make(tag.id, KIND_USER, uid)
 
     async def getattr(self, inode: int) -> Attributes:
         if inode == STATS_FILE:
@@ -219,7 +233,8 @@ class Tree:
             fixed = [(CTL_NAME, CTL_DIR)] + [(t.name, inodes.make(t.id, KIND_DIR)) for t in tags]
             yield from ((i, n, ino) for i, (n, ino) in enumerate(fixed) if i >= start)
         elif directory.inode == CTL_DIR:
-            fixed = [(REGISTRY_NAME, REGISTRY_DIR), (STATS_NAME, STATS_FILE)]
+            fixed = [(CONTROL_NAME, CONTROL_FILE), (REGISTRY_NAME, REGISTRY_DIR),
+                     (STATS_NAME, STATS_FILE)]
             yield from ((i, n, ino) for i, (n, ino) in enumerate(fixed) if i >= start)
         elif directory.inode == REGISTRY_DIR:
             yield from ((i, k, inodes.make(0, KIND_REGISTRY, i))
@@ -236,7 +251,8 @@ class Tree:
         while pos < len(fixed):
             yield (pos, *fixed[pos])
             pos += 1
-        n_chunks = tag.layout.num_blobs
+        writes = self.engine.writes
+        n_chunks = writes.num_chunks(tag)
         while pos < len(fixed) + n_chunks:
             index = pos - len(fixed)
             yield pos, tag.layout.blob_name(index), inodes.make(tag.id, KIND_CHUNK, index)
@@ -246,6 +262,12 @@ class Tree:
             index = pos - len(fixed) - n_chunks
             yield pos, f"{PAGE_PREFIX}{index}", inodes.make(tag.id, KIND_PAGE, index)
             pos += 1
+        users = writes.user_names(tag)
+        first = len(fixed) + n_chunks + n_pages
+        for k in range(max(0, pos - first), len(users)):
+            uid = writes.user_id(tag, users[k])
+            assert uid is not None
+            yield first + k, users[k], inodes.make(tag.id, KIND_USER, uid)
 
     # -- extended attributes -----------------------------------------------------------------
 
@@ -257,7 +279,9 @@ class Tree:
             return {}
         out = {XATTR_TAG: tag.name.encode("utf-8", "surrogateescape")}
         if node.kind == KIND_CHUNK:
-            out[XATTR_STAGED] = b"1" if self.engine.is_staged(tag, node.index) else b"0"
+            here = self.engine.writes.touches(tag, node.index) or self.engine.is_staged(
+                tag, node.index)
+            out[XATTR_STAGED] = b"1" if here else b"0"
         elif node.kind == KIND_VIEW:
             out[XATTR_STAGED] = f"{self.engine.staged_count(tag)}/{tag.layout.num_blobs}".encode()
         if node.kind in (KIND_CHUNK, KIND_VIEW):
@@ -273,23 +297,32 @@ class Tree:
         if node.inode == STATS_FILE:
             return Attributes(node.inode, stat.S_IFREG | 0o444, self.stats_size,
                               mtime_ns=time.time_ns(), attr_timeout=0)
+        if node.inode == CONTROL_FILE:
+            return Attributes(node.inode, stat.S_IFREG | 0o600, mtime_ns=self.mounted_at,
+                              attr_timeout=0)
         if node.kind == KIND_REGISTRY:
             size = len(self.engine.registry[self.registry_keys[node.index]])
             return Attributes(node.inode, stat.S_IFREG | 0o400, size, mtime_ns=self.mounted_at)
         tag = node.tag
         assert tag is not None
-        mtime = int(tag.mtime * 1e9)
+        writes = self.engine.writes
+        mtime = max(int(tag.mtime * 1e9), writes.mtime_ns(tag))
         cs = tag.layout.chunk_size
+        mode = stat.S_IFREG | (0o644 if writes.writable else 0o444)
         if node.kind == KIND_CHUNK:
-            staged = cs if self.engine.is_staged(tag, node.index) else 0
-            return Attributes(node.inode, stat.S_IFREG | 0o444, cs, staged, mtime)
+            here = writes.touches(tag, node.index) or self.engine.is_staged(tag, node.index)
+            return Attributes(node.inode, mode, cs, cs if here else 0, mtime)
         if node.kind == KIND_VIEW:
-            size = tag.layout.size
-            staged = min(size, self.engine.staged_count(tag) * cs)
-            return Attributes(node.inode, stat.S_IFREG | 0o444, size, staged, mtime)
+            size = writes.view_size(tag)
+            staged = self.engine.staged_count(tag) + writes.dirty_summary(tag)[0]
+            return Attributes(node.inode, mode, size, min(size, staged * cs), mtime)
+        if node.kind == KIND_USER:
+            name = writes.user_name(tag, node.index) or ""
+            size = writes.user_size(tag, name)
+            return Attributes(node.inode, mode, size, size, mtime)
         map_mtime = self.pages.pagemap_mtime_ns(tag) or mtime
         if node.kind == KIND_PAGE:
-            return Attributes(node.inode, stat.S_IFREG | 0o444, self.pages.page_size(tag),
-                              mtime_ns=map_mtime)
+            return Attributes(node.inode, mode, self.pages.page_size(tag),
+                              mtime_ns=max(map_mtime, writes.mtime_ns(tag)))
         return Attributes(node.inode, stat.S_IFREG | 0o644, self.pages.pagemap_size(tag),
                           mtime_ns=map_mtime, attr_timeout=0)  # KIND_PAGEMAP

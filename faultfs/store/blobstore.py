@@ -46,7 +46,9 @@ TAG_STATE = "tag.json"
 MAX_TAG_STATE = 1 << 20  # a tag state of more than this is not one we wrote
 
 
-def _encode(prefix: str, name: str) -> str:
+def encode_component(prefix: str, name: str) -> str:
+    """A file name for ``name`` under ``prefix``: percent-encoded (no name can escape a
+    directory), or ``h-<sha256>`` when too long (the header then says the name)."""
     encoded = quote(name, safe="")
     if len(encoded) > MAX_ENCODED_NAME:
         return "h-" + hashlib.sha256(name.encode("utf-8", "surrogateescape")).hexdigest()
@@ -254,10 +256,10 @@ class BlobStore:
     # -- paths -------------------------------------------------------------------------------
 
     def tag_dir(self, tag: str) -> str:
-        return os.path.join(self.root, "tags", _encode("t-", tag))
+        return os.path.join(self.root, "tags", encode_component("t-", tag))
 
     def blob_path(self, tag: str, name: str) -> str:
-        return os.path.join(self.tag_dir(tag), _encode("b-", name))
+        return os.path.join(self.tag_dir(tag), encode_component("b-", name))
 
     def list_tags(self) -> list[str]:
         base = os.path.join(self.root, "tags")

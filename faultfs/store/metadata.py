@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import errno
 import os
-import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 
@@ -39,75 +37,12 @@ from faultfs.core.slots import (
     slot_offset_for_epoch,
 )
 from faultfs.errors import CorruptionError, InvalidInput, SourceError
+from faultfs.store.fileops import FileOps, OsFileOps
 
 HASH_SIZE = 8  # one little-endian xxh3_64 per WAL entry
 WAL_SUFFIX = ".dedup"  # X.meta -> X.meta.dedup, the name the original engine uses
 _HASH_DTYPE = np.dtype("<u8")
 _FRESH = DiskSlot(0, 0, StreamCoordinate(), 0)  # the state before the first commit (genesis)
-
-
-class FileOps(Protocol):
-    """The file operations the manager needs; ``OsFileOps`` is the real thing."""
-
-    def exists(self, path: str) -> bool: ...
-    def open(self, path: str, flags: int, mode: int = 0o600) -> int: ...
-    def close(self, fd: int) -> None: ...
-    def pread(self, fd: int, size: int, offset: int) -> bytes: ...
-    def pwrite(self, fd: int, data: bytes, offset: int) -> int: ...
-    def fsync(self, fd: int) -> None: ...
-    def ftruncate(self, fd: int, length: int) -> None: ...
-    def size(self, fd: int) -> int: ...
-    def rename(self, src: str, dst: str) -> None: ...
-    def fsync_dir(self, path: str) -> None: ...
-
-
-class OsFileOps:
-    """FileOps over the real file system."""
-
-    def exists(self, path: str) -> bool:
-        return os.path.exists(path)
-
-    def open(self, path: str, flags: int, mode: int = 0o600) -> int:
-        """Regular files only, opened without blocking (a FIFO's open would block forever)."""
-        try:
-            fd = os.open(path, flags | os.O_CLOEXEC | os.O_NONBLOCK, mode)
-        except IsADirectoryError:
-            raise InvalidInput(f"{path} is a directory, not a checkpoint file", errno.EISDIR) from None
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            os.close(fd)
-            what = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
-            raise InvalidInput(f"{path} is {what}, not a checkpoint file",
-                               errno.EISDIR if stat.S_ISDIR(st.st_mode) else errno.EINVAL)
-        return fd
-
-    def close(self, fd: int) -> None:
-        os.close(fd)
-
-    def pread(self, fd: int, size: int, offset: int) -> bytes:
-        return os.pread(fd, size, offset)
-
-    def pwrite(self, fd: int, data: bytes, offset: int) -> int:
-        return os.pwrite(fd, data, offset)
-
-    def fsync(self, fd: int) -> None:
-        os.fsync(fd)
-
-    def ftruncate(self, fd: int, length: int) -> None:
-        os.ftruncate(fd, length)
-
-    def size(self, fd: int) -> int:
-        return os.fstat(fd).st_size
-
-    def rename(self, src: str, dst: str) -> None:
-        os.rename(src, dst)
-
-    def fsync_dir(self, path: str) -> None:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 @dataclass(frozen=True)

@@ -87,6 +87,7 @@ class LocalTier:
         self._staged: dict[int, StagedSet] = {}
         self._open: collections.OrderedDict[BlobKey, OpenBlob] = collections.OrderedDict()
         self._in_use: collections.Counter[BlobKey] = collections.Counter()
+        self._pinned: set[BlobKey] = set()  # clean bases of dirty blobs: never evicted
         self._open_cap = open_cap()
 
     # -- tags --------------------------------------------------------------------------------
@@ -139,6 +140,18 @@ class LocalTier:
 
     def touch(self, key: BlobKey) -> None:
         self.policy.touch(key)
+
+    def pin(self, key: BlobKey) -> None:
+        """Keep a staged blob out of eviction (it is the base of a dirty blob)."""
+        self._pinned.add(key)
+        self.policy.forget(key)
+
+    def unpin(self, key: BlobKey) -> None:
+        if key in self._pinned:
+            self._pinned.discard(key)
+            tag = self._tags.get(key[0])
+            if tag is not None and self.contains(key):
+                self.policy.note_stored(key, tag.blob_size + HEADER_LEN)
 
     # -- reads -------------------------------------------------------------------------------
 
@@ -293,7 +306,8 @@ class LocalTier:
         if outcome is StoreOutcome.STORED:
             self._drop_open(key)
             self.mark(key, True)
-            self.policy.note_stored(key, stored)
+            if key not in self._pinned:
+                self.policy.note_stored(key, stored)
             self.stats.add("stored_bytes", stored)
         elif outcome is StoreOutcome.FULL:
             self.policy.store_full()

@@ -1,0 +1,667 @@
+"""Writes: copy-on-write over the read-only source (DESIGN §11, §12).
+
+A written blob is *dirty*: its bytes are a base — the clean chunk (staged, pinned), a dirty
+file of its own (``store/dirty.py``), or nothing (a new blob) — with the writes since its
+last fold laid over it (an ``ExtentMap`` in memory, each write also a journal record). A
+fold writes base + writes as a new dirty file and lets the journal go.
+
+Invariants:
+- A write is acknowledged only after its journal record was appended (it survives a kill -9
+  of the daemon); ``fsync`` makes every acknowledged write durable; unmount folds everything
+  durably. After any crash each blob is the result of a prefix of its acknowledged writes
+  that includes every write before the last completed ``fsync`` (the journal replays in
+  order and stops at the first record that does not verify; a dirty file names the last
+  record it includes).
+- The source is never written. A partial write of a chunk that is not staged faults it first
+  (the size-0 request); a write of a whole chunk does not.
+- Dirty data is never evicted, never replaced by a fault and never re-faulted: a damaged
+  dirty file is EIO and is kept.
+- Writes and folds of one blob are serialised (its lock); a read takes the base and the
+  writes it sees in one step, so it never mixes two states of a blob.
+- Bytes in memory are bounded: past ``fold_bytes`` of held writes a checkpoint folds every
+  dirty blob; past twice that, writers wait for it.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import trio
+
+from faultfs.core.chunks import pieces
+from faultfs.core.extents import ExtentMap
+from faultfs.core.names import PAGE_PREFIX, PAGEMAP_NAME, check_name, parse_index
+from faultfs.engine.tags import Tag
+from faultfs.errors import CorruptionError, FaultfsError, StoreFull
+from faultfs.iopool import IoPool
+from faultfs.stats import Stats
+from faultfs.store.dirty import DirtyFiles, folded_seq
+from faultfs.store.journal import KIND_SIZE, KIND_WRITE, KIND_ZERO, Journal, Record
+from faultfs.tiers.base import Buffer
+
+log = logging.getLogger("faultfs.writes")
+
+CLEAN, FOLDED, NEW = "clean", "folded", "new"  # what a dirty blob's base is
+USER_PREFIX = "u:"  # dirty files of user blobs are named by id: a rename is a table update
+GAP_PREFIX = ".pagegap."  # bytes written into the gaps of page N (hidden, never listed)
+FOLD_BYTES = 64 << 20  # written bytes held in memory before a checkpoint folds them
+VIEW = ""  # the journal's name for a tag's whole-object view (its size records)
+
+
+class CleanReads(Protocol):
+    """What writes need of the engine's clean path."""
+
+    async def read_clean(self, tag: Tag, index: int, off: int, size: int) -> Buffer: ...
+
+    async def stage_clean(self, tag: Tag, index: int) -> Buffer | None:
+        """Fault chunk ``index`` if needed and pin its staged copy; its bytes when it could
+        not be kept in the store (the caller then holds them)."""
+        ...
+
+    def unpin(self, tag: Tag, index: int) -> None: ...
+
+
+@dataclass(eq=False)
+class DirtyBlob:
+    tag: Tag
+    name: str  # its name in the journal and the dirty files: a chunk's, "u:<id>", ".pagegap.N"
+    index: int | None  # a chunk's index
+    size: int  # payload bytes
+    base: str  # CLEAN, FOLDED or NEW
+    folded_seq: int = 0  # the last journal record its dirty file includes
+    pending: ExtentMap = field(default_factory=ExtentMap)
+    base_bytes: Buffer | None = None  # a clean base the store could not keep
+    lock: trio.Lock | None = None
+
+    def locked(self) -> trio.Lock:
+        if self.lock is None:
+            self.lock = trio.Lock()
+        return self.lock
+
+
+@dataclass
+class TagWrites:
+    """What a tag's writes changed beyond its blobs: the view's size, the user blobs."""
+
+    view_size: int
+    view_seq: int = 0  # the last size record the state file includes
+    users: dict[str, int] = field(default_factory=dict)  # user blob name -> id
+    next_user: int = 1
+    ancestors: tuple[str, ...] = ()  # a clone's parent, grandparent ...: its linked files
+    voided: int = 0  # records at or below this seq are void (a reset of the tag)
+    voided_blobs: dict[str, int] = field(default_factory=dict)  # a reset of single blobs
+    mtime_ns: int = 0  # when it was last written
+
+
+class Writes:
+    """The dirty blobs of an engine's tags; see the module docstring for the rules."""
+
+    def __init__(self, root: str, clean: CleanReads, pool: IoPool, stats: Stats, *,
+                 writable: bool, fold_bytes: int = FOLD_BYTES, ops=None) -> None:
+        self.clean = clean
+        self.pool = pool
+        self.stats = stats
+        self.writable = writable  # False: --read-only, --no-store, a degraded store
+        self.fold_bytes = fold_bytes
+        self.files = DirtyFiles(root, ops, writable=writable)
+        self.journal = Journal(os.path.join(self.files.root, "journal"), ops)
+        self.blobs: dict[tuple[int, str], DirtyBlob] = {}
+        self.tags: dict[int, TagWrites] = {}
+        self._names: dict[int, str] = {}  # tag id -> name, for the state files
+        self.changed: set[int] = set()  # ids of tags with writes: their views take this path
+        self.held = 0  # bytes of writes held in memory (ExtentMap.held summed)
+        self._nursery: trio.Nursery | None = None
+        self._checkpointing: trio.Event | None = None
+
+    # -- recovery (blocking, before the mount answers) ---------------------------------------
+
+    def open_tag(self, tag: Tag) -> None:
+        """Bring back what the store remembers of ``tag``'s writes (dirty files, state)."""
+        state = self.files.read_state(tag.name)
+        tw = TagWrites(view_size=int(state.get("view_size", tag.layout.size)),
+                       view_seq=int(state.get("view_seq", 0)),
+                       users={str(k): int(v) for k, v in state.get("users", {}).items()},
+                       next_user=int(state.get("next_user", 1)),
+                       ancestors=tuple(state.get("ancestors", ())),
+                       voided=int(state.get("voided", 0)),
+                       voided_blobs={str(k): int(v) for k, v in state.get("voided_blobs", {}).items()},
+                       mtime_ns=int(state.get("mtime_ns", 0)))
+        self.tags[tag.id] = tw
+        self._names[tag.id] = tag.name
+        if tw.view_size != tag.layout.size or tw.users:
+            self.changed.add(tag.id)
+        ids = {f"{USER_PREFIX}{i}" for i in tw.users.values()}
+        for name in self.files.names(tag.name):
+            try:
+                header = self.files.header(tag.name, name, tw.ancestors)
+            except CorruptionError as exc:
+                log.error("tag %s: %s: kept, reads of it fail with EIO", tag.name, exc)
+                self._add(DirtyBlob(tag, name, self._chunk_index(tag, name), 0, FOLDED, 1 << 62))
+                continue
+            assert header is not None
+            seq = folded_seq(header)
+            if name.startswith(USER_PREFIX) and name not in ids:
+                continue  # unlinked (the table says so): its file is removed at the next fold
+            if seq <= max(tw.voided, tw.voided_blobs.get(name, 0)):
+                continue  # reset
+            self.journal.advance(seq)
+            self._add(DirtyBlob(tag, name, self._chunk_index(tag, name), header.payload_len,
+                                FOLDED, seq))
+
+    def replay(self, tags: dict[str, Tag]) -> int:
+        """Apply the journal's records after each blob's dirty file; the records applied."""
+        applied = 0
+        for rec in self.journal.replay(writable=self.writable):
+            tag = tags.get(rec.tag)
+            if tag is None or tag.id not in self.tags:
+                continue
+            tw = self.tags[tag.id]
+            if rec.seq <= tw.voided:
+                continue
+            if rec.kind == KIND_SIZE and rec.name == VIEW:
+                if rec.seq > tw.view_seq:
+                    self._set_view_size(tag, tw, rec.length)
+                    applied += 1
+                continue
+            if rec.seq <= tw.voided_blobs.get(rec.name, 0):
+                continue
+            blob = self._blob_for(tag, rec.name, create=True)
+            if blob is None or rec.seq <= blob.folded_seq:
+                continue
+            self._apply(blob, rec)
+            applied += 1
+        return applied
+
+    def _apply(self, blob: DirtyBlob, rec: Record) -> None:
+        before = blob.pending.held
+        if rec.kind == KIND_WRITE:
+            blob.pending.write(rec.off, rec.data)
+            blob.size = max(blob.size, rec.off + rec.length) if blob.index is None else blob.size
+        elif rec.kind == KIND_ZERO:
+            blob.pending.zero(rec.off, rec.length)
+        else:  # KIND_SIZE of a user blob
+            self._resize(blob, rec.length)
+        self.held += blob.pending.held - before
+
+    # -- queries -----------------------------------------------------------------------------
+
+    def view_size(self, tag: Tag) -> int:
+        tw = self.tags.get(tag.id)
+        return tag.layout.size if tw is None else tw.view_size
+
+    def num_chunks(self, tag: Tag) -> int:
+        """Chunks of the tag: the source's, and those the view grew past it."""
+        cs = tag.layout.chunk_size
+        return max(tag.layout.num_blobs, -(-self.view_size(tag) // cs))
+
+    def is_dirty(self, tag: Tag, index: int) -> bool:
+        return bool(self.blobs) and (tag.id, tag.layout.blob_name(index)) in self.blobs
+
+    def touches(self, tag: Tag, index: int) -> bool:
+        """Whether a read of chunk ``index`` is the writes' (dirty, or past the source)."""
+        return index >= tag.layout.num_blobs or self.is_dirty(tag, index)
+
+    def mtime_ns(self, tag: Tag) -> int:
+        tw = self.tags.get(tag.id)
+        return 0 if tw is None else tw.mtime_ns
+
+    def user_names(self, tag: Tag) -> list[str]:
+        tw = self.tags.get(tag.id)
+        return [] if tw is None else sorted(n for n in tw.users if not n.startswith("."))
+
+    def user_id(self, tag: Tag, name: str) -> int | None:
+        tw = self.tags.get(tag.id)
+        return None if tw is None else tw.users.get(name)
+
+    def user_name(self, tag: Tag, uid: int) -> str | None:
+        tw = self.tags.get(tag.id)
+        if tw is None:
+            return None
+        return next((n for n, i in tw.users.items() if i == uid), None)
+
+    def user_size(self, tag: Tag, name: str) -> int:
+        blob = self.blobs.get((tag.id, self._user_file(tag, name)))
+        return 0 if blob is None else blob.size
+
+    def dirty_summary(self, tag: Tag) -> tuple[int, int]:
+        """``(dirty blobs, bytes)`` of a tag (bytes: sizes of its dirty blobs)."""
+        count = size = 0
+        for (tag_id, _), blob in self.blobs.items():
+            if tag_id == tag.id:
+                count += 1
+                size += blob.size
+        return count, size
+
+    # -- reads -------------------------------------------------------------------------------
+
+    async def read_chunk(self, tag: Tag, index: int, off: int, size: int) -> bytes:
+        blob = self.blobs.get((tag.id, tag.layout.blob_name(index)))
+        if blob is None:  # an extension chunk past the source that was never written
+            return bytes(max(0, min(size, tag.layout.chunk_size - off)))
+        return await self._read(blob, off, size)
+
+    async def read_view(self, tag: Tag, off: int, size: int) -> bytes:
+        """View bytes of a tag with writes: chunk by chunk, dirty or clean."""
+        cs = tag.layout.chunk_size
+        parts = []
+        for index, inner, length in pieces(off, size, self.view_size(tag), cs):
+            if self.is_dirty(tag, index) or index >= tag.layout.num_blobs:
+                parts.append(await self.read_chunk(tag, index, inner, length))
+            else:
+                parts.append(bytes(await self.clean.read_clean(tag, index, inner, length)))
+        return b"".join(parts)
+
+    async def read_user(self, tag: Tag, name: str, off: int, size: int) -> bytes:
+        blob = self.blobs.get((tag.id, self._user_file(tag, name)))
+        if blob is None:
+            return b""
+        return await self._read(blob, off, size)
+
+    async def read_gap(self, tag: Tag, page: int, off: int, size: int) -> bytes | None:
+        """The bytes written into the gaps of page ``page`` (None when none were)."""
+        blob = self.blobs.get((tag.id, f"{GAP_PREFIX}{page}"))
+        return None if blob is None else await self._read(blob, off, size)
+
+    async def _read(self, blob: DirtyBlob, off: int, size: int) -> bytes:
+        if off >= blob.size or size <= 0:
+            return b""
+        size = min(size, blob.size - off)
+        pending, base, base_bytes = blob.pending, blob.base, blob.base_bytes  # one state
+        buf = bytearray(size)
+        if base == FOLDED:
+            try:
+                data = await self.pool.run(self.files.read, blob.tag.name, blob.name, off, size)
+            except (CorruptionError, OSError) as exc:
+                raise FaultfsError(f"dirty blob {blob.name} of tag {blob.tag.name} cannot be "
+                                   f"read: {exc}", errno.EIO) from None
+            buf[:len(data)] = data
+        elif base == CLEAN:
+            if base_bytes is not None:
+                buf[:] = memoryview(base_bytes)[off:off + size]
+            else:
+                assert blob.index is not None
+                data = await self.clean.read_clean(blob.tag, blob.index, off, size)
+                buf[:len(data)] = data
+        pending.overlay(buf, off)
+        return bytes(buf)
+
+    # -- writes ------------------------------------------------------------------------------
+
+    def _check_writable(self) -> None:
+        if not self.writable:
+            raise FaultfsError("this mount is read-only", errno.EROFS)
+
+    async def write_chunk(self, tag: Tag, index: int, off: int, data: bytes) -> int:
+        """Write through ``chunk_N``: a chunk has a fixed size (EFBIG past its end)."""
+        self._check_writable()
+        cs = tag.layout.chunk_size
+        if off + len(data) > cs:
+            raise FaultfsError(f"chunk {index} of tag {tag.name} is {cs} bytes: a write past "
+                               "its end cannot grow it", errno.EFBIG)
+        if index >= self.num_chunks(tag):
+            raise FaultfsError(f"tag {tag.name} has no chunk {index}", errno.ENOENT)
+        await self._write(self._chunk_blob(tag, index), off, data)
+        await self._written(tag, "chunk", index, off, len(data))
+        return len(data)
+
+    async def write_view(self, tag: Tag, off: int, data: bytes) -> int:
+        """Write through the whole-object view: it grows past its end (new chunks)."""
+        self._check_writable()
+        tw = self._tag(tag)
+        cs = tag.layout.chunk_size
+        end = off + len(data)
+        pos = 0
+        for index, inner, length in pieces(off, len(data), end, cs):
+            await self._write(self._chunk_blob(tag, index), inner, data[pos:pos + length])
+            pos += length
+        if end > tw.view_size:
+            self._append(KIND_SIZE, tag.name, VIEW, 0, end)
+            self._set_view_size(tag, tw, end)
+        await self._written(tag, "view", 0, off, len(data))
+        return len(data)
+
+    async def truncate_view(self, tag: Tag, size: int) -> None:
+        """``ftruncate`` of the view: bytes past ``size`` are gone (a later growth reads
+        zeros there); growing reads zeros past the old end."""
+        self._check_writable()
+        tw = self._tag(tag)
+        cs = tag.layout.chunk_size
+        old = tw.view_size
+        if size < old:
+            for index, inner, length in pieces(size, old - size, old, cs):
+                blob = self._chunk_blob(tag, index)
+                async with blob.locked():
+                    self._append(KIND_ZERO, tag.name, blob.name, inner, length)
+                    self._apply_zero(blob, inner, length)
+        self._append(KIND_SIZE, tag.name, VIEW, 0, size)
+        self._set_view_size(tag, tw, size)
+        await self._written(tag, "view", 0, min(size, old), abs(size - old))
+
+    async def write_user(self, tag: Tag, name: str, off: int, data: bytes) -> int:
+        self._check_writable()
+        blob = self._user_blob(tag, name)
+        await self._write(blob, off, data)
+        await self._written(tag, "user", 0, off, len(data))
+        return len(data)
+
+    async def truncate_user(self, tag: Tag, name: str, size: int) -> None:
+        self._check_writable()
+        blob = self._user_blob(tag, name)
+        async with blob.locked():
+            self._append(KIND_SIZE, tag.name, blob.name, 0, size)
+            before = blob.pending.held
+            self._resize(blob, size)
+            self.held += blob.pending.held - before
+        await self._written(tag, "user", 0, 0, size)
+
+    async def write_gap(self, tag: Tag, page: int, off: int, data: bytes) -> None:
+        """Bytes written into a gap of page ``page`` (the map has no slice there)."""
+        self._check_writable()
+        key = (tag.id, f"{GAP_PREFIX}{page}")
+        blob = self.blobs.get(key)
+        if blob is None:
+            blob = self._add(DirtyBlob(tag, key[1], None, 0, NEW))
+        await self._write(blob, off, data)
+
+    async def _write(self, blob: DirtyBlob, off: int, data: bytes) -> None:
+        if self._checkpointing is not None and self.held > 2 * self.fold_bytes:
+            await self._checkpointing.wait()  # back-pressure: memory stays bounded
+        async with blob.locked():
+            if blob.base == CLEAN and blob.base_bytes is None and not blob.pending:
+                if off == 0 and len(data) >= blob.size:
+                    blob.base = NEW  # a whole blob: no fault needed
+                else:
+                    assert blob.index is not None
+                    blob.base_bytes = await self.clean.stage_clean(blob.tag, blob.index)
+            self._append(KIND_WRITE, blob.tag.name, blob.name, off, len(data), data)
+            before = blob.pending.held
+            blob.pending.write(off, data)
+            if blob.index is None:
+                blob.size = max(blob.size, off + len(data))
+            self.held += blob.pending.held - before
+        self.stats.add("writes")
+        self.stats.add("bytes_written", len(data))
+        if self.held > self.fold_bytes:
+            self.start_checkpoint()
+
+    def _append(self, kind: int, tag: str, name: str, off: int, length: int,
+                data: bytes = b"") -> int:
+        """Journal one change (inline: an append to the page cache is a few microseconds a
+        KiB, and appends must stay in order)."""
+        try:
+            return self.journal.append(kind, tag, name, off, length, data)
+        except StoreFull:
+            raise FaultfsError("the store has no room for the write", errno.ENOSPC) from None
+
+    def _apply_zero(self, blob: DirtyBlob, off: int, length: int) -> None:
+        before = blob.pending.held
+        if blob.base == CLEAN and blob.base_bytes is None and not blob.pending and (
+                off == 0 and length >= blob.size):
+            blob.base = NEW
+        blob.pending.zero(off, length)
+        self.held += blob.pending.held - before
+
+    def _resize(self, blob: DirtyBlob, size: int) -> None:
+        if size < blob.size:
+            blob.pending.cut(size)
+            blob.pending.zero(size, blob.size - size)  # regrown, those bytes read as zeros
+        blob.size = size
+
+    def _set_view_size(self, tag: Tag, tw: TagWrites, size: int) -> None:
+        tw.view_size = size
+        self.changed.add(tag.id)
+
+    def _add(self, blob: DirtyBlob) -> DirtyBlob:
+        self.blobs[(blob.tag.id, blob.name)] = blob
+        self.changed.add(blob.tag.id)
+        return blob
+
+    async def _written(self, tag: Tag, kind: str, index: int, off: int, size: int) -> None:
+        self._tag(tag).mtime_ns = time.time_ns()
+
+    # -- user blobs --------------------------------------------------------------------------
+
+    def check_user_name(self, tag: Tag, name: str) -> None:
+        """A user blob may not take the name of anything the tag shows already."""
+        check_name(name, "blob name")
+        if (name == tag.view_name or name == PAGEMAP_NAME or name.startswith(PAGE_PREFIX)
+                or self._chunk_index(tag, name) is not None):
+            raise FaultfsError(f"{name} names an entry of tag {tag.name}", errno.EPERM)
+
+    async def create_user(self, tag: Tag, name: str) -> None:
+        self._check_writable()
+        self.check_user_name(tag, name)
+        tw = self._tag(tag)
+        if name in tw.users:
+            raise FaultfsError(f"blob {name} of tag {tag.name} exists", errno.EEXIST)
+        uid = tw.next_user
+        tw.next_user += 1
+        tw.users[name] = uid
+        await self._save_state(tag)
+        self._add(DirtyBlob(tag, f"{USER_PREFIX}{uid}", None, 0, NEW))
+
+    async def unlink_user(self, tag: Tag, name: str) -> None:
+        self._check_writable()
+        tw = self._tag(tag)
+        uid = tw.users.pop(name, None)
+        if uid is None:
+            raise FaultfsError(f"tag {tag.name} has no blob {name}", errno.ENOENT)
+        await self._save_state(tag)
+        blob = self.blobs.pop((tag.id, f"{USER_PREFIX}{uid}"), None)
+        if blob is not None:
+            self.held -= blob.pending.held
+        await self.pool.run(self.files.delete, tag.name, f"{USER_PREFIX}{uid}")
+
+    async def rename_user(self, tag: Tag, old: str, new: str) -> None:
+        """Rename a user blob (replacing a user blob named ``new``): one table update."""
+        self._check_writable()
+        self.check_user_name(tag, new)
+        tw = self._tag(tag)
+        if old not in tw.users:
+            raise FaultfsError(f"tag {tag.name} has no blob {old}", errno.ENOENT)
+        replaced = tw.users.pop(new, None)
+        tw.users[new] = tw.users.pop(old)
+        await self._save_state(tag)
+        if replaced is not None:
+            blob = self.blobs.pop((tag.id, f"{USER_PREFIX}{replaced}"), None)
+            if blob is not None:
+                self.held -= blob.pending.held
+            await self.pool.run(self.files.delete, tag.name, f"{USER_PREFIX}{replaced}")
+
+    # -- durability --------------------------------------------------------------------------
+
+    async def fsync(self) -> None:
+        """Every write acknowledged so far survives a power loss once this returns."""
+        self.stats.add("fsyncs")
+        await self.pool.run(self.journal.sync)
+
+    def attach(self, nursery: trio.Nursery) -> None:
+        self._nursery = nursery
+
+    def start_checkpoint(self) -> None:
+        if self._checkpointing is None and self._nursery is not None:
+            self._nursery.start_soon(self.checkpoint)
+
+    async def checkpoint(self) -> None:
+        """Fold every dirty blob with writes in memory into its file, durably, then let the
+        journal go up to there. Writers of a blob wait while it is folded."""
+        if self._checkpointing is not None:
+            await self._checkpointing.wait()
+            return
+        done = self._checkpointing = trio.Event()
+        try:
+            await self.pool.run(self.journal.roll)
+            through = self.journal.last_seq
+            for blob in [b for b in self.blobs.values() if b.pending or b.base != FOLDED]:
+                await self.fold(blob)
+            for tag_id, tw in self.tags.items():
+                tw.view_seq = through
+                await self._save_state_id(tag_id)
+            await self.pool.run(self.journal.trim, through)
+            self.stats.add("checkpoints")
+        except FaultfsError as exc:
+            log.error("checkpoint of the writes failed (kept in the journal): %s", exc)
+        finally:
+            self._checkpointing = None
+            done.set()
+
+    async def fold(self, blob: DirtyBlob) -> None:
+        async with blob.locked():
+            if not blob.pending and blob.base == FOLDED:
+                return
+            seq = self.journal.last_seq
+            data = await self._read_whole(blob)
+            try:
+                await self.pool.run(self.files.write, blob.tag.name, blob.name, data, seq)
+            except OSError as exc:
+                code = errno.ENOSPC if exc.errno in (errno.ENOSPC, errno.EDQUOT) else errno.EIO
+                raise FaultfsError(f"folding {blob.name} of tag {blob.tag.name} failed: "
+                                   f"{exc.strerror}", code) from None
+            self.held -= blob.pending.held
+            was_clean = blob.base == CLEAN
+            blob.base, blob.folded_seq, blob.pending, blob.base_bytes = FOLDED, seq, ExtentMap(), None
+            if was_clean and blob.index is not None:
+                self.clean.unpin(blob.tag, blob.index)
+            self.stats.add("folds")
+
+    async def _read_whole(self, blob: DirtyBlob) -> bytes:
+        return await self._read(blob, 0, blob.size) if blob.size else b""
+
+    async def close(self) -> None:
+        """Unmount: everything written is folded and durable."""
+        await self.checkpoint()
+        await self.pool.run(self.journal.sync)
+        self.journal.close()
+
+    # -- reset, clone ------------------------------------------------------------------------
+
+    async def reset(self, tag: Tag, names: list[str] | None = None) -> int:
+        """Drop the writes of ``tag`` (of its blobs ``names``: chunks or user blobs): back to
+        the source's bytes (a user blob back to empty). The dirty blobs dropped."""
+        self._check_writable()
+        tw = self._tag(tag)
+        seq = self.journal.last_seq
+        if names is None:
+            tw.voided = seq
+            tw.view_size, tw.users = tag.layout.size, {}
+            self.changed.discard(tag.id)
+            gone = [key for key in self.blobs if key[0] == tag.id]
+        else:
+            gone = []
+            for name in names:
+                file = self._user_file(tag, name) or name
+                if (tag.id, file) not in self.blobs and file not in self._ids(tw):
+                    if self._chunk_index(tag, name) is None:
+                        raise FaultfsError(f"tag {tag.name} has no blob {name}", errno.ENOENT)
+                    continue  # a chunk that was never written: nothing to drop
+                tw.voided_blobs[file] = seq
+                gone.append((tag.id, file))
+        await self._save_state(tag)
+        for key in gone:
+            blob = self.blobs.pop(key, None)
+            if blob is None:
+                continue
+            self.held -= blob.pending.held
+            if blob.base == CLEAN and blob.index is not None:
+                self.clean.unpin(tag, blob.index)
+            await self.pool.run(self.files.delete, tag.name, blob.name)
+        return len(gone)
+
+    @staticmethod
+    def _ids(tw: TagWrites) -> set[str]:
+        return {f"{USER_PREFIX}{i}" for i in tw.users.values()}
+
+    async def prepare_clone(self, parent: Tag, child: str) -> None:
+        """Give tag ``child`` (not registered yet) ``parent``'s writes as they are now: every
+        dirty blob of the parent folded, its files linked (a fold replaces a file, never
+        writes it in place, so a link keeps this moment), the parent's write state copied."""
+        for blob in [b for b in self.blobs.values() if b.tag.id == parent.id]:
+            await self.fold(blob)
+        ptw = self._tag(parent)
+        state = {"view_size": ptw.view_size, "view_seq": self.journal.last_seq,
+                 "users": dict(ptw.users), "next_user": ptw.next_user,
+                 "ancestors": [parent.name, *ptw.ancestors], "voided": 0, "voided_blobs": {},
+                 "mtime_ns": ptw.mtime_ns}
+
+        def link() -> None:
+            self.files.forget_tag(child)  # a clone that crashed before it was registered
+            self.files.link_from(parent.name, child)
+            self.files.write_state(child, state)
+
+        await self.pool.run(link)
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _tag(self, tag: Tag) -> TagWrites:
+        tw = self.tags.get(tag.id)
+        if tw is None:
+            tw = self.tags[tag.id] = TagWrites(view_size=tag.layout.size)
+            self._names[tag.id] = tag.name
+        return tw
+
+    def _chunk_index(self, tag: Tag, name: str) -> int | None:
+        prefix = tag.layout.blob_prefix
+        return parse_index(name[len(prefix):]) if name.startswith(prefix) else None
+
+    def _chunk_blob(self, tag: Tag, index: int) -> DirtyBlob:
+        name = tag.layout.blob_name(index)
+        blob = self.blobs.get((tag.id, name))
+        if blob is None:
+            base = CLEAN if index < tag.layout.num_blobs else NEW
+            blob = self._add(DirtyBlob(tag, name, index, tag.layout.chunk_size, base))
+        return blob
+
+    def _user_file(self, tag: Tag, name: str) -> str:
+        uid = self.user_id(tag, name)
+        return "" if uid is None else f"{USER_PREFIX}{uid}"
+
+    def _user_blob(self, tag: Tag, name: str) -> DirtyBlob:
+        file = self._user_file(tag, name)
+        if not file:
+            raise FaultfsError(f"tag {tag.name} has no blob {name}", errno.ENOENT)
+        blob = self.blobs.get((tag.id, file))
+        if blob is None:
+            blob = self._add(DirtyBlob(tag, file, None, 0, NEW))
+        return blob
+
+    def _blob_for(self, tag: Tag, name: str, *, create: bool) -> DirtyBlob | None:
+        """The blob a journal record names, or None when it is gone (an unlinked user blob)."""
+        blob = self.blobs.get((tag.id, name))
+        if blob is not None or not create:
+            return blob
+        if name.startswith(USER_PREFIX):
+            tw = self.tags[tag.id]
+            if name not in {f"{USER_PREFIX}{i}" for i in tw.users.values()}:
+                return None
+            blob = DirtyBlob(tag, name, None, 0, NEW)
+        elif name.startswith(GAP_PREFIX):
+            blob = DirtyBlob(tag, name, None, 0, NEW)  # grows with what was written
+        else:
+            index = self._chunk_index(tag, name)
+            if index is None:
+                return None
+            base = CLEAN if index < tag.layout.num_blobs else NEW
+            blob = DirtyBlob(tag, name, index, tag.layout.chunk_size, base)
+        return self._add(blob)
+
+    async def _save_state(self, tag: Tag) -> None:
+        await self._save_state_id(tag.id)
+
+    async def _save_state_id(self, tag_id: int) -> None:
+        tw = self.tags[tag_id]
+        name = self._names[tag_id]
+        state = {"view_size": tw.view_size, "view_seq": tw.view_seq, "users": tw.users,
+                 "next_user": tw.next_user, "ancestors": list(tw.ancestors),
+                 "voided": tw.voided, "voided_blobs": tw.voided_blobs,
+                 "mtime_ns": tw.mtime_ns}
+        try:
+            await self.pool.run(self.files.write_state, name, state)
+        except OSError as exc:
+            code = errno.ENOSPC if exc.errno in (errno.ENOSPC, errno.EDQUOT) else errno.EIO
+            raise FaultfsError(f"saving the writes of tag {name} failed: {exc.strerror}",
+                               code) from None

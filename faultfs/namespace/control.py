@@ -1,0 +1,92 @@
+"""``.faultfs/control``: one request to the daemon per open — write a JSON request, read the
+JSON answer — for what changes a mount's tags (``faultfs reset``, ``faultfs clone``).
+
+Requests: ``{"op": "reset", "tag": T}`` (every write of T dropped),
+``{"op": "reset", "tag": T, "blobs": [...]}`` (those blobs only),
+``{"op": "clone", "tag": T, "new": N}`` (N becomes a point-in-time copy of T).
+The answer is ``{"ok": true, ...}`` or ``{"ok": false, "error": "<one line>", "errno": n}``.
+
+Invariants: the request runs once, when the answer is first read; a request that cannot be
+parsed changes nothing; the file is 0600 and only its owner can open it.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from faultfs.engine import Engine, Tag
+from faultfs.errors import FaultfsError
+
+MAX_REQUEST = 1 << 16
+
+
+class ControlFile:
+    keep_cache = False
+    direct_io = True
+
+    def __init__(self, engine: Engine, invalidate_tag: Callable[[Tag], Awaitable[None]]) -> None:
+        self.engine = engine
+        self.invalidate_tag = invalidate_tag
+        self.request = bytearray()
+        self.answer: bytes | None = None
+
+    async def read(self, off: int, size: int) -> bytes:
+        if self.answer is None:
+            self.answer = (json.dumps(await self._run(), sort_keys=True) + "\n").encode()
+        return self.answer[off:off + size]
+
+    async def write(self, off: int, data: bytes) -> int:
+        if self.answer is not None or off + len(data) > MAX_REQUEST:
+            raise FaultfsError("one request per open, of at most 64 KiB", errno.EINVAL)
+        if off > len(self.request):
+            self.request.extend(bytes(off - len(self.request)))
+        self.request[off:off + len(data)] = data
+        return len(data)
+
+    async def truncate(self, size: int) -> None:
+        del self.request[size:]
+
+    async def fsync(self) -> None:
+        return
+
+    async def flush(self) -> None:
+        return
+
+    async def release(self) -> None:
+        return
+
+    async def _run(self) -> dict[str, Any]:
+        try:
+            try:
+                req = json.loads(bytes(self.request).decode("utf-8"))
+            except (UnicodeDecodeError, ValueError):
+                raise FaultfsError("the request is not JSON", errno.EINVAL) from None
+            if not isinstance(req, dict):
+                raise FaultfsError("the request is not a JSON object", errno.EINVAL)
+            return {"ok": True, **await self._dispatch(req)}
+        except FaultfsError as exc:
+            return {"ok": False, "error": exc.message, "errno": exc.errno}
+
+    async def _dispatch(self, req: dict) -> dict[str, Any]:
+        op = req.get("op")
+        tag = self.engine.tags.get(str(req.get("tag", "")))
+        if op not in ("reset", "clone"):
+            raise FaultfsError(f"unknown request {op!r}", errno.EINVAL)
+        if tag is None:
+            raise FaultfsError(f"no tag named {req.get('tag')!r} in this mount", errno.ENOENT)
+        if op == "reset":
+            blobs = req.get("blobs")
+            if blobs is not None and not (isinstance(blobs, list)
+                                          and all(isinstance(b, str) for b in blobs)):
+                raise FaultfsError("blobs must be a list of names", errno.EINVAL)
+            dropped = await self.engine.writes.reset(tag, blobs)
+            await self.invalidate_tag(tag)
+            return {"dropped": dropped}
+        new = req.get("new")
+        if not isinstance(new, str):
+            raise FaultfsError("a clone needs a new tag name", errno.EINVAL)
+        child = await self.engine.clone_tag(tag, new)
+        return {"tag": child.name}

@@ -1,0 +1,207 @@
+"""Dirty blob files: written data folded out of the journal, one self-describing file per blob,
+under ``<store>/writes/t-<tag>/b-<blob>``, and each tag's write state (``state.json``).
+
+A dirty file is a blob file (``blobfile.py``) flagged dirty whose source-version field names
+the journal position it includes (``wal:<seq>``): a replay applies only the records after it.
+They live apart from staged clean blobs, so nothing that manages the cache (eviction, the
+trusted scan at mount, a fault's store write) can touch user data.
+
+Invariants:
+- Files are replaced whole and durably (temp file, fsync, rename, directory fsync), through a
+  ``FileOps`` (so the crash tests cover them): after a crash a blob is its old file or its
+  new one, never a mix.
+- A read verifies the header and every block it returns; a damaged dirty file is a
+  CorruptionError (EIO to readers), never re-faulted or replaced silently.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from urllib.parse import unquote
+
+from faultfs.errors import CorruptionError
+from faultfs.store.blobfile import FLAG_DIRTY, HEADER_LEN, BlobHeader, decode_header, encode_header
+from faultfs.store.blobstore import encode_component
+from faultfs.store.fileops import FileOps, OsFileOps
+
+WAL_PREFIX = "wal:"
+
+
+def entry_exists(path: str) -> bool:
+    return os.path.isdir(path)
+STATE = "state.json"
+MAX_STATE = 1 << 20
+
+
+def folded_seq(header: BlobHeader) -> int:
+    """The last journal seq a dirty file includes (0 when it names none)."""
+    text = header.source_version
+    if text.startswith(WAL_PREFIX) and text[len(WAL_PREFIX):].isdigit():
+        return int(text[len(WAL_PREFIX):])
+    return 0
+
+
+class DirtyFiles:
+    """The dirty files of one store (blocking: file I/O)."""
+
+    def __init__(self, root: str, ops: FileOps | None = None, *, writable: bool = True) -> None:
+        self.root = os.path.join(root, "writes")
+        self.ops = ops or OsFileOps()
+        self.writable = writable  # False: list and read only (a degraded or read-only store)
+
+    def tag_dir(self, tag: str) -> str:
+        return os.path.join(self.root, encode_component("t-", tag))
+
+    def path(self, tag: str, name: str) -> str:
+        return os.path.join(self.tag_dir(tag), encode_component("b-", name))
+
+    # -- blobs -------------------------------------------------------------------------------
+
+    def write(self, tag: str, name: str, payload: bytes | memoryview, seq: int) -> int:
+        """Replace blob ``name`` of ``tag`` with ``payload``, durably; bytes written."""
+        header, with_payload = encode_header(tag, name, payload, flags=FLAG_DIRTY,
+                                             source_version=f"{WAL_PREFIX}{seq}")
+        data = header + bytes(payload) if with_payload else header
+        self._replace(self.path(tag, name), data)
+        return len(data)
+
+    def _replace(self, path: str, data: bytes) -> None:
+        directory = os.path.dirname(path)
+        self.ops.makedirs(directory)
+        tmp = os.path.join(directory, f"t-{secrets.token_hex(8)}.tmp")
+        fd = self.ops.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        try:
+            try:
+                written = 0
+                while written < len(data):
+                    written += self.ops.pwrite(fd, data[written:], written)
+                self.ops.fsync(fd)
+            finally:
+                self.ops.close(fd)
+            self.ops.rename(tmp, path)
+        except BaseException:
+            try:
+                self.ops.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        self.ops.fsync_dir(directory)
+
+    def header(self, tag: str, name: str, owners: tuple[str, ...] = ()) -> BlobHeader | None:
+        """The verified header of a dirty file; None when absent. CorruptionError if damaged.
+        ``owners``: the tags the file may have been written by (a clone's ancestors)."""
+        path = self.path(tag, name)
+        if not self.ops.exists(path):
+            return None
+        fd = self.ops.open(path, os.O_RDONLY)
+        try:
+            header = decode_header(self.ops.pread(fd, HEADER_LEN, 0), file_size=self.ops.size(fd))
+        except CorruptionError as exc:
+            raise CorruptionError(f"dirty blob {name} of tag {tag} is damaged ({exc}): {path}") from None
+        finally:
+            self.ops.close(fd)
+        if header.tag not in (tag, *owners) or header.name != name or not header.dirty:
+            raise CorruptionError(f"dirty blob {name} of tag {tag} is damaged (it holds "
+                                  f"{header.name!r} of {header.tag!r}): {path}")
+        return header
+
+    def read(self, tag: str, name: str, off: int, size: int) -> bytes:
+        """Verified payload bytes ``[off, off+size)`` (clipped to the payload)."""
+        return self._read(self.path(tag, name), tag, name, off, size)
+
+    def _read(self, path: str, tag: str, name: str, off: int, size: int) -> bytes:
+        fd = self.ops.open(path, os.O_RDONLY)
+        try:
+            raw = self.ops.pread(fd, HEADER_LEN, 0)
+            try:
+                h = decode_header(raw, file_size=self.ops.size(fd))
+            except CorruptionError as exc:
+                raise CorruptionError(f"dirty blob {name} of tag {tag} is damaged ({exc})") from None
+            if off >= h.payload_len or size <= 0:
+                return b""
+            size = min(size, h.payload_len - off)
+            if h.all_zero:
+                return bytes(size)
+            first, last = h.blocks_for(off, size)
+            start = first * h.block_size
+            want = min(last * h.block_size, h.stored_len) - start
+            data = self.ops.pread(fd, want, HEADER_LEN + start)
+            if len(data) != want:
+                raise CorruptionError(f"dirty blob {name} of tag {tag} is truncated: {path}")
+            h.check_blocks(first, data)
+            return bytes(data[off - start:off - start + size])
+        finally:
+            self.ops.close(fd)
+
+    def names(self, tag: str) -> list[str]:
+        """Names of the dirty files of ``tag`` (from their headers, for hashed names)."""
+        directory = self.tag_dir(tag)
+        out = []
+        for entry in self.ops.listdir(directory):
+            if entry.startswith("b-"):
+                out.append(unquote(entry[2:]))
+            elif entry.startswith("h-"):
+                fd = self.ops.open(os.path.join(directory, entry), os.O_RDONLY)
+                try:
+                    out.append(decode_header(self.ops.pread(fd, HEADER_LEN, 0)).name)
+                except CorruptionError:
+                    continue
+                finally:
+                    self.ops.close(fd)
+            elif entry.startswith("t-") and entry.endswith(".tmp") and self.writable:
+                self.ops.unlink(os.path.join(directory, entry))  # never renamed: never valid
+        return sorted(out)
+
+    def delete(self, tag: str, name: str) -> None:
+        path = self.path(tag, name)
+        if self.ops.exists(path):
+            self.ops.unlink(path)
+            self.ops.fsync_dir(os.path.dirname(path))
+
+    def link_from(self, src_tag: str, tag: str) -> list[str]:
+        """Hard-link every dirty file of ``src_tag`` into ``tag`` (a clone: the files are
+        replaced, never written in place, so a link is a snapshot); the names linked."""
+        names = self.names(src_tag)
+        self.ops.makedirs(self.tag_dir(tag))
+        for name in names:
+            os.link(self.path(src_tag, name), self.path(tag, name))
+        self.ops.fsync_dir(self.tag_dir(tag))
+        return names
+
+    def forget_tag(self, tag: str) -> None:
+        """Remove every dirty file and the write state of ``tag``."""
+        directory = self.tag_dir(tag)
+        for entry in self.ops.listdir(directory):
+            self.ops.unlink(os.path.join(directory, entry))
+        if self.ops.exists(directory) or entry_exists(directory):
+            os.rmdir(directory)
+            self.ops.fsync_dir(self.root)
+
+    def tags(self) -> list[str]:
+        """Tags that have a directory of dirty files or a write state."""
+        return sorted(unquote(e[2:]) for e in self.ops.listdir(self.root) if e.startswith("t-"))
+
+    # -- per-tag write state -----------------------------------------------------------------
+
+    def read_state(self, tag: str) -> dict:
+        path = os.path.join(self.tag_dir(tag), STATE)
+        if not self.ops.exists(path):
+            return {}
+        fd = self.ops.open(path, os.O_RDONLY)
+        try:
+            raw = self.ops.pread(fd, MAX_STATE, 0)
+        finally:
+            self.ops.close(fd)
+        try:
+            doc = json.loads(raw)
+        except ValueError:
+            raise CorruptionError(f"write state {path} is not valid JSON") from None
+        if not isinstance(doc, dict):
+            raise CorruptionError(f"write state {path} is not a JSON object")
+        return doc
+
+    def write_state(self, tag: str, state: dict) -> None:
+        data = json.dumps(state, sort_keys=True, indent=1).encode()
+        self._replace(os.path.join(self.tag_dir(tag), STATE), data)

@@ -1,0 +1,95 @@
+"""The file-operation seam of the durable formats (checkpoints, the write journal, dirty blob
+files): ``OsFileOps`` over the real file system; ``faultfs.testing.crashfs`` a disk that
+forgets or tears what was not fsynced at a simulated crash.
+
+Every write that must survive a crash goes through one of these, so a test can crash at any
+write or fsync and check what a reboot would find.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from typing import Protocol
+
+from faultfs.errors import InvalidInput
+
+
+class FileOps(Protocol):
+    """The file operations a durable format needs; ``OsFileOps`` is the real thing."""
+
+    def exists(self, path: str) -> bool: ...
+    def open(self, path: str, flags: int, mode: int = 0o600) -> int: ...
+    def close(self, fd: int) -> None: ...
+    def pread(self, fd: int, size: int, offset: int) -> bytes: ...
+    def pwrite(self, fd: int, data: bytes, offset: int) -> int: ...
+    def fsync(self, fd: int) -> None: ...
+    def ftruncate(self, fd: int, length: int) -> None: ...
+    def size(self, fd: int) -> int: ...
+    def rename(self, src: str, dst: str) -> None: ...
+    def fsync_dir(self, path: str) -> None: ...
+    def unlink(self, path: str) -> None: ...
+    def listdir(self, path: str) -> list[str]: ...
+    def makedirs(self, path: str) -> None: ...
+
+
+class OsFileOps:
+    """FileOps over the real file system."""
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(path)
+
+    def open(self, path: str, flags: int, mode: int = 0o600) -> int:
+        """Regular files only, opened without blocking (a FIFO's open would block forever)."""
+        try:
+            fd = os.open(path, flags | os.O_CLOEXEC | os.O_NONBLOCK, mode)
+        except IsADirectoryError:
+            raise InvalidInput(f"{path} is a directory, not a checkpoint file", errno.EISDIR) from None
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            what = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+            raise InvalidInput(f"{path} is {what}, not a checkpoint file",
+                               errno.EISDIR if stat.S_ISDIR(st.st_mode) else errno.EINVAL)
+        return fd
+
+    def close(self, fd: int) -> None:
+        os.close(fd)
+
+    def pread(self, fd: int, size: int, offset: int) -> bytes:
+        return os.pread(fd, size, offset)
+
+    def pwrite(self, fd: int, data: bytes, offset: int) -> int:
+        return os.pwrite(fd, data, offset)
+
+    def fsync(self, fd: int) -> None:
+        os.fsync(fd)
+
+    def ftruncate(self, fd: int, length: int) -> None:
+        os.ftruncate(fd, length)
+
+    def size(self, fd: int) -> int:
+        return os.fstat(fd).st_size
+
+    def rename(self, src: str, dst: str) -> None:
+        os.rename(src, dst)
+
+    def fsync_dir(self, path: str) -> None:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def unlink(self, path: str) -> None:
+        os.unlink(path)
+
+    def listdir(self, path: str) -> list[str]:
+        try:
+            return os.listdir(path)
+        except FileNotFoundError:
+            return []
+
+    def makedirs(self, path: str) -> None:
+        os.makedirs(path, mode=0o700, exist_ok=True)

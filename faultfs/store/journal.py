@@ -1,0 +1,268 @@
+"""The write journal: every write to a dirty blob, appended as one checksummed record before the
+write is acknowledged, so a crash loses nothing acknowledged and tears nothing (DESIGN §11).
+
+Layout: ``<store>/writes/journal/w-<first seq, 16 hex>.log`` segments, replayed in order.
+A record (little-endian), pinned by a golden-bytes test — change it and bump ``MAGIC``:
+
+    0   magic       8  b"FFSWAL\\x00\\x01"
+    8   seq         u64  1, 2, 3 ... across segments, never reused
+    16  kind        u8   1 write (data follows), 2 zero (a range reads as zeros), 3 size
+    17  reserved    u8   0
+    18  tag_len     u16
+    20  name_len    u16  (0 with kind 3: the size of the tag's whole-object view)
+    22  reserved    u16  0
+    24  off         u64  write/zero: offset in the blob; size: 0
+    32  length      u64  write: data bytes; zero: range length; size: the new size
+    40  data_xxh3   u64  xxh3_64 of the data (0 without data)
+    48  head_xxh3   u64  xxh3_64 of bytes [0, 48) + tag + name
+    56  tag, name (UTF-8), then the data
+
+Invariants:
+- A record is acknowledged once ``append`` returned: its bytes are in the kernel (a kill -9 of
+  the daemon keeps them). ``sync`` makes every record appended before it durable.
+- Replay yields records in seq order and stops at the first record that does not verify
+  (torn, truncated, foreign): what follows it is not trusted, so a crash leaves a prefix.
+- A segment is fsynced before the next one is started, so a durable record in a later
+  segment never follows a lost one.
+- ``trim(seq)`` deletes the segments whose records all have a seq at or below it (they are
+  folded into blob files); the current segment is never deleted while it is written.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import xxhash
+
+from faultfs.errors import CorruptionError, FaultfsError, StoreFull
+from faultfs.store.fileops import FileOps, OsFileOps
+
+MAGIC = b"FFSWAL\x00\x01"
+KIND_WRITE, KIND_ZERO, KIND_SIZE = 1, 2, 3
+_HEAD = struct.Struct("<8sQBBHHHQQQ")
+HEAD_LEN = _HEAD.size + 8  # the fixed part and its checksum: 56 bytes
+assert HEAD_LEN == 56
+SEGMENT_BYTES = 64 << 20  # a segment is closed (fsynced) and a new one started past this
+MAX_RECORD_DATA = 1 << 30  # a write record carries at most one blob's bytes
+SEGMENT_PREFIX, SEGMENT_SUFFIX = "w-", ".log"
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    seq: int
+    kind: int
+    tag: str
+    name: str
+    off: int
+    length: int
+    data: bytes = b""
+
+
+def encode(rec: Record) -> bytes:
+    tag = rec.tag.encode("utf-8")
+    name = rec.name.encode("utf-8")
+    data = rec.data if rec.kind == KIND_WRITE else b""
+    if rec.kind == KIND_WRITE and len(data) != rec.length:
+        raise ValueError("a write record's length is its data's")
+    digest = xxhash.xxh3_64_intdigest(data) if data else 0
+    head = _HEAD.pack(MAGIC, rec.seq, rec.kind, 0, len(tag), len(name), 0, rec.off, rec.length,
+                      digest)
+    check = xxhash.xxh3_64_intdigest(head + tag + name)
+    return b"".join((head, struct.pack("<Q", check), tag, name, data))
+
+
+def decode_head(raw: bytes) -> tuple[int, int, int, int, int, int, int, int]:
+    """``(seq, kind, tag_len, name_len, off, length, data_xxh3, check)`` of a record's fixed
+    part; CorruptionError when it is not one."""
+    if len(raw) < HEAD_LEN:
+        raise CorruptionError("journal record truncated")
+    magic, seq, kind, r1, tag_len, name_len, r2, off, length, digest = _HEAD.unpack_from(raw)
+    if magic != MAGIC or kind not in (KIND_WRITE, KIND_ZERO, KIND_SIZE) or r1 or r2:
+        raise CorruptionError("not a journal record")
+    if kind == KIND_WRITE and length > MAX_RECORD_DATA:
+        raise CorruptionError("journal record too long")
+    (check,) = struct.unpack_from("<Q", raw, _HEAD.size)
+    return seq, kind, tag_len, name_len, off, length, digest, check
+
+
+def segment_name(first_seq: int) -> str:
+    return f"{SEGMENT_PREFIX}{first_seq:016x}{SEGMENT_SUFFIX}"
+
+
+def _segment_seq(name: str) -> int | None:
+    if not (name.startswith(SEGMENT_PREFIX) and name.endswith(SEGMENT_SUFFIX)):
+        return None
+    digits = name[len(SEGMENT_PREFIX):-len(SEGMENT_SUFFIX)]
+    try:
+        return int(digits, 16) if len(digits) == 16 else None
+    except ValueError:
+        return None
+
+
+class Journal:
+    """The journal of one store. Blocking (file I/O); appends are small and ordered."""
+
+    def __init__(self, directory: str, ops: FileOps | None = None) -> None:
+        self.dir = directory
+        self.ops = ops or OsFileOps()
+        self.next_seq = 1
+        self._fd = -1
+        self._first = 0  # first seq of the segment being written
+        self._pos = 0  # where the next record goes in it
+        self._segments: list[int] = []  # first seqs of the segments on disk, oldest first
+        self._dir_dirty = False  # a segment was created since the directory's last fsync
+        self.appended = 0  # bytes appended since open (stats)
+
+    # -- replay ------------------------------------------------------------------------------
+
+    def replay(self, *, writable: bool = True) -> Iterator[Record]:
+        """The records on disk, in order, up to the first one that does not verify. Leaves the
+        journal ready to append after the last good record (a torn tail is cut off).
+        ``writable=False`` (a store that cannot be written) only reads."""
+        if writable:
+            self.ops.makedirs(self.dir)
+        firsts = sorted(s for s in (_segment_seq(n) for n in self.ops.listdir(self.dir))
+                        if s is not None)
+        good_end: tuple[int, int] | None = None  # (segment, offset) after the last good record
+        stopped = False
+        for first in firsts:
+            if stopped:
+                break
+            self.next_seq = max(self.next_seq, first)  # an empty segment still names its seq
+            path = os.path.join(self.dir, segment_name(first))
+            fd = self.ops.open(path, os.O_RDONLY)
+            try:
+                size = self.ops.size(fd)
+                pos = 0
+                while pos < size:
+                    rec, length = self._read_record(fd, pos, size)
+                    if rec is None or rec.seq < self.next_seq:
+                        stopped = True
+                        break
+                    self.next_seq = rec.seq + 1
+                    pos += length
+                    yield rec
+            finally:
+                self.ops.close(fd)
+            good_end = (first, pos)
+        self._segments = [s for s in firsts if good_end is not None and s <= good_end[0]]
+        if not writable:
+            return
+        for first in firsts:  # segments past a torn record hold nothing trusted
+            if first not in self._segments:
+                self.ops.unlink(os.path.join(self.dir, segment_name(first)))
+        if good_end is not None:
+            first, pos = good_end
+            self._fd = self.ops.open(os.path.join(self.dir, segment_name(first)), os.O_RDWR)
+            self.ops.ftruncate(self._fd, pos)
+            self._first, self._pos = first, pos
+
+    def _read_record(self, fd: int, pos: int, size: int) -> tuple[Record | None, int]:
+        raw = self.ops.pread(fd, HEAD_LEN, pos)
+        try:
+            seq, kind, tag_len, name_len, off, length, digest, check = decode_head(raw)
+        except CorruptionError:
+            return None, 0
+        data_len = length if kind == KIND_WRITE else 0
+        total = HEAD_LEN + tag_len + name_len + data_len
+        if pos + total > size:
+            return None, 0
+        rest = self.ops.pread(fd, tag_len + name_len + data_len, pos + HEAD_LEN)
+        names = rest[:tag_len + name_len]
+        if xxhash.xxh3_64_intdigest(raw[:_HEAD.size] + names) != check:
+            return None, 0
+        data = rest[tag_len + name_len:]
+        if data_len and xxhash.xxh3_64_intdigest(data) != digest:
+            return None, 0
+        try:
+            tag = names[:tag_len].decode("utf-8")
+            name = names[tag_len:].decode("utf-8")
+        except UnicodeDecodeError:
+            return None, 0
+        return Record(seq, kind, tag, name, off, length, bytes(data)), total
+
+    # -- appending ---------------------------------------------------------------------------
+
+    def append(self, kind: int, tag: str, name: str, off: int, length: int,
+               data: bytes | memoryview = b"") -> int:
+        """Append one record; its seq. StoreFull (nothing appended) when there is no room."""
+        if self._fd < 0 or self._pos >= SEGMENT_BYTES:
+            self._start_segment()
+        seq = self.next_seq
+        raw = encode(Record(seq, kind, tag, name, off, length, bytes(data)))
+        try:
+            written = 0
+            while written < len(raw):
+                written += self.ops.pwrite(self._fd, raw[written:], self._pos + written)
+        except OSError as exc:
+            self.ops.ftruncate(self._fd, self._pos)  # no half record stays behind
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise StoreFull("the store has no room for the write") from None
+            raise FaultfsError(f"the write journal failed: {exc.strerror}",
+                               exc.errno or errno.EIO) from None
+        self._pos += len(raw)
+        self.next_seq = seq + 1
+        self.appended += len(raw)
+        return seq
+
+    def _start_segment(self) -> None:
+        if self._fd >= 0:
+            self.ops.fsync(self._fd)  # durable before anything lands in the next segment
+            self.ops.close(self._fd)
+        self.ops.makedirs(self.dir)
+        first = self.next_seq
+        self._fd = self.ops.open(os.path.join(self.dir, segment_name(first)),
+                                 os.O_RDWR | os.O_CREAT | os.O_EXCL)
+        self._first, self._pos = first, 0
+        self._segments.append(first)
+        self._dir_dirty = True
+
+    def sync(self) -> None:
+        """Make every record appended so far durable."""
+        if self._fd >= 0:
+            self.ops.fsync(self._fd)
+        if self._dir_dirty:
+            self.ops.fsync_dir(self.dir)
+            self._dir_dirty = False
+
+    def advance(self, seq: int) -> None:
+        """Never hand out ``seq`` or anything below it (a folded blob file names it)."""
+        self.next_seq = max(self.next_seq, seq + 1)
+
+    @property
+    def last_seq(self) -> int:
+        return self.next_seq - 1
+
+    @property
+    def bytes_on_disk(self) -> int:
+        """Bytes of the segment being written (older ones are whole segments)."""
+        return self._pos + max(0, len(self._segments) - 1) * SEGMENT_BYTES
+
+    def roll(self) -> None:
+        """Close the current segment (fsynced) and start the next one now."""
+        self._start_segment()
+
+    def trim(self, through_seq: int) -> int:
+        """Delete the segments whose records are all at or below ``through_seq``; how many."""
+        gone = 0
+        keep = []
+        for i, first in enumerate(self._segments):
+            nxt = self._segments[i + 1] if i + 1 < len(self._segments) else None
+            if nxt is not None and nxt - 1 <= through_seq and first != self._first:
+                self.ops.unlink(os.path.join(self.dir, segment_name(first)))
+                gone += 1
+            else:
+                keep.append(first)
+        self._segments = keep
+        if gone:
+            self.ops.fsync_dir(self.dir)
+        return gone
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            self.ops.close(self._fd)
+            self._fd = -1
