@@ -38,14 +38,13 @@ import xxhash
 
 from faultfs.core.coord import StreamCoordinate
 from faultfs.core.names import CTL_NAME, PAGE_PREFIX, XATTR_STAGED
-from faultfs.core.units import format_size
 from faultfs.errors import InvalidInput, SourceError
+from faultfs.progress import ProgressBar
 
 CONTROL_DIR = CTL_NAME  # the mount's control directory: stats and registry, never warmed
 READ_SIZE = 1 << 20  # one pread per MiB: large enough to stream, small enough to share a pool
 CHECKPOINT_BLOBS = 64  # blobs between checkpoints: bounds re-reading after a kill -9
 CHECKPOINT_SECONDS = 5.0  # ...and time between them, for large blobs
-PROGRESS_INTERVAL = 0.2  # seconds between progress bar redraws
 _INDEXED_NAME = re.compile(r"^(.*?)(\d+)$")
 
 BlobReader = Callable[[str, int, bytearray], int]
@@ -152,49 +151,6 @@ def read_whole_blob(path: str, size: int, buf: bytearray) -> int:
         os.close(fd)
 
 
-def _clock(seconds: float) -> str:
-    s = int(seconds)
-    return f"{s // 3600}:{s // 60 % 60:02}:{s % 60:02}"
-
-
-class WarmProgress:
-    """A one-line progress bar on a text stream: bytes, percent, rate, ETA, blobs."""
-
-    WIDTH = 24
-
-    def __init__(self, out: TextIO, total_bytes: int, total_blobs: int) -> None:
-        self._out = out
-        self._total_bytes = total_bytes
-        self._total_blobs = total_blobs
-        self._start = time.monotonic()
-        self._last = 0.0
-
-    def line(self, bytes_read: int, blobs_done: int, skipped: int) -> str:
-        elapsed = max(time.monotonic() - self._start, 1e-9)
-        rate = bytes_read / elapsed
-        frac = bytes_read / self._total_bytes if self._total_bytes else 1.0
-        eta = (self._total_bytes - bytes_read) / rate if rate > 0 else None
-        filled = round(self.WIDTH * min(frac, 1.0))
-        return (
-            f"warm [{'#' * filled}{'.' * (self.WIDTH - filled)}] {frac:4.0%} "
-            f"{format_size(bytes_read)}/{format_size(self._total_bytes)} {format_size(rate)}/s "
-            f"ETA {_clock(eta) if eta is not None else '?:??:??'} "
-            f"blobs {blobs_done}/{self._total_blobs} ({skipped} staged)"
-        )
-
-    def update(self, bytes_read: int, blobs_done: int, skipped: int, *, force: bool = False) -> None:
-        now = time.monotonic()
-        if force or now - self._last >= PROGRESS_INTERVAL:
-            self._last = now
-            self._out.write("\r" + self.line(bytes_read, blobs_done, skipped) + "\x1b[K")
-            self._out.flush()
-
-    def finish(self, bytes_read: int, blobs_done: int, skipped: int) -> None:
-        self.update(bytes_read, blobs_done, skipped, force=True)
-        self._out.write("\n")
-        self._out.flush()
-
-
 def _plan(tags: list[str], start: StreamCoordinate) -> list[Blob]:
     blobs = []
     for tag_idx in range(start.shard_id, len(tags)):
@@ -207,6 +163,10 @@ def _plan(tags: list[str], start: StreamCoordinate) -> list[Blob]:
                 continue  # vanished since listing (e.g. evicted and forgotten)
             blobs.append(Blob(tag_idx, index, path, st.st_size, is_staged(path, st)))
     return blobs
+
+
+def _blobs_note(done: int, total: int, skipped: int) -> str:
+    return f"blobs {done}/{total} ({skipped} staged)"
 
 
 def tag_mark(tag_dir: str) -> int:
@@ -272,7 +232,7 @@ def warm(
         blobs = _plan(tags, start)
         report.blobs_total = len(blobs)
         bar = (
-            WarmProgress(out or sys.stderr, sum(b.size for b in blobs if not b.staged), len(blobs))
+            ProgressBar(out or sys.stderr, "warm", sum(b.size for b in blobs if not b.staged))
             if progress
             else None
         )
@@ -315,7 +275,7 @@ def warm(
                 ):
                     checkpoint(position)
                 if bar:
-                    bar.update(report.bytes_read, done, report.blobs_skipped)
+                    bar.update(report.bytes_read, _blobs_note(done, len(blobs), report.blobs_skipped))
             position = _at(tags, len(tags), 0, start.global_row_idx + done)
             checkpoint(position)
             report.completed = True
@@ -323,6 +283,6 @@ def warm(
             if not report.completed:
                 checkpoint(position)  # an interrupt or error keeps the progress made
             if bar:
-                bar.finish(report.bytes_read, done, report.blobs_skipped)
+                bar.finish(report.bytes_read, _blobs_note(done, len(blobs), report.blobs_skipped))
             report.seconds = time.monotonic() - started
     return report

@@ -162,3 +162,23 @@ def http_server() -> Iterator[RangeHttpServer]:
         from faultfs.sources import filesystems
 
         filesystems.clear_filesystems()
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """``small_fs(size_kb, inodes) -> path`` of a tmpfs of its own (unmounted at teardown)."""
+    made = []
+
+    def make(size_kb: int, inodes: int | None = None):
+        path = tmp_path / f"fs{len(made)}"
+        path.mkdir()
+        opts = f"size={size_kb}k" + (f",nr_inodes={inodes}" if inodes else "")
+        subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], check=True)
+        made.append(path)
+        return path
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    yield make
+    for path in made:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)

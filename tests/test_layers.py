@@ -1,8 +1,9 @@
 """The layout is the architecture (DESIGN §1): no import cycle among our modules, and no lower
 layer importing a higher one.
 
-    errors < core < config, buffers, stats, iopool < store < sources < assimilators < tiers
-      < engine, stream < namespace < fuse < daemon, warm < cli < testing
+    errors < core < config, buffers, stats, iopool, progress < store < sources < assimilators
+      < tiers < engine, stream < namespace < fuse < daemon, warm, control_client < export
+      < cli < testing
 
 Every import counts, also one inside a function or under ``TYPE_CHECKING`` (a lazy or typing
 import is still a dependency). A module may import lower layers and modules of its own unit;
@@ -18,7 +19,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 LAYERS = [
     ["faultfs.errors"],
     ["faultfs.core"],
-    ["faultfs.config", "faultfs.buffers", "faultfs.stats", "faultfs.iopool"],
+    ["faultfs.config", "faultfs.buffers", "faultfs.stats", "faultfs.iopool", "faultfs.progress"],
     ["faultfs.store"],
     ["faultfs.sources"],
     ["assimilators"],
@@ -26,7 +27,8 @@ LAYERS = [
     ["faultfs.engine", "faultfs.stream"],
     ["faultfs.namespace"],
     ["faultfs.fuse"],
-    ["faultfs.daemon", "faultfs.warm"],
+    ["faultfs.daemon", "faultfs.warm", "faultfs.control_client"],
+    ["faultfs.export"],
     ["faultfs.cli"],
     ["faultfs.testing"],
 ]

@@ -195,26 +195,6 @@ def test_the_store_is_private_and_its_log_never_follows_a_link(mounter, sample, 
     assert target.read_text() == "keep me\n"
 
 
-@pytest.fixture
-def small_fs(tmp_path):
-    """``small_fs(size_kb, inodes) -> path`` of a tmpfs of its own (unmounted at teardown)."""
-    made = []
-
-    def make(size_kb: int, inodes: int | None = None):
-        path = tmp_path / f"fs{len(made)}"
-        path.mkdir()
-        opts = f"size={size_kb}k" + (f",nr_inodes={inodes}" if inodes else "")
-        subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], check=True)
-        made.append(path)
-        return path
-
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    yield make
-    for path in made:
-        subprocess.run(["umount", "-l", str(path)], capture_output=True)
-
-
 def _fill(directory) -> None:
     """Fill a file system: bytes until ENOSPC, then inodes until ENOSPC."""
     n = 0

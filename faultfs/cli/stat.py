@@ -59,14 +59,20 @@ def render_stats(snap: dict) -> str:
         f"{'page reads':<22}{c.get('page_reads', 0):>12}    {'page slices':<22}{c.get('page_slices', 0):>12}",
         f"{'zero-filled bytes':<22}{c.get('zero_filled_bytes', 0):>12}    {'stale blobs dropped':<22}{c.get('stale_blobs_dropped', 0):>12}",
         f"{'memory hits':<22}{c.get('memory_hits', 0):>12}    {'read ahead (store)':<22}{c.get('store_readahead', 0):>12}",
+        f"{'writes':<22}{c.get('writes', 0):>12}    {'bytes written':<22}{format_size(c.get('bytes_written', 0)):>12}",
+        f"{'fsyncs':<22}{c.get('fsyncs', 0):>12}    {'folds':<22}{c.get('folds', 0):>12}",
         f"fault latency  p50 {lat.get('p50_ms', 0)} ms, p90 {lat.get('p90_ms', 0)} ms, "
         f"p99 {lat.get('p99_ms', 0)} ms, max {lat.get('max_ms', 0)} ms",
         "",
-        f"{'tag':<20} {'blobs':>9} {'staged':>9} {'chunk':>10} {'size':>11}  source",
+        f"{'tag':<20} {'blobs':>9} {'staged':>9} {'dirty':>7} {'chunk':>10} {'size':>11}  source",
     ]
     for name, t in sorted(snap.get("tags", {}).items()):
         lines.append(f"{name:<20} {t['blobs']:>9} {t['staged_blobs']:>9} "
-                     f"{format_size(t['chunk_size']):>10} {format_size(t['size']):>11}  {t['source']}")
+                     f"{t.get('dirty_blobs', 0):>7} {format_size(t['chunk_size']):>10} "
+                     f"{format_size(t.get('view_size', t['size'])):>11}  {t['source']}")
+        if t.get("dirty_blobs") or t.get("user_blobs"):
+            lines.append(f"  written: {t['dirty_blobs']} dirty blobs "
+                         f"({format_size(t['dirty_bytes'])}), {t.get('user_blobs', 0)} user blobs")
         if t.get("stale_dropped_at_mount") or t.get("source_changed_at_mount"):
             lines.append(f"  source changed since the last mount: {t.get('stale_dropped_at_mount', 0)} "
                          "stale blobs dropped, re-faulting from the new version")

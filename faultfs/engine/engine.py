@@ -258,7 +258,7 @@ class Engine:
         """Everything ``faultfs stat`` shows, as plain JSON-able values."""
         free = await self.pool.run(self.store.free_bytes)  # statvfs: not on the trio thread
         return snapshot(self.config, self.store.root, free, self.stats, self.tiers,
-                        self.tags.values(), self.store.degraded)
+                        self.tags.values(), self.writes, self.store.degraded)
 
 
 class _CleanReads:

@@ -15,12 +15,14 @@ from typing import Any
 from faultfs import buffers
 from faultfs.config import Config
 from faultfs.engine.tags import Tag
+from faultfs.engine.writes import Writes
 from faultfs.stats import Stats
 from faultfs.tiers.multilevel import TierStack
 
 
 def snapshot(config: Config, store_root: str, store_free_bytes: int, stats: Stats,
-             tiers: TierStack, tags: Iterable[Tag], store_degraded: str = "") -> dict[str, Any]:
+             tiers: TierStack, tags: Iterable[Tag], writes: Writes,
+             store_degraded: str = "") -> dict[str, Any]:
     policy = tiers.local.policy
     return {
         "pid": os.getpid(),
@@ -37,6 +39,8 @@ def snapshot(config: Config, store_root: str, store_free_bytes: int, stats: Stat
         "memory_bytes": tiers.memory.size,
         "read_buffers": buffers.POOL.snapshot(),
         "counters": dict(stats.counters),
+        "writes": {"writable": writes.writable, "held_bytes": writes.held,
+                   "journal_bytes": writes.journal.bytes_on_disk},
         "fault_latency": stats.percentiles(),
         "tags": {
             t.name: {
@@ -46,7 +50,13 @@ def snapshot(config: Config, store_root: str, store_free_bytes: int, stats: Stat
                 "stale_dropped_at_mount": t.stale_dropped, "source_error": t.source_error,
                 "source_changed_at_mount": t.source_changed,
                 "source_changed_under_mount": t.changed_under_mount,
-                "shard": t.shard, "remote": t.remote,
+                "shard": t.shard, "remote": t.remote, "view_name": t.view_name,
+                "view_size": writes.view_size(t), **_dirty(writes, t),
             } for t in tags
         },
     }
+
+
+def _dirty(writes: Writes, tag: Tag) -> dict[str, int]:
+    blobs, size = writes.dirty_summary(tag)
+    return {"dirty_blobs": blobs, "dirty_bytes": size, "user_blobs": len(writes.user_names(tag))}

@@ -372,13 +372,16 @@ class Writes:
         if self._checkpointing is not None and self.held > 2 * self.fold_bytes:
             await self._checkpointing.wait()  # back-pressure: memory stays bounded
         async with blob.locked():
+            whole = False
             if blob.base == CLEAN and blob.base_bytes is None and not blob.pending:
                 if off == 0 and len(data) >= blob.size:
-                    blob.base = NEW  # a whole blob: no fault needed
+                    whole = True  # a whole blob: no fault needed
                 else:
                     assert blob.index is not None
                     blob.base_bytes = await self.clean.stage_clean(blob.tag, blob.index)
             self._append(KIND_WRITE, blob.tag.name, blob.name, off, len(data), data)
+            if whole:  # only once the write is journaled: a refused one changes nothing
+                blob.base = NEW
             before = blob.pending.held
             blob.pending.write(off, data)
             if blob.index is None:
@@ -495,7 +498,8 @@ class Writes:
             return
         done = self._checkpointing = trio.Event()
         try:
-            await self.pool.run(self.journal.roll)
+            self.journal.roll()  # here, where appends happen: records after go to the next
+            await self.pool.run(self.journal.sync)  # folded or not, the records are durable
             through = self.journal.last_seq
             for blob in [b for b in self.blobs.values() if b.pending or b.base != FOLDED]:
                 await self.fold(blob)
@@ -506,6 +510,8 @@ class Writes:
             self.stats.add("checkpoints")
         except FaultfsError as exc:
             log.error("checkpoint of the writes failed (kept in the journal): %s", exc)
+        except Exception:  # a background task must never take the mount down
+            log.exception("checkpoint of the writes failed (kept in the journal)")
         finally:
             self._checkpointing = None
             done.set()

@@ -22,8 +22,9 @@ Invariants:
   the daemon keeps them). ``sync`` makes every record appended before it durable.
 - Replay yields records in seq order and stops at the first record that does not verify
   (torn, truncated, foreign): what follows it is not trusted, so a crash leaves a prefix.
-- A segment is fsynced before the next one is started, so a durable record in a later
-  segment never follows a lost one.
+- ``sync`` fsyncs older segments before the current one: a durable record in a later
+  segment never follows a lost one that a sync vouched for (replay stops at the first
+  record that does not verify, wherever it is).
 - ``trim(seq)`` deletes the segments whose records all have a seq at or below it (they are
   folded into blob files); the current segment is never deleted while it is written.
 """
@@ -33,6 +34,7 @@ from __future__ import annotations
 import errno
 import os
 import struct
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -115,6 +117,8 @@ class Journal:
         self._pos = 0  # where the next record goes in it
         self._segments: list[int] = []  # first seqs of the segments on disk, oldest first
         self._dir_dirty = False  # a segment was created since the directory's last fsync
+        self._unsynced: list[int] = []  # descriptors of older segments not fsynced yet
+        self._lock = threading.Lock()  # appends and rolls on one thread, syncs on another
         self.appended = 0  # bytes appended since open (stats)
 
     # -- replay ------------------------------------------------------------------------------
@@ -191,7 +195,10 @@ class Journal:
                data: bytes | memoryview = b"") -> int:
         """Append one record; its seq. StoreFull (nothing appended) when there is no room."""
         if self._fd < 0 or self._pos >= SEGMENT_BYTES:
-            self._start_segment()
+            try:
+                self._start_segment()
+            except OSError as exc:
+                raise _failure(exc) from None
         seq = self.next_seq
         raw = encode(Record(seq, kind, tag, name, off, length, bytes(data)))
         try:
@@ -200,34 +207,47 @@ class Journal:
                 written += self.ops.pwrite(self._fd, raw[written:], self._pos + written)
         except OSError as exc:
             self.ops.ftruncate(self._fd, self._pos)  # no half record stays behind
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise StoreFull("the store has no room for the write") from None
-            raise FaultfsError(f"the write journal failed: {exc.strerror}",
-                               exc.errno or errno.EIO) from None
+            raise _failure(exc) from None
         self._pos += len(raw)
         self.next_seq = seq + 1
         self.appended += len(raw)
         return seq
 
     def _start_segment(self) -> None:
-        if self._fd >= 0:
-            self.ops.fsync(self._fd)  # durable before anything lands in the next segment
-            self.ops.close(self._fd)
+        """Start the next segment (on the thread that appends). The one before is fsynced by
+        the next ``sync`` before anything else, so a sync never leaves a hole behind it."""
         self.ops.makedirs(self.dir)
         first = self.next_seq
-        self._fd = self.ops.open(os.path.join(self.dir, segment_name(first)),
-                                 os.O_RDWR | os.O_CREAT | os.O_EXCL)
-        self._first, self._pos = first, 0
-        self._segments.append(first)
-        self._dir_dirty = True
+        fd = self.ops.open(os.path.join(self.dir, segment_name(first)),
+                           os.O_RDWR | os.O_CREAT | os.O_EXCL)
+        with self._lock:
+            if self._fd >= 0:
+                self._unsynced.append(self._fd)
+            self._fd, self._first, self._pos = fd, first, 0
+            self._segments.append(first)
+            self._dir_dirty = True
 
     def sync(self) -> None:
-        """Make every record appended so far durable."""
-        if self._fd >= 0:
-            self.ops.fsync(self._fd)
-        if self._dir_dirty:
-            self.ops.fsync_dir(self.dir)
+        """Make every record appended so far durable (may run on another thread than the
+        appends: older segments first, then the current one, then the directory)."""
+        with self._lock:
+            old, current, dir_dirty = list(self._unsynced), self._fd, self._dir_dirty
             self._dir_dirty = False
+        try:
+            for fd in old:
+                self.ops.fsync(fd)
+            if current >= 0:
+                self.ops.fsync(current)
+            if dir_dirty:
+                self.ops.fsync_dir(self.dir)
+        except OSError as exc:
+            with self._lock:
+                self._dir_dirty = self._dir_dirty or dir_dirty
+            raise _failure(exc) from None
+        with self._lock:
+            for fd in old:
+                self._unsynced.remove(fd)
+                self.ops.close(fd)
 
     def advance(self, seq: int) -> None:
         """Never hand out ``seq`` or anything below it (a folded blob file names it)."""
@@ -243,26 +263,38 @@ class Journal:
         return self._pos + max(0, len(self._segments) - 1) * SEGMENT_BYTES
 
     def roll(self) -> None:
-        """Close the current segment (fsynced) and start the next one now."""
-        self._start_segment()
+        """Start the next segment now (on the appending thread; ``sync`` makes it durable)."""
+        try:
+            self._start_segment()
+        except OSError as exc:
+            raise _failure(exc) from None
 
     def trim(self, through_seq: int) -> int:
-        """Delete the segments whose records are all at or below ``through_seq``; how many."""
-        gone = 0
-        keep = []
-        for i, first in enumerate(self._segments):
-            nxt = self._segments[i + 1] if i + 1 < len(self._segments) else None
-            if nxt is not None and nxt - 1 <= through_seq and first != self._first:
+        """Delete the segments whose records are all at or below ``through_seq``; how many.
+        They must be synced (``sync``) first: their records are folded into blob files."""
+        with self._lock:
+            segments, current = list(self._segments), self._first
+        gone = []
+        for i, first in enumerate(segments):
+            nxt = segments[i + 1] if i + 1 < len(segments) else None
+            if nxt is not None and nxt - 1 <= through_seq and first != current:
                 self.ops.unlink(os.path.join(self.dir, segment_name(first)))
-                gone += 1
-            else:
-                keep.append(first)
-        self._segments = keep
+                gone.append(first)
         if gone:
+            with self._lock:
+                self._segments = [s for s in self._segments if s not in gone]
             self.ops.fsync_dir(self.dir)
-        return gone
+        return len(gone)
 
     def close(self) -> None:
-        if self._fd >= 0:
-            self.ops.close(self._fd)
-            self._fd = -1
+        with self._lock:
+            for fd in [*self._unsynced, self._fd]:
+                if fd >= 0:
+                    self.ops.close(fd)
+            self._unsynced, self._fd = [], -1
+
+
+def _failure(exc: OSError) -> FaultfsError:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return StoreFull("the store has no room for the write")
+    return FaultfsError(f"the write journal failed: {exc.strerror}", exc.errno or errno.EIO)

@@ -1,0 +1,374 @@
+"""Writes through real mounts: numpy.memmap's default mode, h5py "r+", dd, coherence across
+names, an fsx-style random script against a local file, kill -9 durability, a full store,
+pages with gaps, user blobs, clones, reset and export, and the bad input of each."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import mmap
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import run_faultfs
+
+pytestmark = pytest.mark.mount
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def read(path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def sha(path) -> str:
+    return hashlib.sha256(read(path)).hexdigest()
+
+
+def test_numpy_memmap_default_mode_writes_persist_and_the_source_is_untouched(mounter, tmp_path):
+    import numpy as np
+
+    src = tmp_path / "field.bin"
+    np.arange(1 << 20, dtype=np.float32).tofile(src)
+    before = sha(src)
+    m = mounter(str(src), args=["--chunk-size", "1M"])
+    view = os.path.join(m.tag("field"), "field.bin")
+    a = np.memmap(view, np.float32)  # mode r+: O_RDWR and a shared writable map
+    a[10] = 42.5
+    a[(1 << 20) - 1] = -3.0
+    a[300_000:300_010] = 7
+    a.flush()
+    del a
+    m.umount()
+    m2 = mounter(store=m.store)
+    b = np.memmap(os.path.join(m2.tag("field"), "field.bin"), np.float32, "r")
+    assert b[10] == 42.5 and b[(1 << 20) - 1] == -3.0 and list(b[300_000:300_010]) == [7] * 10
+    assert b[11] == 11 and b[299_999] == 299_999
+    assert sha(src) == before, "the source is never written"
+    c = m2.counters()
+    assert c["writes"] == 0
+
+
+def test_h5py_r_plus_updates_a_dataset_and_creates_another(mounter, tmp_path):
+    import h5py
+    import numpy as np
+
+    src = tmp_path / "grid.h5"
+    with h5py.File(src, "w") as f:
+        f.create_dataset("a", data=np.arange(200_000, dtype="f8"), chunks=(4096,),
+                         compression="gzip")
+    before = sha(src)
+    m = mounter(str(src))
+    path = os.path.join(m.tag("grid"), "grid.h5")
+    size = os.path.getsize(path)
+    with h5py.File(path, "r+") as f:  # takes flock(LOCK_EX|LOCK_NB), pwrite, ftruncate
+        f["a"][100:200] = -1
+        f.create_dataset("b", data=np.linspace(0, 1, 300_000))
+    assert os.path.getsize(path) > size, "the file grew past the source"
+    m.umount()
+    m2 = mounter(store=m.store)
+    with h5py.File(os.path.join(m2.tag("grid"), "grid.h5"), "r") as f:
+        a = f["a"][:]
+        assert (a[100:200] == -1).all() and a[99] == 99 and a[200] == 200
+        assert f["b"].shape == (300_000,) and f["b"][-1] == 1.0
+    assert sha(src) == before
+
+
+def test_dd_through_a_chunk_and_the_view_is_seen_through_every_name(mounter, sample):
+    src = sample(3 * MiB + 5000)
+    data = bytearray(read(src))
+    m = mounter(src, args=["--chunk-size", "1M", "--page-size", "512K"])
+    tag = m.tag("field")
+    patch = os.urandom(8 * KiB)
+    with open(os.path.join(tag, "chunk_1"), "rb") as f:  # the kernel caches chunk_1
+        f.read()
+    subprocess.run(["dd", f"of={tag}/chunk_1", "bs=4K", "seek=3", "conv=notrunc",
+                    "status=none"], input=patch, check=True)
+    data[MiB + 12 * KiB:MiB + 20 * KiB] = patch
+    patch2 = os.urandom(100_000)
+    with open(os.path.join(tag, "field.bin"), "rb") as f:  # the kernel caches the view too
+        f.read()
+    subprocess.run(["dd", f"of={tag}/field.bin", "bs=100000", "seek=20", "conv=notrunc",
+                    "status=none"], input=patch2, check=True)
+    data[2_000_000:2_100_000] = patch2
+    view = os.path.join(tag, "field.bin")
+    assert subprocess.run(["cmp", view, "-"], input=bytes(data)).returncode == 0
+    for i in range(4):
+        piece = bytes(data[i * MiB:(i + 1) * MiB]).ljust(MiB, b"\0")
+        assert read(os.path.join(tag, f"chunk_{i}")) == piece, f"chunk_{i}"
+    for p in range(7):
+        piece = bytes(data[p * 512 * KiB:(p + 1) * 512 * KiB]).ljust(512 * KiB, b"\0")
+        assert read(os.path.join(tag, f"page:{p}")) == piece, f"page:{p}"
+    code = ("import sys\nd=open(sys.argv[1],'rb').read()\n"
+            "sys.exit(0 if d[2_000_000:2_100_000]==sys.stdin.buffer.read() else 1)")
+    assert subprocess.run([sys.executable, "-c", code, view], input=patch2).returncode == 0
+
+
+def test_a_write_is_seen_by_an_existing_mmap_of_another_name(mounter, sample):
+    src = sample(2 * MiB)
+    m = mounter(src, args=["--chunk-size", "1M"])
+    tag = m.tag("field")
+    with open(os.path.join(tag, "field.bin"), "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+        assert mm[MiB:MiB + 4] == read(src)[MiB:MiB + 4]
+        with open(os.path.join(tag, "chunk_1"), "r+b") as c:
+            wm = mmap.mmap(c.fileno(), 0)
+            wm[0:4] = b"MMAP"
+            wm.flush()  # msync: the kernel writes it back through FUSE
+            wm.close()
+        assert mm[MiB:MiB + 4] == b"MMAP", "the view's mapping sees the chunk's write"
+        mm.close()
+
+
+def test_fsx_style_random_script_matches_a_local_file(mounter, sample, tmp_path):
+    """Random pwrites, preads, ftruncates and mmap writes through the view, the same script
+    on a local copy of the source; compared as it goes, at the end, and after a remount."""
+    src = sample(3 * MiB + 777)
+    model_path = tmp_path / "model.bin"
+    model_path.write_bytes(read(src))
+    m = mounter(src, args=["--chunk-size", "256K"])
+    view = os.path.join(m.tag("field"), "field.bin")
+    rng = random.Random(2024)
+    fd, md = os.open(view, os.O_RDWR), os.open(model_path, os.O_RDWR)
+    try:
+        for step in range(1500):
+            size = os.fstat(md).st_size
+            op = rng.random()
+            if op < 0.45:
+                off = rng.randrange(0, size + 64 * KiB)
+                data = rng.randbytes(rng.randrange(1, 70 * KiB))
+                assert os.pwrite(fd, data, off) == os.pwrite(md, data, off)
+            elif op < 0.85:
+                off, n = rng.randrange(0, size + 100), rng.randrange(1, 200 * KiB)
+                assert os.pread(fd, n, off) == os.pread(md, n, off), f"step {step}"
+            elif op < 0.93:
+                new = rng.randrange(0, 4 * MiB)
+                os.ftruncate(fd, new)
+                os.ftruncate(md, new)
+            elif size > 0:
+                off = rng.randrange(0, size)
+                data = rng.randbytes(min(size - off, rng.randrange(1, 9000)))
+                for target in (fd, md):
+                    with mmap.mmap(target, size) as mm:
+                        mm[off:off + len(data)] = data
+                        mm.flush()
+            assert os.fstat(fd).st_size == os.fstat(md).st_size, f"step {step}"
+    finally:
+        os.close(fd)
+        os.close(md)
+    assert read(view) == read(model_path)
+    m.umount()
+    m2 = mounter(store=m.store)
+    assert read(os.path.join(m2.tag("field"), "field.bin")) == read(model_path)
+
+
+WRITER = r"""
+import os, sys, random
+view, log, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
+rng = random.Random(seed)
+fd = os.open(view, os.O_RDWR)
+logf = open(log, "a")
+n = 0
+while True:
+    off = rng.randrange(0, 4 << 20)
+    data = bytes([n % 251 + 1]) * rng.randrange(1, 20000)
+    os.pwrite(fd, data, off)
+    os.fsync(fd)
+    logf.write(f"{off} {len(data)} {data[0]}\n")
+    logf.flush()
+    n += 1
+"""
+
+
+def _writer_script(seed: int, count: int):
+    """The writes WRITER makes, in order (it draws them from ``random.Random(seed)``)."""
+    rng = random.Random(seed)
+    for n in range(count):
+        off = rng.randrange(0, 4 << 20)
+        yield off, bytes([n % 251 + 1]) * rng.randrange(1, 20000)
+
+
+def test_kill_9_during_fsyncing_writes_keeps_every_synced_write(mounter, sample, tmp_path):
+    src = sample(4 * MiB)
+    m = mounter(src, args=["--chunk-size", "1M"])
+    view = os.path.join(m.tag("field"), "field.bin")
+    log = tmp_path / "synced.log"
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, view, str(log), "7"],
+                              stderr=subprocess.DEVNULL)
+    time.sleep(2.0)
+    os.kill(m.pid, signal.SIGKILL)  # the daemon, mid-stream
+    writer.wait(timeout=30)
+    m.pid = None
+    synced = len(log.read_text().splitlines())
+    assert synced > 20, "the writer got going before the kill"
+    m2 = mounter(store=m.store, mountpoint=m.path)
+    got = read(os.path.join(m2.tag("field"), "field.bin"))
+    # every synced write is there; the one in flight at the kill (written, not yet synced)
+    # may be there too, whole: nothing is torn
+    legal = []
+    state = bytearray(read(src))
+    for n, (off, data) in enumerate(_writer_script(7, synced + 1)):
+        end = off + len(data)
+        if end > len(state):
+            state.extend(bytes(end - len(state)))
+        state[off:end] = data
+        if n + 1 >= synced:
+            legal.append(bytes(state))
+    assert got in legal, "a synced write is missing or a write is torn"
+
+
+def test_a_full_store_gives_the_writer_enospc_and_keeps_what_was_written(mounter, sample,
+                                                                         small_fs):
+    src = sample(8 * MiB)
+    fs = small_fs(3 * 1024)
+    m = mounter(src, store=str(fs / "store"), args=["--chunk-size", "64K", "--dirty-mb", "1"])
+    view = os.path.join(m.tag("field"), "field.bin")
+    written = bytearray(read(src))
+    fd = os.open(view, os.O_RDWR)
+    err = None
+    try:
+        for i in range(128):
+            data = bytes([i % 250 + 1]) * (64 * KiB)
+            try:
+                os.pwrite(fd, data, i * 64 * KiB)
+            except OSError as exc:
+                err = exc
+                break
+            written[i * 64 * KiB:(i + 1) * 64 * KiB] = data
+    finally:
+        os.close(fd)
+    assert err is not None and err.errno == errno.ENOSPC, "the writer is told"
+    assert read(view) == bytes(written), "everything acknowledged before it is intact, the refused write changed nothing"
+
+
+def test_page_writes_across_slices_and_gaps_read_back_and_survive_a_remount(mounter, sample):
+    src = sample(256 * KiB)
+    m = mounter(src, args=["--chunk-size", "64K"])
+    tag = m.tag("field")
+    text = "pagemap\npage_size=8192\nchunk_0 0 0 1000\nchunk_1 100 2000 3000\nchunk_3 0 6000 1000\n"
+    with open(os.path.join(tag, ".pagemap"), "w") as f:
+        f.write(text)
+    payload = os.urandom(8192)
+    with open(os.path.join(tag, "page:0"), "r+b") as f:
+        f.write(payload)
+    assert read(os.path.join(tag, "page:0")) == payload, "gaps read back what was written"
+    c0, c1 = read(os.path.join(tag, "chunk_0")), read(os.path.join(tag, "chunk_1"))
+    assert c0[:1000] == payload[:1000] and c1[100:3100] == payload[2000:5000]
+    m.umount()
+    m2 = mounter(store=m.store)
+    assert read(os.path.join(m2.tag("field"), "page:0")) == payload
+
+
+def test_user_blobs_are_created_renamed_and_unlinked(mounter, sample):
+    m = mounter(sample(100 * KiB))
+    tag = m.tag("field")
+    with open(os.path.join(tag, "notes.txt"), "wb") as f:
+        f.write(b"first\n")
+    with open(os.path.join(tag, "notes.txt"), "ab") as f:
+        f.write(b"second\n")
+    assert read(os.path.join(tag, "notes.txt")) == b"first\nsecond\n"
+    os.rename(os.path.join(tag, "notes.txt"), os.path.join(tag, "kept.txt"))
+    with open(os.path.join(tag, "gone.bin"), "wb") as f:
+        f.write(b"x" * 5000)
+    os.truncate(os.path.join(tag, "gone.bin"), 10)
+    assert read(os.path.join(tag, "gone.bin")) == b"x" * 10
+    os.unlink(os.path.join(tag, "gone.bin"))
+    names = os.listdir(tag)
+    assert "kept.txt" in names and "notes.txt" not in names and "gone.bin" not in names
+    for bad in ("chunk_0", "field.bin", ".hidden", "page:3"):
+        with pytest.raises(OSError) as info:
+            open(os.path.join(tag, bad), "xb")
+        assert info.value.errno in (errno.EPERM, errno.EEXIST, errno.EINVAL), bad
+    m.umount()
+    m2 = mounter(store=m.store)
+    assert read(os.path.join(m2.tag("field"), "kept.txt")) == b"first\nsecond\n"
+    assert "gone.bin" not in os.listdir(m2.tag("field"))
+
+
+def test_chunks_have_a_fixed_size(mounter, sample):
+    m = mounter(sample(2 * MiB), args=["--chunk-size", "1M"])
+    fd = os.open(os.path.join(m.tag("field"), "chunk_0"), os.O_RDWR)
+    try:  # like a file size limit: what fits is written (a short count), then EFBIG
+        assert os.pwrite(fd, b"x" * 10, MiB - 5) == 5
+        with pytest.raises(OSError) as info:
+            os.pwrite(fd, b"x" * 10, MiB)
+        assert info.value.errno == errno.EFBIG
+        assert os.fstat(fd).st_size == MiB
+    finally:
+        os.close(fd)
+
+
+def test_clones_are_point_in_time_snapshots_both_ways_across_remounts(mounter, sample, tmp_path):
+    src = sample(2 * MiB)
+    original = read(src)
+    m = mounter(src, args=["--chunk-size", "512K"])
+    view = os.path.join(m.tag("field"), "field.bin")
+    with open(view, "r+b") as f:
+        f.write(b"BEFORE")
+    run_faultfs("clone", m.tag("field"), "snap", check=True)
+    with open(view, "r+b") as f:
+        f.write(b"AFTER!")
+    snap = os.path.join(m.tag("snap"), "field.bin")
+    assert read(snap)[:6] == b"BEFORE", "later writes to the parent are not seen by the clone"
+    with open(snap, "r+b") as f:
+        f.seek(MiB)
+        f.write(b"CLONE")
+    assert read(view)[MiB:MiB + 5] == original[MiB:MiB + 5], "the clone's writes stay its own"
+    run_faultfs("clone", m.tag("snap"), "snap2", check=True)  # a clone of a clone
+    m.umount()
+    m2 = mounter(store=m.store)
+    assert read(os.path.join(m2.tag("field"), "field.bin"))[:6] == b"AFTER!"
+    got = read(os.path.join(m2.tag("snap"), "field.bin"))
+    assert got[:6] == b"BEFORE" and got[MiB:MiB + 5] == b"CLONE"
+    assert read(os.path.join(m2.tag("snap2"), "field.bin")) == got
+    assert read(src) == original
+
+
+def test_reset_drops_writes_and_export_writes_the_current_bytes(mounter, sample, tmp_path):
+    src = sample(3 * MiB)
+    original = read(src)
+    m = mounter(src, args=["--chunk-size", "1M"])
+    tag = m.tag("field")
+    with open(os.path.join(tag, "field.bin"), "r+b") as f:
+        f.seek(2 * MiB + 5)
+        f.write(b"NEW")
+        f.seek(0, 2)
+        f.write(b"+tail")
+    current = read(os.path.join(tag, "field.bin"))
+    out = tmp_path / "export.bin"
+    r = run_faultfs("export", tag, str(out), "--no-progress", check=True)
+    assert "exported" in r.stdout and read(out) == current
+    again = run_faultfs("export", tag, str(out), "--no-progress")
+    assert again.returncode == 1 and "exists: give --force" in again.stderr
+    stat = json.loads(run_faultfs("stat", m.path, "--json", check=True).stdout)
+    assert stat["tags"]["field"]["dirty_blobs"] >= 2 and stat["counters"]["writes"] >= 2
+    run_faultfs("reset", tag, "chunk_2", check=True)
+    assert read(os.path.join(tag, "chunk_2")) == original[2 * MiB:]
+    run_faultfs("reset", tag, check=True)
+    assert read(os.path.join(tag, "field.bin")) == original
+
+
+@pytest.mark.parametrize(("cmd", "message"), [
+    (["reset", "{mnt}/nope"], "no tag named 'nope'"),
+    (["clone", "{mnt}/nope", "x"], "no tag named 'nope'"),
+    (["clone", "{mnt}/field", "field"], "tag 'field' exists"),
+    (["clone", "{mnt}/field", "a/b"], "contains '/'"),
+    (["export", "{mnt}/nope", "{tmp}/out"], "has no tag 'nope'"),
+    (["reset", "{tmp}", ], "is not a tag directory of a faultfs mount"),
+])
+def test_bad_requests_are_one_line_and_change_nothing(mounter, sample, tmp_path, cmd, message):
+    m = mounter(sample(10_000))
+    before = sorted(os.listdir(m.path))
+    args = [a.format(mnt=m.path, tmp=tmp_path) for a in cmd]
+    result = run_faultfs(*args)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 1 and len(lines) == 1 and message in lines[0], lines
+    assert sorted(os.listdir(m.path)) == before
+    assert not (tmp_path / "out").exists()
