@@ -36,6 +36,7 @@ from faultfs.sources import SourceOptions
 from faultfs.stats import Stats
 from faultfs.store.blobfile import FLAG_DIRTY
 from faultfs.store.blobstore import BlobStore
+from faultfs.store.fileops import FileOps
 from faultfs.tiers.base import Buffer
 from faultfs.tiers.local import LocalTier
 from faultfs.tiers.memory import MemoryTier
@@ -49,7 +50,8 @@ class Engine:
     """Tags over one store; see the module docstring for the rules."""
 
     def __init__(self, store: BlobStore, config: Config,
-                 source_options: SourceOptions | None = None) -> None:
+                 source_options: SourceOptions | None = None, *,
+                 writes_ops: FileOps | None = None) -> None:
         self.store = store
         self.config = config
         self.stats = Stats()
@@ -69,7 +71,7 @@ class Engine:
         self.writes = Writes(store.root, _CleanReads(self), self.pool, self.stats,
                              writable=(config.store_enabled and not config.read_only
                                        and store.writable),
-                             fold_bytes=config.dirty_mb << 20)
+                             fold_bytes=config.dirty_mb << 20, ops=writes_ops)
         self._writes_open = False
         self.pages = PageService(_PageBlobs(self), self.pool, self.stats)
 
@@ -192,7 +194,7 @@ class Engine:
             return b""
         size = min(size, cs - off)
         self.stats.add("reads")
-        if self.writes.blobs and self.writes.touches(tag, index):
+        if self.writes.touches(tag, index):
             data: Buffer = await self.writes.read_chunk(tag, index, off, size)
         else:
             data = await self._blob_bytes(tag, index, off, size)

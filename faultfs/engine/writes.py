@@ -41,6 +41,7 @@ from faultfs.errors import CorruptionError, FaultfsError, StoreFull
 from faultfs.iopool import IoPool
 from faultfs.stats import Stats
 from faultfs.store.dirty import DirtyFiles, folded_seq
+from faultfs.store.fileops import FileOps
 from faultfs.store.journal import KIND_SIZE, KIND_WRITE, KIND_ZERO, Journal, Record
 from faultfs.tiers.base import Buffer
 
@@ -102,7 +103,8 @@ class Writes:
     """The dirty blobs of an engine's tags; see the module docstring for the rules."""
 
     def __init__(self, root: str, clean: CleanReads, pool: IoPool, stats: Stats, *,
-                 writable: bool, fold_bytes: int = FOLD_BYTES, ops=None) -> None:
+                 writable: bool, fold_bytes: int = FOLD_BYTES,
+                 ops: FileOps | None = None) -> None:
         self.clean = clean
         self.pool = pool
         self.stats = stats
@@ -204,7 +206,7 @@ class Writes:
 
     def touches(self, tag: Tag, index: int) -> bool:
         """Whether a read of chunk ``index`` is the writes' (dirty, or past the source)."""
-        return index >= tag.layout.num_blobs or self.is_dirty(tag, index)
+        return index >= tag.layout.num_blobs or self.is_dirty(tag, index)  # cheap when clean
 
     def mtime_ns(self, tag: Tag) -> int:
         tw = self.tags.get(tag.id)

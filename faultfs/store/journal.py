@@ -133,10 +133,12 @@ class Journal:
                         if s is not None)
         good_end: tuple[int, int] | None = None  # (segment, offset) after the last good record
         stopped = False
+        expect = 1  # records only go up; ``next_seq`` may be ahead already (``advance``)
         for first in firsts:
             if stopped:
                 break
-            self.next_seq = max(self.next_seq, first)  # an empty segment still names its seq
+            expect = max(expect, first)  # an empty segment still names its seq
+            self.next_seq = max(self.next_seq, first)
             path = os.path.join(self.dir, segment_name(first))
             fd = self.ops.open(path, os.O_RDONLY)
             try:
@@ -144,10 +146,11 @@ class Journal:
                 pos = 0
                 while pos < size:
                     rec, length = self._read_record(fd, pos, size)
-                    if rec is None or rec.seq < self.next_seq:
+                    if rec is None or rec.seq < expect:
                         stopped = True
                         break
-                    self.next_seq = rec.seq + 1
+                    expect = rec.seq + 1
+                    self.next_seq = max(self.next_seq, expect)
                     pos += length
                     yield rec
             finally:

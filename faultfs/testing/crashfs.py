@@ -90,10 +90,12 @@ class SimOps:
         self.disk = disk
         self.crash_at = crash_at
         self.points = 0
+        self.crashed = False  # the crash point was reached (every later mutation fails too)
         self.fds: dict[int, int] = {}
 
     def _point(self) -> None:
         if self.crash_at is not None and self.points == self.crash_at:
+            self.crashed = True
             raise SimulatedCrash
         self.points += 1
 

@@ -99,9 +99,9 @@ def make_source(data: bytes, url: str = "mem://x", *, size: int | None = None) -
     return src
 
 
-def engine_for(store: BlobStore, **config) -> Engine:
+def engine_for(store: BlobStore, *, writes_ops=None, **config) -> Engine:
     config.setdefault("reserve_mb", 0)
-    return Engine(store, Config(store_dir=store.root, **config))
+    return Engine(store, Config(store_dir=store.root, **config), writes_ops=writes_ops)
 
 
 def ctx_for(url: str = "mem://x", tag: str = "t", **kw) -> FaultContext:

@@ -1,0 +1,357 @@
+"""The writes model: a Hypothesis state machine that writes through a real engine (real store
+for the clean blobs, the write journal and dirty files on a ``SimDisk``) against plain
+``bytearray`` chunks, with three ways to stop: a clean remount, a ``kill -9`` (what was
+appended survives, nothing else happens) and a power loss (``SimDisk.crash``: what was not
+fsynced is kept, dropped or torn at random).
+
+Rules: writes through the view (growing it) and through ``chunk_N``, truncates of the view,
+fsyncs, checkpoints (folds), reads of both names, the three stops.
+
+What must hold (DESIGN §11): reads return exactly the model; after a remount or a kill -9
+every acknowledged write is there; after a power loss each chunk, and the view's size, equal
+the model at some prefix of their own writes that includes every write before the last
+fsync — never a torn or foreign state. The prefix found becomes the model.
+
+``crash_sweep`` runs a fixed script and crashes it at every write and fsync point of the
+journal and dirty files in turn (``SimOps(crash_at=n)``), checking the same rule.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import random
+import tempfile
+from collections.abc import Iterator
+
+import trio
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from faultfs.engine import Engine
+from faultfs.errors import FaultfsError
+from faultfs.store.blobstore import BlobStore
+from faultfs.testing.crashfs import SimDisk, SimOps, SimulatedCrash
+from faultfs.testing.fakes import CS, ctx_for, engine_for, make_source, payload
+
+TAG = "w"
+URL = "mem://writes-model"
+
+
+class History:
+    """The states one blob (or the view's size) went through; ``synced``: the first state a
+    crash may go back to."""
+
+    def __init__(self, first) -> None:
+        self.states = [first]
+        self.synced = 0
+
+    @property
+    def now(self):
+        return self.states[-1]
+
+    def push(self, state) -> None:
+        self.states.append(state)
+
+    def sync(self) -> None:
+        self.synced = len(self.states) - 1
+
+    def settle(self, found, what: str, *, exact: bool) -> None:
+        """After a stop: ``found`` must be the last state (``exact``: a clean remount or a
+        kill -9), or one at or after the synced one (a power loss); the model goes back to
+        it."""
+        if exact:
+            assert found == self.now, f"{what}: an acknowledged write was lost"
+            return
+        for k in range(len(self.states) - 1, self.synced - 1, -1):
+            if self.states[k] == found:
+                del self.states[k + 1:]
+                self.synced = k
+                return
+        raise AssertionError(f"{what}: after the crash it is no state between the last fsync "
+                             f"and the last write (of {len(self.states) - self.synced})")
+
+
+class WritesWorld:
+    """One engine over a store and a SimDisk, and the chunk model of its tag."""
+
+    def __init__(self, size: int, cs: int) -> None:
+        self.tmp = tempfile.TemporaryDirectory()
+        self.store = BlobStore(os.path.join(self.tmp.name, "store"))
+        self.cs = cs
+        source = payload(size)
+        make_source(source, url=URL)
+        self.disk = SimDisk()
+        self.ops = SimOps(self.disk)
+        self.engine = self._engine()
+        self.tag = self.engine.register(ctx_for(URL, TAG, chunk_size=cs))
+        self.engine.open_writes()
+        chunks = [source[i:i + cs].ljust(cs, b"\0") for i in range(0, size, cs)]
+        self.chunks = [History(c) for c in chunks]
+        self.size = History(size)
+
+    def _engine(self) -> Engine:
+        return engine_for(self.store, writes_ops=self.ops)
+
+    def close(self) -> None:
+        self.engine.close()
+        self.tmp.cleanup()
+
+    # -- the model ---------------------------------------------------------------------------
+
+    def view_model(self) -> bytes:
+        return b"".join(h.now for h in self.chunks).ljust(self.size.now, b"\0")[:self.size.now]
+
+    def _chunk(self, index: int) -> History:
+        while len(self.chunks) <= index:
+            self.chunks.append(History(bytes(self.cs)))
+        return self.chunks[index]
+
+    def model_write(self, off: int, data: bytes) -> None:
+        pos = 0
+        while pos < len(data):
+            index, inner = divmod(off + pos, self.cs)
+            take = min(len(data) - pos, self.cs - inner)
+            h = self._chunk(index)
+            h.push(h.now[:inner] + data[pos:pos + take] + h.now[inner + take:])
+            pos += take
+
+    def model_truncate(self, size: int) -> None:
+        old = self.size.now
+        for index in range(size // self.cs, -(-old // self.cs)):
+            lo, hi = max(size, index * self.cs), min(old, (index + 1) * self.cs)
+            if lo < hi:
+                h = self._chunk(index)
+                a, b = lo - index * self.cs, hi - index * self.cs
+                h.push(h.now[:a] + bytes(b - a) + h.now[b:])
+        self.size.push(size)
+
+    def sync_model(self) -> None:
+        for h in (*self.chunks, self.size):
+            h.sync()
+
+    # -- running -----------------------------------------------------------------------------
+
+    def run(self, fn, *args):
+        async def step():
+            return await fn(*args)
+        return trio.run(step)
+
+    # The model moves first: a crash inside an operation may leave any part of it on disk.
+
+    def write_view(self, off: int, data: bytes) -> None:
+        self.model_write(off, data)
+        if off + len(data) > self.size.now:
+            self.size.push(off + len(data))
+        self.run(self.engine.writes.write_view, self.tag, off, data)
+
+    def write_chunk(self, index: int, off: int, data: bytes) -> None:
+        self.model_write(index * self.cs + off, data)
+        self.run(self.engine.writes.write_chunk, self.tag, index, off, data)
+
+    def truncate(self, size: int) -> None:
+        self.model_truncate(size)
+        self.run(self.engine.writes.truncate_view, self.tag, size)
+
+    def fsync(self) -> None:
+        self.run(self.engine.writes.fsync)
+        self.sync_model()
+
+    def checkpoint(self) -> None:
+        self.run(self.engine.writes.checkpoint)
+        # a checkpoint syncs the journal before it folds: everything before it is durable
+        if not self.ops.crashed:
+            self.sync_model()
+
+    # -- stops -------------------------------------------------------------------------------
+
+    def remount(self, how: str, rng: random.Random | None = None) -> None:
+        """``clean`` (unmount folds everything), ``kill`` (the disk as it is), ``power``
+        (the disk a reboot finds)."""
+        if how == "clean":
+            self.run(self.engine.close_writes)
+            self.sync_model()
+        self.engine.close()
+        if how == "power":
+            assert rng is not None
+            self.disk = self.disk.crash(rng)
+        # a kill -9 leaves the disk as it is: what was appended is in the page cache, and as
+        # durable as it was (a later power loss may still take what was never fsynced)
+        self.ops = SimOps(self.disk)
+        self.engine = self._engine()
+        [self.tag] = self.engine.recover()
+        self.settle(exact=how != "power")
+
+    def settle(self, *, exact: bool) -> None:
+        """Match what came back against the histories."""
+        writes = self.engine.writes
+        self.size.settle(writes.view_size(self.tag), "the view's size", exact=exact)
+        count = max(len(self.chunks), writes.num_chunks(self.tag))
+        for index in range(count):
+            got = bytes(self.run(self.engine.read_blob, self.tag, index, 0, self.cs))
+            self._chunk(index).settle(got, f"chunk {index}", exact=exact)
+
+    # -- checks ------------------------------------------------------------------------------
+
+    def check_view(self, off: int, size: int) -> None:
+        got = bytes(self.run(self.engine.read_view, self.tag, off, size))
+        assert got == self.view_model()[off:off + size], f"view [{off}, +{size})"
+
+    def check_chunk(self, index: int, off: int, size: int) -> None:
+        got = bytes(self.run(self.engine.read_blob, self.tag, index, off, size))
+        assert got == self._chunk(index).now[off:off + size], f"chunk {index} [{off}, +{size})"
+
+
+class WritesModel(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.world: WritesWorld | None = None
+
+    @initialize(size=st.integers(1, 5 * CS + 300), cs=st.sampled_from([CS, 2 * CS]))
+    def start(self, size: int, cs: int) -> None:
+        self.world = WritesWorld(size, cs)
+
+    def teardown(self) -> None:
+        if self.world is not None:
+            self.world.close()
+
+    @property
+    def w(self) -> WritesWorld:
+        assert self.world is not None
+        return self.world
+
+    @rule(off=st.integers(0, 7 * CS), data=st.binary(min_size=1, max_size=3 * CS))
+    def write_view(self, off: int, data: bytes) -> None:
+        self.w.write_view(off, data)
+
+    @rule(pick=st.integers(0, 1 << 16), off=st.integers(0, 2 * CS - 1),
+          data=st.binary(min_size=1, max_size=2 * CS))
+    def write_chunk(self, pick: int, off: int, data: bytes) -> None:
+        w = self.w
+        index = pick % w.engine.writes.num_chunks(w.tag)
+        off %= w.cs
+        if off + len(data) > w.cs:
+            got = None
+            try:
+                w.run(w.engine.writes.write_chunk, w.tag, index, off, data)
+            except FaultfsError as exc:
+                got = exc.errno
+            assert got == errno.EFBIG, f"a write past a chunk's end: {got}"
+            return
+        w.write_chunk(index, off, data)
+
+    @rule(size=st.integers(0, 7 * CS))
+    def truncate(self, size: int) -> None:
+        self.w.truncate(size)
+
+    @rule()
+    def fsync(self) -> None:
+        self.w.fsync()
+
+    @rule()
+    def checkpoint(self) -> None:
+        self.w.checkpoint()
+
+    @rule(off=st.integers(0, 7 * CS), size=st.integers(0, 3 * CS))
+    def read_view(self, off: int, size: int) -> None:
+        self.w.check_view(off, size)
+
+    @rule(pick=st.integers(0, 1 << 16), off=st.integers(0, 2 * CS), size=st.integers(1, 2 * CS))
+    def read_chunk(self, pick: int, off: int, size: int) -> None:
+        w = self.w
+        w.check_chunk(pick % w.engine.writes.num_chunks(w.tag), off, size)
+
+    @rule(how=st.sampled_from(["clean", "kill", "power"]), seed=st.integers(0, 1 << 16))
+    def remount(self, how: str, seed: int) -> None:
+        self.w.remount(how, random.Random(seed))
+
+    @invariant()
+    def the_view_size_is_the_models(self) -> None:
+        if self.world is not None:
+            w = self.world
+            assert w.engine.writes.view_size(w.tag) == w.size.now
+
+
+# -- crash at every point ---------------------------------------------------------------------
+
+def _script(world: WritesWorld) -> None:
+    """A fixed sequence that reaches every durable step: appends, syncs, a segment roll,
+    folds (a checkpoint), state files, the unmount fold."""
+    cs = world.cs
+    world.write_view(10, b"a" * 100)
+    world.write_chunk(1, 0, b"b" * cs)  # a whole chunk: no fault
+    world.fsync()
+    world.write_view(3 * cs - 50, b"c" * 200)  # across two chunks
+    world.truncate(2 * cs + 7)
+    world.checkpoint()
+    world.write_view(4 * cs, b"d" * 300)  # grows the view past the source
+    world.write_chunk(0, 5, b"e" * 9)
+    world.fsync()
+    world.write_view(0, b"f" * 17)
+    world.run(world.engine.close_writes)
+    world.sync_model()
+
+
+def crash_sweep(seeds: int = 3) -> int:
+    """Crash the script at each mutation point in turn (``seeds`` random reboots each); the
+    points covered."""
+    probe = WritesWorld(3 * CS + 500, CS)
+    try:
+        _script(probe)
+        total = probe.ops.points
+    finally:
+        probe.close()
+    for crash_at in range(total + 1):
+        for seed in range(seeds):
+            world = WritesWorld(3 * CS + 500, CS)
+            try:
+                world.ops.crash_at = crash_at
+                try:
+                    _script(world)
+                except SimulatedCrash:
+                    pass
+                world.remount("power", random.Random(crash_at * 1000 + seed))
+                world.check_view(0, 6 * CS)
+                world.write_view(1, b"after")  # the store takes writes after the crash
+                world.remount("clean")
+                world.check_view(0, 6 * CS)
+            finally:
+                world.close()
+    return total
+
+
+@contextlib.contextmanager
+def writes_mutant(kind: str) -> Iterator[None]:
+    """Deliberately broken writes for the duration (the model must catch each kind):
+    ``nosync`` — fsync returns without syncing; ``noreplay`` — a remount reads the journal
+    but applies none of its records; ``nofold`` — a checkpoint folds nothing yet trims the journal."""
+    from faultfs.engine.writes import Writes
+
+    saved = []
+
+    def patch(name: str, value) -> None:
+        saved.append((name, Writes.__dict__[name]))
+        setattr(Writes, name, value)
+
+    if kind == "nosync":
+        async def fsync(self) -> None:
+            return None
+        patch("fsync", fsync)
+    elif kind == "noreplay":
+        def replay(self, tags) -> int:
+            for _ in self.journal.replay(writable=self.writable):
+                pass  # read (the journal goes on after them) but never applied
+            return 0
+        patch("replay", replay)
+    elif kind == "nofold":
+        async def fold(self, blob) -> None:
+            return None
+        patch("fold", fold)
+    else:
+        raise ValueError(f"no mutant {kind!r}")
+    try:
+        yield
+    finally:
+        for name, value in reversed(saved):
+            setattr(Writes, name, value)

@@ -1,0 +1,34 @@
+"""Writes against the chunk model (``faultfs.testing.writes_model``): remounts, kill -9 and
+power loss at random steps, a crash at every write and fsync point of a fixed script, and
+the model against deliberately broken writes (each must be caught)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis.errors import Flaky
+from hypothesis.stateful import run_state_machine_as_test
+
+from faultfs.testing.writes_model import WritesModel, crash_sweep, writes_mutant
+
+SETTINGS = settings(
+    max_examples=80, stateful_step_count=30, deadline=None, database=None,
+    derandomize=bool(os.environ.get("CI")), suppress_health_check=[HealthCheck.too_slow])
+
+test_writes_match_the_chunk_model = WritesModel.TestCase
+test_writes_match_the_chunk_model.settings = SETTINGS
+
+
+def test_a_crash_at_every_write_and_fsync_point_keeps_a_synced_prefix():
+    points = crash_sweep(seeds=3)
+    assert points > 20  # the script reaches appends, syncs, folds and state files
+
+
+@pytest.mark.parametrize("kind", ["nosync", "noreplay", "nofold"])
+def test_the_writes_model_catches_broken_writes(kind):
+    hunt = settings(SETTINGS, max_examples=300, derandomize=True,
+                    phases=[Phase.explicit, Phase.generate])
+    with writes_mutant(kind), pytest.raises((AssertionError, Flaky)):
+        run_state_machine_as_test(WritesModel, settings=hunt)
