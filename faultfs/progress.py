@@ -25,6 +25,8 @@ class ProgressBar:
         self._total = total_bytes
         self._start = time.monotonic()
         self._last = 0.0
+        isatty = getattr(out, "isatty", None)
+        self._tty = bool(isatty and isatty())  # a log or a pipe gets the final line only
 
     def line(self, done: int, note: str = "") -> str:
         elapsed = max(time.monotonic() - self._start, 1e-9)
@@ -39,12 +41,15 @@ class ProgressBar:
 
     def update(self, done: int, note: str = "", *, force: bool = False) -> None:
         now = time.monotonic()
-        if force or now - self._last >= INTERVAL_S:
+        if self._tty and (force or now - self._last >= INTERVAL_S):
             self._last = now
             self._out.write("\r" + self.line(done, note) + "\x1b[K")
             self._out.flush()
 
     def finish(self, done: int, note: str = "") -> None:
-        self.update(done, note, force=True)
+        if self._tty:
+            self.update(done, note, force=True)
+        else:
+            self._out.write(self.line(done, note))
         self._out.write("\n")
         self._out.flush()

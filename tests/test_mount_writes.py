@@ -372,3 +372,51 @@ def test_bad_requests_are_one_line_and_change_nothing(mounter, sample, tmp_path,
     assert result.returncode == 1 and len(lines) == 1 and message in lines[0], lines
     assert sorted(os.listdir(m.path)) == before
     assert not (tmp_path / "out").exists()
+
+
+def test_an_interrupted_export_resumes_where_its_checkpoint_vouched(mounter, sample, tmp_path,
+                                                                     monkeypatch):
+    from faultfs import export as exp
+
+    src = sample(6 * MiB + 123)
+    m = mounter(src, args=["--chunk-size", "1M"])
+    tag = m.tag("field")
+    with open(os.path.join(tag, "field.bin"), "r+b") as f:
+        f.seek(4 * MiB)
+        f.write(b"written")
+    current = read(os.path.join(tag, "field.bin"))
+    monkeypatch.setattr(exp, "BLOCK", 1 * MiB)
+    monkeypatch.setattr(exp, "CHECKPOINT_BYTES", 2 * MiB)
+    real, calls = exp._pwrite_all, []
+
+    def dies_at_the_fifth(fd, data, off):
+        calls.append(off)
+        if len(calls) == 5:
+            raise KeyboardInterrupt  # Ctrl-C in the middle of the export
+        real(fd, data, off)
+
+    monkeypatch.setattr(exp, "_pwrite_all", dies_at_the_fifth)
+    out = tmp_path / "out.bin"
+    with pytest.raises(KeyboardInterrupt):
+        exp.export(tag, str(out), progress=False)
+    monkeypatch.setattr(exp, "_pwrite_all", real)
+    report = exp.export(tag, str(out), progress=False)
+    assert report.resumed_from == 4 * MiB  # the last checkpoint before the interrupt
+    assert report.written == len(current) - 4 * MiB
+    assert read(out) == current
+    assert not os.path.exists(str(out) + exp.STATE_SUFFIX)
+
+
+def test_flock_and_fcntl_locks_work_on_the_view(mounter, sample):
+    import fcntl
+
+    m = mounter(sample(100_000))
+    view = os.path.join(m.tag("field"), "field.bin")
+    with open(view, "r+b") as a, open(view, "r+b") as b:
+        fcntl.flock(a, fcntl.LOCK_EX | fcntl.LOCK_NB)  # what HDF5 takes in r+
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(b, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(a, fcntl.LOCK_UN)
+        fcntl.flock(b, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.lockf(a, fcntl.LOCK_EX | fcntl.LOCK_NB, 10, 0)  # a POSIX record lock
+        fcntl.lockf(a, fcntl.LOCK_UN, 10, 0)
