@@ -92,6 +92,8 @@ class Config:
     inline_read_kb: int = INLINE_READ_KB
     read_only: bool = False  # --read-only: writes get EROFS
     dirty_mb: int = DIRTY_MB
+    shared_store: str = ""  # --shared-store URL (DESIGN §13); "" = none
+    shared_store_endpoint_url: str = ""  # when the shared store's S3 endpoint is not the sources'
 
     def __post_init__(self) -> None:
         if self.io_threads < 1:
@@ -125,6 +127,7 @@ class Config:
               memory_mb: int | None = None, prefetch_mb: int | None = None,
               readahead_kb: int | None = None, inline_read_kb: int | None = None,
               read_only: bool | None = None, dirty_mb: int | None = None,
+              shared_store: str | None = None, shared_store_endpoint_url: str | None = None,
               env: Mapping[str, str] | None = None) -> Config:
         """Flags (non-None arguments) win over the environment, which wins over defaults."""
         return cls(
@@ -140,4 +143,9 @@ class Config:
             inline_read_kb=inline_read_kb if inline_read_kb is not None else _env_int("FAULTFS_INLINE_READ_KB", INLINE_READ_KB, env),
             read_only=read_only if read_only is not None else _env_flag("FAULTFS_READ_ONLY", False, env),
             dirty_mb=dirty_mb if dirty_mb is not None else _env_int("FAULTFS_DIRTY_MB", DIRTY_MB, env),
+            shared_store=(shared_store if shared_store is not None
+                          else (env_value("FAULTFS_SHARED_STORE", env) or "").strip()),
+            shared_store_endpoint_url=(
+                shared_store_endpoint_url if shared_store_endpoint_url is not None
+                else (env_value("FAULTFS_SHARED_STORE_ENDPOINT_URL", env) or "").strip()),
         )

@@ -1,5 +1,5 @@
-"""The composition root: a mount request and its configuration -> store -> sources -> tiers
--> engine -> served tree.
+"""The composition root: a mount request and its configuration -> store (and the shared
+store) -> sources -> tiers -> engine -> served tree.
 
 Invariants:
 - Nothing is persisted until every source of the request has been checked; a refused mount
@@ -21,10 +21,12 @@ from faultfs.core.context import MAX_CHUNK_SIZE, FaultContext
 from faultfs.core.names import check_tag_name
 from faultfs.core.pagemap import MAX_PAGE_SIZE
 from faultfs.engine import Engine, default_tag_name
+from faultfs.engine.sharing import SharedRegistry, publish_tags
 from faultfs.errors import FaultfsError, InvalidInput
 from faultfs.fuse.mountpoint import prepare_mountpoint
 from faultfs.sources import SourceOptions, expand_sources
 from faultfs.store.blobstore import BlobStore
+from faultfs.tiers.objects import open_objects, probe
 
 log = logging.getLogger("faultfs")
 LOG_NAME = "faultfs.log"  # <store>/log/faultfs.log: the daemon's log
@@ -72,13 +74,16 @@ def prepare(spec: MountSpec, config: Config, options: SourceOptions,
         raise InvalidInput(f"store log {log_file} is a symbolic link: faultfs does not follow "
                            "links inside its store", errno.ELOOP)
     existed = os.path.isdir(os.path.join(store.root, "tags"))
-    if not spec.sources and not existed:
-        raise InvalidInput(f"store {store.root} has no registered tags: give a source to mount")
+    sharing = open_sharing(config, options)  # before anything is written: it may refuse
+    if not spec.sources and not existed and not (sharing and sharing.entries):
+        raise InvalidInput(f"store {store.root} has no registered tags: give a source to mount"
+                           + (f" (the shared store {sharing.url} has none either)"
+                              if sharing else ""))
     if existed:  # lock an existing store before reading it (its lock file is there already)
         store.create()
         store.acquire()
     try:
-        engine = Engine(store, config, options)
+        engine = Engine(store, config, options, sharing=sharing)
         urls = expand_sources(list(spec.sources), options) if spec.sources else []
         if spec.tag is not None and len(urls) > 1:
             raise InvalidInput(f"--tag names one tag, but {len(urls)} sources were given")
@@ -93,9 +98,16 @@ def prepare(spec: MountSpec, config: Config, options: SourceOptions,
                 range_off=spec.range_off, range_size=spec.range_size,
                 chunk_size=spec.chunk_size, on_fault=True))
         plans = [engine.plan(ctx) for ctx in contexts]  # validates every source first
+        if sharing is not None:
+            for plan in plans:
+                sharing.check(plan.ctx)  # a tag name another node's context owns
         if not existed:
             store.create()
             store.acquire()
+        if sharing is not None:
+            imported = sharing.import_into(store, {p.ctx.dst for p in plans})
+            if imported:
+                log.info("tags from the shared store %s: %s", sharing.url, ", ".join(imported))
         # A URL with credentials in it (userinfo, a presigned query) was opened as given; the
         # context that is persisted and hashed names it with those values as *** (the registry
         # never holds a secret). The real URL lives only in the opened source, in memory: a
@@ -105,6 +117,8 @@ def prepare(spec: MountSpec, config: Config, options: SourceOptions,
         engine.recover()
         if not engine.tags:
             raise InvalidInput(f"store {store.root} has no registered tags: give a source to mount")
+        if sharing is not None:
+            publish_tags(sharing, store, [t.ctx for t in engine.tags.values()])
         warnings = []
         if store.degraded:
             warnings.append(f"store {store.root} cannot be written ({store.degraded}): serving "
@@ -122,6 +136,23 @@ def prepare(spec: MountSpec, config: Config, options: SourceOptions,
         store.release()
         raise
     return engine, mountpoint, warnings
+
+
+def open_sharing(config: Config, options: SourceOptions) -> SharedRegistry | None:
+    """The shared store of ``--shared-store``, checked (listed, written, read) and its
+    registry fetched; None without one. One line of InvalidInput when it cannot be used."""
+    if not config.shared_store:
+        return None
+    objects = open_objects(config.shared_store, options,
+                           endpoint_url=config.shared_store_endpoint_url)
+    probe(objects)
+    sharing = SharedRegistry(objects)
+    try:
+        sharing.fetch()
+    except OSError as exc:
+        raise InvalidInput(f"shared store {objects.url} cannot be read: "
+                           f"{exc.strerror or exc}", errno.EIO) from None
+    return sharing
 
 
 def run(spec: MountSpec, config: Config, options: SourceOptions, *,

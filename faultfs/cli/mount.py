@@ -52,6 +52,12 @@ def register(sub) -> None:
     m.add_argument("--dirty-mb", type=int,
                    help="written bytes held in memory before they are folded into files "
                         "(default 64)")
+    m.add_argument("--shared-store", metavar="URL",
+                   help="share registrations and clean blobs with every node mounting the same "
+                        "object store (s3://bucket/prefix, a directory, any fsspec URL; "
+                        "default $FAULTFS_SHARED_STORE)")
+    m.add_argument("--shared-store-endpoint-url", metavar="URL",
+                   help="the shared store's S3 endpoint, when it is not the sources'")
     m.add_argument("--io-threads", type=int, help="size of the I/O pool for blocking reads (default 32)")
     m.add_argument("--stats", action="store_true", help="log the counters every 5 s")
     m.add_argument("--memory-mb", type=int, help="recently faulted blobs kept in memory (default 64)")
@@ -186,7 +192,8 @@ def _mount_here(args: argparse.Namespace) -> int:
                               prefetch_mb=args.prefetch_mb, readahead_kb=args.readahead_kb,
                               inline_read_kb=args.inline_read_kb,
                               read_only=True if args.read_only else None,
-                              dirty_mb=args.dirty_mb)
+                              dirty_mb=args.dirty_mb, shared_store=args.shared_store,
+                              shared_store_endpoint_url=args.shared_store_endpoint_url)
         _setup_logging(args)
         options = SourceOptions(s3_region=args.s3_region, s3_profile=args.s3_profile,
                                 s3_endpoint_url=args.s3_endpoint_url, anon=args.anon)

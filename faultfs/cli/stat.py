@@ -33,6 +33,23 @@ def _memory_line(snap: dict) -> str:
             f"{buffers.get('lent', 0)} in use, {format_size(buffers.get('free_bytes', 0))} free")
 
 
+def _shared_lines(snap: dict, c: dict) -> list[str]:
+    shared = snap.get("shared") or {}
+    if not shared:
+        return []
+    state = "up" if shared.get("up", True) else "DOWN (reading from the sources)"
+    return [
+        "",
+        f"shared store   {shared.get('url')}  ({state}, {shared.get('publishes_pending', 0)} "
+        f"publishes pending)",
+        f"{'shared hits':<22}{c.get('shared_hits', 0):>12}    {'shared misses':<22}{c.get('shared_misses', 0):>12}",
+        f"{'publishes':<22}{c.get('shared_publishes', 0):>12}    {'publish failures':<22}{c.get('shared_publish_failures', 0):>12}",
+        f"{'bytes from shared':<22}{format_size(c.get('shared_bytes_in', 0)):>12}    {'bytes to shared':<22}{format_size(c.get('shared_bytes_out', 0)):>12}",
+        f"{'shared errors':<22}{c.get('shared_errors', 0):>12}    {'damaged objects':<22}{c.get('shared_damaged', 0):>12}",
+        f"{'published by others':<22}{c.get('shared_publish_skipped', 0):>12}    {'publishes dropped':<22}{c.get('shared_publish_dropped', 0):>12}",
+    ]
+
+
 def render_stats(snap: dict) -> str:
     """The counters of ``faultfs stat`` as a readable table."""
     c = snap.get("counters", {})
@@ -63,6 +80,7 @@ def render_stats(snap: dict) -> str:
         f"{'fsyncs':<22}{c.get('fsyncs', 0):>12}    {'folds':<22}{c.get('folds', 0):>12}",
         f"fault latency  p50 {lat.get('p50_ms', 0)} ms, p90 {lat.get('p90_ms', 0)} ms, "
         f"p99 {lat.get('p99_ms', 0)} ms, max {lat.get('max_ms', 0)} ms",
+        *_shared_lines(snap, c),
         "",
         f"{'tag':<20} {'blobs':>9} {'staged':>9} {'dirty':>7} {'chunk':>10} {'size':>11}  source",
     ]

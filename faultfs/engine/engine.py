@@ -27,6 +27,7 @@ from faultfs.engine.faults import Faulter
 from faultfs.engine.flights import Flights
 from faultfs.engine.pages import PAGEMAP_BLOB, PageService
 from faultfs.engine.prefetch import Prefetcher
+from faultfs.engine.sharing import SharedRegistry
 from faultfs.engine.stats import snapshot
 from faultfs.engine.tags import RegistrationPlan, Tag, Tags
 from faultfs.engine.writes import Writes
@@ -42,6 +43,7 @@ from faultfs.tiers.local import LocalTier
 from faultfs.tiers.memory import MemoryTier
 from faultfs.tiers.multilevel import TierStack
 from faultfs.tiers.policy import StorePolicy
+from faultfs.tiers.shared import SharedTier
 
 log = logging.getLogger("faultfs.engine")
 
@@ -51,18 +53,21 @@ class Engine:
 
     def __init__(self, store: BlobStore, config: Config,
                  source_options: SourceOptions | None = None, *,
-                 writes_ops: FileOps | None = None) -> None:
+                 writes_ops: FileOps | None = None, sharing: SharedRegistry | None = None,
+                 ) -> None:
         self.store = store
         self.config = config
         self.stats = Stats()
         self.pool = IoPool(config.io_threads)
+        self.sharing = sharing  # --shared-store: registrations of every node (DESIGN §13)
+        shared = None if sharing is None else SharedTier(sharing.objects, self.pool, self.stats)
         policy = StorePolicy(store_enabled=config.store_enabled,
                              reserve_bytes=config.reserve_bytes, cache_size=config.cache_size,
                              backoff_faults=config.backoff_faults)
         self.tiers = TierStack(
             MemoryTier(config.memory_mb << 20),
             LocalTier(store, policy, self.pool, self.stats, inline_read=config.inline_read_kb << 10),
-            self.pool, self.stats)
+            self.pool, self.stats, shared)
         self._tags = Tags(store, self.tiers, self.stats, source_options or SourceOptions())
         self.flights = Flights()
         self.faults = Faulter(self.flights, self.tiers, self.pool, self.stats)
@@ -170,6 +175,8 @@ class Engine:
         self.prefetch.closing = True
         while self.tiers.pending_stores or self.prefetch.in_flight:  # noqa: ASYNC110 - shutdown poll
             await trio.sleep(0.01)
+        if self.tiers.shared is not None:
+            await self.tiers.shared.drain()  # publishes of what was faulted
         return not self.tiers.pending_stores
 
     async def close_writes(self) -> None:
@@ -329,6 +336,15 @@ class _PageBlobs:
 
     def save_pagemap(self, tag: Tag, data: bytes) -> int:
         self._store.put(tag.name, PAGEMAP_BLOB, data, flags=FLAG_DIRTY, durable=True)
+        sharing = self._engine.sharing
+        if sharing is not None:
+            try:
+                sharing.publish_pagemap(tag.name, data)  # blocking: on the pool, or at mount
+                self._engine.stats.add("shared_publishes")
+            except OSError as exc:
+                self._engine.stats.add("shared_publish_failures")
+                log.warning("shared store %s: publishing the pagemap of tag %s failed: %s",
+                            sharing.url, tag.name, exc.strerror or exc)
         return self._store.blob_mtime_ns(tag.name, PAGEMAP_BLOB) or time.time_ns()
 
 

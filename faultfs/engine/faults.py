@@ -1,5 +1,6 @@
-"""Faults: bring blobs in from the source (one source read per run of adjacent blobs), hand
-them to their readers at once, then to the tiers.
+"""Faults: bring blobs in from the shared tier or the source (one source read per run of
+adjacent blobs), hand them to their readers at once, then to the tiers (and publish what
+came from the source to the shared tier).
 
 Invariants:
 - A failed fault raises (EIO) to every reader that joined it; zeros are never served in place
@@ -26,12 +27,27 @@ from faultfs.tiers.multilevel import TierStack
 log = logging.getLogger("faultfs.engine")
 
 
+def _gaps(got: Sequence[Buffer | None]) -> list[tuple[int, int]]:
+    """``[lo, hi)`` runs of the positions still missing."""
+    runs, lo = [], None
+    for i, data in enumerate(got):
+        if data is None and lo is None:
+            lo = i
+        elif data is not None and lo is not None:
+            runs.append((lo, i))
+            lo = None
+    if lo is not None:
+        runs.append((lo, len(got)))
+    return runs
+
+
 class Faulter:
     def __init__(self, flights: Flights, tiers: TierStack, pool: IoPool, stats: Stats) -> None:
         self.flights = flights
         self.tiers = tiers
         self.pool = pool
         self.stats = stats
+        self._told_unavailable: set[int] = set()  # tags whose unreachable source was logged
 
     async def fault(self, tag: Tag, index: int) -> Buffer:
         """Blob ``index`` of ``tag``, all of it, from the source (single-flight)."""
@@ -54,41 +70,61 @@ class Faulter:
         return flight.data
 
     async def fault_run(self, tag: Tag, first: int, flights: list[Flight]) -> list[Flight]:
-        """Fault the claimed blobs ``first ..`` with ONE source read (a run of adjacent blobs
-        costs one request to a remote source, not one each), then hand each to readers and to
-        the tiers. Errors are left in the flights for their readers."""
+        """Fault the claimed blobs ``first ..``: from the shared tier where it has them, the
+        rest with ONE source read per run of adjacent blobs (a run costs one request to a
+        remote source, not one each); then hand each to readers and to the tiers. Errors are
+        left in the flights for their readers."""
         count = len(flights)
         keys = [(tag.id, index) for index in range(first, first + count)]
         self.stats.add("faults", count)
         started = time.monotonic()
-        datas: Sequence[Buffer] = []
+        got: list[Buffer | None] = [None] * count
+        from_source = [False] * count
+        error: BaseException | None = None
         try:
-            datas = await self.pool.run(self.read_source, tag, first, count)
-            self._count_source_read(tag, first, count)
-            for key, flight, data in zip(keys, flights, datas, strict=True):
-                flight.data = data
-                self.tiers.hold(key, data)
+            shared = self.tiers.shared
+            if shared is not None:
+                got = await shared.load_run(keys)
+            for lo, hi in _gaps(got):
+                datas = await self.pool.run(self.read_source, tag, first + lo, hi - lo)
+                self._count_source_read(tag, first + lo, hi - lo)
+                got[lo:hi] = datas
+                from_source[lo:hi] = [True] * (hi - lo)
         except BaseException as exc:
-            for flight in flights:
-                flight.error = exc
+            error = exc
             if not isinstance(exc, Exception):
                 raise
-            self.stats.add("fault_errors", count)
+            failed = sum(d is None for d in got)
+            self.stats.add("fault_errors", failed)
             if not isinstance(exc, FaultfsError):
                 log.exception("fault of blobs %d..%d of tag %s failed", first,
                               first + count - 1, tag.name)
-            datas = []
         finally:
+            for key, flight, data in zip(keys, flights, got, strict=True):
+                if data is None:
+                    flight.error = error if error is not None else SourceError("no bytes")
+                else:
+                    flight.data = data
+                    self.tiers.hold(key, data)
             self.flights.settle(keys, flights)
             self.stats.latencies.append(time.monotonic() - started)
-        for key, data in zip(keys, datas, strict=False):
+        for key, data, fresh in zip(keys, got, from_source, strict=True):
+            if data is None:
+                continue
             await self.tiers.store(key, data)
+            if fresh and self.tiers.shared is not None:
+                self.tiers.shared.publish_soon(key, data)
         return flights
 
     def read_source(self, tag: Tag, first: int, count: int = 1) -> Sequence[Buffer]:
         """Blobs ``first .. first+count-1`` from the source, each zero-filled to the blob size
         (blocking: on the pool)."""
         if tag.source is None:
+            if tag.id not in self._told_unavailable:
+                self._told_unavailable.add(tag.id)  # once per tag: not a line per read
+                log.error("tag %s: blob %s is not staged here or in a shared store, and the "
+                          "source is unreachable from this node (%s): reads of it fail (EIO)",
+                          tag.name, tag.layout.blob_name(first), tag.source_error)
             raise SourceError(f"source {tag.ctx.src} of tag {tag.name} is unavailable: "
                               f"{tag.source_error}")
         layout = tag.layout

@@ -42,6 +42,7 @@ def snapshot(config: Config, store_root: str, store_free_bytes: int, stats: Stat
         "writes": {"writable": writes.writable, "held_bytes": writes.held,
                    "journal_bytes": writes.journal.bytes_on_disk},
         "fault_latency": stats.percentiles(),
+        "shared": _shared(tiers),
         "tags": {
             t.name: {
                 "source": t.ctx.src, "key": t.key, "chunk_size": t.layout.chunk_size,
@@ -55,6 +56,14 @@ def snapshot(config: Config, store_root: str, store_free_bytes: int, stats: Stat
             } for t in tags
         },
     }
+
+
+def _shared(tiers: TierStack) -> dict[str, Any]:
+    shared = tiers.shared
+    if shared is None:
+        return {}
+    return {"url": shared.url, "up": shared.up, "publishes_pending": shared.pending,
+            "publish_bytes_waiting": shared.waiting}
 
 
 def _dirty(writes: Writes, tag: Tag) -> dict[str, int]:

@@ -76,7 +76,7 @@ class Tag:
     def tier_view(self) -> TierTag:
         layout = self.layout
         return TierTag(self.id, self.name, self.version_text, layout.num_blobs,
-                       layout.chunk_size, layout.blob_name, layout.blob_index)
+                       layout.chunk_size, layout.blob_name, layout.blob_index, self.key)
 
 
 @dataclass

@@ -71,6 +71,10 @@ async def _serve_async(engine: Engine, mountpoint: str, ready: Callable[[], None
             await engine.drain()  # blobs faulted just before the unmount reach the store
         if engine.pending_stores:
             log.warning("unmounting with %d blob(s) not yet stored", engine.pending_stores)
+        shared = engine.tiers.shared
+        if shared is not None and shared.pending:
+            log.warning("unmounting with %d publish(es) to the shared store %s abandoned",
+                        shared.pending, shared.url)
         await engine.close_writes()  # every write folded and durable (level 2 of §11)
         nursery.cancel_scope.cancel()
 

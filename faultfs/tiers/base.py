@@ -1,4 +1,4 @@
-"""The tier protocol: where staged blobs live (memory, the local store, later a shared store).
+"""The tier protocol: where staged blobs live (memory, the local store, a shared store).
 
 A tier holds whole blobs of registered tags, keyed by ``BlobKey`` = ``(tag id, blob index)``.
 It learns a tag's identity (name, source version, blob names) from ``open_tag`` and never
@@ -54,6 +54,7 @@ class TierTag:
     blob_size: int  # payload bytes of every blob
     blob_name: Callable[[int], str]
     blob_index: Callable[[str], int | None]
+    key: str = ""  # the context's fault key: the shared tier's objects are named by it
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""The tiers of a mount composed nearest first: memory, then the local store (DESIGN §5.1).
+"""The tiers of a mount composed nearest first: memory, the local store, then (with
+``--shared-store``) the shared store of every node (DESIGN §5.1, §13).
 
 A faulted blob is held in memory at once and written to the local store behind the reader
 (in the mount's nursery, when one is attached), its bytes held until they are on disk so no
@@ -22,14 +23,17 @@ from faultfs.stats import Stats
 from faultfs.tiers.base import BlobKey, Buffer, TierTag
 from faultfs.tiers.local import LocalTier, ScanResult
 from faultfs.tiers.memory import MemoryTier
+from faultfs.tiers.shared import SharedTier
 
 log = logging.getLogger("faultfs.tiers")
 
 
 class TierStack:
-    def __init__(self, memory: MemoryTier, local: LocalTier, pool: IoPool, stats: Stats) -> None:
+    def __init__(self, memory: MemoryTier, local: LocalTier, pool: IoPool, stats: Stats,
+                 shared: SharedTier | None = None) -> None:
         self.memory = memory
         self.local = local
+        self.shared = shared
         self.pool = pool
         self.stats = stats
         self._pending: dict[BlobKey, Buffer] = {}  # faulted, being written to the local tier
@@ -38,6 +42,8 @@ class TierStack:
 
     def open_tag(self, tag: TierTag, *, trusted: bool = False) -> ScanResult:
         self.memory.open_tag(tag)
+        if self.shared is not None:
+            self.shared.open_tag(tag)
         return self.local.open_tag(tag, trusted=trusted)
 
     def attach(self, nursery: trio.Nursery, budget: int, blob_size: int) -> None:
@@ -47,6 +53,8 @@ class TierStack:
         self._background = nursery
         self._slots = trio.Semaphore(max(2, budget // max(1, blob_size)))
         self.local.raise_open_cap()
+        if self.shared is not None:
+            self.shared.attach(nursery)
 
     # -- reads -------------------------------------------------------------------------------
 

@@ -1,0 +1,243 @@
+"""Objects of a shared store: whole-object gets and atomic whole-object puts, on S3 (s3fs),
+a local directory, or any fsspec file system (DESIGN §13).
+
+Invariants:
+- ``get`` returns a whole object or None (absent); ``put`` replaces an object atomically (an
+  S3 PUT, a rename), so a reader never sees half of one.
+- ``put(create=True)`` never replaces an object: it answers False when one is there. It is a
+  conditional put (S3 ``If-None-Match: *``, a hard link) where the store supports it, else
+  a check then a put — safe here, because the objects that may race are immutable (two
+  nodes write the same bytes under the same key).
+- Every operation raises ``OSError`` for a failure of the store (unreachable, refused,
+  timed out), never an endpoint's own exception type.
+- Credentials never appear in ``url`` (what logs and ``faultfs stat`` show).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+import stat
+from dataclasses import replace
+from typing import Any, Protocol
+
+from faultfs.errors import InvalidInput
+from faultfs.sources import S3_PROTOCOLS, SourceOptions, local_path, url_protocol
+from faultfs.sources.filesystems import s3_filesystem_kwargs
+from faultfs.sources.secrets import display_url
+
+# A shared store is a cache: when it is slow the source is the faster way. Give up early.
+CONNECT_TIMEOUT_S = 3.0
+READ_TIMEOUT_S = 10.0
+
+
+class Objects(Protocol):
+    url: str  # for messages: no credentials
+
+    def get(self, key: str) -> bytes | None: ...
+
+    def put(self, key: str, data: bytes | memoryview, *, create: bool = False) -> bool:
+        """Store ``data`` under ``key``; False when ``create`` and an object is there."""
+        ...
+
+    def delete(self, key: str) -> None: ...
+
+    def list(self, prefix: str) -> list[str]:
+        """Keys under ``prefix`` (a "directory": ending in "/"), relative to the store."""
+        ...
+
+
+class LocalObjects:
+    """A directory as an object store (one file per object; a rename publishes it)."""
+
+    def __init__(self, root: str) -> None:
+        self.root = os.path.abspath(root)
+        self.url = self.root
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self.root, *key.split("/"))
+
+    def get(self, key: str) -> bytes | None:
+        try:
+            fd = os.open(self._path(key), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return None  # a FIFO or a device where an object should be: absent
+            return f.read()
+
+    def put(self, key: str, data: bytes | memoryview, *, create: bool = False) -> bool:
+        path = self._path(key)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.tmp-{secrets.token_hex(6)}"
+        with open(tmp, "wb") as f:
+            f.write(data)
+        try:
+            if create:
+                try:
+                    os.link(tmp, path)  # fails when the object is there: a conditional put
+                except FileExistsError:
+                    return False
+            else:
+                os.replace(tmp, path)
+        finally:
+            if os.path.lexists(tmp):
+                os.unlink(tmp)
+        return True
+
+    def delete(self, key: str) -> None:
+        path = self._path(key)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return
+        parent = os.path.dirname(path)
+        while parent != self.root and parent.startswith(self.root):
+            try:
+                os.rmdir(parent)  # only when empty
+            except OSError:
+                break
+            parent = os.path.dirname(parent)
+
+    def list(self, prefix: str) -> list[str]:
+        base = self._path(prefix.rstrip("/"))
+        out = []
+        for directory, _, files in os.walk(base):
+            for name in files:
+                if ".tmp-" in name:
+                    continue
+                rel = os.path.relpath(os.path.join(directory, name), self.root)
+                out.append(rel.replace(os.sep, "/"))
+        return sorted(out)
+
+
+class FsspecObjects:
+    """Objects on an fsspec file system (S3 through s3fs, GCS, …) under ``root``."""
+
+    def __init__(self, fs: Any, root: str, url: str, *, conditional: bool = True) -> None:
+        self.fs = fs
+        self.root = root.rstrip("/")
+        self.url = url
+        self.conditional = conditional  # the store honours If-None-Match (found out on use)
+
+    def _path(self, key: str) -> str:
+        return f"{self.root}/{key}"
+
+    def get(self, key: str) -> bytes | None:
+        try:
+            return bytes(self.fs.cat_file(self._path(key)))
+        except FileNotFoundError:
+            return None
+        except OSError:
+            raise
+        except Exception as exc:  # botocore and aiohttp errors: the store failed
+            raise _failure(exc) from None
+
+    def put(self, key: str, data: bytes | memoryview, *, create: bool = False) -> bool:
+        path = self._path(key)
+        body = bytes(data)
+        try:
+            if create and self.conditional:
+                try:
+                    self.fs.pipe_file(path, body, mode="create")
+                    return True
+                except FileExistsError:
+                    return False
+                except (NotImplementedError, TypeError):
+                    self.conditional = False  # an endpoint without conditional puts
+                except OSError as exc:
+                    if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+                        raise
+                    self.conditional = False
+            if create and self.fs.exists(path):
+                return False
+            self.fs.pipe_file(path, body)
+            return True
+        except OSError:
+            raise
+        except Exception as exc:
+            raise _failure(exc) from None
+
+    def delete(self, key: str) -> None:
+        try:
+            self.fs.rm_file(self._path(key))
+        except FileNotFoundError:
+            pass
+        except OSError:
+            raise
+        except Exception as exc:
+            raise _failure(exc) from None
+
+    def list(self, prefix: str) -> list[str]:
+        base = self._path(prefix.rstrip("/"))
+        try:
+            found = self.fs.find(base)
+        except FileNotFoundError:
+            return []
+        except OSError:
+            raise
+        except Exception as exc:
+            raise _failure(exc) from None
+        cut = len(self.root) + 1
+        return sorted(p[cut:] for p in found if p.startswith(self.root + "/"))
+
+
+def _failure(exc: Exception) -> OSError:
+    return OSError(errno.EIO, f"{type(exc).__name__}: {exc}")
+
+
+def open_objects(url: str, options: SourceOptions, *, endpoint_url: str = "",
+                 conditional: bool = True) -> Objects:
+    """The object store at ``url`` (``s3://bucket/prefix``, a local directory, any fsspec
+    URL); credentials follow the AWS conventions, as for sources. Checks nothing remote."""
+    if not url:
+        raise InvalidInput("the shared store URL is empty")
+    path = local_path(url)
+    if path is not None:
+        return LocalObjects(path)
+    import fsspec
+
+    protocol = url_protocol(url)
+    shown = display_url(url)
+    if protocol in S3_PROTOCOLS:
+        if endpoint_url:
+            options = replace(options, s3_endpoint_url=endpoint_url)
+        kwargs = s3_filesystem_kwargs(options)
+        kwargs["config_kwargs"] = {**kwargs["config_kwargs"],
+                                   "connect_timeout": CONNECT_TIMEOUT_S,
+                                   "read_timeout": READ_TIMEOUT_S}
+        try:
+            fs = fsspec.filesystem("s3", **kwargs)
+        except Exception as exc:
+            raise InvalidInput(f"shared store {shown}: {exc}") from None
+        fs.retries = 2  # s3fs's own loop (default 5): a failing store degrades to the source
+        root = url.split("://", 1)[1].split("?", 1)[0].rstrip("/")
+        if not root:
+            raise InvalidInput(f"shared store {shown} names no bucket")
+        return FsspecObjects(fs, root, shown, conditional=conditional)
+    try:
+        fs, root = fsspec.core.url_to_fs(url)
+    except Exception as exc:
+        raise InvalidInput(f"shared store {shown}: {exc}") from None
+    return FsspecObjects(fs, root, shown, conditional=conditional)
+
+
+def probe(objects: Objects) -> None:
+    """Check that the store can be listed, written, read and deleted (blocking); one line of
+    InvalidInput when not. Leaves nothing behind."""
+    key = f"probe/{secrets.token_hex(8)}"
+    data = b"faultfs probe\n"
+    try:
+        objects.list("registry/")
+        objects.put(key, data)
+        back = objects.get(key)
+        objects.delete(key)
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        raise InvalidInput(f"shared store {objects.url} cannot be used: {reason}",
+                           errno.EIO) from None
+    if back != data:
+        raise InvalidInput(f"shared store {objects.url} did not return what was written to it",
+                           errno.EIO)

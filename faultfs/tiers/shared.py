@@ -1,0 +1,245 @@
+"""The shared tier: clean blobs of every node in one object store (DESIGN §13).
+
+A blob object is the local blob-file format (header with checksums, then the payload),
+keyed ``blobs/<fault key>/<version hash>/<blob name>``: the fault key names the context
+(source, tag, chunk geometry), the version hash the source version the bytes are of, so an
+object never changes once written and a changed source has other keys.
+
+Invariants:
+- ``load`` returns a payload only when the object's header verifies and names this tag,
+  this blob and this source version, and every block of the payload matches its checksum;
+  anything else is a miss (counted ``shared_damaged``) and the blob is re-published from the
+  source over it.
+- A failure of the store never fails a read: it is a miss, counted ``shared_errors``, and
+  the tier then stays out of the way for a back-off (1 s doubling to 30 s) so reads go to
+  the source without waiting on a dead endpoint.
+- Publishes run behind the readers (in the mount's nursery) with at most ``budget`` bytes
+  waiting; past it a blob is not published (``shared_publish_dropped``). ``drain`` waits
+  for them at unmount; the caller bounds it.
+- Dirty blobs are never offered to this tier (the engine publishes faulted blobs only).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from urllib.parse import quote
+
+import trio
+
+from faultfs.errors import CorruptionError
+from faultfs.iopool import IoPool
+from faultfs.stats import Stats
+from faultfs.store.blobfile import HEADER_LEN, decode_header, encode_header
+from faultfs.tiers.base import BlobKey, Buffer, TierTag
+from faultfs.tiers.objects import Objects
+
+log = logging.getLogger("faultfs.shared")
+
+PUBLISH_BUDGET = 256 << 20  # bytes of blobs waiting to be published
+BACKOFF_FIRST_S, BACKOFF_MAX_S = 1.0, 30.0
+
+
+def version_hash(version: str) -> str:
+    return hashlib.sha256(version.encode("utf-8", "surrogateescape")).hexdigest()[:16]
+
+
+def blob_object_key(tag: TierTag, index: int) -> str:
+    fault = tag.key.split(":", 1)[-1] or quote(tag.name, safe="")
+    return f"blobs/{fault}/{version_hash(tag.version)}/{quote(tag.blob_name(index), safe='')}"
+
+
+def encode_blob_object(tag: TierTag, index: int, payload: Buffer) -> list[Buffer]:
+    header, with_payload = encode_header(tag.name, tag.blob_name(index), payload, flags=0,
+                                         source_version=tag.version)
+    return [header, payload] if with_payload else [header]
+
+
+def decode_blob_object(tag: TierTag, index: int, raw: bytes) -> memoryview:
+    """The verified payload of a blob object; CorruptionError says what is wrong."""
+    header = decode_header(raw[:HEADER_LEN], file_size=len(raw))
+    name = tag.blob_name(index)
+    if header.tag != tag.name or header.name != name:
+        raise CorruptionError(f"object holds {header.tag}/{header.name}, not {tag.name}/{name}")
+    if header.source_version != tag.version:
+        raise CorruptionError("object is of another source version")
+    if header.dirty or header.payload_len != tag.blob_size:
+        raise CorruptionError("object is not a clean blob of this tag")
+    if header.all_zero:
+        return memoryview(bytes(header.payload_len))
+    payload = memoryview(raw)[HEADER_LEN:]
+    header.check_blocks(0, payload)
+    return payload
+
+
+class SharedTier:
+    name = "shared"
+
+    def __init__(self, objects: Objects, pool: IoPool, stats: Stats, *,
+                 budget: int = PUBLISH_BUDGET) -> None:
+        self.objects = objects
+        self.pool = pool
+        self.stats = stats
+        self.budget = budget
+        self.tags: dict[int, TierTag] = {}
+        self.waiting = 0  # bytes of blobs waiting to be published
+        self.pending = 0  # publishes under way
+        self._damaged: set[BlobKey] = set()  # objects found bad: the next publish replaces
+        self._nursery: trio.Nursery | None = None
+        self._down_until = 0.0
+        self._backoff = BACKOFF_FIRST_S
+        self._idle: trio.Event | None = None
+
+    @property
+    def url(self) -> str:
+        return self.objects.url
+
+    def open_tag(self, tag: TierTag) -> None:
+        self.tags[tag.id] = tag
+
+    def attach(self, nursery: trio.Nursery) -> None:
+        self._nursery = nursery
+
+    # -- availability ------------------------------------------------------------------------
+
+    @property
+    def up(self) -> bool:
+        return time.monotonic() >= self._down_until
+
+    def _failed(self, what: str, exc: OSError) -> None:
+        self.stats.add("shared_errors")
+        if self.up:
+            log.warning("shared store %s: %s failed (%s); reading from the sources for %.0f s",
+                        self.url, what, exc.strerror or exc, self._backoff)
+        self._down_until = time.monotonic() + self._backoff
+        self._backoff = min(BACKOFF_MAX_S, self._backoff * 2)
+
+    def _worked(self) -> None:
+        self._backoff = BACKOFF_FIRST_S
+
+    # -- reads -------------------------------------------------------------------------------
+
+    async def load(self, key: BlobKey) -> Buffer | None:
+        """The verified payload of blob ``key`` from the shared store, or None (a miss)."""
+        tag = self.tags.get(key[0])
+        if tag is None:
+            return None
+        if not self.up:
+            self.stats.add("shared_skipped")
+            return None
+        index = key[1]
+        try:
+            raw = await self.pool.run(self.objects.get, blob_object_key(tag, index))
+        except OSError as exc:
+            self._failed("a read", exc)
+            return None
+        self._worked()
+        if raw is None:
+            self.stats.add("shared_misses")
+            return None
+        try:
+            payload = decode_blob_object(tag, index, raw)
+        except CorruptionError as exc:
+            log.warning("shared store %s: blob %s of tag %s is not usable (%s): re-faulting it",
+                        self.url, tag.blob_name(index), tag.name, exc)
+            self.stats.add("shared_damaged")
+            self._damaged.add(key)
+            return None
+        self.stats.add("shared_hits")
+        self.stats.add("shared_bytes_in", len(raw))
+        return payload
+
+    async def load_run(self, keys: list[BlobKey]) -> list[Buffer | None]:
+        """``load`` of each key, at once."""
+        out: list[Buffer | None] = [None] * len(keys)
+
+        async def one(i: int) -> None:
+            out[i] = await self.load(keys[i])
+
+        if len(keys) == 1:
+            await one(0)
+            return out
+        async with trio.open_nursery() as nursery:
+            for i in range(len(keys)):
+                nursery.start_soon(one, i)
+        return out
+
+    # -- publishes ---------------------------------------------------------------------------
+
+    def publish_soon(self, key: BlobKey, payload: Buffer) -> None:
+        """Publish a blob faulted from the source, behind the reader (dropped when the
+        budget is spent or the store is down)."""
+        if key[0] not in self.tags:
+            return
+        if not self.up or self.waiting + len(payload) > self.budget:
+            self.stats.add("shared_publish_dropped")
+            return
+        if self._nursery is None:
+            return  # not attached (unit tests): publishes are explicit
+        self.waiting += len(payload)
+        self.pending += 1
+        self._nursery.start_soon(self._publish_behind, key, payload)
+
+    async def _publish_behind(self, key: BlobKey, payload: Buffer) -> None:
+        try:
+            await self.publish(key, payload)
+        except Exception:  # a background task must never take the mount down
+            log.exception("publishing blob %s failed", key)
+            self.stats.add("shared_publish_failures")
+        finally:
+            self.waiting -= len(payload)
+            self.pending -= 1
+            if self.pending == 0 and self._idle is not None:
+                self._idle.set()
+
+    async def publish(self, key: BlobKey, payload: Buffer) -> bool:
+        """Put blob ``key`` in the shared store unless it is there; True when written."""
+        tag = self.tags[key[0]]
+        replace = key in self._damaged
+        parts = encode_blob_object(tag, key[1], payload)
+
+        def put() -> bool:
+            data = b"".join(parts)
+            return self.objects.put(blob_object_key(tag, key[1]), data, create=not replace)
+
+        try:
+            written = await self.pool.run(put)
+        except OSError as exc:
+            self.stats.add("shared_publish_failures")
+            self._failed("a publish", exc)
+            return False
+        self._worked()
+        self._damaged.discard(key)
+        if written:
+            self.stats.add("shared_publishes")
+            self.stats.add("shared_bytes_out", sum(len(p) for p in parts))
+        else:
+            self.stats.add("shared_publish_skipped")  # another node published it first
+        return written
+
+    def put_soon(self, key: str, data: bytes) -> None:
+        """Publish a small object (a pagemap, a tag state) behind the caller."""
+        if self._nursery is None:
+            return
+        self.pending += 1
+        self._nursery.start_soon(self._put_behind, key, data)
+
+    async def _put_behind(self, key: str, data: bytes) -> None:
+        try:
+            await self.pool.run(self.objects.put, key, data)
+        except OSError as exc:
+            self.stats.add("shared_publish_failures")
+            self._failed("a publish", exc)
+        except Exception:
+            log.exception("publishing %s failed", key)
+        finally:
+            self.pending -= 1
+            if self.pending == 0 and self._idle is not None:
+                self._idle.set()
+
+    async def drain(self) -> None:
+        """Wait for every publish under way (the caller bounds the wait)."""
+        while self.pending:
+            self._idle = trio.Event()
+            await self._idle.wait()
