@@ -162,3 +162,83 @@ def test_concurrent_publishes_are_idempotent_with_and_without_conditional_puts(
     assert objects.get("blobs/k/v/chunk_0") == b"replaced"
     assert objects.list("blobs/") == ["blobs/k/v/chunk_0"]
     assert objects.get("blobs/none") is None
+
+
+@pytest.fixture
+def netns():
+    """A network namespace ``ns`` joined to the host by a veth pair: the host is 10.231.7.1,
+    the namespace 10.231.7.2; the namespace's loopback is its own (it cannot reach the
+    host's 127.0.0.1). Removed at teardown."""
+    import shutil
+    import subprocess
+
+    if not shutil.which("ip") or not shutil.which("nsenter"):
+        pytest.skip("needs iproute2 (ip) and util-linux (nsenter)")
+    name = f"ffs{os.getpid() % 100000}"
+    host, peer = f"{name}h", f"{name}n"
+
+    def ip(*args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True)
+
+    ip("netns", "add", name)
+    try:
+        ip("link", "add", host, "type", "veth", "peer", "name", peer)
+        ip("link", "set", peer, "netns", name)
+        ip("addr", "add", "10.231.7.1/24", "dev", host)
+        ip("link", "set", host, "up")
+        ip("netns", "exec", name, "ip", "addr", "add", "10.231.7.2/24", "dev", peer)
+        ip("netns", "exec", name, "ip", "link", "set", peer, "up")
+        ip("netns", "exec", name, "ip", "link", "set", "lo", "up")
+        yield name
+    finally:
+        subprocess.run(["ip", "link", "del", host], capture_output=True)
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def test_a_node_in_another_network_namespace_serves_from_the_tier_without_the_source(
+        s3_env, s3_client, netns, http_server, mounter, tmp_path):
+    """Node A reads an HTTP source on the host's loopback; node B runs in its own network
+    namespace, where that address is not reachable but the shared store (an S3 endpoint on
+    the veth address) is: B serves what A staged, fails the rest with EIO, reads no source."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="10.231.7.1", port=0, verbose=False)
+    server.start()
+    try:
+        endpoint = "http://{}:{}".format(*server.get_host_and_port())
+        import boto3
+
+        boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="tier")
+        data = payload(4 * MiB, 21)
+        url = http_server.put("/data/field.bin", data)
+        shared = ["--shared-store", "s3://tier/c", "--shared-store-endpoint-url", endpoint]
+        a = mounter(url, store=str(tmp_path / "store-a"), args=[*NODE, *shared])
+        for i in (0, 3):
+            assert read(os.path.join(a.tag("field"), f"chunk_{i}")) == data[i * MiB:(i + 1) * MiB]
+        assert settled(a)["shared_publishes"] == 2
+        mnt, store = tmp_path / "mnt-b", tmp_path / "store-b"
+        mnt.mkdir()
+        import subprocess
+
+        from conftest import FAULTFS, ROOT
+
+        r = subprocess.run(["nsenter", f"--net=/run/netns/{netns}", *FAULTFS, "mount",
+                            str(mnt), "--store", str(store), "--reserve-mb", "0", *NODE,
+                            *shared], capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert r.returncode == 0, r.stderr
+        try:
+            from conftest import Mount
+
+            b = Mount(str(mnt), str(store))
+            tag = b.tag("field")
+            assert read(os.path.join(tag, "chunk_3")) == data[3 * MiB:]
+            with open(os.path.join(tag, "field.bin"), "rb") as f:
+                assert f.read(100) == data[:100]  # the view, over chunk_0 from the tier
+            assert read_errno(os.path.join(tag, "chunk_1")) == 5
+            c = b.counters()
+            assert c["source_reads"] == 0 and c["shared_hits"] == 2
+            assert "source unavailable" in run_faultfs("stat", str(mnt), check=True).stdout
+        finally:
+            run_faultfs("umount", str(mnt))
+    finally:
+        server.stop()
