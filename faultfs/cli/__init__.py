@@ -11,13 +11,24 @@ import logging
 import sys
 
 from faultfs import __version__
-from faultfs.cli import checkpoint, clone, export, mount, pagemap, reset, stat, umount, warm
+from faultfs.cli import (
+    checkpoint,
+    clone,
+    export,
+    forget,
+    mount,
+    pagemap,
+    reset,
+    stat,
+    umount,
+    warm,
+)
 from faultfs.cli.common import EXIT_ERROR, OneLineParser
 from faultfs.errors import FaultfsError
 
 log = logging.getLogger("faultfs")
 
-SUBCOMMANDS = (mount, umount, stat, reset, clone, export, pagemap, warm, checkpoint)
+SUBCOMMANDS = (mount, umount, stat, reset, clone, export, forget, pagemap, warm, checkpoint)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -138,6 +138,29 @@ class Engine:
         log.info("tag %s: cloned from %s", name, parent.name)
         return child
 
+    async def forget_tag(self, tag: Tag, *, keep_blobs: bool = False,
+                         discard_writes: bool = False) -> int:
+        """``faultfs forget``: stop serving ``tag``; its registry entry goes, and its blobs
+        unless ``keep_blobs``. Refused while it has writes (unless ``discard_writes``) or
+        clones made of it. The bytes freed."""
+        if self.writes.has_writes(tag) and not discard_writes:
+            raise FaultfsError(f"tag {tag.name} has writes: give --discard-writes to drop them",
+                               errno.EBUSY)
+        clones = self.writes.dependents(tag)
+        if clones:
+            raise FaultfsError(f"tag {tag.name} has clones ({', '.join(clones)}): forget them "
+                               "first", errno.EBUSY)
+        self._tags.detach(tag)  # no new read finds it from here on
+        with trio.move_on_after(30):  # faults and store writes under way end first
+            while self.flights.of_tag(tag.id) or self.tiers.pending_of(tag.id):  # noqa: ASYNC110
+                await trio.sleep(0.01)
+        self.tiers.forget_tag(tag.id)
+        await self.writes.forget_tag(tag)
+        freed = await self.pool.run(lambda: self._tags.remove(tag, keep_blobs=keep_blobs))
+        log.info("tag %s: forgotten (%s)", tag.name,
+                 "blobs kept" if keep_blobs else f"{freed} bytes freed")
+        return freed
+
     def is_staged(self, tag: Tag, index: int) -> bool:
         return self.tiers.contains((tag.id, index))
 

@@ -37,6 +37,10 @@ class Flights:
     def __contains__(self, key: BlobKey) -> bool:
         return key in self._flights
 
+    def of_tag(self, tag_id: int) -> bool:
+        """Whether a flight of a blob of tag ``tag_id`` is under way."""
+        return any(key[0] == tag_id for key in self._flights)
+
     def __len__(self) -> int:
         return len(self._flights)
 

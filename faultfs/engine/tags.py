@@ -189,6 +189,24 @@ class Tags:
         self.by_id[tag.id] = tag
         return tag
 
+    def detach(self, tag: Tag) -> None:
+        """Stop serving ``tag`` (``faultfs forget``; its files are removed by ``remove``)."""
+        self.by_name.pop(tag.name, None)
+        self.by_id.pop(tag.id, None)
+        self.registry.pop(tag.key, None)
+        if tag.source is not None:
+            tag.source.close()
+
+    def remove(self, tag: Tag, *, keep_blobs: bool) -> int:
+        """Delete a detached tag's registry entry, and its blobs and state unless
+        ``keep_blobs`` (blocking); the bytes freed."""
+        self.registry_store.delete(tag.key)
+        if keep_blobs:
+            return 0
+        freed = sum(size for _, size in self.store.scan_blobs(tag.name))
+        self.store.forget_tag(tag.name)
+        return freed
+
     def clone(self, parent: Tag, name: str) -> Tag:
         """Register ``name`` as a copy of ``parent``'s source (blocking): the same source at
         the same version, its own blobs; the caller gives it the parent's writes first."""

@@ -580,6 +580,29 @@ class Writes:
             await self.pool.run(self.files.delete, tag.name, blob.name)
         return len(gone)
 
+    def has_writes(self, tag: Tag) -> bool:
+        tw = self.tags.get(tag.id)
+        return bool(self.dirty_summary(tag)[0]) or (tw is not None and (
+            bool(tw.users) or tw.view_size != tag.layout.size))
+
+    def dependents(self, tag: Tag) -> list[str]:
+        """Clones made of ``tag`` (their dirty files began as links of its files)."""
+        return sorted(self._names[tid] for tid, tw in self.tags.items()
+                      if tid != tag.id and tag.name in tw.ancestors)
+
+    async def forget_tag(self, tag: Tag) -> None:
+        """Drop every write of ``tag`` and its files (``faultfs forget``); a checkpoint then
+        lets the journal go, so no record of it is replayed onto a later tag of that name."""
+        for key in [k for k in self.blobs if k[0] == tag.id]:
+            blob = self.blobs.pop(key)
+            self.held -= blob.pending.held
+        self.tags.pop(tag.id, None)
+        self.changed.discard(tag.id)
+        name = self._names.pop(tag.id, tag.name)
+        if self.writable:
+            await self.pool.run(self.files.forget_tag, name)
+            await self.checkpoint()
+
     @staticmethod
     def _ids(tw: TagWrites) -> set[str]:
         return {f"{USER_PREFIX}{i}" for i in tw.users.values()}

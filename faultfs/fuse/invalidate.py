@@ -43,6 +43,12 @@ class Invalidator:
         complete and nothing deadlocks)."""
         await trio.to_thread.run_sync(self._inodes, stale, limiter=self._one_at_a_time)
 
+    async def entry(self, parent: int, name: str) -> None:
+        """Drop the kernel's dentry of ``name`` in ``parent`` (a tag that was forgotten)."""
+        await trio.to_thread.run_sync(_quietly, pyfuse3.invalidate_entry, parent,
+                                      name.encode("utf-8", "surrogateescape"),
+                                      limiter=self._one_at_a_time)
+
     @staticmethod
     def _inodes(stale: list[int]) -> None:
         for inode in stale:

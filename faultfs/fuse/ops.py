@@ -75,6 +75,7 @@ class FaultOperations(pyfuse3.Operations):
         self.handles = HandleTable()
         self.invalidator = Invalidator()
         self.files.invalidate = self.invalidator.inodes
+        self.files.invalidate_entry = self.invalidator.entry
         engine.pages.subscribe(self.invalidator.pages_changed)
 
     @fuse_boundary

@@ -3,7 +3,9 @@ JSON answer — for what changes a mount's tags (``faultfs reset``, ``faultfs cl
 
 Requests: ``{"op": "reset", "tag": T}`` (every write of T dropped),
 ``{"op": "reset", "tag": T, "blobs": [...]}`` (those blobs only),
-``{"op": "clone", "tag": T, "new": N}`` (N becomes a point-in-time copy of T).
+``{"op": "clone", "tag": T, "new": N}`` (N becomes a point-in-time copy of T),
+``{"op": "forget", "tag": T, "keep_blobs": bool, "discard_writes": bool}`` (T is
+unregistered: its directory goes, its registry entry and blobs are removed unless kept).
 The answer is ``{"ok": true, ...}`` or ``{"ok": false, "error": "<one line>", "errno": n}``.
 
 Invariants: the request runs once, when the answer is first read; a request that cannot be
@@ -14,8 +16,8 @@ from __future__ import annotations
 
 import errno
 import json
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections import Counter
+from typing import Any, Protocol
 
 from faultfs.engine import Engine, Tag
 from faultfs.errors import FaultfsError
@@ -23,13 +25,25 @@ from faultfs.errors import FaultfsError
 MAX_REQUEST = 1 << 16
 
 
+class Controlled(Protocol):
+    """What requests need of the namespace's open files (``namespace.files.Files``)."""
+
+    engine: Engine
+    live: Counter[int]  # tag id -> files open now
+
+    async def invalidate_tag(self, tag: Tag) -> None: ...
+
+    async def forgotten(self, tag: Tag) -> None: ...
+
+
 class ControlFile:
     keep_cache = False
     direct_io = True
 
-    def __init__(self, engine: Engine, invalidate_tag: Callable[[Tag], Awaitable[None]]) -> None:
-        self.engine = engine
-        self.invalidate_tag = invalidate_tag
+    def __init__(self, files: Controlled) -> None:
+        self.files = files
+        self.engine = files.engine
+        self.invalidate_tag = files.invalidate_tag
         self.request = bytearray()
         self.answer: bytes | None = None
 
@@ -73,10 +87,18 @@ class ControlFile:
     async def _dispatch(self, req: dict) -> dict[str, Any]:
         op = req.get("op")
         tag = self.engine.tags.get(str(req.get("tag", "")))
-        if op not in ("reset", "clone"):
+        if op not in ("reset", "clone", "forget"):
             raise FaultfsError(f"unknown request {op!r}", errno.EINVAL)
         if tag is None:
             raise FaultfsError(f"no tag named {req.get('tag')!r} in this mount", errno.ENOENT)
+        if op == "forget":
+            if self.files.live.get(tag.id, 0) > 0:
+                raise FaultfsError(f"tag {tag.name} has {self.files.live[tag.id]} file(s) open: "
+                                   "close them first", errno.EBUSY)
+            freed = await self.engine.forget_tag(tag, keep_blobs=req.get("keep_blobs") is True,
+                                                 discard_writes=req.get("discard_writes") is True)
+            await self.files.forgotten(tag)
+            return {"freed_bytes": freed}
         if op == "reset":
             blobs = req.get("blobs")
             if blobs is not None and not (isinstance(blobs, list)

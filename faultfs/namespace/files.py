@@ -19,6 +19,7 @@ Invariants:
 
 from __future__ import annotations
 
+import collections
 import errno
 import os
 from collections.abc import Awaitable, Callable, Iterable
@@ -34,6 +35,7 @@ from faultfs.core.inodes import (
     KIND_REGISTRY,
     KIND_USER,
     KIND_VIEW,
+    ROOT,
     STATS_FILE,
 )
 from faultfs.core.names import PAGEMAP_NAME
@@ -101,6 +103,13 @@ class BlobFile(_Plain):
         self.kind = node.kind
         self.index = node.index
         self.inode = node.inode
+        files.live[self.tag.id] += 1
+        self._released = False
+
+    async def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self.files.live[self.tag.id] -= 1
 
     def _user(self) -> str:
         name = self.engine.writes.user_name(self.tag, self.index)
@@ -191,7 +200,9 @@ class Files:
         self.tree = tree
         self.engine = tree.engine
         self.invalidate = invalidate
+        self.invalidate_entry: Callable[[int, str], Awaitable[None]] | None = None
         self.opened: set[int] = set()  # inodes opened since the mount: the kernel may cache them
+        self.live: collections.Counter[int] = collections.Counter()  # tag id -> open files
 
     async def open(self, inode: int, flags: int) -> OpenFile:
         node = await self.tree.load(inode)
@@ -203,7 +214,7 @@ class Files:
                 raise FaultfsError("stats are read-only", errno.EACCES)
             return BytesFile(await self.tree.stats_document(), direct_io=True)
         if inode == CONTROL_FILE:
-            return ControlFile(self.engine, self.invalidate_tag)
+            return ControlFile(self)
         if node.kind == KIND_PAGEMAP:
             assert node.tag is not None
             return PagemapFile(self.engine, await self.engine.pages.open_pagemap(node.tag, flags))
@@ -295,6 +306,13 @@ class Files:
         await handle.truncate(size)
 
     # -- coherence ---------------------------------------------------------------------------
+
+    async def forgotten(self, tag: Tag) -> None:
+        """The kernel forgets the directory of a tag that is gone."""
+        self.opened = {i for i in self.opened if inodes.split(i)[0] != tag.id}
+        self.live.pop(tag.id, None)
+        if self.invalidate_entry is not None:
+            await self.invalidate_entry(ROOT, tag.name)
 
     async def invalidate_tag(self, tag: Tag) -> None:
         """Everything the kernel cached of ``tag``'s files (a reset changed all of them)."""

@@ -130,6 +130,19 @@ class LocalTier:
         result.staged = staged.count
         return result
 
+    def forget_tag(self, tag_id: int) -> None:
+        """Stop holding blobs of a tag that is unregistered (its files are the caller's)."""
+        staged = self._staged.pop(tag_id, None)
+        self._tags.pop(tag_id, None)
+        if staged is not None:
+            for byte, bits in enumerate(staged.bits):
+                for bit in range(8) if bits else ():
+                    if bits & (1 << bit):
+                        self.policy.forget((tag_id, byte * 8 + bit))
+        for key in [k for k in self._open if k[0] == tag_id]:
+            self._drop_open(key)
+        self._pinned = {k for k in self._pinned if k[0] != tag_id}
+
     def contains(self, key: BlobKey) -> bool:
         staged = self._staged.get(key[0])
         return staged is not None and key[1] in staged

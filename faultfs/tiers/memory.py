@@ -28,6 +28,10 @@ class MemoryTier:
     def open_tag(self, tag: TierTag) -> None:
         return  # nothing is kept per tag
 
+    def forget_tag(self, tag_id: int) -> None:
+        for key in [k for k in self._blobs if k[0] == tag_id]:
+            self.discard(key)
+
     def held(self, key: BlobKey) -> Buffer | None:
         """The whole blob if it is here (no I/O; marks it recently used)."""
         data = self._blobs.get(key)

@@ -46,6 +46,12 @@ class TierStack:
             self.shared.open_tag(tag)
         return self.local.open_tag(tag, trusted=trusted)
 
+    def forget_tag(self, tag_id: int) -> None:
+        self.memory.forget_tag(tag_id)
+        self.local.forget_tag(tag_id)
+        if self.shared is not None:
+            self.shared.tags.pop(tag_id, None)
+
     def attach(self, nursery: trio.Nursery, budget: int, blob_size: int) -> None:
         """Write faulted blobs to the store in ``nursery`` (the mount's), off the reader's path,
         with at most ``budget`` bytes of blobs of ``blob_size`` waiting for their write.
@@ -121,6 +127,9 @@ class TierStack:
             self._pending.pop(key, None)
             assert self._slots is not None
             self._slots.release()
+
+    def pending_of(self, tag_id: int) -> bool:
+        return any(key[0] == tag_id for key in self._pending)
 
     @property
     def pending_stores(self) -> int:
