@@ -94,6 +94,7 @@ class Config:
     dirty_mb: int = DIRTY_MB
     shared_store: str = ""  # --shared-store URL (DESIGN §13); "" = none
     shared_store_endpoint_url: str = ""  # when the shared store's S3 endpoint is not the sources'
+    metrics_addr: str = ""  # --metrics-addr HOST:PORT: Prometheus metrics over HTTP
 
     def __post_init__(self) -> None:
         if self.io_threads < 1:
@@ -128,7 +129,7 @@ class Config:
               readahead_kb: int | None = None, inline_read_kb: int | None = None,
               read_only: bool | None = None, dirty_mb: int | None = None,
               shared_store: str | None = None, shared_store_endpoint_url: str | None = None,
-              env: Mapping[str, str] | None = None) -> Config:
+              metrics_addr: str | None = None, env: Mapping[str, str] | None = None) -> Config:
         """Flags (non-None arguments) win over the environment, which wins over defaults."""
         return cls(
             store_dir=os.path.abspath(os.path.expanduser(store_dir or default_store_dir(env))),
@@ -148,4 +149,6 @@ class Config:
             shared_store_endpoint_url=(
                 shared_store_endpoint_url if shared_store_endpoint_url is not None
                 else (env_value("FAULTFS_SHARED_STORE_ENDPOINT_URL", env) or "").strip()),
+            metrics_addr=(metrics_addr if metrics_addr is not None
+                          else (env_value("FAULTFS_METRICS_ADDR", env) or "").strip()),
         )

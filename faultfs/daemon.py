@@ -23,6 +23,7 @@ from faultfs.core.pagemap import MAX_PAGE_SIZE
 from faultfs.engine import Engine, default_tag_name
 from faultfs.engine.sharing import SharedRegistry, publish_tags
 from faultfs.errors import FaultfsError, InvalidInput
+from faultfs.fuse.exporter import parse_addr
 from faultfs.fuse.mountpoint import prepare_mountpoint
 from faultfs.sources import SourceOptions, expand_sources
 from faultfs.store.blobstore import BlobStore
@@ -64,6 +65,8 @@ def prepare(spec: MountSpec, config: Config, options: SourceOptions,
     Everything that can be checked is checked before anything is written: a refused mount
     leaves no store directory, lock, log or registration behind."""
     spec.check()
+    if config.metrics_addr:
+        parse_addr(config.metrics_addr)
     store = BlobStore(config.store_dir, create=False)
     mountpoint = prepare_mountpoint(spec.mountpoint)
     if _within(store.root, mountpoint):

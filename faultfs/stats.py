@@ -7,10 +7,14 @@ One ``Stats`` object is shared by the tiers and the engine of a mount; it is wha
 
 from __future__ import annotations
 
+import bisect
 import collections
 import time
 
 LATENCY_SAMPLES = 2048  # fault latencies kept for percentiles
+# Upper bounds (seconds) of the fault latency histogram (cumulative, since the mount started)
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                   2.5, 5.0, 10.0)
 
 COUNTERS = (
     "reads", "hits", "faults", "fault_errors", "single_flight_joins", "source_reads",
@@ -26,12 +30,38 @@ COUNTERS = (
 )
 
 
+class Latencies(collections.deque[float]):
+    """The most recent fault latencies (for percentiles), and a histogram of all of them
+    since the mount (for monitoring: Prometheus wants cumulative buckets)."""
+
+    def __init__(self) -> None:
+        super().__init__(maxlen=LATENCY_SAMPLES)
+        self.buckets = [0] * (len(LATENCY_BUCKETS) + 1)  # the last is +Inf
+        self.total = 0
+        self.sum = 0.0
+
+    def append(self, seconds: float) -> None:
+        super().append(seconds)
+        self.total += 1
+        self.sum += seconds
+        self.buckets[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
+
+    def histogram(self) -> dict:
+        """``{"le": [bounds], "counts": [cumulative], "count": n, "sum": s}``."""
+        counts, running = [], 0
+        for n in self.buckets:
+            running += n
+            counts.append(running)
+        return {"le": [*LATENCY_BUCKETS, "+Inf"], "counts": counts, "count": self.total,
+                "sum": round(self.sum, 6)}
+
+
 class Stats:
-    """The counters and the most recent fault latencies."""
+    """The counters and the fault latencies."""
 
     def __init__(self) -> None:
         self.counters = dict.fromkeys(COUNTERS, 0)
-        self.latencies: collections.deque[float] = collections.deque(maxlen=LATENCY_SAMPLES)
+        self.latencies = Latencies()
         self.started = time.time()
 
     def add(self, name: str, n: int = 1) -> None:

@@ -19,7 +19,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 LAYERS = [
     ["faultfs.errors"],
     ["faultfs.core"],
-    ["faultfs.config", "faultfs.buffers", "faultfs.stats", "faultfs.iopool", "faultfs.progress"],
+    ["faultfs.config", "faultfs.buffers", "faultfs.stats", "faultfs.iopool", "faultfs.progress",
+     "faultfs.metrics"],
     ["faultfs.store"],
     ["faultfs.sources"],
     ["assimilators"],

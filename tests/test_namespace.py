@@ -49,7 +49,7 @@ def errno_of(fn, *args) -> int:
 def test_the_root_lists_the_control_dir_and_the_tags(tree):
     assert names(tree, ROOT) == [".faultfs", "field", "other"]
     assert names(tree, ROOT, start=2) == ["other"]
-    assert names(tree, CTL_DIR) == ["control", "registry", "stats"]
+    assert names(tree, CTL_DIR) == ["control", "metrics", "registry", "stats"]
     assert names(tree, REGISTRY_DIR) == sorted(tree.engine.registry)
 
 

@@ -58,6 +58,8 @@ def register(sub) -> None:
                         "default $FAULTFS_SHARED_STORE)")
     m.add_argument("--shared-store-endpoint-url", metavar="URL",
                    help="the shared store's S3 endpoint, when it is not the sources'")
+    m.add_argument("--metrics-addr", metavar="HOST:PORT",
+                   help="serve Prometheus metrics over HTTP here (a bare PORT: loopback)")
     m.add_argument("--io-threads", type=int, help="size of the I/O pool for blocking reads (default 32)")
     m.add_argument("--stats", action="store_true", help="log the counters every 5 s")
     m.add_argument("--memory-mb", type=int, help="recently faulted blobs kept in memory (default 64)")
@@ -193,7 +195,8 @@ def _mount_here(args: argparse.Namespace) -> int:
                               inline_read_kb=args.inline_read_kb,
                               read_only=True if args.read_only else None,
                               dirty_mb=args.dirty_mb, shared_store=args.shared_store,
-                              shared_store_endpoint_url=args.shared_store_endpoint_url)
+                              shared_store_endpoint_url=args.shared_store_endpoint_url,
+                              metrics_addr=args.metrics_addr)
         _setup_logging(args)
         options = SourceOptions(s3_region=args.s3_region, s3_profile=args.s3_profile,
                                 s3_endpoint_url=args.s3_endpoint_url, anon=args.anon)

@@ -1,9 +1,12 @@
-"""``faultfs stat MNT``: a live mount's counters as a table (or ``--json``)."""
+"""``faultfs stat MNT``: a live mount's counters as a table (or ``--json``); ``--watch``
+refreshes it with rates, as ``iostat`` does."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
+import time
 
 from faultfs.core.units import format_size
 from faultfs.fuse.mountpoint import read_stats
@@ -13,11 +16,61 @@ def register(sub) -> None:
     s = sub.add_parser("stat", help="show a mount's counters")
     s.add_argument("mountpoint")
     s.add_argument("--json", action="store_true", help="print the raw JSON")
+    s.add_argument("--watch", nargs="?", type=float, const=2.0, metavar="SECONDS",
+                   help="refresh every SECONDS (default 2) with rates, until Ctrl-C")
+    s.add_argument("--count", type=int, default=0, help="with --watch: stop after N refreshes")
     s.add_argument("--debug", action="store_true")
     s.set_defaults(func=cmd_stat)
 
 
+RATE_HEADER = (f"{'time':<9} {'served MB/s':>11} {'source MB/s':>11} {'faults/s':>9} "
+               f"{'hit %':>6} {'writes/s':>9} {'written MB/s':>12} {'shared hit %':>12}")
+
+
+def rates(before: dict, after: dict, seconds: float) -> str:
+    """One line of rates between two snapshots."""
+    a, b = before.get("counters", {}), after.get("counters", {})
+
+    def delta(name: str) -> int:
+        return b.get(name, 0) - a.get(name, 0)
+
+    dt = max(seconds, 1e-9)
+    reads = delta("reads")
+    hits = f"{100 * delta('hits') / reads:.1f}" if reads else "-"
+    looked = delta("shared_hits") + delta("shared_misses")
+    shared = f"{100 * delta('shared_hits') / looked:.1f}" if looked else "-"
+    return (f"{time.strftime('%H:%M:%S'):<9} {delta('bytes_served') / dt / 1e6:>11.1f} "
+            f"{delta('source_bytes') / dt / 1e6:>11.1f} {delta('faults') / dt:>9.1f} "
+            f"{hits:>6} {delta('writes') / dt:>9.1f} {delta('bytes_written') / dt / 1e6:>12.1f} "
+            f"{shared:>12}")
+
+
+def watch(mountpoint: str, every: float, count: int) -> int:
+    tty = sys.stdout.isatty()
+    before, then = read_stats(mountpoint), time.monotonic()
+    if not tty:
+        print(RATE_HEADER, flush=True)
+    done = 0
+    try:
+        while not count or done < count:
+            time.sleep(max(0.1, every))
+            snap, now = read_stats(mountpoint), time.monotonic()
+            line = rates(before, snap, now - then)
+            if tty:  # redraw: the table, then the rates of the last interval
+                print("\x1b[H\x1b[2J" + render_stats(snap) + "\n\n" + RATE_HEADER + "\n" + line,
+                      flush=True)
+            else:
+                print(line, flush=True)
+            before, then = snap, now
+            done += 1
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
 def cmd_stat(args: argparse.Namespace) -> int:
+    if args.watch is not None:
+        return watch(args.mountpoint, args.watch, args.count)
     snap = read_stats(args.mountpoint)
     if args.json:
         print(json.dumps(snap, indent=1, sort_keys=True))

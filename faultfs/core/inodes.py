@@ -2,7 +2,7 @@
 
 ``inode = (tag_id << 40) | (kind << 36) | index``. A tag with millions of chunks costs no
 memory per entry, listings stream from any offset, and ``forget`` has nothing to release.
-Inodes 1..5 are the fixed entries of the root (1 is FUSE's root inode).
+Inodes 1..6 are the fixed entries of the root (1 is FUSE's root inode).
 
 Invariants:
 - ``split(make(t, k, i)) == (t, k, i)`` for every ``0 <= i <= MAX_INDEX``, ``0 < k < 16``.
@@ -12,7 +12,7 @@ Invariants:
 from __future__ import annotations
 
 ROOT = 1  # pyfuse3.ROOT_INODE
-CTL_DIR, STATS_FILE, REGISTRY_DIR, CONTROL_FILE = 2, 3, 4, 5
+CTL_DIR, STATS_FILE, REGISTRY_DIR, CONTROL_FILE, METRICS_FILE = 2, 3, 4, 5, 6
 
 KIND_DIR, KIND_CHUNK, KIND_VIEW, KIND_PAGE, KIND_PAGEMAP, KIND_REGISTRY = 1, 2, 3, 4, 5, 6
 KIND_USER = 7  # a blob a user created in a tag directory (index: its id in the tag)

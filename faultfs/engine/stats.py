@@ -42,6 +42,7 @@ def snapshot(config: Config, store_root: str, store_free_bytes: int, stats: Stat
         "writes": {"writable": writes.writable, "held_bytes": writes.held,
                    "journal_bytes": writes.journal.bytes_on_disk},
         "fault_latency": stats.percentiles(),
+        "fault_latency_histogram": stats.latencies.histogram(),
         "shared": _shared(tiers),
         "tags": {
             t.name: {

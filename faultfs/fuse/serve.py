@@ -22,6 +22,7 @@ from faultfs.config import STATS_INTERVAL_S
 from faultfs.core.names import CTL_NAME
 from faultfs.engine import Engine
 from faultfs.errors import FaultfsError
+from faultfs.fuse.exporter import open_listeners, serve_metrics
 from faultfs.fuse.ops import FaultOperations
 
 log = logging.getLogger("faultfs.mount")
@@ -58,8 +59,12 @@ def serve(engine: Engine, mountpoint: str, *, ready: Callable[[], None] | None =
 
 
 async def _serve_async(engine: Engine, mountpoint: str, ready: Callable[[], None] | None) -> None:
+    listeners = (await open_listeners(engine.config.metrics_addr)
+                 if engine.config.metrics_addr else [])
     async with trio.open_nursery() as nursery:
         engine.attach(nursery)
+        if listeners:
+            nursery.start_soon(serve_metrics, engine, listeners)
         nursery.start_soon(_watch_signals)
         if engine.config.stats_log:
             nursery.start_soon(_log_stats, engine)

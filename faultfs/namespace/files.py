@@ -35,6 +35,7 @@ from faultfs.core.inodes import (
     KIND_REGISTRY,
     KIND_USER,
     KIND_VIEW,
+    METRICS_FILE,
     ROOT,
     STATS_FILE,
 )
@@ -213,6 +214,10 @@ class Files:
             if writing:
                 raise FaultfsError("stats are read-only", errno.EACCES)
             return BytesFile(await self.tree.stats_document(), direct_io=True)
+        if inode == METRICS_FILE:
+            if writing:
+                raise FaultfsError("metrics are read-only", errno.EACCES)
+            return BytesFile(await self.tree.metrics_document(), direct_io=True)
         if inode == CONTROL_FILE:
             return ControlFile(self)
         if node.kind == KIND_PAGEMAP:

@@ -22,6 +22,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from faultfs import metrics
 from faultfs.core import inodes
 from faultfs.core.inodes import (
     CONTROL_FILE,
@@ -33,6 +34,7 @@ from faultfs.core.inodes import (
     KIND_REGISTRY,
     KIND_USER,
     KIND_VIEW,
+    METRICS_FILE,
     REGISTRY_DIR,
     ROOT,
     STATS_FILE,
@@ -52,9 +54,9 @@ from faultfs.errors import FaultfsError
 ENTRY_TIMEOUT = 300.0  # the tree's shape never changes while mounted
 ATTR_TIMEOUT = 1.0  # st_blocks grows as blobs are staged: let du see it within a second
 BLOCK_SIZE = 1 << 17  # st_blksize: tools read in 128 KiB pieces (FUSE's default request)
-STATS_NAME, REGISTRY_NAME = "stats", "registry"
+STATS_NAME, REGISTRY_NAME, METRICS_NAME = "stats", "registry", "metrics"
 FIXED_DIRS = (ROOT, CTL_DIR, REGISTRY_DIR)
-FIXED = (ROOT, CTL_DIR, REGISTRY_DIR, STATS_FILE, CONTROL_FILE)  # the root's own entries
+FIXED = (ROOT, CTL_DIR, REGISTRY_DIR, STATS_FILE, CONTROL_FILE, METRICS_FILE)  # the root's own entries
 CONTROL_NAME = "control"  # .faultfs/control: requests to the daemon (reset, clone)
 
 
@@ -107,6 +109,7 @@ class Tree:
         self.mounted_at = time.time_ns()
         self.registry_keys = sorted(engine.registry)
         self.stats_size = 0  # bytes of the last stats document: .faultfs/stats' size
+        self.metrics_size = 0  # likewise for .faultfs/metrics
 
     # -- nodes -------------------------------------------------------------------------------
 
@@ -143,6 +146,12 @@ class Tree:
             await self.pages.load(self.tag_of(tag_id))
         return self.node(inode)
 
+    async def metrics_document(self) -> bytes:
+        """``.faultfs/metrics``: the snapshot in the Prometheus text format."""
+        data = metrics.render(await self.engine.snapshot()).encode()
+        self.metrics_size = len(data)
+        return data
+
     async def stats_document(self) -> bytes:
         """``.faultfs/stats``: the engine's snapshot as JSON (its size is the file's size)."""
         snap = await self.engine.snapshot()
@@ -162,11 +171,13 @@ class Tree:
             return self.attributes(Node(inodes.make(tag.id, KIND_DIR), KIND_DIR, tag))
         if parent == CTL_DIR:
             fixed = {STATS_NAME: STATS_FILE, REGISTRY_NAME: REGISTRY_DIR,
-                     CONTROL_NAME: CONTROL_FILE}.get(name)
+                     CONTROL_NAME: CONTROL_FILE, METRICS_NAME: METRICS_FILE}.get(name)
             if fixed is None:
                 raise _missing()
             if fixed == STATS_FILE:
                 await self.stats_document()
+            elif fixed == METRICS_FILE:
+                await self.metrics_document()
             return self.attributes(self.node(fixed))
         if parent == REGISTRY_DIR:
             try:
@@ -210,6 +221,8 @@ class Tree:
     async def getattr(self, inode: int) -> Attributes:
         if inode == STATS_FILE:
             await self.stats_document()  # its size is what reading it now gives
+        elif inode == METRICS_FILE:
+            await self.metrics_document()
         return self.attributes(await self.load(inode))
 
     async def listing(self, inode: int, start: int) -> Iterator[tuple[int, str, Attributes]]:
@@ -233,8 +246,8 @@ class Tree:
             fixed = [(CTL_NAME, CTL_DIR)] + [(t.name, inodes.make(t.id, KIND_DIR)) for t in tags]
             yield from ((i, n, ino) for i, (n, ino) in enumerate(fixed) if i >= start)
         elif directory.inode == CTL_DIR:
-            fixed = [(CONTROL_NAME, CONTROL_FILE), (REGISTRY_NAME, REGISTRY_DIR),
-                     (STATS_NAME, STATS_FILE)]
+            fixed = [(CONTROL_NAME, CONTROL_FILE), (METRICS_NAME, METRICS_FILE),
+                     (REGISTRY_NAME, REGISTRY_DIR), (STATS_NAME, STATS_FILE)]
             yield from ((i, n, ino) for i, (n, ino) in enumerate(fixed) if i >= start)
         elif directory.inode == REGISTRY_DIR:
             yield from ((i, k, inodes.make(0, KIND_REGISTRY, i))
@@ -296,6 +309,9 @@ class Tree:
             return Attributes(node.inode, stat.S_IFDIR | 0o755, mtime_ns=mtime, nlink=2)
         if node.inode == STATS_FILE:
             return Attributes(node.inode, stat.S_IFREG | 0o444, self.stats_size,
+                              mtime_ns=time.time_ns(), attr_timeout=0)
+        if node.inode == METRICS_FILE:
+            return Attributes(node.inode, stat.S_IFREG | 0o444, self.metrics_size,
                               mtime_ns=time.time_ns(), attr_timeout=0)
         if node.inode == CONTROL_FILE:
             return Attributes(node.inode, stat.S_IFREG | 0o600, mtime_ns=self.mounted_at,
