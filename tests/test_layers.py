@@ -30,7 +30,7 @@ LAYERS = [
     ["faultfs.fuse"],
     ["faultfs.daemon", "faultfs.warm", "faultfs.control_client"],
     ["faultfs.export"],
-    ["faultfs.cli"],
+    ["faultfs.cli", "faultfs.api"],
     ["faultfs.testing"],
 ]
 RANK = {unit: rank for rank, layer in enumerate(LAYERS) for unit in layer}

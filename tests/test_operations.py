@@ -145,3 +145,139 @@ def test_stat_watch_prints_rates_for_each_refresh(mounter, sample):
     served = [float(line.split()[1]) for line in lines[1:]]
     assert all(v >= 0 for v in served)
     assert sum(float(line.split()[3]) for line in lines[1:]) > 0  # faults/s while it read
+
+
+# -- mount -t fuse.faultfs, fstab, systemd ----------------------------------------------------
+
+@pytest.fixture
+def faultfs_on_path():
+    """``mount(8)`` runs helpers with the standard PATH: put ``faultfs`` there for the test
+    (a link to this checkout's entry point), unless one is installed already."""
+    import shutil
+    import sys
+
+    link = "/usr/local/bin/faultfs"
+    ours = os.path.join(os.path.dirname(sys.executable), "faultfs")
+    if not os.path.exists(ours):
+        pytest.skip(f"no faultfs entry point at {ours}: install the package (pip install -e .)")
+    if shutil.which("mount.fuse3") is None and shutil.which("mount.fuse") is None:
+        pytest.skip("needs mount.fuse (the fuse3 package)")
+    made = False
+    if not os.path.lexists(link):
+        os.symlink(ours, link)
+        made = True
+    elif os.path.realpath(link) != os.path.realpath(ours):
+        pytest.skip(f"{link} is another faultfs: not replaced")
+    try:
+        yield link
+    finally:
+        if made:
+            os.unlink(link)
+
+
+def _mounts_of(path: str) -> list[str]:
+    with open("/proc/mounts") as f:
+        return [line for line in f if line.split()[1] == path]
+
+
+def test_mount_t_fuse_faultfs_and_an_fstab_line(faultfs_on_path, sample, tmp_path):
+    import subprocess
+
+    src = sample(3 * MiB)
+    mnt, store = tmp_path / "mnt", tmp_path / "store"
+    mnt.mkdir()
+    opts = f"store={store},chunk_size=1M,reserve_mb=0,ro,nofail,x-systemd.automount"
+    r = subprocess.run(["mount", "-t", "fuse.faultfs", src, str(mnt), "-o", opts],
+                       capture_output=True, text=True, timeout=120)
+    try:
+        assert r.returncode == 0, r.stderr
+        assert _mounts_of(str(mnt)) and _mounts_of(str(mnt))[0].split()[2] == "fuse.faultfs"
+        assert read(os.path.join(mnt, "field", "field.bin")) == read(src)
+        with pytest.raises(OSError):  # ro became --read-only
+            open(os.path.join(mnt, "field", "chunk_0"), "r+b").close()
+    finally:
+        run_faultfs("umount", str(mnt))
+    fstab = tmp_path / "fstab"
+    fstab.write_text(f"# a test fstab\n{src} {mnt} fuse.faultfs store={store},chunk_size=1M,"
+                     "reserve_mb=0,_netdev 0 0\n"
+                     f"none {tmp_path / 'never'} fuse.faultfs store={store},noauto 0 0\n")
+    r = subprocess.run(["mount", "-a", "--fstab", str(fstab)], capture_output=True, text=True,
+                       timeout=120)
+    try:
+        assert r.returncode == 0, r.stderr
+        assert read(os.path.join(mnt, "field", "chunk_1")) == read(src)[MiB:2 * MiB]
+    finally:
+        run_faultfs("umount", str(mnt))
+    # a remount-only line (no source): what the store has registered
+    fstab.write_text(f"none {mnt} fuse.faultfs store={store} 0 0\n")
+    r = subprocess.run(["mount", "--fstab", str(fstab), str(mnt)], capture_output=True,
+                       text=True, timeout=120)
+    try:
+        assert r.returncode == 0, r.stderr
+        assert sorted(os.listdir(mnt)) == [".faultfs", "field"]
+    finally:
+        run_faultfs("umount", str(mnt))
+    r = subprocess.run(["mount", "-t", "fuse.faultfs", src, str(mnt), "-o", "bogus=1"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "unknown faultfs mount option 'bogus=1'" in r.stderr
+
+
+def test_the_systemd_unit_verifies(tmp_path):
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("systemd-analyze") is None:
+        pytest.skip("systemd-analyze is not installed")
+    from conftest import ROOT
+
+    with open(os.path.join(ROOT, "contrib", "systemd", "faultfs-run42.service")) as f:
+        unit = f.read()
+    ours = os.path.join(os.path.dirname(sys.executable), "faultfs")
+    path = tmp_path / "faultfs-run42.service"
+    path.write_text(unit.replace("/usr/local/bin/faultfs", ours))
+    r = subprocess.run(["systemd-analyze", "verify", str(path)], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    path.write_text(unit.replace("/usr/local/bin/faultfs", "/nonexistent/faultfs"))
+    r = subprocess.run(["systemd-analyze", "verify", str(path)], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode != 0  # the check is real
+
+
+# -- the Python API ---------------------------------------------------------------------------
+
+def test_the_python_api_mounts_unmounts_and_cleans_up_on_an_exception(sample, tmp_path):
+    import subprocess
+    import sys
+
+    src = sample(2 * MiB)
+    script = f"""
+import os, sys, faultfs
+store = {str(tmp_path / 'store')!r}
+with faultfs.mounted({src!r}, store=store, chunk_size="1M", reserve_mb=0) as root:
+    data = open(os.path.join(root, "field", "field.bin"), "rb").read()
+    assert data == open({src!r}, "rb").read()
+    counters = faultfs.stat(root)
+    assert counters["faults"] >= 2, counters
+    pid = int(__import__("json").load(open(os.path.join(root, ".faultfs", "stats")))["pid"])
+    print("ROOT", root, "PID", pid, flush=True)
+    try:
+        with faultfs.mounted({src!r}, store=store, mountpoint=root):
+            pass
+    except faultfs.Error as exc:
+        print("ERROR", type(exc).__name__, exc, flush=True)
+    raise RuntimeError("inside the with")
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       timeout=180)
+    assert "RuntimeError: inside the with" in r.stderr and r.returncode != 0
+    out = dict(line.split(" ", 1) for line in r.stdout.splitlines())
+    root, _, pid = out["ROOT"].partition(" PID ")
+    assert out["ERROR"].startswith("MountError") and "\n" not in out["ERROR"]
+    assert not os.path.ismount(root) and not os.path.exists(root)  # its temporary dir too
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            assert "zombie" in f.read(), "the daemon outlived the with block"
+    except FileNotFoundError:
+        pass  # gone

@@ -16,6 +16,7 @@ from faultfs.cli import (
     clone,
     export,
     forget,
+    fstab,
     mount,
     pagemap,
     reset,
@@ -59,6 +60,12 @@ def main(argv: list[str] | None = None) -> int:
     if argv == [mount.ARGV_STDIN]:  # a daemon started by `faultfs mount`: arguments on stdin
         argv = json.loads(sys.stdin.buffer.read())
         sys.stdin.close()
+    elif fstab.is_helper_call(argv):  # `mount -t fuse.faultfs`: mount.fuse runs `faultfs SRC MNT -o …`
+        try:
+            argv = fstab.mount_argv(argv)
+        except FaultfsError as exc:
+            print(f"faultfs: {exc}", file=sys.stderr)
+            return EXIT_ERROR
     parser = build_parser()
     args = parse_args(parser, argv)
     args.argv = argv
@@ -80,3 +87,14 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"faultfs: {exc.strerror or exc}: {exc.filename or ''}".rstrip(": "), file=sys.stderr)
         return EXIT_ERROR
+
+
+def mount_helper(argv: list[str] | None = None) -> int:
+    """``mount.faultfs SRC MNT -o OPTIONS`` (``mount -t faultfs``, with a link in /sbin)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        translated = fstab.mount_argv(args)
+    except FaultfsError as exc:
+        print(f"faultfs: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    return main(translated)
