@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 from faultfs.engine import Engine, Tag
 from faultfs.errors import FaultfsError
+from faultfs.namespace.handle import PlainFile
 
 MAX_REQUEST = 1 << 16
 
@@ -36,7 +37,7 @@ class Controlled(Protocol):
     async def forgotten(self, tag: Tag) -> None: ...
 
 
-class ControlFile:
+class ControlFile(PlainFile):
     keep_cache = False
     direct_io = True
 
@@ -62,15 +63,6 @@ class ControlFile:
 
     async def truncate(self, size: int) -> None:
         del self.request[size:]
-
-    async def fsync(self) -> None:
-        return
-
-    async def flush(self) -> None:
-        return
-
-    async def release(self) -> None:
-        return
 
     async def _run(self) -> dict[str, Any]:
         try:

@@ -23,7 +23,6 @@ import collections
 import errno
 import os
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Protocol
 
 from faultfs.core import inodes
 from faultfs.core.chunks import pieces
@@ -43,6 +42,7 @@ from faultfs.core.names import PAGEMAP_NAME
 from faultfs.engine import Engine, Tag
 from faultfs.errors import FaultfsError
 from faultfs.namespace.control import ControlFile
+from faultfs.namespace.handle import OpenFile, PlainFile, read_only
 from faultfs.namespace.tree import Attributes, Node, Tree
 from faultfs.tiers.base import Buffer
 
@@ -50,50 +50,7 @@ Invalidate = Callable[[list[int]], Awaitable[None]]
 INVALIDATE_MAX = 4096  # inodes invalidated after one write at most (pages past it: mtime)
 
 
-def _read_only() -> FaultfsError:
-    return FaultfsError("the tree is read-only", errno.EROFS)
-
-
-class OpenFile(Protocol):
-    keep_cache: bool  # keep the kernel's cached pages of the file across opens
-    direct_io: bool  # bypass the page cache (files whose size says nothing of their bytes)
-
-    async def read(self, off: int, size: int) -> Buffer: ...
-
-    async def write(self, off: int, data: bytes) -> int: ...
-
-    async def truncate(self, size: int) -> None: ...
-
-    async def fsync(self) -> None: ...
-
-    async def flush(self) -> None: ...
-
-    async def release(self) -> None: ...
-
-
-class _Plain:
-    """Defaults: read-only, nothing to flush or release."""
-
-    keep_cache = True
-    direct_io = False
-
-    async def write(self, off: int, data: bytes) -> int:
-        raise _read_only()
-
-    async def truncate(self, size: int) -> None:
-        raise _read_only()
-
-    async def fsync(self) -> None:
-        return
-
-    async def flush(self) -> None:
-        return
-
-    async def release(self) -> None:
-        return
-
-
-class BlobFile(_Plain):
+class BlobFile(PlainFile):
     """A chunk, the whole-object view, a page or a user blob."""
 
     def __init__(self, files: Files, node: Node) -> None:
@@ -156,7 +113,7 @@ class BlobFile(_Plain):
         await self.engine.writes.fsync()
 
 
-class BytesFile(_Plain):
+class BytesFile(PlainFile):
     """Fixed bytes: a registry entry, or a stats snapshot taken at open."""
 
     def __init__(self, data: bytes, *, direct_io: bool = False) -> None:
@@ -168,7 +125,7 @@ class BytesFile(_Plain):
         return self.data[off:off + size]
 
 
-class PagemapFile(_Plain):
+class PagemapFile(PlainFile):
     """``<tag>/.pagemap``: a private copy of the text, installed on flush and release."""
 
     keep_cache = False
@@ -225,11 +182,11 @@ class Files:
             return PagemapFile(self.engine, await self.engine.pages.open_pagemap(node.tag, flags))
         if node.kind == KIND_REGISTRY:
             if writing:
-                raise _read_only()
+                raise read_only()
             return BytesFile(self.engine.registry[self.tree.registry_keys[node.index]])
         if node.kind in (KIND_CHUNK, KIND_VIEW, KIND_PAGE, KIND_USER):
             if writing and not self.engine.writes.writable:
-                raise _read_only()
+                raise read_only()
             self.opened.add(inode)
             return BlobFile(self, node)
         raise FaultfsError("not a file", errno.EIO)
@@ -238,7 +195,7 @@ class Files:
         """``<tag>/.pagemap`` (a tag without a map gets one on close), or a user blob."""
         directory = self.tree.node(parent)
         if directory.tag is None or not directory.is_dir:
-            raise _read_only()
+            raise read_only()
         tag = directory.tag
         if name == PAGEMAP_NAME:
             await self.engine.pages.load(tag)
@@ -250,7 +207,7 @@ class Files:
             return handle, self.tree.attributes(node)
         writes = self.engine.writes
         if not writes.writable:
-            raise _read_only()
+            raise read_only()
         await writes.create_user(tag, name)
         uid = writes.user_id(tag, name)
         assert uid is not None
@@ -283,7 +240,7 @@ class Files:
         except FaultfsError as exc:
             if exc.errno != errno.ENOENT:
                 raise
-            raise _read_only() from None
+            raise read_only() from None
         raise self._fixed(name)
 
     async def _existing(self, parent: int, name: str) -> Node:
@@ -299,7 +256,7 @@ class Files:
         own (a pagemap's is installed at once)."""
         node = await self.tree.load(inode)
         if node.tag is None:
-            raise _read_only()
+            raise read_only()
         if handle is None:
             handle = await self.open(inode, os.O_RDWR)
             try:
