@@ -223,3 +223,30 @@ def test_local_objects_put_create_never_replaces(tmp_path):
     assert objects.get("fifo") is None  # never blocks on a FIFO
     objects.delete("a/b")
     assert objects.list("a/") == [] and objects.get("a/b") is None
+
+
+def test_tags_other_nodes_register_later_appear_on_a_live_mount(nodes, sample, tmp_path):
+    first = sample(2 * MiB, "first.bin")
+    a = nodes("a", first)
+    read(os.path.join(a.tag("first"), "chunk_0"))
+    settled(a)
+    b = nodes("b")
+    assert sorted(os.listdir(b.path)) == [".faultfs", "first"]
+    later = sample(3 * MiB, "later.bin", seed=5)
+    c = nodes("c", later)  # registered after B mounted
+    read(os.path.join(c.tag("later"), "chunk_2"))
+    settled(c)
+    # a lookup of the new name finds it (B looks in the shared store)...
+    tag = os.path.join(b.path, "later")
+    deadline = time.monotonic() + 15
+    while not os.path.isdir(tag):  # a refresh runs at most every few seconds
+        assert time.monotonic() < deadline, "the new tag never appeared on B"
+        time.sleep(0.5)
+    assert read(os.path.join(tag, "chunk_2")) == read(later)[2 * MiB:]
+    assert b.counters()["shared_hits"] >= 1
+    # ...and so does a listing
+    assert sorted(os.listdir(b.path)) == [".faultfs", "first", "later"]
+    # a tag B forgot is not brought back by a refresh
+    run_faultfs("forget", os.path.join(b.path, "first"), check=True)
+    time.sleep(5.5)
+    assert sorted(os.listdir(b.path)) == [".faultfs", "later"]

@@ -29,7 +29,7 @@ from faultfs.engine.pages import PAGEMAP_BLOB, PageService
 from faultfs.engine.prefetch import Prefetcher
 from faultfs.engine.sharing import SharedRegistry
 from faultfs.engine.stats import snapshot
-from faultfs.engine.tags import RegistrationPlan, Tag, Tags
+from faultfs.engine.tags import Recovery, RegistrationPlan, Tag, Tags
 from faultfs.engine.writes import Writes
 from faultfs.errors import FaultfsError
 from faultfs.iopool import IoPool
@@ -46,6 +46,8 @@ from faultfs.tiers.policy import StorePolicy
 from faultfs.tiers.shared import SharedTier
 
 log = logging.getLogger("faultfs.engine")
+
+REFRESH_S = 5.0  # a lookup of an unknown tag looks in the shared store at most this often
 
 
 class Engine:
@@ -78,6 +80,9 @@ class Engine:
                                        and store.writable),
                              fold_bytes=config.dirty_mb << 20, ops=writes_ops)
         self._writes_open = False
+        self._refreshed_at = float("-inf")  # the last look for tags other nodes registered
+        self._refreshing: trio.Event | None = None
+        self._forgotten: set[str] = set()  # not brought back by a refresh until a remount
         self.pages = PageService(_PageBlobs(self), self.pool, self.stats)
 
     # -- tags --------------------------------------------------------------------------------
@@ -138,6 +143,65 @@ class Engine:
         log.info("tag %s: cloned from %s", name, parent.name)
         return child
 
+    async def refresh_shared(self) -> list[str]:
+        """Add the tags other nodes registered in the shared store since this mount (at most
+        once per ``REFRESH_S``; never while the shared store is failing); their names."""
+        sharing, shared = self.sharing, self.tiers.shared
+        if sharing is None or shared is None or not shared.up or self.store.degraded:
+            return []
+        if self._refreshing is not None:
+            await self._refreshing.wait()  # one look at a time: its result is everyone's
+            return []
+        if trio.current_time() - self._refreshed_at < REFRESH_S:
+            return []
+        self._refreshing = trio.Event()
+        try:
+            return await self._refresh(sharing)
+        finally:
+            self._refreshed_at = trio.current_time()
+            self._refreshing.set()
+            self._refreshing = None
+
+    async def _refresh(self, sharing: SharedRegistry) -> list[str]:
+        try:
+            entries = await self.pool.run(sharing.fetch)
+        except OSError as exc:
+            log.warning("shared store %s: looking for new tags failed: %s", sharing.url,
+                        exc.strerror or exc)
+            self.stats.add("shared_errors")
+            return []
+        new = {n for n in entries if n not in self.tags and n not in self._forgotten}
+        if not new:
+            return []
+
+        def prepare() -> list[Recovery]:
+            try:
+                names = sharing.import_into(self.store, set(self.tags), only=new)
+            except FaultfsError as exc:
+                log.warning("tags from the shared store: %s", exc.message)
+                return []
+            out = []
+            for name in names:
+                try:
+                    out.append(self._tags.open_recovered(entries[name].ctx))
+                except FaultfsError as exc:
+                    log.warning("tag %s from the shared store cannot be served: %s", name,
+                                exc.message)
+            return out
+
+        added = []
+        for rec in await self.pool.run(prepare):
+            if rec.ctx.dst in self.tags:
+                continue
+            self._tags.registry[rec.ctx.key] = entries[rec.ctx.dst].data
+            tag = self._tags.add_recovered(rec)
+            self.writes.open_tag(tag)
+            await self.pool.run(self._tags.record_recovered, tag)
+            added.append(tag.name)
+        if added:
+            log.info("tags registered by other nodes: %s", ", ".join(added))
+        return added
+
     async def forget_tag(self, tag: Tag, *, keep_blobs: bool = False,
                          discard_writes: bool = False) -> int:
         """``faultfs forget``: stop serving ``tag``; its registry entry goes, and its blobs
@@ -151,6 +215,7 @@ class Engine:
             raise FaultfsError(f"tag {tag.name} has clones ({', '.join(clones)}): forget them "
                                "first", errno.EBUSY)
         self._tags.detach(tag)  # no new read finds it from here on
+        self._forgotten.add(tag.name)
         with trio.move_on_after(30):  # faults and store writes under way end first
             while self.flights.of_tag(tag.id) or self.tiers.pending_of(tag.id):  # noqa: ASYNC110
                 await trio.sleep(0.01)

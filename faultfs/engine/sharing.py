@@ -80,18 +80,25 @@ class SharedRegistry:
     def __init__(self, objects: Objects) -> None:
         self.objects = objects
         self.entries: dict[str, SharedEntry] = {}  # by tag name, as of the last fetch
+        self._seen: dict[str, SharedEntry | None] = {}  # by fault key: decoded (None: unusable)
 
     @property
     def url(self) -> str:
         return self.objects.url
 
     def fetch(self) -> dict[str, SharedEntry]:
-        """Every usable entry of the shared store, by tag name (OSError when unreachable)."""
+        """Every usable entry of the shared store, by tag name (OSError when unreachable).
+        Entries seen before are not read again (an entry never changes under its key)."""
         found: dict[str, SharedEntry] = {}
         claims: dict[str, bytes | None] = {}
         for name in self.objects.list(REGISTRY_PREFIX):
             key = name[len(REGISTRY_PREFIX):]
             if not is_fault_key(key):
+                continue
+            if key in self._seen:
+                seen = self._seen[key]
+                if seen is not None and seen.ctx.dst not in found:
+                    found[seen.ctx.dst] = seen
                 continue
             raw = self.objects.get(name)
             if raw is None:
@@ -101,22 +108,26 @@ class SharedRegistry:
             except InvalidInput as exc:
                 log.warning("shared store %s: entry %s is not a context (%s): skipped",
                             self.url, key, exc)
+                self._seen[key] = None  # never usable: not read again
                 continue
             if ctx.key != key:
                 log.warning("shared store %s: entry %s holds a context with key %s: skipped",
                             self.url, key, ctx.key)
+                self._seen[key] = None
                 continue
             tag = ctx.dst
             if tag not in claims:
                 claims[tag] = self.objects.get(claim_key(tag))
             owner = claims[tag]
             if owner is not None and owner.decode("ascii", "replace").strip() != key:
-                continue  # a context that lost the race for this name: never served
+                self._seen[key] = None  # a context that lost the race for this name: never served
+                continue
             if tag in found:
                 log.warning("shared store %s: tag %s has two unclaimed contexts; using %s",
                             self.url, tag, found[tag].ctx.key)
                 continue
-            found[tag] = SharedEntry(ctx, raw, self._state(tag, key), self._pagemap(tag))
+            found[tag] = self._seen[key] = SharedEntry(ctx, raw, self._state(tag, key),
+                                                       self._pagemap(tag))
         self.entries = found
         return found
 
@@ -164,13 +175,15 @@ class SharedRegistry:
 
     # -- into the local store ----------------------------------------------------------------
 
-    def import_into(self, store: BlobStore, registered: set[str]) -> list[str]:
-        """Write the fetched tags this store does not have into its registry (blocking);
-        the names imported. InvalidInput for a tag of the same name with another context."""
+    def import_into(self, store: BlobStore, registered: set[str],
+                    only: set[str] | None = None) -> list[str]:
+        """Write the fetched tags this store does not have (of ``only``, when given) into
+        its registry (blocking); the names imported. InvalidInput for a tag of the same name
+        with another context."""
         imported = []
         registry = Registry(store)
         for tag, entry in sorted(self.entries.items()):
-            if tag in registered:
+            if tag in registered or (only is not None and tag not in only):
                 continue
             local = read_tag_state(store, tag)
             if local is not None and local.key != entry.ctx.key:

@@ -64,6 +64,7 @@ class Tag:
     remote: dict = field(default_factory=dict)  # how the source was reached (tag state)
     last_index: int = -1  # the blob read last: sequential readers get prefetch
     window: int = 0  # blobs to prefetch ahead of a sequential reader (grows, resets)
+    state_stale: bool = False  # recovered with a state file that must be rewritten
 
     @property
     def key(self) -> str:
@@ -77,6 +78,21 @@ class Tag:
         layout = self.layout
         return TierTag(self.id, self.name, self.version_text, layout.num_blobs,
                        layout.chunk_size, layout.blob_name, layout.blob_index, self.key)
+
+
+@dataclass
+class Recovery:
+    """A registered context brought back, before its tag is added (``open_recovered``)."""
+
+    ctx: FaultContext
+    state: TagState
+    assimilator: Assimilator
+    recorded: SourceVersion | None  # the version the tag state names
+    source: Source | None
+    version: SourceVersion
+    error: str  # why the source could not be opened ("" when it was)
+    layout: BlobLayout
+    mtime: float
 
 
 @dataclass
@@ -241,6 +257,13 @@ class Tags:
         return recovered
 
     def _recover(self, ctx: FaultContext) -> Tag:
+        tag = self.add_recovered(self.open_recovered(ctx))
+        self.record_recovered(tag)
+        return tag
+
+    def open_recovered(self, ctx: FaultContext) -> Recovery:
+        """The blocking half of recovering ``ctx``: its state, its source opened (or why
+        not), its version and layout. Nothing is added yet."""
         state = read_tag_state(self.store, ctx.dst) or TagState(key=ctx.key)
         assimilator = assimilators.get(ctx.format)
         recorded = SourceVersion.from_text(state.source_version) if state.source_version else None
@@ -257,20 +280,30 @@ class Tags:
             version = recorded
             log.warning("tag %s: source unavailable (%s); staged blobs still serve", ctx.dst, error)
         layout = assimilator.layout(ctx, version)
-        tag = self._add(ctx, layout, version, source, assimilator, shard=state.shard,
-                        mtime=state.mtime if source is None else None,
-                        view_name=state.view_name,
+        mtime = state.mtime if source is None else source.mtime()
+        return Recovery(ctx, state, assimilator, recorded, source, version, error, layout, mtime)
+
+    def add_recovered(self, rec: Recovery) -> Tag:
+        """The quick half: add the tag (its blobs in the store are scanned)."""
+        ctx, state, recorded, version = rec.ctx, rec.state, rec.recorded, rec.version
+        tag = self._add(ctx, rec.layout, version, rec.source, rec.assimilator, shard=state.shard,
+                        mtime=rec.mtime, view_name=state.view_name,
                         recorded=recorded.to_text() if recorded is not None else None)
-        tag.source_error = error
+        tag.source_error = rec.error
         tag.remote = remote_settings(ctx.src, recovery_options(SourceOptions(), state.remote))
         if recorded is not None and recorded != version:
             tag.source_changed = True
             log.warning("tag %s: source %s changed (%s -> %s); %d stale blobs dropped, "
                         "re-faulting from the new version", ctx.dst, ctx.src, recorded.describe(),
                         version.describe(), tag.stale_dropped)
-        if recorded != version or state.view_name is None:
-            self._write_state(tag)
+        tag.state_stale = recorded != version or state.view_name is None
         return tag
+
+    def record_recovered(self, tag: Tag) -> None:
+        """Write the state of a recovered tag when it changed (blocking)."""
+        if tag.state_stale:
+            self._write_state(tag)
+            tag.state_stale = False
 
     def close(self) -> None:
         for tag in self.by_name.values():

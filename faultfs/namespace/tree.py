@@ -166,6 +166,8 @@ class Tree:
             if name == CTL_NAME:
                 return self.attributes(self.node(CTL_DIR))
             tag = self.engine.tags.get(name)
+            if tag is None and await self.engine.refresh_shared():
+                tag = self.engine.tags.get(name)  # another node registered it meanwhile
             if tag is None:
                 raise _missing()
             return self.attributes(Node(inodes.make(tag.id, KIND_DIR), KIND_DIR, tag))
@@ -232,6 +234,8 @@ class Tree:
             raise FaultfsError("not a directory", errno.ENOTDIR)
         if directory.tag is not None:
             await self.pages.load(directory.tag)
+        elif inode == ROOT and start == 0:
+            await self.engine.refresh_shared()  # tags other nodes registered since the mount
         elif inode == CTL_DIR:
             await self.stats_document()
         return self._listing(directory, start)
