@@ -16,7 +16,9 @@ from faultfs.cli import (
     clone,
     export,
     forget,
+    fsck,
     fstab,
+    gc,
     mount,
     pagemap,
     reset,
@@ -29,7 +31,8 @@ from faultfs.errors import FaultfsError
 
 log = logging.getLogger("faultfs")
 
-SUBCOMMANDS = (mount, umount, stat, reset, clone, export, forget, pagemap, warm, checkpoint)
+SUBCOMMANDS = (mount, umount, stat, reset, clone, export, forget, pagemap, warm, checkpoint,
+               fsck, gc)
 
 
 def build_parser() -> argparse.ArgumentParser:
