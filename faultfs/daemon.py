@@ -85,6 +85,8 @@ def prepare(spec: MountSpec, config: Config, options: SourceOptions,
     if existed:  # lock an existing store before reading it (its lock file is there already)
         store.create()
         store.acquire()
+    problems = _Problems()  # what recovery found wrong: the user hears it at mount
+    logging.getLogger("faultfs").addHandler(problems)
     try:
         engine = Engine(store, config, options, sharing=sharing)
         urls = expand_sources(list(spec.sources), options) if spec.sources else []
@@ -122,7 +124,7 @@ def prepare(spec: MountSpec, config: Config, options: SourceOptions,
             raise InvalidInput(f"store {store.root} has no registered tags: give a source to mount")
         if sharing is not None:
             publish_tags(sharing, store, [t.ctx for t in engine.tags.values()])
-        warnings = []
+        warnings = problems.lines()
         if store.degraded:
             warnings.append(f"store {store.root} cannot be written ({store.degraded}): serving "
                             "what is staged, reading the rest through from the sources")
@@ -138,7 +140,34 @@ def prepare(spec: MountSpec, config: Config, options: SourceOptions,
     except BaseException:
         store.release()
         raise
+    finally:
+        logging.getLogger("faultfs").removeHandler(problems)
     return engine, mountpoint, warnings
+
+
+class _Problems(logging.Handler):
+    """Errors logged while a mount is prepared (damaged user data, a tag that cannot come
+    back), kept to be shown to the user as warnings of the mount."""
+
+    MOST = 10
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.seen: list[str] = []
+        self.more = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = record.getMessage().splitlines()[0] if record.getMessage() else ""
+        if text in self.seen:
+            return
+        if len(self.seen) < self.MOST:
+            self.seen.append(text)
+        else:
+            self.more += 1
+
+    def lines(self) -> list[str]:
+        return self.seen + ([f"... and {self.more} more (see the store's log)"]
+                            if self.more else [])
 
 
 def open_sharing(config: Config, options: SourceOptions) -> SharedRegistry | None:
@@ -192,9 +221,22 @@ def attach_store_log(store: BlobStore) -> None:
             log.warning("%s is not a regular file: logging to stderr", path)
             return
         os.fchmod(fd, 0o600)  # an older faultfs made it 0644
+        _carry_early_log(fd)
         os.dup2(fd, 2)
     finally:
         os.close(fd)
+
+
+def _carry_early_log(fd: int) -> None:
+    """What the daemon logged before its store's log existed (recovery's warnings: a
+    damaged write state, a tag that cannot come back) went to a private temporary stderr:
+    append it to the log, so it is not lost with that file."""
+    try:
+        st = os.fstat(2)
+        if stat.S_ISREG(st.st_mode) and st.st_size:
+            os.write(fd, os.pread(2, min(st.st_size, 1 << 20), 0))
+    except OSError:
+        pass
 
 
 def _within(path: str, directory: str) -> bool:

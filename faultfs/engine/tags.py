@@ -252,8 +252,13 @@ class Tags:
             key, ctx, data = entry
             if ctx.dst in self.by_name:
                 continue
+            try:
+                tag = self._recover(ctx)
+            except FaultfsError as exc:  # one tag that cannot come back never blocks the rest
+                log.error("tag %s cannot be recovered (not mounted): %s", ctx.dst, exc.message)
+                continue
             self.registry[key] = data
-            recovered.append(self._recover(ctx))
+            recovered.append(tag)
         return recovered
 
     def _recover(self, ctx: FaultContext) -> Tag:
@@ -265,6 +270,10 @@ class Tags:
         """The blocking half of recovering ``ctx``: its state, its source opened (or why
         not), its version and layout. Nothing is added yet."""
         state = read_tag_state(self.store, ctx.dst) or TagState(key=ctx.key)
+        if state.key != ctx.key:  # the state of another context: none of it is trusted
+            log.warning("tag %s: its state names another context (%s, not %s): ignored",
+                        ctx.dst, state.key or "none", ctx.key)
+            state = TagState(key=ctx.key)
         assimilator = assimilators.get(ctx.format)
         recorded = SourceVersion.from_text(state.source_version) if state.source_version else None
         source: Source | None = None

@@ -78,6 +78,7 @@ class DirtyBlob:
     pending: ExtentMap = field(default_factory=ExtentMap)
     base_bytes: Buffer | None = None  # a clean base the store could not keep
     lock: trio.Lock | None = None
+    damaged: str = ""  # its dirty file cannot be read: reads and writes of it fail (EIO)
 
     def locked(self) -> trio.Lock:
         if self.lock is None:
@@ -97,6 +98,36 @@ class TagWrites:
     voided: int = 0  # records at or below this seq are void (a reset of the tag)
     voided_blobs: dict[str, int] = field(default_factory=dict)  # a reset of single blobs
     mtime_ns: int = 0  # when it was last written
+    damaged: str = ""  # why its write state could not be read: it takes no writes
+
+
+def _tag_writes(state: dict, source_size: int) -> TagWrites:
+    """A tag's write state from its JSON document; CorruptionError when a field is not of
+    its type."""
+    try:
+        users = state.get("users", {})
+        voided = state.get("voided_blobs", {})
+        ancestors = state.get("ancestors", ())
+        if not (isinstance(users, dict) and isinstance(voided, dict)
+                and isinstance(ancestors, (list, tuple))
+                and all(isinstance(a, str) for a in ancestors)):
+            raise TypeError("users, voided_blobs or ancestors")
+        return TagWrites(view_size=_uint(state.get("view_size", source_size)),
+                         view_seq=_uint(state.get("view_seq", 0)),
+                         users={str(k): _uint(v) for k, v in users.items()},
+                         next_user=_uint(state.get("next_user", 1)),
+                         ancestors=tuple(ancestors),
+                         voided=_uint(state.get("voided", 0)),
+                         voided_blobs={str(k): _uint(v) for k, v in voided.items()},
+                         mtime_ns=_uint(state.get("mtime_ns", 0)))
+    except (TypeError, ValueError) as exc:
+        raise CorruptionError(f"the write state has a field of the wrong type ({exc})") from None
+
+
+def _uint(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{value!r} is not a non-negative integer")
+    return value
 
 
 class Writes:
@@ -123,16 +154,15 @@ class Writes:
     # -- recovery (blocking, before the mount answers) ---------------------------------------
 
     def open_tag(self, tag: Tag) -> None:
-        """Bring back what the store remembers of ``tag``'s writes (dirty files, state)."""
-        state = self.files.read_state(tag.name)
-        tw = TagWrites(view_size=int(state.get("view_size", tag.layout.size)),
-                       view_seq=int(state.get("view_seq", 0)),
-                       users={str(k): int(v) for k, v in state.get("users", {}).items()},
-                       next_user=int(state.get("next_user", 1)),
-                       ancestors=tuple(state.get("ancestors", ())),
-                       voided=int(state.get("voided", 0)),
-                       voided_blobs={str(k): int(v) for k, v in state.get("voided_blobs", {}).items()},
-                       mtime_ns=int(state.get("mtime_ns", 0)))
+        """Bring back what the store remembers of ``tag``'s writes (dirty files, state). A
+        damaged write state is kept and reported: the tag's dirty files still read, but the
+        tag takes no writes (they would replace the state) until ``faultfs fsck`` is run."""
+        try:
+            tw = _tag_writes(self.files.read_state(tag.name), tag.layout.size)
+        except CorruptionError as exc:
+            log.error("tag %s: %s: kept; the tag's writes read, new writes are refused",
+                      tag.name, exc)
+            tw = TagWrites(view_size=tag.layout.size, damaged=exc.message)
         self.tags[tag.id] = tw
         self._names[tag.id] = tag.name
         if tw.view_size != tag.layout.size or tw.users:
@@ -143,7 +173,10 @@ class Writes:
                 header = self.files.header(tag.name, name, tw.ancestors)
             except CorruptionError as exc:
                 log.error("tag %s: %s: kept, reads of it fail with EIO", tag.name, exc)
-                self._add(DirtyBlob(tag, name, self._chunk_index(tag, name), 0, FOLDED, 1 << 62))
+                index = self._chunk_index(tag, name)
+                size = tag.layout.chunk_size if index is not None else 0
+                self._add(DirtyBlob(tag, name, index, size, FOLDED, 1 << 62,
+                                    damaged=exc.message))
                 continue
             assert header is not None
             seq = folded_seq(header)
@@ -270,6 +303,9 @@ class Writes:
         return None if blob is None else await self._read(blob, off, size)
 
     async def _read(self, blob: DirtyBlob, off: int, size: int) -> bytes:
+        if blob.damaged:
+            raise FaultfsError(f"dirty blob {blob.name} of tag {blob.tag.name} cannot be read: "
+                               f"{blob.damaged}", errno.EIO)
         if off >= blob.size or size <= 0:
             return b""
         size = min(size, blob.size - off)
@@ -294,13 +330,17 @@ class Writes:
 
     # -- writes ------------------------------------------------------------------------------
 
-    def _check_writable(self) -> None:
+    def _check_writable(self, tag: Tag | None = None) -> None:
         if not self.writable:
             raise FaultfsError("this mount is read-only", errno.EROFS)
+        tw = None if tag is None else self.tags.get(tag.id)
+        if tw is not None and tw.damaged:
+            raise FaultfsError(f"tag {tag.name if tag else ''} takes no writes: its write state "
+                               f"is damaged ({tw.damaged}); run faultfs fsck", errno.EIO)
 
     async def write_chunk(self, tag: Tag, index: int, off: int, data: bytes) -> int:
         """Write through ``chunk_N``: a chunk has a fixed size (EFBIG past its end)."""
-        self._check_writable()
+        self._check_writable(tag)
         cs = tag.layout.chunk_size
         if off + len(data) > cs:
             raise FaultfsError(f"chunk {index} of tag {tag.name} is {cs} bytes: a write past "
@@ -313,7 +353,7 @@ class Writes:
 
     async def write_view(self, tag: Tag, off: int, data: bytes) -> int:
         """Write through the whole-object view: it grows past its end (new chunks)."""
-        self._check_writable()
+        self._check_writable(tag)
         tw = self._tag(tag)
         cs = tag.layout.chunk_size
         end = off + len(data)
@@ -330,11 +370,16 @@ class Writes:
     async def truncate_view(self, tag: Tag, size: int) -> None:
         """``ftruncate`` of the view: bytes past ``size`` are gone (a later growth reads
         zeros there); growing reads zeros past the old end."""
-        self._check_writable()
+        self._check_writable(tag)
         tw = self._tag(tag)
         cs = tag.layout.chunk_size
         old = tw.view_size
         if size < old:
+            for index, _, _ in pieces(size, old - size, old, cs):
+                blob = self.blobs.get((tag.id, tag.layout.blob_name(index)))
+                if blob is not None and blob.damaged:  # refused before anything changes
+                    raise FaultfsError(f"dirty blob {blob.name} of tag {tag.name} is damaged "
+                                       f"({blob.damaged}): run faultfs fsck", errno.EIO)
             for index, inner, length in pieces(size, old - size, old, cs):
                 blob = self._chunk_blob(tag, index)
                 async with blob.locked():
@@ -345,14 +390,14 @@ class Writes:
         await self._written(tag, "view", 0, min(size, old), abs(size - old))
 
     async def write_user(self, tag: Tag, name: str, off: int, data: bytes) -> int:
-        self._check_writable()
+        self._check_writable(tag)
         blob = self._user_blob(tag, name)
         await self._write(blob, off, data)
         await self._written(tag, "user", 0, off, len(data))
         return len(data)
 
     async def truncate_user(self, tag: Tag, name: str, size: int) -> None:
-        self._check_writable()
+        self._check_writable(tag)
         blob = self._user_blob(tag, name)
         async with blob.locked():
             self._append(KIND_SIZE, tag.name, blob.name, 0, size)
@@ -363,7 +408,7 @@ class Writes:
 
     async def write_gap(self, tag: Tag, page: int, off: int, data: bytes) -> None:
         """Bytes written into a gap of page ``page`` (the map has no slice there)."""
-        self._check_writable()
+        self._check_writable(tag)
         key = (tag.id, f"{GAP_PREFIX}{page}")
         blob = self.blobs.get(key)
         if blob is None:
@@ -371,6 +416,9 @@ class Writes:
         await self._write(blob, off, data)
 
     async def _write(self, blob: DirtyBlob, off: int, data: bytes) -> None:
+        if blob.damaged:  # never written over: the user's data may still be recovered
+            raise FaultfsError(f"dirty blob {blob.name} of tag {blob.tag.name} is damaged "
+                               f"({blob.damaged}): run faultfs fsck", errno.EIO)
         if self._checkpointing is not None and self.held > 2 * self.fold_bytes:
             await self._checkpointing.wait()  # back-pressure: memory stays bounded
         async with blob.locked():
@@ -439,7 +487,7 @@ class Writes:
             raise FaultfsError(f"{name} names an entry of tag {tag.name}", errno.EPERM)
 
     async def create_user(self, tag: Tag, name: str) -> None:
-        self._check_writable()
+        self._check_writable(tag)
         self.check_user_name(tag, name)
         tw = self._tag(tag)
         if name in tw.users:
@@ -451,7 +499,7 @@ class Writes:
         self._add(DirtyBlob(tag, f"{USER_PREFIX}{uid}", None, 0, NEW))
 
     async def unlink_user(self, tag: Tag, name: str) -> None:
-        self._check_writable()
+        self._check_writable(tag)
         tw = self._tag(tag)
         uid = tw.users.pop(name, None)
         if uid is None:
@@ -464,7 +512,7 @@ class Writes:
 
     async def rename_user(self, tag: Tag, old: str, new: str) -> None:
         """Rename a user blob (replacing a user blob named ``new``): one table update."""
-        self._check_writable()
+        self._check_writable(tag)
         self.check_user_name(tag, new)
         tw = self._tag(tag)
         if old not in tw.users:
@@ -551,7 +599,7 @@ class Writes:
     async def reset(self, tag: Tag, names: list[str] | None = None) -> int:
         """Drop the writes of ``tag`` (of its blobs ``names``: chunks or user blobs): back to
         the source's bytes (a user blob back to empty). The dirty blobs dropped."""
-        self._check_writable()
+        self._check_writable(tag)
         tw = self._tag(tag)
         seq = self.journal.last_seq
         if names is None:
@@ -685,6 +733,8 @@ class Writes:
 
     async def _save_state_id(self, tag_id: int) -> None:
         tw = self.tags[tag_id]
+        if tw.damaged:
+            return  # never written over: fsck reports it, the user decides
         name = self._names[tag_id]
         state = {"view_size": tw.view_size, "view_seq": tw.view_seq, "users": tw.users,
                  "next_user": tw.next_user, "ancestors": list(tw.ancestors),

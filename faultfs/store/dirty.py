@@ -11,22 +11,29 @@ Invariants:
   ``FileOps`` (so the crash tests cover them): after a crash a blob is its old file or its
   new one, never a mix.
 - A read verifies the header and every block it returns; a damaged dirty file is a
-  CorruptionError (EIO to readers), never re-faulted or replaced silently.
+  CorruptionError (EIO to readers), never re-faulted or replaced silently. So is anything
+  but a regular file (a FIFO, a directory, a link) where a dirty file should be.
+- Nothing is followed out of the store: a link (or a file) where a tag's directory should be
+  holds no dirty data, and is replaced by a real directory before anything is written there;
+  a linked ``writes`` or ``writes/journal`` refuses the mount.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
+import stat
 from urllib.parse import unquote
 
-from faultfs.errors import CorruptionError
+from faultfs.errors import CorruptionError, InvalidInput
 from faultfs.store.blobfile import FLAG_DIRTY, HEADER_LEN, BlobHeader, decode_header, encode_header
 from faultfs.store.blobstore import encode_component
 from faultfs.store.fileops import FileOps, OsFileOps
 
 WAL_PREFIX = "wal:"
+log = logging.getLogger("faultfs.writes")
 
 
 def entry_exists(path: str) -> bool:
@@ -50,6 +57,50 @@ class DirtyFiles:
         self.root = os.path.join(root, "writes")
         self.ops = ops or OsFileOps()
         self.writable = writable  # False: list and read only (a degraded or read-only store)
+        for directory in (self.root, os.path.join(self.root, "journal")):
+            if os.path.islink(directory):
+                raise InvalidInput(f"{directory} is a symbolic link: faultfs does not follow "
+                                   "links inside its store")
+
+    @staticmethod
+    def _foreign(path: str) -> bool:
+        """Something other than a real directory stands at ``path`` (a link, a file)."""
+        try:
+            return not stat.S_ISDIR(os.lstat(path).st_mode)
+        except FileNotFoundError:
+            return False
+
+    @staticmethod
+    def _foreign_file(path: str) -> bool:
+        try:
+            return not stat.S_ISREG(os.lstat(path).st_mode)
+        except FileNotFoundError:
+            return False
+
+    def _tag_dir_for_reading(self, tag: str) -> str | None:
+        directory = self.tag_dir(tag)
+        if self._foreign(directory):
+            log.warning("%s is not a directory (a link or a file): it holds no writes of tag "
+                        "%s", directory, tag)
+            return None
+        return directory
+
+    def _tag_dir_for_writing(self, directory: str) -> None:
+        if self._foreign(directory):
+            log.warning("%s is not a directory: replaced by one (a link's target is left "
+                        "alone)", directory)
+            os.unlink(directory)
+        self.ops.makedirs(directory)
+
+    def _open_file(self, path: str, what: str) -> int:
+        """A dirty file or write state, opened for reading; CorruptionError when something
+        else stands there."""
+        if os.path.islink(path):
+            raise CorruptionError(f"{what} {path} is a symbolic link, not a file")
+        try:
+            return self.ops.open(path, os.O_RDONLY)
+        except InvalidInput as exc:
+            raise CorruptionError(f"{what} {path} is damaged ({exc.message})") from None
 
     def tag_dir(self, tag: str) -> str:
         return os.path.join(self.root, encode_component("t-", tag))
@@ -69,7 +120,11 @@ class DirtyFiles:
 
     def _replace(self, path: str, data: bytes) -> None:
         directory = os.path.dirname(path)
-        self.ops.makedirs(directory)
+        self._tag_dir_for_writing(directory)
+        if self._foreign_file(path):  # a rename cannot replace a directory: move it aside
+            aside = f"{path}.foreign-{secrets.token_hex(4)}"
+            log.warning("%s is not a regular file: moved to %s", path, aside)
+            os.rename(path, aside)
         tmp = os.path.join(directory, f"t-{secrets.token_hex(8)}.tmp")
         fd = self.ops.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         try:
@@ -92,10 +147,12 @@ class DirtyFiles:
     def header(self, tag: str, name: str, owners: tuple[str, ...] = ()) -> BlobHeader | None:
         """The verified header of a dirty file; None when absent. CorruptionError if damaged.
         ``owners``: the tags the file may have been written by (a clone's ancestors)."""
-        path = self.path(tag, name)
-        if not self.ops.exists(path):
+        if self._tag_dir_for_reading(tag) is None:
             return None
-        fd = self.ops.open(path, os.O_RDONLY)
+        path = self.path(tag, name)
+        if not self.ops.exists(path) and not os.path.islink(path):
+            return None
+        fd = self._open_file(path, f"dirty blob {name} of tag {tag}")
         try:
             header = decode_header(self.ops.pread(fd, HEADER_LEN, 0), file_size=self.ops.size(fd))
         except CorruptionError as exc:
@@ -112,7 +169,7 @@ class DirtyFiles:
         return self._read(self.path(tag, name), tag, name, off, size)
 
     def _read(self, path: str, tag: str, name: str, off: int, size: int) -> bytes:
-        fd = self.ops.open(path, os.O_RDONLY)
+        fd = self._open_file(path, f"dirty blob {name} of tag {tag}")
         try:
             raw = self.ops.pread(fd, HEADER_LEN, 0)
             try:
@@ -137,13 +194,19 @@ class DirtyFiles:
 
     def names(self, tag: str) -> list[str]:
         """Names of the dirty files of ``tag`` (from their headers, for hashed names)."""
-        directory = self.tag_dir(tag)
+        directory = self._tag_dir_for_reading(tag)
+        if directory is None:
+            return []
         out = []
         for entry in self.ops.listdir(directory):
             if entry.startswith("b-"):
                 out.append(unquote(entry[2:]))
             elif entry.startswith("h-"):
-                fd = self.ops.open(os.path.join(directory, entry), os.O_RDONLY)
+                try:
+                    fd = self._open_file(os.path.join(directory, entry), "dirty file")
+                except CorruptionError as exc:
+                    log.error("%s: kept", exc)
+                    continue
                 try:
                     out.append(decode_header(self.ops.pread(fd, HEADER_LEN, 0)).name)
                 except CorruptionError:
@@ -164,7 +227,7 @@ class DirtyFiles:
         """Hard-link every dirty file of ``src_tag`` into ``tag`` (a clone: the files are
         replaced, never written in place, so a link is a snapshot); the names linked."""
         names = self.names(src_tag)
-        self.ops.makedirs(self.tag_dir(tag))
+        self._tag_dir_for_writing(self.tag_dir(tag))
         for name in names:
             os.link(self.path(src_tag, name), self.path(tag, name))
         self.ops.fsync_dir(self.tag_dir(tag))
@@ -173,6 +236,9 @@ class DirtyFiles:
     def forget_tag(self, tag: str) -> None:
         """Remove every dirty file and the write state of ``tag``."""
         directory = self.tag_dir(tag)
+        if self._foreign(directory):
+            os.unlink(directory)  # a link: never what it points to
+            return
         for entry in self.ops.listdir(directory):
             self.ops.unlink(os.path.join(directory, entry))
         if self.ops.exists(directory) or entry_exists(directory):
@@ -186,10 +252,14 @@ class DirtyFiles:
     # -- per-tag write state -----------------------------------------------------------------
 
     def read_state(self, tag: str) -> dict:
-        path = os.path.join(self.tag_dir(tag), STATE)
-        if not self.ops.exists(path):
+        """The tag's write state ({} when it has none); CorruptionError when damaged."""
+        directory = self._tag_dir_for_reading(tag)
+        if directory is None:
             return {}
-        fd = self.ops.open(path, os.O_RDONLY)
+        path = os.path.join(directory, STATE)
+        if not self.ops.exists(path) and not os.path.islink(path):
+            return {}
+        fd = self._open_file(path, "write state")
         try:
             raw = self.ops.pread(fd, MAX_STATE, 0)
         finally:

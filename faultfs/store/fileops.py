@@ -92,4 +92,14 @@ class OsFileOps:
             return []
 
     def makedirs(self, path: str) -> None:
-        os.makedirs(path, mode=0o700, exist_ok=True)
+        """Every missing directory of ``path`` made 0700 (``os.makedirs`` gives its mode to
+        the last one only)."""
+        missing = []
+        while path and not os.path.isdir(path):
+            missing.append(path)
+            path = os.path.dirname(path)
+        for directory in reversed(missing):
+            try:
+                os.mkdir(directory, 0o700)
+            except FileExistsError:
+                pass
