@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 
 import pytest
 
@@ -99,7 +100,10 @@ def test_a_fifo_in_the_store_neither_freezes_the_mount_nor_fails_reads(mounter, 
     got = subprocess.run(["cat", os.path.join(m2.tag("field"), "field.bin")],
                          capture_output=True, timeout=30).stdout
     assert got == data
-    assert os.path.isfile(blob)
+    deadline = time.monotonic() + 15  # re-faulted, then stored behind the reader
+    while not os.path.isfile(blob):
+        assert time.monotonic() < deadline, "the FIFO was not replaced by the re-faulted blob"
+        time.sleep(0.05)
     fifo = tmp_path / "cp.meta"
     os.mkfifo(fifo)
     shown = run_faultfs("checkpoint", "show", str(fifo), timeout=30)
