@@ -1,9 +1,11 @@
 """Resumable, deduplicating record streams over multi-shard sources (DESIGN §9).
 
 ``RecordStream`` is the entry point; ``shards`` expands sources, ``readers`` turns one shard into
-blocks of records, and the checkpoint lives in ``faultfs.store.metadata``.
+blocks of records, ``columns`` parses a block into a pyarrow.Table in bulk, ``delivered`` decides
+duplicates a block at a time, and the checkpoint lives in ``faultfs.store.metadata``.
 """
 
+from faultfs.stream.columns import RecordParseError
 from faultfs.stream.record_stream import RecordStream
 
-__all__ = ["RecordStream"]
+__all__ = ["RecordParseError", "RecordStream"]

@@ -13,8 +13,19 @@ Invariants:
   or opens row group ``row_group_idx`` and skips ``row_offset_in_page`` rows (Parquet). No
   earlier shard is opened, read or hashed. Given the same committed hashes, scanning is
   deterministic, so the batches after a resume are the ones the crashed run would have made.
-- With ``dedup``, a record whose hash is committed or pending is skipped: it still counts in
-  ``global_row_idx`` (raw records scanned), but never reaches a batch.
+- With ``dedup``, a record whose hash was committed or handed out before is skipped: it still
+  counts in ``global_row_idx`` (raw records scanned), but never reaches a batch. Duplicates
+  are decided once per block, with arrays (``DeliveredHashes``).
+- Every ``format`` yields the same batches: the same records (a parsed row is its raw
+  record, parsed; dedup is by the raw record's bytes), the same batch ids and coordinates,
+  so a checkpoint written while reading one format resumes in any other.
+- Parsed formats read and parse one block ahead, in one worker thread (pyarrow parses without
+  the GIL, so the parse of block k+1 overlaps the consumer and the dedup of block k). Only the
+  worker touches the reader while a read-ahead is in flight; its errors are raised when the
+  stream reaches that block, as without read-ahead; ``close`` waits for it.
+- An error while reading a block (a failed read, a malformed record) ends the stream object:
+  records already taken for the unfinished batch would otherwise be lost, so later calls
+  refuse; reopening from the checkpoint continues from the last commit.
 """
 
 from __future__ import annotations
@@ -22,6 +33,7 @@ from __future__ import annotations
 import os
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,17 +42,21 @@ import xxhash
 
 from faultfs.core.coord import StreamCoordinate
 from faultfs.errors import InvalidInput
-from faultfs.store.dedup import TwoStageDeduplicator
 from faultfs.store.metadata import DualMetadataManager
+from faultfs.stream.columns import block_table, concat, import_arrow
+from faultfs.stream.delivered import DeliveredHashes, first_occurrences
 from faultfs.stream.readers import (
     LineShardReader,
     ParquetShardReader,
     RecordBlock,
+    pick,
     row_bytes,
 )
 from faultfs.stream.shards import Shard, expand_shards
 
 _hash = xxhash.xxh3_64_intdigest
+FORMATS = ("raw", "arrow", "pydict")
+_NO_HASHES = np.empty(0, dtype=np.uint64)
 
 
 @dataclass
@@ -49,15 +65,19 @@ class _HandedOut:
 
     batch_id: int
     coord: StreamCoordinate  # just after its last record
-    hashes: list[int]
+    hashes: list[np.ndarray]  # of its records, in order (empty without dedup)
 
 
 class RecordStream:
-    """Batches of records (bytes lines or Parquet row dicts) with crash-safe commits.
+    """Batches of records with crash-safe commits: raw records (``bytes`` lines or Parquet row
+    dicts), or parsed in bulk into columns (``format="arrow"``: a ``pyarrow.Table`` per batch;
+    ``"pydict"``: a dict of column lists).
 
     >>> stream = RecordStream("data/*.jsonl", "run.meta")        # doctest: +SKIP
     >>> for batch_id, records in stream.batches(1024):           # doctest: +SKIP
     ...     train(records); stream.commit(batch_id)
+    >>> for batch_id, table in stream.batches(1024, format="arrow"):  # doctest: +SKIP
+    ...     train(table); stream.commit(batch_id)
     """
 
     def __init__(
@@ -78,10 +98,9 @@ class RecordStream:
                     f"sources expand to {len(self.shards)} shards (different sources?)"
                 )
             self.dedup = dedup
-            self._dedup = (
-                TwoStageDeduplicator.with_committed(self._meta.committed_hashes())
-                if dedup
-                else TwoStageDeduplicator()
+            self._delivered = DeliveredHashes(
+                self._meta.committed_hashes() if dedup and self._meta.dedup_count else None,
+                copy=False,  # a fresh array read from the WAL: sorted in place
             )
         except BaseException:
             self._meta.close()
@@ -90,15 +109,21 @@ class RecordStream:
         self._shard_id = coord.shard_id
         self._reader: LineShardReader | ParquetShardReader | None = None
         self._block: RecordBlock | None = None
-        # the block's records that will be delivered, their hashes and indices in the block
-        self._fresh: list[Any] = []
-        self._fresh_hashes: list[int] = []
-        self._fresh_idx: np.ndarray = np.empty(0, dtype=np.intp)
-        self._pos = 0  # next index into _fresh
+        # which of the block's records will be delivered: their indices in the block (None:
+        # all of them) and hashes; the records in the format asked for, made once per block
+        self._fresh_idx: np.ndarray | None = None
+        self._fresh_hashes: np.ndarray = _NO_HASHES
+        self._fresh_count = 0
+        self._view: tuple[str, Any, Any] | None = None  # (format, schema, records)
+        # parsed formats: the next block of the open reader and its table (schema, table)
+        self._ahead: Future[tuple[RecordBlock | None, Any, Any]] | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._pos = 0  # next index into the fresh records
         self._position = coord  # just after the last record handed out
         self._scanned = coord.global_row_idx  # raw records scanned, lookahead included
         self._next_batch_id = self._meta.committed_batch_id + 1
         self._handed_out: deque[_HandedOut] = deque()
+        self._failed: BaseException | None = None
 
     # -- state -----------------------------------------------------------------------------
 
@@ -137,17 +162,30 @@ class RecordStream:
             global_start,
         )
 
-    def _next_block(self) -> bool:
-        """Load the next non-empty block into the lookahead buffer; False at the end."""
+    def _next_block(self, parse: tuple[Any] | None = None) -> bool:
+        """Load the next non-empty block into the lookahead buffer; False at the end.
+        ``parse``: ``(schema,)`` when batches are parsed (the block after it is read ahead)."""
         while self._shard_id < len(self.shards):
             if self._reader is None:
                 self._reader = self._open_reader()
-            block = self._reader.next_block()
+            ahead, self._ahead = self._ahead, None
+            table: tuple[Any, Any] | None = None
+            if ahead is not None:
+                block, schema, parsed = ahead.result()  # its error, if any, is raised here
+                if block is not None and parse is not None and schema is parse[0]:
+                    table = (schema, parsed)
+            else:
+                block = self._reader.next_block()
             if block is not None:
                 self._block = block
                 self._pos = 0
-                self._scanned = block.global_start + len(block.records)
+                self._view = None
+                self._scanned = block.global_start + block.count
                 self._select_fresh(block)
+                if table is not None:
+                    self._view = ("arrow", table[0], self._take(table[1]))
+                if parse is not None:
+                    self._read_ahead(parse[0])
                 return True
             self._reader.close()
             self._reader = None
@@ -155,37 +193,60 @@ class RecordStream:
         self._block = None
         return False
 
+    def _read_ahead(self, schema: Any) -> None:
+        reader = self._reader
+        assert reader is not None and self._ahead is None
+
+        def work() -> tuple[RecordBlock | None, Any, Any]:
+            block = reader.next_block()
+            return block, schema, None if block is None else block_table(block, schema)
+
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="faultfs-stream")
+        self._ahead = self._pool.submit(work)
+
     def _select_fresh(self, block: RecordBlock) -> None:
         """Decide, once per block, which of its records will be delivered.
 
-        A record is a duplicate iff its hash is committed, pending from an earlier block, or
-        appears earlier in this block. Later commits only move hashes from pending to
-        committed, and later additions to pending are this block's own first occurrences, so
-        the decision stays right however batches of this block are committed.
+        A record is a duplicate iff its hash was committed or delivered before this block, or
+        appears earlier in this block. The block's first occurrences join the delivered set
+        at once: they are handed out next, in order, or lost with this object.
         """
-        n = len(block.records)
+        n = block.count
         if not self.dedup:
-            self._fresh = block.records
-            self._fresh_hashes = []
-            self._fresh_idx = np.arange(n, dtype=np.intp)
+            self._fresh_idx, self._fresh_hashes, self._fresh_count = None, _NO_HASHES, n
             return
         keys = block.records if block.kind == "lines" else map(row_bytes, block.records)
         hashes = np.fromiter(map(_hash, keys), dtype=np.uint64, count=n)
-        # first occurrences in the block, as sorted hashes (sorted probes search much faster)
-        unique, first = np.unique(hashes, return_index=True)
-        if self._dedup.committed_count:
-            first = first[~self._dedup.committed_mask(unique)]
-        idx = np.sort(first)
-        fresh_hashes = hashes[idx].tolist()
-        pending = self._dedup.pending_among(fresh_hashes)
-        if pending:
-            sel = [j for j, h in enumerate(fresh_hashes) if h not in pending]
-            idx = idx[sel]
-            fresh_hashes = [fresh_hashes[j] for j in sel]
-        records = block.records
-        self._fresh = [records[i] for i in idx.tolist()]
-        self._fresh_hashes = fresh_hashes
-        self._fresh_idx = idx
+        unique, first = first_occurrences(hashes)
+        new = ~self._delivered.contains(unique)
+        self._delivered.add(unique[new])
+        if new.all() and unique.size == n:
+            self._fresh_idx, self._fresh_hashes, self._fresh_count = None, hashes, n
+            return
+        fresh = np.zeros(n, dtype=bool)
+        fresh[first[new]] = True
+        idx = np.flatnonzero(fresh)
+        self._fresh_idx, self._fresh_hashes, self._fresh_count = idx, hashes[idx], int(idx.size)
+
+    def _records(self, fmt: str, schema: Any) -> Any:
+        """The block's fresh records in ``fmt``: a list (raw) or a table (parsed)."""
+        view = self._view
+        if view is not None and view[0] == fmt and view[1] is schema:
+            return view[2]
+        block, idx = self._block, self._fresh_idx
+        assert block is not None
+        records: Any
+        if fmt == "raw":
+            records = block.records if idx is None else pick(block.records, idx)
+        else:
+            records = self._take(block_table(block, schema))
+        self._view = (fmt, schema, records)
+        return records
+
+    def _take(self, table: Any) -> Any:
+        """The fresh rows of the current block's table."""
+        return table if self._fresh_idx is None else table.take(self._fresh_idx)
 
     def _coord_after(self, block: RecordBlock, i: int) -> StreamCoordinate:
         end = int(block.ends[i])
@@ -194,38 +255,85 @@ class RecordStream:
             return StreamCoordinate(block.shard_id, end, 0, 0, 0, global_row_idx)
         return StreamCoordinate(block.shard_id, 0, block.row_group_idx, 0, end, global_row_idx)
 
-    def batches(self, batch_size: int) -> Iterator[tuple[int, list[Any]]]:
+    def batches(
+        self, batch_size: int, *, format: str = "raw", schema: Any = None
+    ) -> Iterator[tuple[int, Any]]:
         """Yield ``(batch_id, records)`` until the sources are exhausted; the last batch may be
-        short. Each batch is pending until ``commit`` of its id (or a later one)."""
+        short. Each batch is pending until ``commit`` of its id (or a later one).
+
+        ``format``: ``"raw"`` (a list of ``bytes`` lines, or of Parquet rows as dicts),
+        ``"arrow"`` (a ``pyarrow.Table``: jsonl parsed by pyarrow's JSON reader, one column
+        per field; txt as one ``text`` column; Parquet columns as stored) or ``"pydict"``
+        (that table as a dict of column lists). ``schema`` (a ``pyarrow.Schema``) fixes the
+        columns and types of parsed batches; without it they are inferred per block.
+        """
         if not isinstance(batch_size, int) or batch_size < 1:
             raise InvalidInput(f"batch_size must be a positive int, got {batch_size!r}")
+        if format not in FORMATS:
+            raise InvalidInput(f"format must be one of {', '.join(FORMATS)}, got {format!r}")
+        parsed = format != "raw"
+        if parsed:
+            import_arrow()
+        if schema is not None and not parsed:
+            raise InvalidInput("schema= applies to parsed batches (format='arrow' or 'pydict')")
+        view = "arrow" if parsed else "raw"
         while True:
-            records: list[Any] = []
-            hashes: list[int] = []
-            last: tuple[RecordBlock, int] | None = None
-            while len(records) < batch_size:
-                block = self._block
-                if block is None or self._pos >= len(self._fresh):
-                    if not self._next_block():
-                        break
-                    continue
-                stop = min(len(self._fresh), self._pos + batch_size - len(records))
-                records.extend(self._fresh[self._pos : stop])
-                if self.dedup:
-                    taken = self._fresh_hashes[self._pos : stop]
-                    hashes.extend(taken)
-                    self._dedup.add_new(taken)
-                last = (block, int(self._fresh_idx[stop - 1]))
-                self._pos = stop
-            if not records:
+            if self._failed is not None:
+                raise InvalidInput(
+                    f"this stream failed earlier ({self._failed}); reopen it to resume from "
+                    "its last commit"
+                )
+            try:
+                batch = self._assemble(batch_size, view, schema)
+            except BaseException as err:
+                self._failed = err
+                raise
+            if batch is None:
                 return
-            assert last is not None
-            coord = self._coord_after(*last)
+            records, hashes, coord = batch
             batch_id = self._next_batch_id
             self._next_batch_id += 1
             self._position = coord
             self._handed_out.append(_HandedOut(batch_id, coord, hashes))
+            if format == "pydict":
+                records = records.to_pydict()
             yield batch_id, records
+
+    def _assemble(
+        self, batch_size: int, view: str, schema: Any
+    ) -> tuple[Any, list[np.ndarray], StreamCoordinate] | None:
+        parts: list[Any] = []
+        hashes: list[np.ndarray] = []
+        count = 0
+        last: tuple[RecordBlock, int] | None = None
+        while count < batch_size:
+            block = self._block
+            if block is None or self._pos >= self._fresh_count:
+                if not self._next_block(None if view == "raw" else (schema,)):
+                    break
+                continue
+            records = self._records(view, schema)
+            start = self._pos
+            stop = min(self._fresh_count, start + batch_size - count)
+            if view == "raw":
+                parts.append(records if start == 0 and stop == len(records)
+                             else records[start:stop])
+            else:
+                parts.append(records.slice(start, stop - start))
+            if self.dedup:
+                hashes.append(self._fresh_hashes[start:stop])
+            idx = self._fresh_idx
+            last = (block, stop - 1 if idx is None else int(idx[stop - 1]))
+            count += stop - start
+            self._pos = stop
+        if not count:
+            return None
+        assert last is not None
+        if view == "raw":
+            batch: Any = parts[0] if len(parts) == 1 else [r for p in parts for r in p]
+        else:
+            batch = concat(parts)
+        return batch, hashes, self._coord_after(*last)
 
     # -- committing ------------------------------------------------------------------------
 
@@ -235,23 +343,26 @@ class RecordStream:
             return  # already durable
         if not any(b.batch_id == batch_id for b in self._handed_out):
             raise InvalidInput(f"batch {batch_id} was not handed out by this stream")
-        hashes: list[int] = []
         done: list[_HandedOut] = []
         while self._handed_out and self._handed_out[0].batch_id <= batch_id:
-            b = self._handed_out.popleft()
-            done.append(b)
-            hashes.extend(b.hashes)
+            done.append(self._handed_out.popleft())
+        pieces = [h for b in done for h in b.hashes]
+        hashes = np.concatenate(pieces) if pieces else _NO_HASHES
         try:
             self._meta.commit(batch_id, done[-1].coord, hashes)
         except BaseException:
             self._handed_out.extendleft(reversed(done))
             raise
-        if hashes:
-            self._dedup.commit(hashes)
 
     # -- lifetime --------------------------------------------------------------------------
 
     def close(self) -> None:
+        if self._ahead is not None:
+            self._ahead.exception()  # wait: the worker may be using the reader
+            self._ahead = None
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
         if self._reader is not None:
             self._reader.close()
             self._reader = None

@@ -29,6 +29,7 @@ from faultfs.errors import InvalidInput, SourceError
 from faultfs.sources import Source, SourceOptions, expand_sources, local_path, open_source
 
 LINE_SUFFIXES = (".jsonl", ".ndjson", ".txt")
+TEXT_SUFFIXES = (".txt",)  # line shards whose parsed form is one text column, not JSON
 PARQUET_SUFFIXES = (".parquet", ".pq")
 
 
@@ -88,6 +89,13 @@ class Shard:
     url: str
     format: str  # "lines" or "parquet"
     options: SourceOptions = field(default_factory=SourceOptions)
+
+    @property
+    def parse_as(self) -> str:
+        """How parsed batches read the records: "json", "text" or "parquet"."""
+        if self.format == "parquet":
+            return "parquet"
+        return "text" if self.url.lower().split("?", 1)[0].endswith(TEXT_SUFFIXES) else "json"
 
     @property
     def path(self) -> str:
