@@ -62,7 +62,7 @@ class Engine:
         self.stats = Stats()
         self.pool = IoPool(config.io_threads)
         self.sharing = sharing  # --shared-store: registrations of every node (DESIGN §13)
-        shared = None if sharing is None else SharedTier(sharing.objects, self.pool, self.stats)
+        shared = None if sharing is None else SharedTier(sharing.objects, self.stats)
         policy = StorePolicy(store_enabled=config.store_enabled,
                              reserve_bytes=config.reserve_bytes, cache_size=config.cache_size,
                              backoff_faults=config.backoff_faults)

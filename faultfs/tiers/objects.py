@@ -116,18 +116,20 @@ class LocalObjects:
 class FsspecObjects:
     """Objects on an fsspec file system (S3 through s3fs, GCS, …) under ``root``."""
 
-    def __init__(self, fs: Any, root: str, url: str, *, conditional: bool = True) -> None:
+    def __init__(self, fs: Any, root: str, url: str, *, conditional: bool = True,
+                 get_options: dict | None = None) -> None:
         self.fs = fs
         self.root = root.rstrip("/")
         self.url = url
         self.conditional = conditional  # the store honours If-None-Match (found out on use)
+        self.get_options = get_options or {}
 
     def _path(self, key: str) -> str:
         return f"{self.root}/{key}"
 
     def get(self, key: str) -> bytes | None:
         try:
-            return bytes(self.fs.cat_file(self._path(key)))
+            return bytes(self.fs.cat_file(self._path(key), **self.get_options))
         except FileNotFoundError:
             return None
         except OSError:
@@ -216,7 +218,10 @@ def open_objects(url: str, options: SourceOptions, *, endpoint_url: str = "",
         root = url.split("://", 1)[1].split("?", 1)[0].rstrip("/")
         if not root:
             raise InvalidInput(f"shared store {shown} names no bucket")
-        return FsspecObjects(fs, root, shown, conditional=conditional)
+        # one GET per object: without it s3fs asks for the size first (a HEAD, and a LIST
+        # after a 404), doubling the round trips of every load and miss
+        return FsspecObjects(fs, root, shown, conditional=conditional,
+                             get_options={"max_concurrency": 1})
     try:
         fs, root = fsspec.core.url_to_fs(url)
     except Exception as exc:

@@ -29,7 +29,6 @@ from urllib.parse import quote
 import trio
 
 from faultfs.errors import CorruptionError
-from faultfs.iopool import IoPool
 from faultfs.stats import Stats
 from faultfs.store.blobfile import HEADER_LEN, decode_header, encode_header
 from faultfs.tiers.base import BlobKey, Buffer, TierTag
@@ -38,6 +37,9 @@ from faultfs.tiers.objects import Objects
 log = logging.getLogger("faultfs.shared")
 
 PUBLISH_BUDGET = 256 << 20  # bytes of blobs waiting to be published
+# The shared store's requests have threads of their own, apart from the I/O pool: publishes
+# behind the readers must never take the threads a fault needs to read its source.
+LOAD_THREADS, PUBLISH_THREADS = 16, 4
 BACKOFF_FIRST_S, BACKOFF_MAX_S = 1.0, 30.0
 
 
@@ -76,10 +78,8 @@ def decode_blob_object(tag: TierTag, index: int, raw: bytes) -> memoryview:
 class SharedTier:
     name = "shared"
 
-    def __init__(self, objects: Objects, pool: IoPool, stats: Stats, *,
-                 budget: int = PUBLISH_BUDGET) -> None:
+    def __init__(self, objects: Objects, stats: Stats, *, budget: int = PUBLISH_BUDGET) -> None:
         self.objects = objects
-        self.pool = pool
         self.stats = stats
         self.budget = budget
         self.tags: dict[int, TierTag] = {}
@@ -90,6 +90,15 @@ class SharedTier:
         self._down_until = 0.0
         self._backoff = BACKOFF_FIRST_S
         self._idle: trio.Event | None = None
+        self._loads: trio.CapacityLimiter | None = None
+        self._publishes: trio.CapacityLimiter | None = None
+
+    async def _run(self, publishing: bool, fn, *args):
+        if self._loads is None or self._publishes is None:
+            self._loads = trio.CapacityLimiter(LOAD_THREADS)
+            self._publishes = trio.CapacityLimiter(PUBLISH_THREADS)
+        limiter = self._publishes if publishing else self._loads
+        return await trio.to_thread.run_sync(fn, *args, limiter=limiter)
 
     @property
     def url(self) -> str:
@@ -130,7 +139,7 @@ class SharedTier:
             return None
         index = key[1]
         try:
-            raw = await self.pool.run(self.objects.get, blob_object_key(tag, index))
+            raw = await self._run(False, self.objects.get, blob_object_key(tag, index))
         except OSError as exc:
             self._failed("a read", exc)
             return None
@@ -204,7 +213,7 @@ class SharedTier:
             return self.objects.put(blob_object_key(tag, key[1]), data, create=not replace)
 
         try:
-            written = await self.pool.run(put)
+            written = await self._run(True, put)
         except OSError as exc:
             self.stats.add("shared_publish_failures")
             self._failed("a publish", exc)
@@ -227,7 +236,7 @@ class SharedTier:
 
     async def _put_behind(self, key: str, data: bytes) -> None:
         try:
-            await self.pool.run(self.objects.put, key, data)
+            await self._run(True, self.objects.put, key, data)
         except OSError as exc:
             self.stats.add("shared_publish_failures")
             self._failed("a publish", exc)

@@ -242,3 +242,25 @@ def test_a_node_in_another_network_namespace_serves_from_the_tier_without_the_so
             run_faultfs("umount", str(mnt))
     finally:
         server.stop()
+
+
+def test_a_tier_load_is_one_get_and_a_miss_one_request(cluster, s3_env, sample):
+    """A load of a blob object is one GET (no HEAD for its size first), and a miss one
+    request: counted at a proxy in front of the shared store."""
+    src = sample(3 * MiB)
+    data = read(src)
+    endpoint = urlsplit(s3_env)
+    with LatencyProxy(endpoint.hostname, endpoint.port, delay_ms=0, conn_mbps=None) as proxy:
+        shared = ["--shared-store-endpoint-url", f"http://127.0.0.1:{proxy.port}"]
+        a = cluster("a", src, args=shared)
+        assert read(os.path.join(a.tag("field"), "chunk_0")) == data[:MiB]
+        settled(a)
+        b = cluster("b", args=shared)
+        proxy.reset_stats()
+        assert read(os.path.join(b.tag("field"), "chunk_0")) == data[:MiB]  # a hit
+        assert read(os.path.join(b.tag("field"), "chunk_1")) == data[MiB:2 * MiB]  # a miss
+        blobs = [r for r in proxy.stats()["log"] if "/blobs/" in r["path"]
+                 or r["method"] != "PUT" and "list-type" in r["path"]]
+        reads = [r for r in blobs if r["method"] != "PUT"]
+        assert [r["method"] for r in reads] == ["GET", "GET"], reads
+        assert sorted(r["status"] for r in reads) == [200, 404]
