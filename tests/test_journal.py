@@ -112,3 +112,39 @@ def test_hostile_segments_replay_a_prefix_and_never_raise(tmp_path_factory, junk
     good = [encode(Record(i + 1, *r)) for i, r in enumerate(RECS)]
     for i, rec in enumerate(got):  # every record replayed is one that was written, in order
         assert encode(rec) == good[i]
+
+
+def test_concurrent_syncs_while_appending_and_rolling_never_fail(tmp_path):
+    """A checkpoint's sync and a client's fsync overlap: neither may fail, and each covers
+    every record appended before it was called."""
+    import threading
+
+    j = Journal(str(tmp_path))
+    list(j.replay())
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def syncer() -> None:
+        while not stop.is_set():
+            try:
+                j.sync()
+            except BaseException as exc:  # the test collects every failure
+                errors.append(exc)
+                return
+
+    threads = [threading.Thread(target=syncer) for _ in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        for i in range(3000):
+            j.append(KIND_ZERO, "t", "chunk_0", i, 1)
+            if i % 50 == 0:
+                j.roll()
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    j.sync()
+    j.close()
+    assert not errors, errors[0]
+    assert len(list(Journal(str(tmp_path)).replay())) == 3000

@@ -374,6 +374,9 @@ class _CleanReads:
         local = engine.tiers.local
         if not local.contains(key):
             data = await engine.faults.fault(tag, index)
+            with trio.move_on_after(30):  # the fault's own store write, behind it: not twice
+                while engine.tiers.is_pending(key):  # noqa: ASYNC110 - a store write, no event
+                    await trio.sleep(0.001)
             if not local.contains(key):
                 await local.put(key, data)
             if not local.contains(key):

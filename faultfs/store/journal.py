@@ -119,6 +119,7 @@ class Journal:
         self._dir_dirty = False  # a segment was created since the directory's last fsync
         self._unsynced: list[int] = []  # descriptors of older segments not fsynced yet
         self._lock = threading.Lock()  # appends and rolls on one thread, syncs on another
+        self._sync_lock = threading.Lock()  # one sync at a time: a second waits, then syncs
         self.appended = 0  # bytes appended since open (stats)
 
     # -- replay ------------------------------------------------------------------------------
@@ -232,7 +233,13 @@ class Journal:
 
     def sync(self) -> None:
         """Make every record appended so far durable (may run on another thread than the
-        appends: older segments first, then the current one, then the directory)."""
+        appends: older segments first, then the current one, then the directory). Syncs
+        are serialised: one that returns covers every append before it was called, even
+        while another sync (a checkpoint's) is under way."""
+        with self._sync_lock:
+            self._sync()
+
+    def _sync(self) -> None:
         with self._lock:
             old, current, dir_dirty = list(self._unsynced), self._fd, self._dir_dirty
             self._dir_dirty = False
@@ -290,7 +297,7 @@ class Journal:
         return len(gone)
 
     def close(self) -> None:
-        with self._lock:
+        with self._sync_lock, self._lock:
             for fd in [*self._unsynced, self._fd]:
                 if fd >= 0:
                     self.ops.close(fd)

@@ -128,6 +128,10 @@ class TierStack:
             assert self._slots is not None
             self._slots.release()
 
+    def is_pending(self, key: BlobKey) -> bool:
+        """Whether the store write of a just-faulted blob is under way."""
+        return key in self._pending
+
     def pending_of(self, tag_id: int) -> bool:
         return any(key[0] == tag_id for key in self._pending)
 
