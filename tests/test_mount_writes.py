@@ -420,3 +420,19 @@ def test_flock_and_fcntl_locks_work_on_the_view(mounter, sample):
         fcntl.flock(b, fcntl.LOCK_EX | fcntl.LOCK_NB)
         fcntl.lockf(a, fcntl.LOCK_EX | fcntl.LOCK_NB, 10, 0)  # a POSIX record lock
         fcntl.lockf(a, fcntl.LOCK_UN, 10, 0)
+
+
+def test_a_closed_chunk_sees_every_later_write_through_the_view(mounter, sample):
+    """Invalidations skip closed files already invalidated, never a file cached since."""
+    src = sample(2 * MiB)
+    m = mounter(src, args=["--chunk-size", "1M"])
+    tag = m.tag("field")
+    chunk, view = os.path.join(tag, "chunk_0"), os.path.join(tag, "field.bin")
+    for round_ in range(4):
+        cached = read(chunk)  # open, read (the kernel caches it), close
+        word = f"w{round_}".encode()
+        with open(view, "r+b") as f:
+            f.seek(100)
+            f.write(word)
+        assert read(chunk)[100:102] == word, f"round {round_}: a stale page of chunk_0"
+        assert cached[100:102] != word

@@ -62,12 +62,16 @@ class BlobFile(PlainFile):
         self.index = node.index
         self.inode = node.inode
         files.live[self.tag.id] += 1
+        files.open_count[self.inode] += 1
         self._released = False
 
     async def release(self) -> None:
         if not self._released:
             self._released = True
             self.files.live[self.tag.id] -= 1
+            self.files.open_count[self.inode] -= 1
+            if not self.files.open_count[self.inode]:
+                del self.files.open_count[self.inode]
 
     def _user(self) -> str:
         name = self.engine.writes.user_name(self.tag, self.index)
@@ -159,7 +163,10 @@ class Files:
         self.engine = tree.engine
         self.invalidate = invalidate
         self.invalidate_entry: Callable[[int, str], Awaitable[None]] | None = None
-        self.opened: set[int] = set()  # inodes opened since the mount: the kernel may cache them
+        # inodes whose pages the kernel may cache: opened since they were last invalidated
+        # (a closed file's cache, once invalidated, stays empty until it is opened again)
+        self.opened: set[int] = set()
+        self.open_count: collections.Counter[int] = collections.Counter()  # inode -> handles
         self.live: collections.Counter[int] = collections.Counter()  # tag id -> open files
 
     async def open(self, inode: int, flags: int) -> OpenFile:
@@ -282,6 +289,7 @@ class Files:
             stale = [i for i in self.opened if inodes.split(i)[0] == tag.id]
             if stale:
                 await self.invalidate(stale)
+                self._invalidated(stale)
 
     async def written(self, file: BlobFile, off: int, size: int) -> None:
         """Invalidate what the kernel cached of the other names of the bytes just written."""
@@ -290,6 +298,14 @@ class Files:
         stale = [i for i in self._names_of(file, off, size) if i in self.opened and i != file.inode]
         if stale:
             await self.invalidate(stale[:INVALIDATE_MAX])
+            self._invalidated(stale[:INVALIDATE_MAX])
+
+    def _invalidated(self, done: list[int]) -> None:
+        """Inodes no handle has open now cache nothing after their invalidation: the next
+        write need not invalidate them again (``faultfs warm`` opens every chunk once)."""
+        for inode in done:
+            if not self.open_count.get(inode):
+                self.opened.discard(inode)
 
     def _names_of(self, file: BlobFile, off: int, size: int) -> Iterable[int]:
         """Inodes that show bytes ``[off, off+size)`` of ``file`` (besides ``file``)."""
