@@ -51,6 +51,7 @@ CLEAN, FOLDED, NEW = "clean", "folded", "new"  # what a dirty blob's base is
 USER_PREFIX = "u:"  # dirty files of user blobs are named by id: a rename is a table update
 GAP_PREFIX = ".pagegap."  # bytes written into the gaps of page N (hidden, never listed)
 FOLD_BYTES = 64 << 20  # written bytes held in memory before a checkpoint folds them
+FOLD_AT_ONCE = 4  # blobs a checkpoint folds in parallel (each one fsync on the I/O pool)
 VIEW = ""  # the journal's name for a tag's whole-object view (its size records)
 
 
@@ -80,10 +81,29 @@ class DirtyBlob:
     lock: trio.Lock | None = None
     damaged: str = ""  # its dirty file cannot be read: reads and writes of it fail (EIO)
 
-    def locked(self) -> trio.Lock:
+    def locked(self) -> _Holding:
         if self.lock is None:
             self.lock = trio.Lock()
-        return self.lock
+        return _Holding(self.lock)
+
+
+class _Holding:
+    """``async with`` a lock that takes it at once when it is free: trio's ``acquire``
+    passes through the scheduler even then, a few times per write."""
+
+    __slots__ = ("lock",)
+
+    def __init__(self, lock: trio.Lock) -> None:
+        self.lock = lock
+
+    async def __aenter__(self) -> None:
+        try:
+            self.lock.acquire_nowait()
+        except trio.WouldBlock:
+            await self.lock.acquire()
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.lock.release()
 
 
 @dataclass
@@ -551,8 +571,8 @@ class Writes:
             self.journal.roll()  # here, where appends happen: records after go to the next
             await self.pool.run(self.journal.sync)  # folded or not, the records are durable
             through = self.journal.last_seq
-            for blob in [b for b in self.blobs.values() if b.pending or b.base != FOLDED]:
-                await self.fold(blob)
+            await self._fold_all([b for b in self.blobs.values()
+                                  if b.pending or b.base != FOLDED])
             for tag_id, tw in self.tags.items():
                 tw.view_seq = through
                 await self._save_state_id(tag_id)
@@ -566,14 +586,39 @@ class Writes:
             self._checkpointing = None
             done.set()
 
-    async def fold(self, blob: DirtyBlob) -> None:
+    async def _fold_all(self, blobs: list[DirtyBlob]) -> None:
+        """Fold ``blobs``, ``FOLD_AT_ONCE`` at a time, then sync each directory they were
+        renamed into once (the journal is trimmed only after): a checkpoint of 64 blobs
+        costs 64 file fsyncs in parallel and one directory fsync, not 128 in a row."""
+        limiter = trio.CapacityLimiter(FOLD_AT_ONCE)
+        failures: list[FaultfsError] = []
+
+        async def one(blob: DirtyBlob) -> None:
+            async with limiter:
+                try:
+                    await self.fold(blob, sync_dir=False)
+                except FaultfsError as exc:
+                    failures.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            for blob in blobs:
+                nursery.start_soon(one, blob)
+        try:
+            await self.pool.run(self.files.sync_dirs, sorted({b.tag.name for b in blobs}))
+        except OSError as exc:
+            raise FaultfsError(f"syncing the folded writes failed: {exc.strerror}") from None
+        if failures:
+            raise failures[0]
+
+    async def fold(self, blob: DirtyBlob, *, sync_dir: bool = True) -> None:
         async with blob.locked():
             if not blob.pending and blob.base == FOLDED:
                 return
             seq = self.journal.last_seq
             data = await self._read_whole(blob)
             try:
-                await self.pool.run(self.files.write, blob.tag.name, blob.name, data, seq)
+                await self.pool.run(lambda: self.files.write(blob.tag.name, blob.name, data, seq,
+                                                             sync_dir=sync_dir))
             except OSError as exc:
                 code = errno.ENOSPC if exc.errno in (errno.ENOSPC, errno.EDQUOT) else errno.EIO
                 raise FaultfsError(f"folding {blob.name} of tag {blob.tag.name} failed: "

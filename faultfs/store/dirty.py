@@ -110,15 +110,23 @@ class DirtyFiles:
 
     # -- blobs -------------------------------------------------------------------------------
 
-    def write(self, tag: str, name: str, payload: bytes | memoryview, seq: int) -> int:
-        """Replace blob ``name`` of ``tag`` with ``payload``, durably; bytes written."""
+    def write(self, tag: str, name: str, payload: bytes | memoryview, seq: int, *,
+              sync_dir: bool = True) -> int:
+        """Replace blob ``name`` of ``tag`` with ``payload``, durably (``sync_dir=False``:
+        the file is synced, its rename is made durable by ``sync_dirs`` later); bytes
+        written."""
         header, with_payload = encode_header(tag, name, payload, flags=FLAG_DIRTY,
                                              source_version=f"{WAL_PREFIX}{seq}")
         data = header + bytes(payload) if with_payload else header
-        self._replace(self.path(tag, name), data)
+        self._replace(self.path(tag, name), data, sync_dir=sync_dir)
         return len(data)
 
-    def _replace(self, path: str, data: bytes) -> None:
+    def sync_dirs(self, tags: list[str]) -> None:
+        """Make the renames of files written with ``sync_dir=False`` durable."""
+        for tag in tags:
+            self.ops.fsync_dir(self.tag_dir(tag))
+
+    def _replace(self, path: str, data: bytes, *, sync_dir: bool = True) -> None:
         directory = os.path.dirname(path)
         self._tag_dir_for_writing(directory)
         if self._foreign_file(path):  # a rename cannot replace a directory: move it aside
@@ -142,7 +150,8 @@ class DirtyFiles:
             except OSError:
                 pass
             raise
-        self.ops.fsync_dir(directory)
+        if sync_dir:
+            self.ops.fsync_dir(directory)
 
     def header(self, tag: str, name: str, owners: tuple[str, ...] = ()) -> BlobHeader | None:
         """The verified header of a dirty file; None when absent. CorruptionError if damaged.

@@ -345,7 +345,7 @@ def writes_mutant(kind: str) -> Iterator[None]:
             return 0
         patch("replay", replay)
     elif kind == "nofold":
-        async def fold(self, blob) -> None:
+        async def fold(self, blob, **kwargs) -> None:
             return None
         patch("fold", fold)
     else:
