@@ -4,12 +4,14 @@ One read-only file ``MNT/big.bin`` of ``--size`` bytes whose reads return slices
 buffer (memoryviews: no copy in Python). No store, no threads, no checksums: what is left is the
 kernel <-> pyfuse3 <-> trio round trip per request, which is the ceiling faultfs is measured
 against by ``scripts/bench``. Mount options and ``keep_cache`` mirror faultfs's read-only views.
+With ``--writable`` the file also takes writes, acknowledges them and drops the bytes (fsync,
+flush: nothing to do): the ceiling of the write cases. Reads still return the constant buffer.
 
-    .venv/bin/python scripts/fuse_ceiling.py MNT --size 1073741824 [--ready-file F] [--stats-file F]
+    .venv/bin/python scripts/fuse_ceiling.py MNT --size 1073741824 [--writable] [--ready-file F] [--stats-file F]
 
 Runs in the foreground until unmounted (``fusermount3 -u MNT``) or SIGTERM/SIGINT. With
-``--stats-file``, writes ``{"reads": N, "bytes": B}`` there on SIGUSR1 and at exit (how many read
-requests the kernel sent, and so their average size).
+``--stats-file``, writes ``{"reads": N, "bytes": B, "writes": N, "wbytes": B}`` there on SIGUSR1
+and at exit (how many read and write requests the kernel sent, and so their average size).
 """
 
 import argparse
@@ -29,9 +31,12 @@ BUFFER_BYTES = 32 << 20  # larger than any FUSE request, so every read is one sl
 
 
 class CeilingOperations(pyfuse3.Operations):
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, writable: bool = False) -> None:
         super().__init__()
         self.size = size
+        self.writable = writable
+        self.writes = 0
+        self.wbytes = 0
         pattern = bytes(range(256)) * (BUFFER_BYTES // 256)
         self.buffer = memoryview(pattern)
         self.reads = 0
@@ -44,7 +49,7 @@ class CeilingOperations(pyfuse3.Operations):
         attr.st_gid = os.getgid()
         attr.st_nlink = 1 if inode == FILE_INODE else 2
         if inode == FILE_INODE:
-            attr.st_mode = stat.S_IFREG | 0o444
+            attr.st_mode = stat.S_IFREG | (0o644 if self.writable else 0o444)
             attr.st_size = self.size
         else:
             attr.st_mode = stat.S_IFDIR | 0o755
@@ -76,9 +81,22 @@ class CeilingOperations(pyfuse3.Operations):
     async def open(self, inode, flags, ctx):
         if inode != FILE_INODE:
             raise pyfuse3.FUSEError(errno.EISDIR)
-        if flags & os.O_ACCMODE != os.O_RDONLY:
+        if flags & os.O_ACCMODE != os.O_RDONLY and not self.writable:
             raise pyfuse3.FUSEError(errno.EROFS)
         return pyfuse3.FileInfo(fh=inode, keep_cache=True)
+
+    async def write(self, fh, off, buf):
+        if off + len(buf) > self.size:
+            raise pyfuse3.FUSEError(errno.EFBIG)  # the file has a fixed size
+        self.writes += 1
+        self.wbytes += len(buf)
+        return len(buf)
+
+    async def fsync(self, fh, datasync):
+        pass
+
+    async def flush(self, fh):
+        pass
 
     async def read(self, fh, off, size):
         self.reads += 1
@@ -109,7 +127,8 @@ class CeilingOperations(pyfuse3.Operations):
 def write_stats(ops: CeilingOperations, path: str | None) -> None:
     if path:
         with open(path + ".tmp", "w") as f:
-            json.dump({"reads": ops.reads, "bytes": ops.bytes}, f)
+            json.dump({"reads": ops.reads, "bytes": ops.bytes, "writes": ops.writes,
+                       "wbytes": ops.wbytes}, f)
         os.replace(path + ".tmp", path)
 
 
@@ -138,10 +157,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("mountpoint")
     parser.add_argument("--size", type=int, default=1 << 30)
+    parser.add_argument("--writable", action="store_true",
+                        help="take writes (acknowledged and dropped)")
     parser.add_argument("--ready-file", help="written with our pid once the mount is up")
     parser.add_argument("--stats-file", help="written with the request counts at exit")
     args = parser.parse_args()
-    ops = CeilingOperations(args.size)
+    ops = CeilingOperations(args.size, args.writable)
     options = set(pyfuse3.default_options)  # the same base options faultfs mounts with
     options.add("fsname=fuse_ceiling")
     options.add("subtype=fuse_ceiling")
