@@ -260,7 +260,7 @@ def test_a_tier_load_is_one_get_and_a_miss_one_request(cluster, s3_env, sample):
         assert read(os.path.join(b.tag("field"), "chunk_0")) == data[:MiB]  # a hit
         assert read(os.path.join(b.tag("field"), "chunk_1")) == data[MiB:2 * MiB]  # a miss
         blobs = [r for r in proxy.stats()["log"] if "/blobs/" in r["path"]
-                 or r["method"] != "PUT" and "list-type" in r["path"]]
+                 or (r["method"] != "PUT" and "list-type" in r["path"])]
         reads = [r for r in blobs if r["method"] != "PUT"]
         assert [r["method"] for r in reads] == ["GET", "GET"], reads
         assert sorted(r["status"] for r in reads) == [200, 404]
