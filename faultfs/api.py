@@ -38,7 +38,7 @@ class MountError(FaultfsError):
     """``mounted`` could not mount: the message is the CLI's one line."""
 
 
-def _cli(*args: str, timeout: float) -> subprocess.CompletedProcess:
+def _cli(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "faultfs.cli", *args], capture_output=True,
                           text=True, timeout=timeout, stdin=subprocess.DEVNULL)
 
@@ -59,7 +59,7 @@ def _flags(options: dict[str, Any]) -> list[str]:
     return out
 
 
-def _message(result: subprocess.CompletedProcess) -> str:
+def _message(result: subprocess.CompletedProcess[str]) -> str:
     lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
     text = lines[-1] if lines else f"faultfs mount exited with {result.returncode}"
     return text.removeprefix("faultfs: ")
@@ -120,9 +120,10 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _stats(root: str | os.PathLike[str]) -> dict:
+def _stats(root: str | os.PathLike[str]) -> dict[str, Any]:
     with open(os.path.join(os.fspath(root), CTL_NAME, "stats"), "rb") as f:
-        return json.loads(f.read())
+        doc: dict[str, Any] = json.loads(f.read())
+    return doc
 
 
 def stat(root: str | os.PathLike[str]) -> dict[str, int]:
