@@ -148,3 +148,16 @@ def test_concurrent_syncs_while_appending_and_rolling_never_fail(tmp_path):
     j.close()
     assert not errors, errors[0]
     assert len(list(Journal(str(tmp_path)).replay())) == 3000
+
+
+def test_a_record_claiming_a_huge_seq_ends_the_replay_and_writes_go_on(tmp_path):
+    """A record with valid checksums and seq 2**64-1 is not replayed: it would leave no seq
+    the next append could encode (found by the torture suite's fuzzing)."""
+    _fill(str(tmp_path), RECS[:1]).close()
+    seg = os.path.join(tmp_path, segment_name(1))
+    with open(seg, "ab") as f:
+        f.write(encode(Record((1 << 64) - 1, KIND_ZERO, "t", "chunk_0", 0, 1)))
+    j = Journal(str(tmp_path))
+    assert [r.seq for r in j.replay()] == [1]
+    assert j.append(KIND_ZERO, "t", "chunk_0", 0, 1) == 2
+    j.close()

@@ -50,6 +50,7 @@ HEAD_LEN = _HEAD.size + 8  # the fixed part and its checksum: 56 bytes
 assert HEAD_LEN == 56
 SEGMENT_BYTES = 64 << 20  # a segment is closed (fsynced) and a new one started past this
 MAX_RECORD_DATA = 1 << 30  # a write record carries at most one blob's bytes
+MAX_SEQ = 1 << 62  # no journal gets near it; a record claiming more is not one of ours
 SEGMENT_PREFIX, SEGMENT_SUFFIX = "w-", ".log"
 
 
@@ -87,6 +88,8 @@ def decode_head(raw: bytes) -> tuple[int, int, int, int, int, int, int, int]:
         raise CorruptionError("not a journal record")
     if kind == KIND_WRITE and length > MAX_RECORD_DATA:
         raise CorruptionError("journal record too long")
+    if not 0 < seq <= MAX_SEQ:
+        raise CorruptionError(f"journal record seq {seq} is out of range")
     (check,) = struct.unpack_from("<Q", raw, _HEAD.size)
     return seq, kind, tag_len, name_len, off, length, digest, check
 
