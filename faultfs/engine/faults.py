@@ -6,16 +6,24 @@ Invariants:
 - A failed fault raises (EIO) to every reader that joined it; zeros are never served in place
   of data. A later read tries the source again.
 - Concurrent faults of one blob share one source read (``flights``).
-- Readers get the bytes as soon as the source read is done; the store write follows (behind
-  the reader when the engine is attached to a mount), the bytes held until it is on disk.
+- Readers get the bytes as soon as they are read: a blob of a run read from a streaming
+  source (``pread_stream``: the S3 and other remote sources) is handed to its readers the
+  moment its last byte lands, while the rest of the run is still on the wire; otherwise when
+  the source read is done. The store write follows (behind the reader when the engine is
+  attached to a mount), the bytes held until it is on disk.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
+import trio
+
+from assimilators.binary import BinaryFileAssimilator
+from faultfs.core.chunks import ChunkLayout, zero_fill
 from faultfs.engine.flights import Flight, Flights
 from faultfs.engine.tags import Tag
 from faultfs.errors import FaultfsError, SourceChanged, SourceError
@@ -25,6 +33,12 @@ from faultfs.tiers.base import Buffer
 from faultfs.tiers.multilevel import TierStack
 
 log = logging.getLogger("faultfs.engine")
+
+T = TypeVar("T")
+
+# Source reads a reader waits for, at once, beside the I/O pool: a cold read must not queue
+# behind the pool's prefetches and store writes (random readers: one blob each).
+DEMAND_LANE = 16
 
 
 def _gaps(got: Sequence[Buffer | None]) -> list[tuple[int, int]]:
@@ -48,6 +62,7 @@ class Faulter:
         self.pool = pool
         self.stats = stats
         self._told_unavailable: set[int] = set()  # tags whose unreachable source was logged
+        self._demand: trio.CapacityLimiter | None = None
 
     async def fault(self, tag: Tag, index: int) -> Buffer:
         """Blob ``index`` of ``tag``, all of it, from the source (single-flight)."""
@@ -57,7 +72,7 @@ class Faulter:
             return data
         flight = self.flights.get(key)
         if flight is None:
-            [flight] = await self.fault_run(tag, index, self.flights.claim([key]))
+            [flight] = await self.fault_run(tag, index, self.flights.claim([key]), demand=True)
         else:
             self.stats.add("single_flight_joins")
             await flight.done.wait()
@@ -69,24 +84,51 @@ class Faulter:
         assert flight.data is not None
         return flight.data
 
-    async def fault_run(self, tag: Tag, first: int, flights: list[Flight]) -> list[Flight]:
+    async def fault_run(self, tag: Tag, first: int, flights: list[Flight], *,
+                        demand: bool = False) -> list[Flight]:
         """Fault the claimed blobs ``first ..``: from the shared tier where it has them, the
         rest with ONE source read per run of adjacent blobs (a run costs one request to a
-        remote source, not one each); then hand each to readers and to the tiers. Errors are
-        left in the flights for their readers."""
+        remote source, not one each); hand each to its readers as soon as it is in, then to
+        the tiers. Errors are left in the flights for their readers. ``demand``: a reader
+        waits for it; its source read takes a lane of its own (``DEMAND_LANE``), so it never
+        queues behind prefetches and store writes in the I/O pool."""
         count = len(flights)
         keys = [(tag.id, index) for index in range(first, first + count)]
         self.stats.add("faults", count)
         started = time.monotonic()
         got: list[Buffer | None] = [None] * count
+        handed = [False] * count
         from_source = [False] * count
         error: BaseException | None = None
+
+        def hand(i: int, data: Buffer) -> None:
+            """Blob ``first + i`` to its readers and to memory, now (on the trio thread, from
+            ``run_sync_soon``: it must not raise)."""
+            if handed[i]:
+                return
+            handed[i] = True
+            got[i] = data
+            flights[i].data = data
+            try:
+                self.tiers.hold(keys[i], data)
+            except Exception:  # the readers still get their bytes
+                log.exception("holding blob %s in memory failed", keys[i])
+            self.flights.settle([keys[i]], [flights[i]])
+
         try:
             shared = self.tiers.shared
             if shared is not None:
                 got = await shared.load_run(keys)
+            token = trio.lowlevel.current_trio_token()
             for lo, hi in _gaps(got):
-                datas = await self.pool.run(self.read_source, tag, first + lo, hi - lo)
+                if self.streams(tag):
+                    def landed(j: int, data: Buffer, lo: int = lo) -> None:  # on the pool
+                        token.run_sync_soon(hand, lo + j, data)
+
+                    datas = await self._run(demand, self.stream_source, tag, first + lo,
+                                            hi - lo, landed)
+                else:
+                    datas = await self._run(demand, self.read_source, tag, first + lo, hi - lo)
                 self._count_source_read(tag, first + lo, hi - lo)
                 got[lo:hi] = datas
                 from_source[lo:hi] = [True] * (hi - lo)
@@ -100,13 +142,16 @@ class Faulter:
                 log.exception("fault of blobs %d..%d of tag %s failed", first,
                               first + count - 1, tag.name)
         finally:
-            for key, flight, data in zip(keys, flights, got, strict=True):
+            for i, (key, flight, data) in enumerate(zip(keys, flights, got, strict=True)):
+                if handed[i]:
+                    continue
+                handed[i] = True
                 if data is None:
                     flight.error = error if error is not None else SourceError("no bytes")
                 else:
                     flight.data = data
                     self.tiers.hold(key, data)
-            self.flights.settle(keys, flights)
+                self.flights.settle([key], [flight])
             self.stats.latencies.append(time.monotonic() - started)
         for key, data, fresh in zip(keys, got, from_source, strict=True):
             if data is None:
@@ -116,9 +161,78 @@ class Faulter:
                 self.tiers.shared.publish_soon(key, data)
         return flights
 
+    async def _run(self, demand: bool, fn: Callable[..., T], *args: object) -> T:
+        """``fn(*args)`` on a worker thread: the I/O pool, or the demand lane."""
+        if not demand:
+            return await self.pool.run(fn, *args)
+        if self._demand is None:  # made inside the trio run that uses it
+            self._demand = trio.CapacityLimiter(DEMAND_LANE)
+        return await trio.to_thread.run_sync(fn, *args, limiter=self._demand)
+
+    @staticmethod
+    def streams(tag: Tag) -> bool:
+        """Whether the blobs of ``tag`` can be handed on as each lands: a source that reads
+        by pieces, and a layout of equal chunks of adjacent source bytes (the binary
+        assimilator's own: its ``read_blobs`` is what ``stream_source`` does, piece by piece)."""
+        return (type(tag.assimilator) is BinaryFileAssimilator
+                and isinstance(tag.layout, ChunkLayout)
+                and callable(getattr(tag.source, "pread_stream", None)))
+
+    def stream_source(self, tag: Tag, first: int, count: int,
+                      landed: Callable[[int, Buffer], None]) -> Sequence[Buffer]:
+        """As ``read_source``, calling ``landed(i, blob)`` (on this pool thread) as soon as
+        blob ``first + i`` is wholly in, while the rest of the run is still being read."""
+        layout = tag.layout
+        cs = layout.chunk_size
+        start = layout.source_range(first)[0]
+        end = layout.source_range(first + count - 1)[1]
+        blobs: list[Buffer] = []
+
+        def progress(data: memoryview) -> None:
+            """``data``: the run's first bytes, as far as they are in."""
+            n = len(data)
+            while len(blobs) < count:
+                i = len(blobs)
+                stop = min((i + 1) * cs, end - start)
+                if stop > n:
+                    return
+                blob = zero_fill(data[i * cs:stop], cs)
+                blobs.append(blob)
+                landed(i, blob)
+
+        def read() -> memoryview:
+            assert tag.source is not None
+            return tag.source.pread_stream(start, end - start, progress, cs)
+
+        raw = self._guarded_read(tag, first, start, end, read)
+        if len(raw) != end - start:
+            raise SourceError(f"source {tag.ctx.src} ended early: [{start}, {end}) gave "
+                              f"{len(raw)} bytes")
+        progress(raw)  # whatever the source did not tell
+        return blobs
+
     def read_source(self, tag: Tag, first: int, count: int = 1) -> Sequence[Buffer]:
         """Blobs ``first .. first+count-1`` from the source, each zero-filled to the blob size
         (blocking: on the pool)."""
+        layout = tag.layout
+        start = layout.source_range(first)[0]
+        end = layout.source_range(first + count - 1)[1]
+
+        def read() -> Sequence[Buffer]:
+            assert tag.source is not None
+            return tag.assimilator.read_blobs(tag.source, tag.ctx, layout, first, count)
+
+        blobs = self._guarded_read(tag, first, start, end, read)
+        if len(blobs) != count or any(len(b) != layout.chunk_size for b in blobs):
+            raise SourceError(f"assimilator {tag.ctx.format!r} returned blobs of the wrong size "
+                              f"for {tag.ctx.src} [{start}, {end})")
+        return blobs
+
+    def _guarded_read(self, tag: Tag, first: int, start: int, end: int,
+                      read: Callable[[], T]) -> T:
+        """``read()`` of source bytes ``[start, end)`` (from blob ``first``) of ``tag``, its
+        failures logged (a
+        changed source once per tag) and raised as ``FaultfsError``."""
         if tag.source is None:
             if tag.id not in self._told_unavailable:
                 self._told_unavailable.add(tag.id)  # once per tag: not a line per read
@@ -127,11 +241,8 @@ class Faulter:
                           tag.name, tag.layout.blob_name(first), tag.source_error)
             raise SourceError(f"source {tag.ctx.src} of tag {tag.name} is unavailable: "
                               f"{tag.source_error}")
-        layout = tag.layout
-        start = layout.source_range(first)[0]
-        end = layout.source_range(first + count - 1)[1]
         try:
-            blobs = tag.assimilator.read_blobs(tag.source, tag.ctx, layout, first, count)
+            return read()
         except SourceChanged as exc:
             if not tag.changed_under_mount:
                 log.warning("tag %s: %s; its unstaged blobs fail until a remount re-faults "
@@ -146,10 +257,6 @@ class Faulter:
             log.error("tag %s: reading %s [%d, %d) failed: %s", tag.name, tag.ctx.src, start,
                       end, exc)
             raise SourceError(f"reading {tag.ctx.src} [{start}, {end}) failed: {exc}") from None
-        if len(blobs) != count or any(len(b) != layout.chunk_size for b in blobs):
-            raise SourceError(f"assimilator {tag.ctx.format!r} returned blobs of the wrong size "
-                              f"for {tag.ctx.src} [{start}, {end})")
-        return blobs
 
     def _count_source_read(self, tag: Tag, first: int, count: int) -> None:
         start = tag.layout.source_range(first)[0]

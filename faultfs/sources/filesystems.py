@@ -7,6 +7,9 @@ Invariants:
 - Listing caches are off: a cached listing would hide a changed object.
 - Endpoint, region and profile follow the AWS conventions (flag, then environment, then the
   shared configuration), resolved here so that the shared instance is keyed by them.
+- S3 object reads use one synchronous botocore client per shared instance (``s3_client``),
+  built from that instance's settings exactly as s3fs builds its aiobotocore one, so both
+  reach the same endpoint with the same credentials.
 """
 
 from __future__ import annotations
@@ -29,14 +32,17 @@ MAX_POOL_CONNECTIONS = 64
 # A loopback or in-region endpoint connects in milliseconds; 5 s means the endpoint is gone.
 CONNECT_TIMEOUT_S = 5.0
 # No bytes for 15 s on an open connection: give up on this try and let the retry loop decide
-# (the same values s3fs uses by default).
-READ_TIMEOUT_S = 15.0
+# (the same values s3fs uses by default). FAULTFS_SOURCE_READ_TIMEOUT_S changes it (tests of
+# stalled endpoints; a link known to pause longer).
+READ_TIMEOUT_S = float(os.environ.get("FAULTFS_SOURCE_READ_TIMEOUT_S") or 15.0)
 
 # --- file systems: one per (protocol, resolved options), shared by all sources ---
 
 _FS_LOCK = threading.Lock()
 _FILESYSTEMS: dict[str, fsspec.AbstractFileSystem] = {}
 _SYNC_LOCKS: weakref.WeakKeyDictionary[Any, threading.Lock] = weakref.WeakKeyDictionary()
+_S3_CLIENTS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+_S3_POOLS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
 def s3_filesystem_kwargs(options: SourceOptions, environ: dict[str, str] | None = None) -> dict:
@@ -137,10 +143,73 @@ def sync_lock(fs: Any) -> threading.Lock:
         return lock
 
 
+def s3_client(fs: Any) -> Any:
+    """The synchronous botocore S3 client of the shared s3fs instance ``fs`` (thread-safe once
+    made; made once per instance): same session arguments, credentials, endpoint, config and
+    client arguments as s3fs's own ``set_session``."""
+    with _FS_LOCK:
+        client = _S3_CLIENTS.get(fs)
+        if client is not None:
+            return client
+        import botocore.session
+        from botocore.config import Config
+
+        client_kwargs = dict(fs.client_kwargs)
+        init_kwargs = {name: value for name, value in (
+            ("aws_access_key_id", fs.key), ("aws_secret_access_key", fs.secret),
+            ("aws_session_token", fs.token), ("endpoint_url", fs.endpoint_url))
+            if value is not None and value != client_kwargs.get(name)}
+        if "use_ssl" not in client_kwargs:
+            init_kwargs["use_ssl"] = fs.use_ssl
+        config_kwargs = fs._prepare_config_kwargs()
+        if fs.anon:
+            from botocore import UNSIGNED
+
+            secret_names = ("aws_access_key_id", "aws_secret_access_key", "aws_session_token")
+            for kwargs in (init_kwargs, client_kwargs):
+                for name in secret_names:
+                    kwargs.pop(name, None)
+            config_kwargs["signature_version"] = UNSIGNED
+        # what botocore signs requests with anyway; said explicitly so that presigned URLs
+        # (sources.s3http) are SigV4 too, which every region accepts
+        config_kwargs.setdefault("signature_version", "s3v4")
+        session = botocore.session.Session(profile=fs.kwargs.get("profile"))
+        client = session.create_client("s3", config=Config(**config_kwargs), **init_kwargs,
+                                       **client_kwargs)
+        _S3_CLIENTS[fs] = client
+        return client
+
+
+def s3_connections(fs: Any) -> Any:
+    """The pool of kept-alive connections that presigned GETs of ``fs``'s objects use
+    (``sources.s3http``), or None when that path does not fit its settings."""
+    client = s3_client(fs)
+    with _FS_LOCK:
+        if fs in _S3_POOLS:
+            return _S3_POOLS[fs]
+        from faultfs.sources.s3http import ConnectionPool, ssl_context_for, usable
+
+        pool = None
+        if usable(fs, client):
+            config = fs._prepare_config_kwargs()
+            pool = ConnectionPool(config.get("connect_timeout") or CONNECT_TIMEOUT_S,
+                                  config.get("read_timeout") or READ_TIMEOUT_S,
+                                  lambda: ssl_context_for(fs))
+        _S3_POOLS[fs] = pool
+        return pool
+
+
 def clear_filesystems() -> None:
     """Forget the shared file-system instances (tests; a process that changes its AWS setup)."""
     with _FS_LOCK:
         _FILESYSTEMS.clear()
+        for pool in _S3_POOLS.values():
+            if pool is not None:
+                pool.close()
+        _S3_POOLS.clear()
+        for client in _S3_CLIENTS.values():
+            client.close()
+        _S3_CLIENTS.clear()
 
 
 # --- what a backend reports, and how it reads ---

@@ -6,6 +6,8 @@ Invariants:
   version (how each backend pins: ``s3``, ``http``, ``generic``).
 - ``version()`` reports what the source is *now* (it may differ from the pin; the engine compares).
 - Transient failures are retried by ``faultfs.sources.retry``, the only retry loop.
+- ``pread_stream`` tells its caller as each piece of a range lands; a retry asks only for
+  what did not land yet, and what was told is never taken back.
 - Thread-safe: many threads may ``pread`` at once. A source opened before a fork is not
   usable in the child.
 - Secrets stay secret: ``url`` has userinfo and query values redacted; exception messages are
@@ -18,8 +20,11 @@ from __future__ import annotations
 
 import errno
 import logging
+from collections.abc import Callable
+from typing import TypeVar
 from urllib.parse import urlsplit
 
+from faultfs.buffers import alloc
 from faultfs.errors import InvalidInput, SourceChanged, SourceError
 from faultfs.sources.base import (
     HTTP_PROTOCOLS,
@@ -47,6 +52,8 @@ from faultfs.sources.s3 import S3Reader
 from faultfs.sources.secrets import display_url, has_redacted_credentials, scrubber_for
 
 log = logging.getLogger("faultfs.sources")
+
+T = TypeVar("T")
 
 class FsspecSource:
     """A remote object read by range at the version it had when opened (see module invariants)."""
@@ -94,12 +101,43 @@ class FsspecSource:
         end = min(off + size, self._pin.size)
         if off >= end:
             return b""
+        return self._retrying(lambda: self._reader.read(self._pin, off, end), off, end)
+
+    def pread_stream(self, off: int, size: int, landed: Callable[[memoryview], None],
+                     piece: int) -> memoryview:
+        """Bytes ``[off, off+size)`` (fewer at the end of the source) into one pooled buffer,
+        read ``piece`` bytes at a time counted from ``off``; ``landed(first)`` is called (on
+        this thread) with a view of the bytes in so far each time a piece is in. A transient failure is retried from the
+        last piece that landed, within the same bounded number of tries as ``pread``."""
+        end = min(off + size, self._pin.size)
+        if off < 0 or size < 0:
+            raise InvalidInput(f"negative range [{off}, +{size}) for source {self.url}")
+        if off >= end:
+            return memoryview(b"")
+        read_into = getattr(self._reader, "read_into", None)
+        if read_into is None:  # a backend that only reads whole ranges: one piece
+            data = memoryview(self.pread(off, end - off))
+            landed(data)
+            return data
+        buf = alloc(end - off)
+        done = 0
+
+        def told(n: int, base: int) -> None:
+            nonlocal done
+            done = base + n
+            landed(buf[:done])
+
+        def attempt() -> None:
+            base = done
+            read_into(self._pin, off + base, end, buf[base:], lambda n: told(n, base), piece)
+
+        self._retrying(attempt, off, end)
+        return buf
+
+    def _retrying(self, call: Callable[[], T], off: int, end: int) -> T:
         span = f"[{off}, {end})"
         try:
-            return with_retries(
-                lambda: self._reader.read(self._pin, off, end), self._retry,
-                f"reading {self.url} {span}",
-            )
+            return with_retries(call, self._retry, f"reading {self.url} {span}")
         except (Changed, Missing) as exc:
             if not self._change_logged:
                 self._change_logged = True

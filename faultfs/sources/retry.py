@@ -83,8 +83,11 @@ class Permanent(Failure):
 
 def transport_failure(exc: BaseException, scrub: Callable[[str], str]) -> Failure | None:
     """Network-level failures shared by every backend: all transient. None when not one."""
+    import http.client
+
     import aiohttp
     import botocore.exceptions as bexc
+    import urllib3.exceptions
 
     transient_types: tuple[type[BaseException], ...] = (
         bexc.ConnectionError,
@@ -96,6 +99,8 @@ def transport_failure(exc: BaseException, scrub: Callable[[str], str]) -> Failur
         TimeoutError,
         ConnectionError,
         asyncio.IncompleteReadError,
+        http.client.HTTPException,  # a body read straight from its socket (``sources.s3``)
+        urllib3.exceptions.HTTPError,
     )
     if isinstance(exc, transient_types):
         return Transient(scrub(f"{type(exc).__name__}: {exc}".rstrip(": ")))

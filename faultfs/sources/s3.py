@@ -1,23 +1,31 @@
-"""S3 objects read with the aiobotocore client of a shared s3fs instance, pinned to a version.
+"""S3 objects read with a synchronous botocore client on the caller's thread, pinned to a version.
 
 Invariants:
 - A versioned object is read by ``VersionId``; an unversioned one with ``If-Match`` on its
   ETag, and the response's ETag and ``Content-Range`` total are checked too, for servers that
-  ignore ``If-Match``.
-- A body is copied piece by piece into one pooled buffer of exactly the requested size; a
-  short or long body is a transient failure (retried), never served.
+  ignore ``If-Match`` — all before a byte of the body is handed on.
+- A body goes from the socket straight into the caller's buffer (``recv_into``, no
+  intermediate copies), piece by piece; ``progress(n)`` is told each time the first ``n``
+  bytes are in. A short or long body is a transient failure (retried), never served.
+- A connection is handed back to the client's pool only after a whole body was read; one
+  that failed mid-body is closed.
+- Reads run on the calling thread (the engine's I/O pool), with no event loop in between:
+  the client and its connection pool are thread-safe (``filesystems.s3_client``). Object
+  reads are GETs of presigned URLs on kept-alive connections (``s3http``) where that path
+  fits the client's settings, botocore's ``get_object`` otherwise or after a redirect.
 """
 
 from __future__ import annotations
 
+import http.client
+import logging
 import time
 from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
-from fsspec.asyn import sync
-
 from faultfs.buffers import alloc
+from faultfs.sources.filesystems import s3_client, s3_connections
 from faultfs.sources.objects import ObjectStat, content_range, etag_core, status_phrase
 from faultfs.sources.retry import (
     HTTP_TRANSIENT_STATUSES,
@@ -31,7 +39,7 @@ from faultfs.sources.retry import (
     transport_failure,
 )
 
-BODY_PIECE = 512 << 10  # an S3 body is copied into its buffer in pieces of up to this
+BODY_PIECE = 1 << 20  # a body is read in pieces of at most this (one recv_into loop each)
 REDACTED = "***"  # what stands in for a secret in a persisted source URL
 # S3 error codes that mean "try again later" even when the status is not 5xx.
 S3_TRANSIENT_CODES = frozenset({
@@ -40,15 +48,22 @@ S3_TRANSIENT_CODES = frozenset({
     "InternalError", "BandwidthLimitExceeded", "TooManyRequestsException",
 })
 
+Progress = Callable[[int], None]
+
+log = logging.getLogger("faultfs.sources")
+
 
 class S3Reader:
-    """An S3 object, read with the aiobotocore client of a shared s3fs instance."""
+    """An S3 object, read with the synchronous botocore client made from a shared s3fs
+    instance's settings (``filesystems.s3_client``)."""
 
     def __init__(self, fs: Any, path: str, scrub: Callable[[str], str]) -> None:
         self._fs = fs
         self._scrub = scrub
         path, _, self._version_id = path.partition("?versionId=")
         self._bucket, _, self._key = path.partition("/")
+        self._gets: Any = None  # s3http.PresignedGets, made at the first read
+        self._botocore_only = False  # the presigned path does not fit (a redirect, settings)
 
     def _classify(self, exc: BaseException) -> Failure:
         from botocore.exceptions import ClientError, NoCredentialsError
@@ -83,27 +98,23 @@ class S3Reader:
             self._scrub(f"{type(exc).__name__}: {exc}")
         )
 
-    async def _client(self) -> Any:
-        await self._fs.set_session()
-        return await self._fs.get_s3(self._bucket)
+    def _client(self) -> Any:
+        return s3_client(self._fs)
 
     def stat(self) -> ObjectStat:
-        return sync(self._fs.loop, self._stat)
-
-    async def _stat(self) -> ObjectStat:
         try:
-            s3 = await self._client()
+            s3 = self._client()
             if not self._key or self._key.endswith("/"):
-                if await self._is_prefix(s3, self._key):
+                if self._is_prefix(s3, self._key):
                     raise IsDirectory("is a directory")
                 raise Missing("no such object")
             kw = {"VersionId": self._version_id} if self._version_id else {}
             try:
-                out = await s3.head_object(Bucket=self._bucket, Key=self._key, **kw)
+                out = s3.head_object(Bucket=self._bucket, Key=self._key, **kw)
             except Exception as exc:
                 failure = self._classify(exc)
                 if isinstance(failure, Missing) and not self._version_id:
-                    if await self._is_prefix(s3, self._key + "/"):
+                    if self._is_prefix(s3, self._key + "/"):
                         raise IsDirectory("is a directory") from None
                 raise failure from None
         except Exception as exc:
@@ -118,9 +129,9 @@ class S3Reader:
         token = f"vid:{vid}" if vid else (f"etag:{etag}" if etag else "unpinned")
         return ObjectStat(size, token, mtime, etag=etag, version_id=vid)
 
-    async def _is_prefix(self, s3: Any, prefix: str) -> bool:
+    def _is_prefix(self, s3: Any, prefix: str) -> bool:
         try:
-            out = await s3.list_objects_v2(Bucket=self._bucket, Prefix=prefix, MaxKeys=1)
+            out = s3.list_objects_v2(Bucket=self._bucket, Prefix=prefix, MaxKeys=1)
         except Exception as exc:
             failure = self._classify(exc)
             if isinstance(failure, Missing):
@@ -128,10 +139,27 @@ class S3Reader:
             raise failure from None
         return bool(out.get("KeyCount") or out.get("Contents") or out.get("CommonPrefixes"))
 
-    def read(self, pin: ObjectStat, start: int, end: int) -> bytes | memoryview:
-        return sync(self._fs.loop, self._read, pin, start, end)
+    def read(self, pin: ObjectStat, start: int, end: int) -> memoryview:
+        buf = alloc(end - start)
+        self.read_into(pin, start, end, buf)
+        return buf
 
-    async def _read(self, pin: ObjectStat, start: int, end: int) -> bytes | memoryview:
+    def read_into(self, pin: ObjectStat, start: int, end: int, buf: memoryview,
+                  progress: Progress | None = None, piece: int = BODY_PIECE) -> None:
+        """Bytes ``[start, end)`` into ``buf`` (exactly that long), ``piece`` bytes at a time
+        counted from ``start``, telling ``progress`` how many are in after each. Raises a
+        ``Failure``; the bytes already told stay valid."""
+        gets = self._presigned()
+        if gets is not None:
+            from faultfs.sources.s3http import UseBotocore
+
+            try:
+                self._read_presigned(gets, pin, start, end, buf, progress, max(1, piece))
+                return
+            except UseBotocore as exc:
+                self._botocore_only = True
+                log.info("s3://%s/%s: %s: read through botocore from now on", self._bucket,
+                         self._scrub(self._key), self._scrub(str(exc)))
         if pin.version_id:
             cond = {"VersionId": pin.version_id}
         elif pin.etag:
@@ -139,40 +167,142 @@ class S3Reader:
         else:
             cond = {}
         try:
-            s3 = await self._client()
-            resp = await s3.get_object(
-                Bucket=self._bucket, Key=self._key, Range=f"bytes={start}-{end - 1}", **cond
-            )
-            body = resp["Body"]
-            try:
-                data = await read_body(body, end - start)
-            finally:
-                body.close()
+            resp = self._client().get_object(
+                Bucket=self._bucket, Key=self._key, Range=f"bytes={start}-{end - 1}", **cond)
         except Exception as exc:
             raise self._classify(exc) from None
-        etag = resp.get("ETag", "")
+        body = resp["Body"]
+        try:
+            self._check(pin, start, end, resp.get("ETag", ""), resp.get("ContentRange", ""),
+                        resp.get("ContentLength"))
+            read_body_into(body, buf, progress, max(1, piece))
+        except BaseException as exc:
+            _discard(body)
+            if isinstance(exc, Exception):
+                raise self._classify(exc) from None
+            raise
+        _release(body)
+
+    def _presigned(self) -> Any:
+        """The presigned-GET path of this object, or None (botocore's ``get_object``)."""
+        if self._botocore_only:
+            return None
+        if self._gets is None:
+            from faultfs.sources.s3http import PresignedGets
+
+            pool = s3_connections(self._fs)
+            if pool is None:
+                self._botocore_only = True
+                return None
+            self._gets = PresignedGets(self._client(), pool, self._bucket, self._key)
+        return self._gets
+
+    def _read_presigned(self, gets: Any, pin: ObjectStat, start: int, end: int,
+                        buf: memoryview, progress: Progress | None, piece: int) -> None:
+        from faultfs.sources.s3http import UseBotocore
+
+        try:
+            resp, conn, where = gets.get(start, end, pin.version_id, pin.etag)
+        except UseBotocore:
+            raise
+        except Exception as exc:
+            raise self._classify(exc) from None
+        whole = False
+        try:
+            self._check(pin, start, end, resp.getheader("ETag", ""),
+                        resp.getheader("Content-Range", ""), resp.getheader("Content-Length"))
+            fill(resp.readinto, buf, progress, piece)
+            if resp.length:  # the server announced more than was asked for
+                raise Transient(f"long body: more than {end - start} bytes")
+            whole = True
+        except BaseException as exc:
+            if isinstance(exc, Exception):
+                raise self._classify(exc) from None
+            raise
+        finally:
+            gets.finish(conn, resp, where, whole)
+
+    @staticmethod
+    def _check(pin: ObjectStat, start: int, end: int, etag: str, crange: str,
+               length: Any) -> None:
+        """The answer's head against the pin and the range asked for (before any body byte
+        is handed on)."""
         if pin.etag and etag and etag_core(etag) != etag_core(pin.etag):
             raise Changed(f"its ETag is now {etag}")
-        _, total = content_range(resp.get("ContentRange", ""))
+        _, total = content_range(crange or "")
         if total is not None and total != pin.size:
             raise Changed(f"its size is now {total}")
-        if len(data) != end - start:
-            raise Transient(f"short body: {len(data)} of {end - start} bytes")
-        return data
+        if length is not None and int(length) != end - start:
+            what = "long" if int(length) > end - start else "short"
+            raise Transient(f"{what} body: {length} of {end - start} bytes")
 
 
-async def read_body(body, size: int) -> memoryview:
-    """An S3 response body copied piece by piece into one buffer of ``size`` bytes from the
-    shared pool (one copy into memory already mapped, instead of a join into a new mapping);
-    shorter when the body is."""
-    buf = alloc(size)
+def fill(readinto: Callable[[memoryview], int | None], buf: memoryview,
+         progress: Progress | None, piece: int) -> None:
+    """``len(buf)`` bytes into ``buf`` with ``readinto`` (``http.client``'s loops on
+    ``recv_into`` with the GIL released until its view is full), ``piece`` bytes at a time,
+    ``progress(n)`` after each piece; a body that ends early is Transient."""
+    size = len(buf)
     pos = 0
-    while True:
-        piece = await body.read(BODY_PIECE)
-        if not piece:
-            return buf[:pos]
-        if pos + len(piece) > size:
-            raise Transient(f"long body: more than {size} bytes")
-        buf[pos:pos + len(piece)] = piece
-        pos += len(piece)
+    while pos < size:
+        stop = min(size, (pos // piece + 1) * piece)
+        n = readinto(buf[pos:stop])
+        if not n:
+            raise Transient(f"short body: {pos} of {size} bytes")
+        pos += n
+        if progress is not None and pos == stop:
+            progress(pos)
 
+
+def _raw(body: Any) -> tuple[Any, http.client.HTTPResponse | None]:
+    """The urllib3 response under a botocore body, and the ``http.client`` response under that
+    when its bytes can be read straight from the socket (no content decoding)."""
+    raw = getattr(body, "_raw_stream", None)
+    fp = getattr(raw, "_fp", None)
+    if not isinstance(fp, http.client.HTTPResponse) or fp.chunked:
+        return raw, None
+    encoding = (raw.headers.get("content-encoding") or "identity").lower()
+    return raw, (fp if encoding == "identity" else None)
+
+
+def read_body_into(body: Any, buf: memoryview, progress: Progress | None, piece: int) -> None:
+    """``len(buf)`` bytes of a botocore response body into ``buf``: straight from the socket
+    when the body is plain, else through the body's own ``read``. Short or long bodies are
+    Transient."""
+    _, fp = _raw(body)
+    if fp is not None:
+        fill(fp.readinto, buf, progress, piece)
+        if fp.length:  # the server announced more than was asked for
+            raise Transient(f"long body: more than {len(buf)} bytes")
+        return
+
+    def readinto(view: memoryview) -> int:
+        data = body.read(len(view))
+        view[:len(data)] = data
+        return len(data)
+
+    fill(readinto, buf, progress, piece)
+    if body.read(1):
+        raise Transient(f"long body: more than {len(buf)} bytes")
+
+
+def _release(body: Any) -> None:
+    """Hand a wholly read body's connection back to the pool."""
+    raw, fp = _raw(body)
+    if fp is not None and raw is not None:
+        raw.release_conn()  # http.client closed its side at the body's end
+    else:
+        body.close()
+
+
+def _discard(body: Any) -> None:
+    """Close the connection of a body that was not read whole (never reused mid-body)."""
+    raw, _ = _raw(body)
+    try:
+        if raw is not None:
+            raw.close()
+            raw.release_conn()  # the closed connection reopens at its next use
+        else:
+            body.close()
+    except Exception:  # a broken connection that will not close is dropped anyway
+        pass
