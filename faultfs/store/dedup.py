@@ -23,7 +23,7 @@ _DELTA_MERGE_FLOOR = 1 << 16
 _DELTA_MERGE_FRACTION = 16
 
 
-def _sorted_unique(hashes: np.ndarray) -> np.ndarray:
+def sorted_unique(hashes: np.ndarray) -> np.ndarray:
     """Sort in place (the caller owns ``hashes``) and drop repeats."""
     hashes.sort()
     if hashes.size > 1:
@@ -33,7 +33,7 @@ def _sorted_unique(hashes: np.ndarray) -> np.ndarray:
     return hashes
 
 
-def _merge(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def merge_sorted(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Union of two sorted unique arrays whose elements are disjoint."""
     if a.size == 0:
         return b
@@ -49,7 +49,7 @@ def _contains(sorted_hashes: np.ndarray, value: np.uint64) -> bool:
     return i < sorted_hashes.size and sorted_hashes[i] == value
 
 
-def _isin_sorted(sorted_hashes: np.ndarray, values: np.ndarray) -> np.ndarray:
+def isin_sorted(sorted_hashes: np.ndarray, values: np.ndarray) -> np.ndarray:
     if sorted_hashes.size == 0:
         return np.zeros(values.shape, dtype=bool)
     idx = sorted_hashes.searchsorted(values)
@@ -75,7 +75,7 @@ class TwoStageDeduplicator:
             owned = np.array(hashes, dtype=np.uint64, copy=True)
         else:
             owned = np.fromiter(hashes, dtype=np.uint64)
-        dedup._base = _sorted_unique(owned.ravel())
+        dedup._base = sorted_unique(owned.ravel())
         return dedup
 
     # -- queries ---------------------------------------------------------------------------
@@ -91,9 +91,9 @@ class TwoStageDeduplicator:
 
     def committed_mask(self, hashes: np.ndarray) -> np.ndarray:
         """Vectorised committed-stage membership of a ``uint64`` array (pending not consulted)."""
-        mask = _isin_sorted(self._base, hashes)
+        mask = isin_sorted(self._base, hashes)
         if self._delta.size:
-            mask |= _isin_sorted(self._delta, hashes)
+            mask |= isin_sorted(self._delta, hashes)
         return mask
 
     def is_pending(self, h: int) -> bool:
@@ -149,7 +149,7 @@ class TwoStageDeduplicator:
             return
         new = np.fromiter(moving, dtype=np.uint64, count=len(moving))
         new.sort()
-        self._delta = _merge(self._delta, new)
+        self._delta = merge_sorted(self._delta, new)
         if self._delta.size > max(_DELTA_MERGE_FLOOR, self._base.size // _DELTA_MERGE_FRACTION):
-            self._base = _merge(self._base, self._delta)
+            self._base = merge_sorted(self._base, self._delta)
             self._delta = _EMPTY

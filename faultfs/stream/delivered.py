@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from faultfs.store.dedup import isin_sorted, merge_sorted, sorted_unique
+
 _EMPTY = np.empty(0, dtype=np.uint64)
 _DELTA_FLOOR = 1 << 16  # below this a merge into the base is cheap anyway
 _DELTA_FRACTION = 4  # merge the delta when larger than base/4: ~5 moves per hash, and the
@@ -31,35 +33,6 @@ _FILTER_BITS_PER_HASH = 16  # built with 16-32 bits per member, rebuilt larger b
 _MAX_FILTER_BITS = 36  # 16 bits for each of the 2**32 hashes a checkpoint can hold
 _SET_CHUNK = 1 << 18  # hashes whose filter bits are set at once
 _U3, _U7 = np.uint64(3), np.uint64(7)
-
-
-def _sorted_unique(hashes: np.ndarray) -> np.ndarray:
-    """Sort in place (the caller owns ``hashes``) and drop repeats."""
-    hashes.sort()
-    if hashes.size > 1:
-        repeats = hashes[1:] == hashes[:-1]
-        if repeats.any():
-            hashes = hashes[np.concatenate(([True], ~repeats))]
-    return hashes
-
-
-def _merge(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Union of two sorted arrays with no common element."""
-    if a.size == 0:
-        return b
-    if b.size == 0:
-        return a
-    merged = np.concatenate((a, b))
-    merged.sort(kind="stable")  # two sorted runs: timsort merges them in linear time
-    return merged
-
-
-def _isin_sorted(sorted_hashes: np.ndarray, values: np.ndarray) -> np.ndarray:
-    if sorted_hashes.size == 0:
-        return np.zeros(values.shape, dtype=bool)
-    idx = sorted_hashes.searchsorted(values)
-    idx[idx == sorted_hashes.size] = 0
-    return np.asarray(sorted_hashes[idx] == values)
 
 
 def first_occurrences(hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -99,7 +72,7 @@ class DeliveredHashes:
         if hashes is None:
             self._base = _EMPTY
         else:
-            self._base = _sorted_unique(np.array(hashes, dtype=np.uint64, copy=copy).ravel())
+            self._base = sorted_unique(np.array(hashes, dtype=np.uint64, copy=copy).ravel())
         self._delta = _EMPTY
         self._filter = np.zeros(0, dtype=np.uint8)
         self._filter_bits = 0
@@ -145,9 +118,9 @@ class DeliveredHashes:
         if hit.any():
             candidates = np.flatnonzero(hit)
             probe = hashes[candidates]
-            found = _isin_sorted(self._base, probe)
+            found = isin_sorted(self._base, probe)
             if self._delta.size:
-                found |= _isin_sorted(self._delta, probe)
+                found |= isin_sorted(self._delta, probe)
             hit[candidates] = found
         return hit
 
@@ -155,9 +128,9 @@ class DeliveredHashes:
         """Add sorted, distinct ``uint64`` hashes, none of them a member yet."""
         if not hashes.size:
             return
-        self._delta = _merge(self._delta, hashes)
+        self._delta = merge_sorted(self._delta, hashes)
         if self._delta.size > max(_DELTA_FLOOR, self._base.size // _DELTA_FRACTION):
-            self._base = _merge(self._base, self._delta)
+            self._base = merge_sorted(self._base, self._delta)
             self._delta = _EMPTY
         if len(self) * 8 > (1 << self._filter_bits):
             self._rebuild_filter()  # at least 4x larger: rebuilt O(log n) times
