@@ -21,6 +21,7 @@ PREFETCH_MB = 32  # sequential readers get up to this much faulted ahead of them
 READAHEAD_KB = 4096  # kernel readahead of the mount: 1 MiB requests, several in flight
 INLINE_READ_KB = 64  # staged reads up to this size block the event loop's thread, no pool trip
 DIRTY_MB = 64  # written bytes held in memory (and the journal) before they are folded
+URING_MODES = ("on", "always", "off")  # staged reads through io_uring (tiers/uring.py)
 
 # Upper bounds: beyond them a value is a typo, not a setting (an absurd reserve silently
 # turned every fault into a read-through).
@@ -95,6 +96,11 @@ class Config:
     shared_store: str = ""  # --shared-store URL (DESIGN §13); "" = none
     shared_store_endpoint_url: str = ""  # when the shared store's S3 endpoint is not the sources'
     metrics_addr: str = ""  # --metrics-addr HOST:PORT: Prometheus metrics over HTTP
+    # FAULTFS_URING: staged reads through io_uring when the serving thread has other work
+    # ("on"), for every read it can take ("always"), or never ("off", also "0")
+    uring: str = "on"
+    # FAULTFS_SOURCE_DIRECT=0: large reads of uncached local sources take the page cache too
+    source_direct: bool = True
 
     def __post_init__(self) -> None:
         if self.io_threads < 1:
@@ -103,6 +109,9 @@ class Config:
             raise InvalidInput("--reserve-mb must not be negative")
         if self.cache_size < 0:
             raise InvalidInput("--cache-size must not be negative")
+        if self.uring not in URING_MODES:
+            raise InvalidInput(f"FAULTFS_URING must be one of {', '.join(URING_MODES)} or 0 "
+                               f"(it is {self.uring!r})")
         if min(self.memory_mb, self.prefetch_mb, self.readahead_kb, self.inline_read_kb,
                self.dirty_mb) < 0:
             raise InvalidInput("memory, prefetch, readahead and inline-read sizes must not be negative")
@@ -129,7 +138,9 @@ class Config:
               readahead_kb: int | None = None, inline_read_kb: int | None = None,
               read_only: bool | None = None, dirty_mb: int | None = None,
               shared_store: str | None = None, shared_store_endpoint_url: str | None = None,
-              metrics_addr: str | None = None, env: Mapping[str, str] | None = None) -> Config:
+              metrics_addr: str | None = None, uring: str | None = None,
+              source_direct: bool | None = None,
+              env: Mapping[str, str] | None = None) -> Config:
         """Flags (non-None arguments) win over the environment, which wins over defaults."""
         return cls(
             store_dir=os.path.abspath(os.path.expanduser(store_dir or default_store_dir(env))),
@@ -151,4 +162,16 @@ class Config:
                 else (env_value("FAULTFS_SHARED_STORE_ENDPOINT_URL", env) or "").strip()),
             metrics_addr=(metrics_addr if metrics_addr is not None
                           else (env_value("FAULTFS_METRICS_ADDR", env) or "").strip()),
+            uring=uring if uring is not None else _uring_mode(env),
+            source_direct=(source_direct if source_direct is not None
+                           else _env_flag("FAULTFS_SOURCE_DIRECT", True, env)),
         )
+
+
+def _uring_mode(env: Mapping[str, str] | None) -> str:
+    raw = (env_value("FAULTFS_URING", env) or "").strip().lower()
+    if raw in ("", "1", "true", "yes", "on"):
+        return "on"
+    if raw in ("0", "false", "no", "off"):
+        return "off"
+    return raw  # "always", or a value __post_init__ refuses

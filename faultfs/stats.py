@@ -22,7 +22,7 @@ COUNTERS = (
     "skipped_cache_cap", "store_failures", "readthrough_backoff", "evicted", "evicted_bytes",
     "zero_filled_bytes", "bytes_served", "page_reads", "page_slices", "page_errors",
     "stale_blobs_dropped", "corrupt_blobs_dropped", "memory_hits", "prefetches",
-    "prefetch_errors", "store_readahead", "dirty_kept", "skipped_dirty", "skipped_degraded",
+    "prefetch_errors", "store_readahead", "ring_reads", "dirty_kept", "skipped_dirty", "skipped_degraded",
     "writes", "bytes_written", "fsyncs", "folds", "checkpoints",
     "shared_hits", "shared_misses", "shared_damaged", "shared_errors", "shared_skipped",
     "shared_publishes", "shared_publish_failures", "shared_publish_skipped",

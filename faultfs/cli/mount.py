@@ -199,7 +199,8 @@ def _mount_here(args: argparse.Namespace) -> int:
                               metrics_addr=args.metrics_addr)
         _setup_logging(args)
         options = SourceOptions(s3_region=args.s3_region, s3_profile=args.s3_profile,
-                                s3_endpoint_url=args.s3_endpoint_url, anon=args.anon)
+                                s3_endpoint_url=args.s3_endpoint_url, anon=args.anon,
+                                local_direct=config.source_direct)
         *sources, mountpoint = args.paths
         range_off, range_size = args.range or (0, 0)
         spec = daemon.MountSpec(

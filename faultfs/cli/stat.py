@@ -129,6 +129,7 @@ def render_stats(snap: dict) -> str:
         f"{'page reads':<22}{c.get('page_reads', 0):>12}    {'page slices':<22}{c.get('page_slices', 0):>12}",
         f"{'zero-filled bytes':<22}{c.get('zero_filled_bytes', 0):>12}    {'stale blobs dropped':<22}{c.get('stale_blobs_dropped', 0):>12}",
         f"{'memory hits':<22}{c.get('memory_hits', 0):>12}    {'read ahead (store)':<22}{c.get('store_readahead', 0):>12}",
+        f"{'store reads (ring)':<22}{c.get('ring_reads', 0):>12}    {'corrupt blobs dropped':<22}{c.get('corrupt_blobs_dropped', 0):>12}",
         f"{'writes':<22}{c.get('writes', 0):>12}    {'bytes written':<22}{format_size(c.get('bytes_written', 0)):>12}",
         f"{'fsyncs':<22}{c.get('fsyncs', 0):>12}    {'folds':<22}{c.get('folds', 0):>12}",
         f"fault latency  p50 {lat.get('p50_ms', 0)} ms, p90 {lat.get('p90_ms', 0)} ms, "

@@ -23,6 +23,7 @@ import trio
 from faultfs.config import Config
 from faultfs.core.context import FaultContext
 from faultfs.core.names import check_tag_name
+from faultfs.core.pagemap import MAX_PAGEMAP_TEXT
 from faultfs.engine.faults import Faulter
 from faultfs.engine.flights import Flights
 from faultfs.engine.pages import PAGEMAP_BLOB, PageService
@@ -68,7 +69,8 @@ class Engine:
                              backoff_faults=config.backoff_faults)
         self.tiers = TierStack(
             MemoryTier(config.memory_mb << 20),
-            LocalTier(store, policy, self.pool, self.stats, inline_read=config.inline_read_kb << 10),
+            LocalTier(store, policy, self.pool, self.stats, inline_read=config.inline_read_kb << 10,
+                      ring=config.uring),
             self.pool, self.stats, shared)
         self._tags = Tags(store, self.tiers, self.stats, source_options or SourceOptions())
         self.flights = Flights()
@@ -423,7 +425,7 @@ class _PageBlobs:
         await self._engine.writes.write_gap(tag, page, off, data)
 
     def load_pagemap(self, tag: Tag) -> tuple[bytes, int] | None:
-        return self._store.read_with_mtime(tag.name, PAGEMAP_BLOB)
+        return self._store.read_with_mtime(tag.name, PAGEMAP_BLOB, max_len=MAX_PAGEMAP_TEXT)
 
     def save_pagemap(self, tag: Tag, data: bytes) -> int:
         self._store.put(tag.name, PAGEMAP_BLOB, data, flags=FLAG_DIRTY, durable=True)

@@ -34,7 +34,7 @@ def open_source(url: str, options: SourceOptions | None = None) -> Source:
     if path is not None:
         if not path:
             raise InvalidInput("source path is empty")
-        return LocalFileSource(url, path)
+        return LocalFileSource(url, path, direct=(options or SourceOptions()).local_direct)
     check_url(url)
     try:
         from faultfs.sources.remote import open_fsspec_source

@@ -45,6 +45,8 @@ class SourceOptions:
     s3_profile: str = ""
     s3_endpoint_url: str = ""
     anon: bool = False
+    # large reads of an uncached local source skip the page cache (O_DIRECT); Config.source_direct
+    local_direct: bool = True
     storage_options: dict = field(default_factory=dict, hash=False, compare=False)
 
 

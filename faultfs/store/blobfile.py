@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import xxhash
 
+from faultfs.core.context import MAX_CHUNK_SIZE
 from faultfs.errors import CorruptionError
 
 MAGIC = b"FFSBLOB\x00"
@@ -48,6 +49,7 @@ MIN_BLOCK = 16 << 10  # a random 4 KiB read verifies (and reads) one 16 KiB bloc
 MAX_BLOCKS = 255  # the checksum table fits [2048, 4088) of the header
 MAX_NAME = 255  # tag and blob names are NAME_MAX bytes at most
 MAX_VERSION = 1024  # a source version token ("<size> etag:...") is short
+MAX_PAYLOAD = MAX_CHUNK_SIZE  # a blob is held whole in memory: no payload is longer
 TABLE_AT = 2048
 _FIXED = struct.Struct("<8sHHIQQQHHHHII")
 _CHECK_AT = HEADER_LEN - 8
@@ -87,6 +89,14 @@ class BlobHeader:
                 what = "dirty blob" if self.dirty else "blob"
                 raise CorruptionError(
                     f"{what} {self.name} of tag {self.tag}: block {first + i} failed its checksum")
+
+
+def block_span(block_size: int, stored_len: int, off: int, size: int) -> tuple[int, int, int]:
+    """``(first block, its payload offset, bytes to read)``: the whole blocks that cover
+    payload bytes ``[off, off+size)`` (``off`` inside the payload, ``size`` > 0)."""
+    first = off // block_size
+    start = first * block_size
+    return first, start, min(-(-(off + size) // block_size) * block_size, stored_len) - start
 
 
 def payload_hash(data: bytes | memoryview) -> int:
@@ -154,6 +164,8 @@ def decode_header(raw: bytes, *, file_size: int | None = None) -> BlobHeader:
     if header_len != HEADER_LEN or flags & ~KNOWN_FLAGS or reserved:
         raise CorruptionError("blob header has unknown fields")
     all_zero = bool(flags & FLAG_ALL_ZERO)
+    if n > MAX_PAYLOAD:  # an all-zero blob stores only its length: never trust it unbounded
+        raise CorruptionError(f"blob payload length {n} is over the limit of {MAX_PAYLOAD}")
     if stored != (0 if all_zero else n):
         raise CorruptionError(f"blob stored length {stored} does not match payload {n}")
     if tag_len > MAX_NAME or name_len > MAX_NAME or ver_len > MAX_VERSION:

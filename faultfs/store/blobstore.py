@@ -32,13 +32,16 @@ from faultfs.errors import CorruptionError, FaultfsError, InvalidInput, StoreFul
 from faultfs.store.blobfile import (
     FLAG_DIRTY,
     HEADER_LEN,
+    MAX_PAYLOAD,
     BlobHeader,
+    block_span,
     decode_header,
     encode_header,
 )
 from faultfs.store.durable import fsync_dir, write_atomic
 
 NOWAIT_MAX = 256 << 10  # cached reads up to this size are served on the event loop's thread
+SMALL_READ = 256 << 10  # below this a read returns its own bytes (no pooled mapping: buffers.py)
 WHOLE_READ_MAX = 64 << 20  # open_blob(whole=True) reads header and payload at once up to this
 _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", None)
 MAX_ENCODED_NAME = 240  # NAME_MAX is 255: leave room for the "b-" prefix and margin
@@ -76,18 +79,11 @@ class OpenBlob:
                    ) -> bytes | memoryview | None:
         """As ``pread``, without copying: the buffer the blocks were read into, or a slice
         of it (which keeps all of it alive)."""
-        h = self.header
-        if off >= h.payload_len or size <= 0:
-            return b""
-        size = min(size, h.payload_len - off)
-        if h.all_zero:
-            return bytes(size)
-        first, last = h.blocks_for(off, size)
-        start = first * h.block_size
-        want = min(last * h.block_size, h.stored_len) - start
-        if self.loaded is not None:
-            data: bytearray | memoryview = self.loaded[start:start + want]
-        elif nowait:
+        plan = self.span(size, off)
+        if not isinstance(plan, tuple):
+            return plan
+        first, start, want, size = plan
+        if nowait:
             if want > NOWAIT_MAX or _RWF_NOWAIT is None:
                 return None
             buf = bytearray(want)
@@ -97,13 +93,38 @@ class OpenBlob:
                 return None
             if got != want:
                 return None  # partly cached: let the blocking path read it
-            data = buf
+            return self.verified(first, start, buf, off, size)
+        if want < SMALL_READ:
+            data: bytes | memoryview = os.pread(self.fd, want, HEADER_LEN + start)
         else:
             data = pread_full(self.fd, want, HEADER_LEN + start)
-            if len(data) != want:
-                raise CorruptionError(f"blob {h.name} of tag {h.tag} is truncated")
-        h.check_blocks(first, data)
-        if start == off and want == size and isinstance(data, memoryview):
+        if len(data) != want:
+            raise CorruptionError(f"blob {self.header.name} of tag {self.header.tag} is truncated")
+        return self.verified(first, start, data, off, size)
+
+    def span(self, size: int, off: int
+             ) -> tuple[int, int, int, int] | bytes | memoryview:
+        """What a read of payload ``[off, off+size)`` needs from the file: ``(first block,
+        payload offset of that block, bytes to read, size clipped to the blob)`` — or the
+        answer itself when no read is needed (past the end, an all-zero blob, a loaded one)."""
+        h = self.header
+        if off >= h.payload_len or size <= 0:
+            return b""
+        size = min(size, h.payload_len - off)
+        if h.all_zero:
+            return bytes(size)
+        first, start, want = block_span(h.block_size, h.stored_len, off, size)
+        if self.loaded is not None:
+            return self.verified(first, start, self.loaded[start:start + want], off, size)
+        return first, start, want, size
+
+    def verified(self, first: int, start: int, data: bytes | bytearray | memoryview, off: int,
+                 size: int) -> bytes | memoryview:
+        """Payload ``[off, off+size)`` out of ``data`` (whole blocks from block ``first``, at
+        payload offset ``start``), once every block passed its checksum (CorruptionError if
+        one does not)."""
+        self.header.check_blocks(first, data)
+        if start == off and len(data) == size and not isinstance(data, bytearray):
             return data
         return memoryview(data)[off - start:off - start + size]
 
@@ -119,17 +140,21 @@ class ForeignEntry(Exception):
     stands where a store file should be."""
 
 
+OPEN_FLAGS = os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK  # see open_regular
+FOREIGN_ERRNOS = (errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.EOPNOTSUPP)  # a link, a directory, a socket
+
+
 def open_regular(path: str, flags: int = os.O_RDONLY) -> int | None:
     """A descriptor of the regular file ``path`` names, never following a symbolic link and
     never blocking (a FIFO's open would); None when it is absent. ForeignEntry for anything
     else, so no hostile entry in the store can hang a request or lead outside the store."""
     try:
-        fd = os.open(path, flags | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = os.open(path, flags | OPEN_FLAGS)
     except FileNotFoundError:
         return None
     except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.EOPNOTSUPP):
-            raise ForeignEntry(path) from None  # a link, a directory, a socket
+        if exc.errno in FOREIGN_ERRNOS:
+            raise ForeignEntry(path) from None
         raise
     if not stat_mod.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
@@ -369,23 +394,38 @@ class BlobStore:
         try:
             fd = open_regular(path)
         except ForeignEntry:
-            if self.writable:
-                remove_entry(path)  # foreign: absent, so the blob re-faults and can be stored
+            self.drop_foreign(path)
             return None
         if fd is None:
             return None
-        loaded: memoryview | None = None
         try:
             st = os.fstat(fd)
+            loaded: memoryview | None = None
             if whole and HEADER_LEN <= st.st_size <= HEADER_LEN + WHOLE_READ_MAX:
                 raw = pread_full(fd, st.st_size, 0)
-                if len(raw) != st.st_size:
-                    raise CorruptionError(f"{path} is shorter than it was a moment ago")
-                head = bytes(raw[:HEADER_LEN])
-                loaded = raw[HEADER_LEN:]
+                head: bytes | bytearray | memoryview = raw[:HEADER_LEN]
+                loaded = raw[HEADER_LEN:] if len(raw) == st.st_size else None
+                if loaded is None:
+                    head = b""  # shorter than it was a moment ago: torn
             else:
                 head = os.pread(fd, HEADER_LEN, 0)
-            header = decode_header(head, file_size=st.st_size)
+        except BaseException:
+            os.close(fd)
+            raise
+        return self.accept_blob(fd, st, head, tag, name, source_version=source_version,
+                                loaded=loaded)
+
+    def accept_blob(self, fd: int, st: os.stat_result, head: bytes | bytearray | memoryview,
+                    tag: str, name: str, *, source_version: str | None = None,
+                    loaded: memoryview | None = None) -> OpenBlob | None:
+        """The blob file open as ``fd`` (``st``: its ``fstat``; ``head``: its first
+        ``HEADER_LEN`` bytes, fewer when it is shorter) as an OpenBlob, when its header
+        verifies and names blob ``name`` of ``tag`` staged from ``source_version``.
+        Otherwise ``fd`` is closed, a damaged or stale clean file deleted, and None returned;
+        CorruptionError for a damaged dirty one (as ``open_blob``)."""
+        path = self.blob_path(tag, name)
+        try:
+            header = decode_header(bytes(head), file_size=st.st_size)
             if header.tag != tag or header.name != name:
                 raise CorruptionError(f"{path} holds blob {header.name!r} of tag {header.tag!r}")
         except CorruptionError:
@@ -401,6 +441,12 @@ class BlobStore:
             self._discard(path, st.st_ino)  # stale: staged from another version of the source
             return None
         return OpenBlob(fd, header, loaded, st.st_ino)
+
+    def drop_foreign(self, path: str) -> None:
+        """Something other than a regular file stands where a blob file should: it is absent
+        (removed, so the blob re-faults and can be stored)."""
+        if self.writable:
+            remove_entry(path)
 
     def discard_damaged(self, tag: str, name: str, *, ino: int | None = None) -> bool:
         """Delete a blob that failed verification — unless it is dirty (user data), which
@@ -427,12 +473,16 @@ class BlobStore:
             raise
         return True
 
-    def read(self, tag: str, name: str, *, source_version: str | None = None) -> bytes | None:
-        """The whole verified payload of a blob, or None."""
+    def read(self, tag: str, name: str, *, max_len: int = MAX_PAYLOAD,
+             source_version: str | None = None) -> bytes | None:
+        """The whole verified payload of a blob, or None (also when its header claims more
+        than ``max_len`` bytes: the caller's own limit, so a hostile length is never
+        allocated)."""
         blob = self.open_blob(tag, name, source_version=source_version, whole=True)
         if blob is None:
             return None
         try:
+            _check_len(blob, max_len)
             return blob.pread(blob.header.payload_len, 0)
         except CorruptionError:
             self.discard_damaged(tag, name, ino=blob.ino)
@@ -440,13 +490,16 @@ class BlobStore:
         finally:
             blob.close()
 
-    def read_with_mtime(self, tag: str, name: str) -> tuple[bytes, int] | None:
+    def read_with_mtime(self, tag: str, name: str, *, max_len: int = MAX_PAYLOAD
+                        ) -> tuple[bytes, int] | None:
         """The whole verified payload of a blob and its file's mtime (ns), or None when it is
-        absent. CorruptionError for a damaged dirty blob (a damaged clean one is dropped)."""
+        absent. CorruptionError for a damaged dirty blob (a damaged clean one is dropped),
+        and for one whose header claims more than ``max_len`` bytes."""
         blob = self.open_blob(tag, name)
         if blob is None:
             return None
         try:
+            _check_len(blob, max_len)
             mtime_ns = os.fstat(blob.fd).st_mtime_ns
             return blob.pread(blob.header.payload_len, 0) or b"", mtime_ns
         except CorruptionError:
@@ -556,3 +609,9 @@ def _unlink_quietly(path: str) -> None:
         os.unlink(path)
     except OSError:
         pass
+
+
+def _check_len(blob: OpenBlob, max_len: int) -> None:
+    if blob.header.payload_len > max_len:
+        raise CorruptionError(f"blob {blob.header.name} of tag {blob.header.tag} claims "
+                              f"{blob.header.payload_len} bytes, over its limit of {max_len}")

@@ -9,10 +9,14 @@ Invariants:
 - A read is served only from a blob file whose header matched its tag, name and source
   version and whose blocks verified in the same read; a torn, foreign or stale clean blob is
   dropped and reported as a miss (the engine re-faults it). A damaged dirty blob raises EIO.
-- Small reads (``--inline-read-kb``) of staged blobs run on the serving thread — a few blocks
-  off the local disk cost less than a trip to the I/O pool (docs/decisions.md); a read of
-  bytes already in the page cache (``RWF_NOWAIT``) never blocks it; everything else runs on
-  the I/O pool.
+- Staged reads up to ``RING_READ`` go through io_uring from the serving thread
+  (``tiers/uring.py``): a miss of the page cache waits for the disk without blocking the
+  thread and without a trip to the I/O pool, so the disk reads of concurrent readers overlap.
+  When the thread has nothing else to do (no FUSE request waiting, no ring read in flight), a
+  small read (``--inline-read-kb``) blocks it instead: one disk read then costs less than a
+  ring entry's wake-ups. Without a ring (``FAULTFS_URING=0``, an old kernel) small reads block
+  the thread as before (a read of bytes in the page cache, ``RWF_NOWAIT``, never does), and
+  with ``--inline-read-kb 0`` every staged read goes to the I/O pool.
 - A blob file is never closed while a read of it is in flight.
 - Dirty blobs (user data) are never evicted or replaced by a fault.
 """
@@ -23,22 +27,33 @@ import collections
 import errno
 import functools
 import logging
+import os
 import resource
+import stat as stat_mod
 from dataclasses import dataclass
 
+from faultfs.buffers import alloc
 from faultfs.errors import CorruptionError, FaultfsError, StoreFull
 from faultfs.iopool import IoPool
 from faultfs.stats import Stats
-from faultfs.store.blobfile import FLAG_NO_FAULT, HEADER_LEN
-from faultfs.store.blobstore import BlobStore, OpenBlob
+from faultfs.store.blobfile import FLAG_NO_FAULT, HEADER_LEN, block_size_for, block_span
+from faultfs.store.blobstore import FOREIGN_ERRNOS, OPEN_FLAGS, SMALL_READ, BlobStore, OpenBlob
+from faultfs.tiers import uring
 from faultfs.tiers.base import BlobKey, Buffer, Capacity, StoreOutcome, TierTag
 from faultfs.tiers.policy import StorePolicy
+from faultfs.tiers.uring import RingReader
 
 log = logging.getLogger("faultfs.tiers")
 
 # Store files kept open for hits (about 1.3 KB each): a random reader of staged blobs then
 # skips the open and the header read. At most a quarter of the descriptor limit.
 OPEN_BLOB_CACHE = 8192
+# Staged reads up to this go through io_uring. Larger ones go to the I/O pool: there the
+# checksums of a 1 MiB read (~0.2 ms) overlap the serving thread's 1 MiB replies, which on the
+# ring would wait for them (seq warm halved, docs/benchmarks.md "Staged reads").
+RING_READ = 256 << 10
+CACHED_MOSTLY = 0.5  # share of recent reads found in the page cache above which ...
+PROBE_EVERY = 16  # ... reads try RWF_NOWAIT first; below it, one read in this many does
 
 
 class StagedSet:
@@ -77,16 +92,26 @@ class LocalTier:
     name = "local"
 
     def __init__(self, store: BlobStore, policy: StorePolicy, pool: IoPool, stats: Stats, *,
-                 inline_read: int) -> None:
+                 inline_read: int, ring: str = "on", ring_read: int = RING_READ
+                 ) -> None:
         self.store = store
         self.policy = policy
         self.pool = pool
         self.stats = stats
         self.inline_read = inline_read
+        # staged reads up to ring_read through io_uring: Config.uring ("on", "always", "off")
+        self.use_ring = ring != "off"
+        # "on": a small read the serving thread can afford to block on takes the blocking path
+        self.block_when_idle = ring != "always"
+        self.ring_read = ring_read
+        self._reader: RingReader | None = None
+        self._idle = uring.IdleProbe()
+        self._cached_score = 0.0  # moving share of probed ring reads the page cache had
+        self._probe = PROBE_EVERY
         self._tags: dict[int, TierTag] = {}
         self._staged: dict[int, StagedSet] = {}
         self._open: collections.OrderedDict[BlobKey, OpenBlob] = collections.OrderedDict()
-        self._in_use: collections.Counter[BlobKey] = collections.Counter()
+        self._in_use: dict[BlobKey, int] = {}
         self._pinned: set[BlobKey] = set()  # clean bases of dirty blobs: never evicted
         self._open_cap = open_cap()
 
@@ -171,16 +196,25 @@ class LocalTier:
     async def get(self, key: BlobKey, off: int, size: int) -> Buffer | None:
         """Bytes of a staged blob, verified block by block; None when it turned out torn,
         foreign or stale (it is dropped and the caller re-faults it)."""
-        if not self.contains(key):
+        staged = self._staged.get(key[0])
+        if staged is None or key[1] not in staged:
             return None
-        tag = self._tags[key[0]]
-        name = tag.blob_name(key[1])
+        ring = self._ring() if self.inline_read and size <= self.ring_read else None
+        if (ring is not None and self.block_when_idle and size <= self.inline_read
+                and not ring.in_flight and self._idle.idle()):
+            ring = None  # nothing else to do meanwhile: one blocking read costs less
         blob = self._open.get(key)
         first_read: Buffer | CorruptionError | None = None
         if blob is None:
+            tag = self._tags[key[0]]
             try:  # open and first read together
-                blob, first_read = await self._store_read(size, self._open_and_read,
-                                                          tag, name, size, off, False)
+                if ring is not None:
+                    blob, first_read = await self._ring_open_and_read(ring, tag, key[1],
+                                                                      size, off)
+                else:
+                    blob, first_read = await self._store_read(
+                        size, self._open_and_read, tag, tag.blob_name(key[1]), size, off,
+                        False)
             except CorruptionError as exc:
                 raise FaultfsError(str(exc), errno.EIO) from None
             if blob is None:
@@ -192,35 +226,145 @@ class LocalTier:
             else:
                 self._open[key] = blob
                 self._trim_open()
-        self._open.move_to_end(key)
+        else:
+            self._open.move_to_end(key)
         self.policy.touch(key)
-        self._in_use[key] += 1
+        in_use = self._in_use
+        in_use[key] = in_use.get(key, 0) + 1
         try:
-            if isinstance(first_read, CorruptionError):
-                raise first_read
             if first_read is not None:
+                if isinstance(first_read, CorruptionError):
+                    raise first_read
                 return first_read
+            if ring is not None:
+                return await self._ring_read(ring, blob, size, off)
             data = blob.pread_view(size, off, nowait=True)  # never blocks: page-cache hits only
             if data is None:
                 data = await self._store_read(size, blob.pread_view, size, off)
             return data
         except CorruptionError as exc:
+            tag = self._tags[key[0]]
             log.warning("tag %s: %s", tag.name, exc)
             self._drop_open(key)
             try:
-                removed = await self.pool.run(
-                    functools.partial(self.store.discard_damaged, tag.name, name, ino=blob.ino))
+                removed = await self.pool.run(functools.partial(
+                    self.store.discard_damaged, tag.name, tag.blob_name(key[1]), ino=blob.ino))
             except CorruptionError as dirty:
                 raise FaultfsError(str(dirty), errno.EIO) from None
             if removed:  # else a reader that found it too dropped it (and may have re-faulted)
                 self._unstage(key)
             return None
         finally:
-            self._in_use[key] -= 1
-            if not self._in_use[key]:
-                del self._in_use[key]
+            left = in_use[key] - 1
+            if left:
+                in_use[key] = left
+            else:
+                del in_use[key]
                 if key not in self._open:
                     blob.close()
+
+    # -- reads through io_uring (tiers/uring.py) ---------------------------------------------
+
+    def _ring(self) -> RingReader | None:
+        """The ring of the running trio run, made on first use; None where it cannot be
+        used (off, unavailable, broken, or another run or thread)."""
+        reader = self._reader
+        if reader is not None and reader.usable():
+            return reader
+        if not self.use_ring:
+            return None
+        if reader is not None:
+            if not reader.closed and not reader.run_over():
+                return None  # another run, on another thread, still has it: blocking path
+            reader.close()
+            self._reader = None
+            if reader.broken:
+                self.use_ring = False
+                return None
+        ring = uring.open_ring()
+        if ring is None:
+            self.use_ring = False
+            return None
+        self._reader = RingReader(ring)
+        return self._reader
+
+    async def _ring_read(self, ring: RingReader, blob: OpenBlob, size: int, off: int
+                         ) -> Buffer:
+        """Payload ``[off, off+size)`` of an open blob read through the ring, verified."""
+        plan = blob.span(size, off)
+        if not isinstance(plan, tuple):
+            return plan
+        first, start, want, size = plan
+        self._probe -= 1
+        if self._cached_score >= CACHED_MOSTLY or self._probe <= 0:
+            # reads were mostly page-cache hits lately (or it is time to look again): a
+            # RWF_NOWAIT read costs less than a ring entry, and on a miss it has started the
+            # disk read that the ring entry then waits for
+            data = blob.pread_view(size, off, nowait=True)
+            self._probe = PROBE_EVERY
+            self._cached_score += ((data is not None) - self._cached_score) / 8
+            if data is not None:
+                return data
+        buf = bytearray(want) if want < SMALL_READ else alloc(want)
+        self.stats.add("ring_reads")
+        got = await ring.read(blob.fd, buf, HEADER_LEN + start)
+        if got != want:
+            raise CorruptionError(f"blob {blob.header.name} of tag {blob.header.tag} is "
+                                  "truncated")
+        return blob.verified(first, start, buf, off, size)
+
+    async def _ring_open_and_read(self, ring: RingReader, tag: TierTag, index: int, size: int,
+                                  off: int
+                                  ) -> tuple[OpenBlob | None, Buffer | CorruptionError | None]:
+        """As ``_open_and_read``, through the ring: the open, then the header and the blocks
+        the read needs (where a blob of the tag keeps them) read together."""
+        name = tag.blob_name(index)
+        path = self.store.blob_path(tag.name, name)
+        self.stats.add("ring_reads")
+        try:
+            fd = await ring.openat(path, os.O_RDONLY | OPEN_FLAGS)
+        except FileNotFoundError:
+            return None, None
+        except OSError as exc:
+            if exc.errno not in FOREIGN_ERRNOS:
+                raise
+            self.store.drop_foreign(path)
+            return None, None
+        try:
+            st = os.fstat(fd)
+            if not stat_mod.S_ISREG(st.st_mode):
+                os.close(fd)
+                self.store.drop_foreign(path)
+                return None, None
+            head = bytearray(HEADER_LEN)
+            bufs, offs = [head], [0]
+            guess = None
+            stored = tag.blob_size
+            if 0 <= off < stored and size > 0 and st.st_size == HEADER_LEN + stored:
+                guess = block_span(block_size_for(stored), stored, off, size)
+                bufs.append(bytearray(guess[2]))
+                offs.append(HEADER_LEN + guess[1])
+            got = await ring.read_many(fd, bufs, offs)
+        except BaseException:
+            os.close(fd)
+            raise
+        blob = self.store.accept_blob(fd, st, memoryview(head)[:got[0]], tag.name, name,
+                                      source_version=tag.version)
+        if blob is None:
+            return None, None
+        try:
+            plan = blob.span(size, off)
+            if not isinstance(plan, tuple):
+                return blob, plan
+            first, start, want, size = plan
+            if guess is not None and guess[1:] == (start, want) and got[1] == want:
+                return blob, blob.verified(first, start, bufs[1], off, size)
+            return blob, await self._ring_read(ring, blob, size, off)
+        except CorruptionError as exc:
+            return blob, exc
+        except BaseException:
+            blob.close()
+            raise
 
     async def load(self, key: BlobKey) -> Buffer | None:
         if not self.contains(key):
@@ -380,6 +524,9 @@ class LocalTier:
         self._open_cap = open_cap()
 
     def close(self) -> None:
+        if self._reader is not None:
+            self._reader.close()  # waits for reads in flight: their blobs are still open
+            self._reader = None
         for blob in self._open.values():
             blob.close()
         self._open.clear()
