@@ -157,7 +157,7 @@ def test_huge_length_gives_exact_error():
     raw = bytearray(header)
     raw[16:24] = struct.pack("<Q", 2**64 - 1)
     raw[4088:] = xxhash.xxh3_64_intdigest(bytes(raw[:4088])).to_bytes(8, "little")
-    with pytest.raises(CorruptionError, match="stored length"):
+    with pytest.raises(CorruptionError, match="payload length 18446744073709551615 is over the limit"):
         decode_header(bytes(raw), file_size=HEADER_LEN + 4)
 
 
@@ -234,3 +234,56 @@ def test_a_whole_read_of_a_file_cut_short_meanwhile_is_not_served(store, monkeyp
     monkeypatch.setattr(blobstore_mod, "pread_full",
                         lambda fd, size, off: real(fd, size - 16384 * 32, off))
     assert store.open_blob("t", "b", whole=True) is None
+
+
+def _zero_blob_claiming(tag: str, name: str, length: int) -> bytes:
+    """An all-zero blob's header (no payload stored, only its length) claiming ``length``."""
+    head, stored = encode_header(tag, name, bytes(100), flags=FLAG_NO_FAULT)
+    assert not stored
+    raw = bytearray(head)
+    struct.pack_into("<Q", raw, 16, length)
+    struct.pack_into("<Q", raw, 4088, xxhash.xxh3_64_intdigest(bytes(raw[:4088])))
+    return bytes(raw)
+
+
+@pytest.mark.parametrize("length", [2**64 - 1, 2**63, (1 << 30) + 1])
+def test_an_all_zero_blob_claiming_an_absurd_length_is_damaged(tmp_path, length):
+    raw = _zero_blob_claiming("tag", "chunk_0", length)
+    with pytest.raises(CorruptionError, match="over the limit"):
+        decode_header(raw, file_size=len(raw))
+    store = BlobStore(str(tmp_path / "s"))
+    path = store.blob_path("tag", "chunk_0")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(raw)
+    assert store.read("tag", "chunk_0") is None  # absent, never an allocation of its length
+    assert not os.path.exists(path), "a damaged clean blob is dropped"
+
+
+def test_a_read_is_held_to_its_callers_limit(tmp_path):
+    store = BlobStore(str(tmp_path / "s"))
+    store.put("tag", "zeros", bytes(3 << 20), flags=FLAG_NO_FAULT)  # stored as a length only
+    store.put("tag", "mine", bytes(3 << 20), flags=FLAG_DIRTY)
+    assert store.read("tag", "zeros", max_len=4 << 20) == bytes(3 << 20)
+    assert store.read("tag", "zeros", max_len=1 << 20) is None
+    with pytest.raises(CorruptionError, match="dirty blob mine of tag tag is damaged"):
+        store.read_with_mtime("tag", "mine", max_len=1 << 20)
+    assert store.read("tag", "mine") == bytes(3 << 20), "a dirty blob is kept"
+
+
+def test_a_registry_entry_claiming_two_to_the_64_bytes_is_a_problem_not_a_failed_mount(tmp_path):
+    from faultfs.core.context import REGISTRY_TAG, FaultContext
+    from faultfs.store.registry import Registry, RegistryProblem
+
+    store = BlobStore(str(tmp_path / "s"))
+    good = FaultContext("/d/f.bin", "f", chunk_size=1 << 20)
+    Registry(store).put(good)
+    bad_key = "fault:0123456789abcdef"
+    for length in (2**64 - 1, 2 << 20):  # absurd, and under the blob limit but over an entry's
+        path = store.blob_path(REGISTRY_TAG, bad_key)
+        with open(path, "wb") as f:
+            f.write(_zero_blob_claiming(REGISTRY_TAG, bad_key, length))
+        items = list(Registry(store).entries())
+        problems = [i for i in items if isinstance(i, RegistryProblem)]
+        assert [p.key for p in problems] == [bad_key]
+        assert [i[0] for i in items if not isinstance(i, RegistryProblem)] == [good.key]

@@ -21,12 +21,7 @@ pytestmark = [pytest.mark.mount, pytest.mark.slow]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # pattern of a failure line of the table -> the defect it shows (docs/reliability.md)
-KNOWN_DEFECTS = {
-    r"^(blob header and file|registry entry): (OverflowError|MemoryError|Finding: one call "
-    r"allocated)":
-        "an all-zero blob's payload_len is trusted: BlobStore.read allocates it (a 4 KiB "
-        "registry entry claiming 2**64-1 bytes fails every remount with OverflowError)",
-}
+KNOWN_DEFECTS: dict[str, str] = {}  # pattern of a failure line -> the defect it is
 
 
 def _mounted_under(path: str) -> list[str]:

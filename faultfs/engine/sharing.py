@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from urllib.parse import quote
 
 from faultfs.core.context import FaultContext, is_fault_key
-from faultfs.core.pagemap import parse
+from faultfs.core.pagemap import MAX_PAGEMAP_TEXT, parse
 from faultfs.errors import FaultfsError, InvalidInput
 from faultfs.sources.secrets import display_url
 from faultfs.store.blobfile import FLAG_DIRTY
@@ -194,7 +194,7 @@ class SharedRegistry:
             registry.put(entry.ctx)
             if entry.state is not None and local is None:
                 write_tag_state(store, tag, entry.state)
-            if entry.pagemap is not None and store.read(tag, PAGEMAP_BLOB) is None:
+            if entry.pagemap is not None and store.read(tag, PAGEMAP_BLOB, max_len=MAX_PAGEMAP_TEXT) is None:
                 store.put(tag, PAGEMAP_BLOB, entry.pagemap, flags=FLAG_DIRTY, durable=True)
             imported.append(tag)
         return imported

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from faultfs.core.context import REGISTRY_TAG, FaultContext, is_fault_key
+from faultfs.core.context import MAX_CONTEXT_BYTES, REGISTRY_TAG, FaultContext, is_fault_key
 from faultfs.errors import InvalidInput
 from faultfs.store.blobfile import FLAG_NO_FAULT
 from faultfs.store.blobstore import BlobStore
@@ -48,7 +48,7 @@ class Registry:
         for key in sorted(self.store.list_blobs(REGISTRY_TAG)):
             if not is_fault_key(key):
                 continue
-            data = self.store.read(REGISTRY_TAG, key)
+            data = self.store.read(REGISTRY_TAG, key, max_len=MAX_CONTEXT_BYTES)
             if data is None:
                 yield RegistryProblem(key, "damaged")
                 continue

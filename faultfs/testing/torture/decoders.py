@@ -37,6 +37,7 @@ from faultfs.store.registry import Registry, RegistryProblem
 from faultfs.store.tagstate import TagState, read_tag_state
 
 MAX_INPUT = 1 << 16  # inputs are cut to this: big enough for every header, small enough to be fast
+READ_BOUND = 1 << 20  # the store reads a fuzzed blob with a caller's limit, as its callers do
 
 
 BLOB_FIELDS = [8, 10, 12, 16, 24, 32, 40, 42, 44, 46, 48, 52, 56, 2048, 4088]  # blobfile.py
@@ -190,7 +191,7 @@ class BlobFile(Target):
         with open(path, "wb") as f:
             f.write(data)
         try:
-            payload = store.read("t", "b")
+            payload = store.read("t", "b", max_len=READ_BOUND)
         except FaultfsError:
             if header is None or not header.dirty:
                 raise Finding("a damaged clean blob raised instead of reading as absent") from None
