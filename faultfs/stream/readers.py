@@ -15,6 +15,11 @@ Invariants:
   ``(row_group_idx, row_offset)`` opens that row group and skips ``row_offset`` rows; a row
   group already fully consumed is skipped from the footer alone. A block keeps its Arrow
   record batch; the rows as dicts are only made when asked for.
+- A partitioned reader reads only its part of a shard (``faultfs.stream.partition``): the
+  lines that start in its byte ranges (a range that starts mid-line begins at the next line
+  start; a line that straddles a range's end is read whole, by the range it starts in), and
+  the rows of the row groups whose start lies in its ranges. Every record of a shard is in
+  exactly one reader's part, whatever the ranges.
 - ``global_start`` counts raw records before the block: every record, duplicates included.
 """
 
@@ -24,6 +29,7 @@ import base64
 import datetime
 import decimal
 import json
+from collections import deque
 from operator import itemgetter
 from typing import Any
 
@@ -35,6 +41,8 @@ from faultfs.stream.shards import Shard
 LINE_BLOCK = 4 << 20  # large enough that a range request costs far less than its transfer
 FIRST_READ = 256 << 10  # the first read after opening a shard: a (re)started stream's first
 # batch waits for one small read and its parse, not 4 MiB; reads then grow 4x up to LINE_BLOCK
+TAIL_READ = 64 << 10  # past the end of a partitioned reader's range only the line straddling
+# it is read, in reads of this size
 PARQUET_BLOCK_ROWS = 65536  # rows decoded per block; bounds memory on huge row groups
 _NL, _CR = 0x0A, 0x0D
 
@@ -168,40 +176,101 @@ def row_bytes(row: dict[str, Any]) -> bytes:
     ).encode("utf-8")
 
 
+LineRange = tuple[int, "int | None", bool]  # start, stop (None: the shard's end), exact
+
+
+def _check_size(shard: Shard, file: Any, expected: int | None) -> None:
+    if expected is not None and file.size != expected:
+        raise SourceError(
+            f"{shard.url}: shard is {file.size} bytes, but the stream's partition was made "
+            f"when it was {expected} (the sources changed; a stream must resume over the "
+            "same bytes)"
+        )
+
+
 class LineShardReader:
-    """Blocks of lines of one .jsonl/.txt shard, from ``start_offset``."""
+    """Blocks of lines of one .jsonl/.txt shard: from ``start_offset``, or over ``ranges``
+    (a partitioned reader's part of the shard): the records that *start* in each
+    ``[start, stop)``, in order. A range that is not ``exact`` (``start`` not known to be a
+    line start) begins at the first line start at or after ``start``: one byte before it is
+    read, and everything up to the next ``\\n``. Reads stop at ``stop``, then only the line
+    that straddles it is read to its end (``TAIL_READ`` at a time)."""
 
     def __init__(
-        self, shard: Shard, shard_id: int, start_offset: int, global_start: int
+        self,
+        shard: Shard,
+        shard_id: int,
+        start_offset: int,
+        global_start: int,
+        *,
+        ranges: list[LineRange] | None = None,
+        expected_size: int | None = None,
     ) -> None:
         self._shard = shard
         self._shard_id = shard_id
         self._file = shard.open()
+        self._global = global_start
+        self._ranges = deque(ranges if ranges is not None else [(start_offset, None, True)])
+        self._offset = 0  # file offset of the first byte of ``_carry`` (a line start)
+        self._carry = b""  # an incomplete last line waiting for the next read
+        self._stop: int | None = None  # records must start before it
+        self._skip = False  # drop bytes through the next "\n" first (a range's inexact start)
+        self._eof = False
+        self._done = True  # the current range has no more records
+        self._read_size = min(FIRST_READ, LINE_BLOCK)
         try:
-            if start_offset:
-                self._file.seek(start_offset)
+            _check_size(shard, self._file, expected_size)
+            self._start_range()
         except BaseException:
             self._file.close()
             raise
-        self._offset = start_offset  # file offset of the first byte of ``_carry``
-        self._carry = b""  # an incomplete last line waiting for the next read
-        self._global = global_start
-        self._eof = False
+
+    def _start_range(self) -> bool:
+        if not self._ranges:
+            return False
+        start, stop, exact = self._ranges.popleft()
+        self._skip = not exact and start > 0
+        pos = start - 1 if self._skip else start
+        if pos != self._file.tell():
+            self._file.seek(pos)
+        self._offset, self._carry, self._stop = pos, b"", stop
+        self._eof = self._done = False
         self._read_size = min(FIRST_READ, LINE_BLOCK)
+        return True
 
     def _read(self) -> bytes:
         size = self._read_size
         self._read_size = min(size * 4, LINE_BLOCK)
+        if self._stop is not None:
+            pos = self._offset + len(self._carry)
+            size = min(size, self._stop - pos) if pos < self._stop else min(size, TAIL_READ)
         try:
             return self._file.read(size)
         except OSError as err:
             raise SourceError(f"{self._shard.url}: read failed at {self._offset}: {err}") from err
 
     def next_block(self) -> RecordBlock | None:
-        while not self._eof:
+        while True:
+            if self._done:
+                if not self._start_range():
+                    return None
+                continue
+            if self._eof or (
+                self._stop is not None and not self._skip and self._offset >= self._stop
+            ):
+                self._done = True  # the next line starts at or past the range's end
+                continue
             data = self._read()
             if data:
                 buf = self._carry + data if self._carry else data
+                if self._skip:
+                    nl = buf.find(b"\n")
+                    self._offset += len(buf) if nl < 0 else nl + 1
+                    if nl < 0:
+                        continue
+                    buf, self._skip = buf[nl + 1 :], False
+                    if not buf:
+                        continue
                 cut = buf.rfind(b"\n") + 1
                 if cut == 0:
                     self._carry = buf  # a line longer than a block: keep reading
@@ -210,13 +279,12 @@ class LineShardReader:
                 block = self._block(buf, cut, terminated=True)
             else:
                 self._eof = True
-                if not self._carry:
-                    return None
+                if self._skip or not self._carry:
+                    continue
                 buf, self._carry = self._carry, b""
                 block = self._block(buf, len(buf), terminated=False)
             if block is not None:
                 return block
-        return None
 
     def _block(self, buf: bytes, cut: int, *, terminated: bool) -> RecordBlock | None:
         """The records of ``buf[:cut]``: whole lines, or one last line without a terminator."""
@@ -238,6 +306,10 @@ class LineShardReader:
             starts, stops, ends = starts[keep], stops[keep], ends[keep]
         offset = self._offset
         self._offset += cut
+        if self._stop is not None and ends.size and starts[-1] >= self._stop - offset:
+            k = int(np.searchsorted(starts, self._stop - offset))  # the records of this range
+            starts, stops, ends = starts[:k], stops[:k], ends[:k]
+            self._done = True
         if not ends.size:
             return None
         block = RecordBlock(
@@ -259,38 +331,107 @@ class LineShardReader:
         self._file.close()
 
 
+def row_group_positions(meta: Any) -> list[int]:
+    """Where each row group of a Parquet file starts (its first column chunk's first page),
+    made strictly increasing (a group that starts at or before the previous one is placed one
+    byte after it), so positions sort row groups in file order. The partition key of a row is
+    ``(shard, position of its group, row in the group)``."""
+    out: list[int] = []
+    prev = -1
+    for g in range(meta.num_row_groups):
+        rg = meta.row_group(g)
+        starts = []
+        for c in range(rg.num_columns):
+            col = rg.column(c)
+            page = col.dictionary_page_offset if col.has_dictionary_page else None
+            page = page or col.data_page_offset
+            if page is not None:
+                starts.append(int(page))
+        start = min(starts) if starts else prev + 1
+        prev = start if start > prev else prev + 1
+        out.append(prev)
+    return out
+
+
+Piece = tuple[tuple[int, int], "tuple[int, int] | None"]  # [(pos, row), (pos, row) or None)
+
+
 class ParquetShardReader:
-    """Blocks of rows of one .parquet shard, from ``(row_group_idx, row_offset)``."""
+    """Blocks of rows of one .parquet shard, from ``(row_group_idx, row_offset)``; with
+    ``pieces`` (a partitioned reader's part, in partition keys) only the rows whose key
+    ``(position of the row group, row)`` falls in a piece. Which rows of which group are read
+    is decided from the footer alone: a group with nothing left to read is never opened."""
 
     def __init__(
-        self, shard: Shard, shard_id: int, row_group_idx: int, row_offset: int, global_start: int
+        self,
+        shard: Shard,
+        shard_id: int,
+        row_group_idx: int,
+        row_offset: int,
+        global_start: int,
+        *,
+        pieces: list[Piece] | None = None,
+        expected_size: int | None = None,
     ) -> None:
         pq = import_parquet()
         self._shard = shard
         self._shard_id = shard_id
         self._file = shard.open()
         try:
-            self._pf = pq.ParquetFile(self._file)
-        except Exception as err:
+            _check_size(shard, self._file, expected_size)
+            try:
+                self._pf = pq.ParquetFile(self._file)
+            except Exception as err:
+                raise SourceError(f"{shard.url}: not a readable Parquet file: {err}") from err
+        except BaseException:
             self._file.close()
-            raise SourceError(f"{shard.url}: not a readable Parquet file: {err}") from err
+            raise
+        self._start = (row_group_idx, row_offset)
+        self._pieces = pieces
+        self._segments: deque[tuple[int, int, int | None]] | None = None  # (group, lo, hi)
         self._group = row_group_idx
         self._row = row_offset  # rows of the current group already consumed
+        self._stop_row = 0  # rows of the current group to consume
         self._batches: Any = None
         self._skip = 0  # rows still to skip at the start of the open row group
         self._global = global_start
 
-    def next_block(self) -> RecordBlock | None:
+    def _plan(self) -> deque[tuple[int, int, int | None]]:
         meta = self._pf.metadata
-        while self._group < meta.num_row_groups:
-            if self._batches is None:
-                if self._row >= meta.row_group(self._group).num_rows:
-                    self._group, self._row = self._group + 1, 0  # consumed: footer says so
+        g0, r0 = self._start
+        if self._pieces is None:
+            return deque((g, r0 if g == g0 else 0, None) for g in range(g0, meta.num_row_groups))
+        segments: deque[tuple[int, int, int | None]] = deque()
+        for g, pos in enumerate(row_group_positions(meta)):
+            if g < g0:
+                continue
+            n = meta.row_group(g).num_rows
+            for (a_pos, a_row), b in self._pieces:
+                if a_pos > pos or (b is not None and b[0] < pos):
                     continue
+                lo = a_row if a_pos == pos else 0
+                hi = n if b is None or b[0] > pos else min(b[1], n)
+                if g == g0:
+                    lo = max(lo, r0)
+                if lo < hi:
+                    segments.append((g, lo, hi))
+        return segments
+
+    def next_block(self) -> RecordBlock | None:
+        if self._segments is None:
+            self._segments = self._plan()
+        meta = self._pf.metadata
+        while self._batches is not None or self._segments:
+            if self._batches is None:
+                g, lo, hi = self._segments.popleft()
+                n = meta.row_group(g).num_rows
+                hi = n if hi is None else min(hi, n)
+                if lo >= hi:
+                    continue  # consumed: the footer says so
                 self._batches = self._pf.iter_batches(
-                    batch_size=PARQUET_BLOCK_ROWS, row_groups=[self._group], use_threads=False
+                    batch_size=PARQUET_BLOCK_ROWS, row_groups=[g], use_threads=False
                 )
-                self._skip = self._row
+                self._group, self._row, self._skip, self._stop_row = g, lo, lo, hi
             for batch in self._batches:
                 if self._skip >= batch.num_rows:
                     self._skip -= batch.num_rows
@@ -298,6 +439,8 @@ class ParquetShardReader:
                 if self._skip:
                     batch = batch.slice(self._skip)
                     self._skip = 0
+                if batch.num_rows > self._stop_row - self._row:
+                    batch = batch.slice(0, self._stop_row - self._row)
                 if not batch.num_rows:
                     continue
                 ends = np.arange(self._row + 1, self._row + 1 + batch.num_rows, dtype=np.int64)
@@ -312,9 +455,10 @@ class ParquetShardReader:
                 )
                 self._row += block.count
                 self._global += block.count
+                if self._row >= self._stop_row:
+                    self._batches = None  # the rest of the group is not this reader's
                 return block
             self._batches = None
-            self._group, self._row = self._group + 1, 0
         return None
 
     def close(self) -> None:

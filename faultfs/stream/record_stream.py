@@ -23,6 +23,11 @@ Invariants:
   the GIL, so the parse of block k+1 overlaps the consumer and the dedup of block k). Only the
   worker touches the reader while a read-ahead is in flight; its errors are raised when the
   stream reaches that block, as without read-ahead; ``close`` waits for it.
+- A partitioned stream (``rank``/``world_size``, ``worker``/``num_workers``) is one reader of
+  a partition (``faultfs.stream.partition``): it reads only the shards that hold its records,
+  only its records in them, in the same order, and keeps its own state file; with dedup it
+  also skips the hashes carried from before the last repartition. Everything above holds per
+  reader; dedup is per reader (two readers both deliver a record that is in both parts).
 - An error while reading a block (a failed read, a malformed record) ends the stream object:
   records already taken for the unfinished batch would otherwise be lost, so later calls
   refuse; reopening from the checkpoint continues from the last commit.
@@ -31,6 +36,7 @@ Invariants:
 from __future__ import annotations
 
 import os
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -45,9 +51,17 @@ from faultfs.errors import InvalidInput
 from faultfs.store.metadata import DualMetadataManager
 from faultfs.stream.columns import block_table, concat, import_arrow
 from faultfs.stream.delivered import DeliveredHashes, first_occurrences
+from faultfs.stream.partition import (
+    ReaderPlan,
+    load_base,
+    plan_reader,
+    shard_pieces,
+)
 from faultfs.stream.readers import (
+    LineRange,
     LineShardReader,
     ParquetShardReader,
+    Piece,
     RecordBlock,
     pick,
     row_bytes,
@@ -66,6 +80,23 @@ class _HandedOut:
     batch_id: int
     coord: StreamCoordinate  # just after its last record
     hashes: list[np.ndarray]  # of its records, in order (empty without dedup)
+
+
+def line_ranges(pieces: list[Piece], resume: int | None) -> list[LineRange]:
+    """A line shard's pieces (partition keys) as the byte ranges of the line starts they own,
+    from ``resume`` (a line start: the offset just after the last committed record) on."""
+    ranges: list[LineRange] = []
+    for (a_pos, a_row), b in pieces:
+        lo = a_pos + (1 if a_row else 0)  # a line's key is (its first byte, 0)
+        stop = None if b is None else b[0] + (1 if b[1] else 0)
+        if resume is not None:
+            if stop is not None and stop <= resume:
+                continue
+            if resume >= lo:
+                ranges.append((resume, stop, True))
+                continue
+        ranges.append((lo, stop, lo == 0))
+    return ranges
 
 
 class RecordStream:
@@ -87,9 +118,34 @@ class RecordStream:
         *,
         dedup: bool = True,
         fs_options: Mapping[str, Any] | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        worker: int = 0,
+        num_workers: int = 1,
+        reader_state: str | os.PathLike[str] | None = None,
+        repartition: bool = False,
     ) -> None:
+        """``state``: the checkpoint (one unpartitioned reader), or the name the files of a
+        partitioned stream start with. ``rank``/``world_size`` and ``worker``/``num_workers``:
+        this reader's place in a partition (see ``faultfs.stream.partition``); its state is
+        ``<state>.rank-R.worker-W.meta`` unless ``reader_state`` gives a template with
+        ``{rank}`` and ``{worker}``. ``repartition``: when the recorded partition has another
+        ``world_size`` or ``num_workers``, replace it (otherwise that is refused)."""
         self.shards: list[Shard] = expand_shards(sources, fs_options)
-        self._meta = DualMetadataManager.open(state)
+        self.plan: ReaderPlan = plan_reader(
+            self.shards,
+            state,
+            rank=rank,
+            world_size=world_size,
+            worker=worker,
+            num_workers=num_workers,
+            reader_state=reader_state,
+            repartition=repartition,
+        )
+        part = self.plan.partition
+        self._pieces = shard_pieces(self.plan.intervals, len(self.shards)) if part else None
+        self._own_shards = sorted(self._pieces) if self._pieces is not None else []
+        self._meta = DualMetadataManager.open(self.plan.state_path)
         try:
             coord = self._meta.coord
             if coord.shard_id > len(self.shards):
@@ -97,16 +153,32 @@ class RecordStream:
                     f"{self._meta.meta_path}: checkpoint is at shard {coord.shard_id} but the "
                     f"sources expand to {len(self.shards)} shards (different sources?)"
                 )
+            if (
+                self._pieces is not None
+                and coord != StreamCoordinate()
+                and coord.shard_id < len(self.shards)
+                and coord.shard_id not in self._pieces
+            ):
+                raise InvalidInput(
+                    f"{self._meta.meta_path}: checkpoint is at shard {coord.shard_id}, which "
+                    f"holds no records of reader rank {rank}, worker {worker} "
+                    "(a state of another reader or partition?)"
+                )
             self.dedup = dedup
+            committed = None
+            if dedup and self._meta.dedup_count:
+                committed = self._meta.committed_hashes()
+            if dedup and part is not None and part.base_count:
+                base = load_base(os.fspath(state), part)
+                committed = base if committed is None else np.concatenate((base, committed))
             self._delivered = DeliveredHashes(
-                self._meta.committed_hashes() if dedup and self._meta.dedup_count else None,
-                copy=False,  # a fresh array read from the WAL: sorted in place
+                committed, copy=False  # a fresh array read from the WAL: sorted in place
             )
         except BaseException:
             self._meta.close()
             raise
         self._resume = coord
-        self._shard_id = coord.shard_id
+        self._shard_id = self._next_shard(coord.shard_id)
         self._reader: LineShardReader | ParquetShardReader | None = None
         self._block: RecordBlock | None = None
         # which of the block's records will be delivered: their indices in the block (None:
@@ -144,15 +216,52 @@ class RecordStream:
     def resumed_from(self) -> StreamCoordinate:
         return self._resume
 
+    @property
+    def state_path(self) -> str:
+        """This reader's checkpoint file."""
+        return self.plan.state_path
+
+    @property
+    def committed_dedup_count(self) -> int:
+        """Hashes in this reader's WAL at its last commit (carried hashes not included)."""
+        return self._meta.dedup_count
+
     # -- reading ---------------------------------------------------------------------------
 
-    def _open_reader(self) -> LineShardReader | ParquetShardReader:
+    def _next_shard(self, shard_id: int) -> int:
+        """The first shard at or after ``shard_id`` that holds records of this reader."""
+        if self._pieces is None:
+            return shard_id
+        i = bisect_left(self._own_shards, shard_id)
+        return self._own_shards[i] if i < len(self._own_shards) else len(self.shards)
+
+    def _open_reader(self) -> LineShardReader | ParquetShardReader | None:
+        """A reader of the current shard from where this stream resumes in it (None: nothing
+        of this shard is left for this reader, known without opening it)."""
         shard = self.shards[self._shard_id]
         resume = self._resume if self._shard_id == self._resume.shard_id else None
         global_start = self._scanned
+        if self._pieces is None:
+            if shard.format == "lines":
+                return LineShardReader(
+                    shard, self._shard_id, resume.byte_offset if resume else 0, global_start
+                )
+            return ParquetShardReader(
+                shard,
+                self._shard_id,
+                resume.row_group_idx if resume else 0,
+                resume.row_offset_in_page if resume else 0,
+                global_start,
+            )
+        assert self.plan.partition is not None
+        pieces = self._pieces[self._shard_id]
+        size = self.plan.partition.shard_sizes[self._shard_id]
         if shard.format == "lines":
+            ranges = line_ranges(pieces, resume.byte_offset if resume else None)
+            if not ranges:
+                return None
             return LineShardReader(
-                shard, self._shard_id, resume.byte_offset if resume else 0, global_start
+                shard, self._shard_id, 0, global_start, ranges=ranges, expected_size=size
             )
         return ParquetShardReader(
             shard,
@@ -160,6 +269,8 @@ class RecordStream:
             resume.row_group_idx if resume else 0,
             resume.row_offset_in_page if resume else 0,
             global_start,
+            pieces=pieces,
+            expected_size=size,
         )
 
     def _next_block(self, parse: tuple[Any] | None = None) -> bool:
@@ -168,6 +279,9 @@ class RecordStream:
         while self._shard_id < len(self.shards):
             if self._reader is None:
                 self._reader = self._open_reader()
+                if self._reader is None:
+                    self._shard_id = self._next_shard(self._shard_id + 1)
+                    continue
             ahead, self._ahead = self._ahead, None
             table: tuple[Any, Any] | None = None
             if ahead is not None:
@@ -189,7 +303,7 @@ class RecordStream:
                 return True
             self._reader.close()
             self._reader = None
-            self._shard_id += 1
+            self._shard_id = self._next_shard(self._shard_id + 1)
         self._block = None
         return False
 
@@ -353,6 +467,21 @@ class RecordStream:
         except BaseException:
             self._handed_out.extendleft(reversed(done))
             raise
+
+    def hand_off(self, batch_id: int) -> tuple[StreamCoordinate, np.ndarray]:
+        """Give the commit of batch ``batch_id`` to another owner of this reader's state (the
+        PyTorch adapter's main process, which commits with ``DualMetadataManager``): returns
+        the coordinate just after the batch and its records' hashes (empty without dedup),
+        and forgets the batch here. Batches are handed off in order, oldest first; a stream
+        whose batches are handed off must not also ``commit``."""
+        if not self._handed_out or self._handed_out[0].batch_id != batch_id:
+            oldest = self._handed_out[0].batch_id if self._handed_out else None
+            raise InvalidInput(
+                f"batch {batch_id} is not the oldest batch handed out (that is {oldest})"
+            )
+        done = self._handed_out.popleft()
+        hashes = np.concatenate(done.hashes) if done.hashes else _NO_HASHES
+        return done.coord, hashes
 
     # -- lifetime --------------------------------------------------------------------------
 

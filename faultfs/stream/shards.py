@@ -43,6 +43,11 @@ class ShardFile(io.RawIOBase):
         self._size = size
         self._pos = 0
 
+    @property
+    def size(self) -> int:
+        """The size of the pinned version."""
+        return self._size
+
     def readable(self) -> bool:
         return True
 
