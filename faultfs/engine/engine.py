@@ -247,6 +247,7 @@ class Engine:
         blob = max((t.layout.chunk_size for t in self.tags.values()), default=1 << 20)
         # a faulted blob waiting for its store write is held in memory: bound those bytes
         self.tiers.attach(nursery, (self.config.memory_mb << 20) // 2, blob)
+        self.faults.attach(nursery)
         self.prefetch.attach(nursery)
         self.writes.attach(nursery)
 
@@ -348,8 +349,7 @@ class Engine:
                 return data
             # The staged copy was damaged and is dropped. Another reader that found it so may
             # have re-faulted and stored it meanwhile: look once more before faulting.
-        blob = await self.faults.fault(tag, index)
-        return memoryview(blob)[off:off + size]
+        return await self.faults.fault_range(tag, index, off, size)
 
     # -- introspection -----------------------------------------------------------------------
 
@@ -369,13 +369,17 @@ class _CleanReads:
     async def read_clean(self, tag: Tag, index: int, off: int, size: int) -> Buffer:
         return await self._engine._blob_bytes(tag, index, off, size)
 
-    async def stage_clean(self, tag: Tag, index: int) -> Buffer | None:
-        """The size-0 request: fault the chunk if it is not staged, and pin the staged copy."""
+    async def stage_clean(self, tag: Tag, index: int, *, wait: bool = True) -> Buffer | None:
+        """The size-0 request: fault the chunk if it is not staged, and pin the staged copy.
+        ``wait=False``: a fault whose store write is still under way returns its bytes at
+        once (the caller holds them, and calls again later to pin the stored copy)."""
         engine = self._engine
         key = (tag.id, index)
         local = engine.tiers.local
         if not local.contains(key):
             data = await engine.faults.fault(tag, index)
+            if not wait and engine.tiers.is_pending(key):
+                return data
             with trio.move_on_after(30):  # the fault's own store write, behind it: not twice
                 while engine.tiers.is_pending(key):  # noqa: ASYNC110 - a store write, no event
                     await trio.sleep(0.001)

@@ -63,19 +63,62 @@ class Faulter:
         self.stats = stats
         self._told_unavailable: set[int] = set()  # tags whose unreachable source was logged
         self._demand: trio.CapacityLimiter | None = None
+        self._nursery: trio.Nursery | None = None
+
+    def attach(self, nursery: trio.Nursery) -> None:
+        """Run the faults readers of streaming sources wait for in ``nursery`` (the mount's),
+        so a reader can be answered from its blob's head while the rest still lands."""
+        self._nursery = nursery
 
     async def fault(self, tag: Tag, index: int) -> Buffer:
         """Blob ``index`` of ``tag``, all of it, from the source (single-flight)."""
+        flight = await self._flight(tag, index)
+        if not flight.done.is_set():
+            await flight.done.wait()
+        return self._outcome(tag, index, flight)
+
+    async def fault_range(self, tag: Tag, index: int, off: int, size: int) -> Buffer:
+        """Bytes ``[off, off+size)`` of blob ``index`` (inside it), from the source
+        (single-flight); from a streaming source as soon as they are in, before the rest of
+        the blob (``Flight.show``)."""
+        flight = await self._flight(tag, index, streaming=True)
+        await flight.wait_for(off + size)
+        head = flight.partial
+        if flight.data is None and head is not None and len(head) >= off + size:
+            self.stats.add("head_reads")
+            return head[off:off + size]  # landed before the fault ended (even if it failed)
+        return memoryview(self._outcome(tag, index, flight))[off:off + size]
+
+    async def _flight(self, tag: Tag, index: int, *, streaming: bool = False) -> Flight:
+        """The flight of blob ``index``: a read-ahead's or a fault's in progress (joined), or
+        a new fault — run here, or (``streaming`` and a mount's nursery) beside the reader
+        so it can take the blob's head; done unless it runs beside."""
         key = (tag.id, index)
         data = await self.flights.read_ahead(key)  # a read-ahead of the staged copy
         if data is not None:
-            return data
+            flight = Flight()
+            flight.data = data
+            flight.done.set()
+            return flight
         flight = self.flights.get(key)
-        if flight is None:
-            [flight] = await self.fault_run(tag, index, self.flights.claim([key]), demand=True)
-        else:
+        if flight is not None:
             self.stats.add("single_flight_joins")
-            await flight.done.wait()
+            return flight
+        [flight] = self.flights.claim([key])
+        if streaming and self._nursery is not None and self.streams(tag):
+            self._nursery.start_soon(self._beside, tag, index, flight)
+        else:
+            await self.fault_run(tag, index, [flight], demand=True)
+        return flight
+
+    async def _beside(self, tag: Tag, index: int, flight: Flight) -> None:
+        try:
+            await self.fault_run(tag, index, [flight], demand=True)
+        except Exception:  # a background task must never take the mount down
+            log.exception("fault of blob %d of tag %s failed", index, tag.name)
+
+    @staticmethod
+    def _outcome(tag: Tag, index: int, flight: Flight) -> Buffer:
         if flight.error is not None:
             if isinstance(flight.error, FaultfsError):
                 raise FaultfsError(flight.error.message, flight.error.errno)
@@ -115,6 +158,12 @@ class Faulter:
                 log.exception("holding blob %s in memory failed", keys[i])
             self.flights.settle([keys[i]], [flights[i]])
 
+        def show(i: int, head: memoryview) -> None:
+            """The first bytes of blob ``first + i`` to the readers they serve (on the trio
+            thread, from ``run_sync_soon``)."""
+            if not handed[i]:
+                flights[i].show(head)
+
         try:
             shared = self.tiers.shared
             if shared is not None:
@@ -125,8 +174,14 @@ class Faulter:
                     def landed(j: int, data: Buffer, lo: int = lo) -> None:  # on the pool
                         token.run_sync_soon(hand, lo + j, data)
 
+                    def partly(j: int, head: memoryview, lo: int = lo) -> None:  # on the pool
+                        token.run_sync_soon(show, lo + j, head)
+
+                    def wanted(j: int, lo: int = lo) -> int:  # on the pool: a plain read
+                        return flights[lo + j].wait_end
+
                     datas = await self._run(demand, self.stream_source, tag, first + lo,
-                                            hi - lo, landed)
+                                            hi - lo, landed, partly, wanted)
                 else:
                     datas = await self._run(demand, self.read_source, tag, first + lo, hi - lo)
                 self._count_source_read(tag, first + lo, hi - lo)
@@ -179,25 +234,37 @@ class Faulter:
                 and callable(getattr(tag.source, "pread_stream", None)))
 
     def stream_source(self, tag: Tag, first: int, count: int,
-                      landed: Callable[[int, Buffer], None]) -> Sequence[Buffer]:
+                      landed: Callable[[int, Buffer], None],
+                      partly: Callable[[int, memoryview], None] | None = None,
+                      wanted: Callable[[int], int] | None = None) -> Sequence[Buffer]:
         """As ``read_source``, calling ``landed(i, blob)`` (on this pool thread) as soon as
-        blob ``first + i`` is wholly in, while the rest of the run is still being read."""
+        blob ``first + i`` is wholly in, while the rest of the run is still being read; and
+        ``partly(i, head)`` with the source bytes of blob ``first + i`` in so far, when a
+        reader waits for no more than those (``wanted(i)``: the least end it waits for)."""
         layout = tag.layout
         cs = layout.chunk_size
         start = layout.source_range(first)[0]
         end = layout.source_range(first + count - 1)[1]
         blobs: list[Buffer] = []
+        shown = 0  # bytes of blob first + len(blobs) told to partly
 
         def progress(data: memoryview) -> None:
             """``data``: the run's first bytes, as far as they are in."""
+            nonlocal shown
             n = len(data)
             while len(blobs) < count:
                 i = len(blobs)
                 stop = min((i + 1) * cs, end - start)
                 if stop > n:
+                    if partly is not None and wanted is not None:
+                        have = n - i * cs
+                        if have > shown and have >= wanted(i):
+                            shown = have
+                            partly(i, data[i * cs:n])
                     return
                 blob = zero_fill(data[i * cs:stop], cs)
                 blobs.append(blob)
+                shown = 0
                 landed(i, blob)
 
         def read() -> memoryview:

@@ -7,6 +7,11 @@ Invariants:
   removes the flight — on success, on failure and on cancellation alike.
 - A read-ahead flight (``from_store``) that ends without data sends its readers down the
   normal path; it never carries an error to them.
+- A fault of a streaming source may show the head of its blob before the blob is whole
+  (``partial``: source bytes of the pinned version, exactly as they will be in the blob); a
+  reader waiting for a range (``wait_for``) is woken once the range is in ``partial``, or when
+  the flight settles. Bytes once shown stay valid when the fault fails later. ``wait_end`` is the least end a reader waits for, read by the thread the
+  bytes land on to decide whether to tell.
 """
 
 from __future__ import annotations
@@ -17,17 +22,60 @@ import trio
 
 from faultfs.tiers.base import BlobKey, Buffer
 
+NOBODY = 1 << 62  # ``Flight.wait_end`` when no reader waits for a range
+
 
 class Flight:
     """One in-progress fault (or read-ahead of a staged blob) that readers wait on."""
 
-    __slots__ = ("data", "done", "error", "from_store")
+    __slots__ = ("_waiters", "data", "done", "error", "from_store", "partial", "wait_end")
 
     def __init__(self, from_store: bool = False) -> None:
         self.done = trio.Event()
         self.data: Buffer | None = None
         self.error: BaseException | None = None
         self.from_store = from_store  # a read-ahead of a staged blob, not a fault
+        self.partial: memoryview | None = None  # the blob's first bytes, while it lands
+        self.wait_end = NOBODY  # least end of a range a reader waits for
+        self._waiters: list[tuple[int, trio.Event]] = []
+
+    async def wait_for(self, end: int) -> None:
+        """Until bytes ``[0, end)`` of the blob are in ``partial``, or the flight is done."""
+        if self.done.is_set() or (self.partial is not None and len(self.partial) >= end):
+            return
+        event = trio.Event()
+        self._waiters.append((end, event))
+        self.wait_end = min(self.wait_end, end)
+        try:
+            await event.wait()
+        finally:
+            if not event.is_set():  # cancelled: no longer waiting
+                self._waiters.remove((end, event))
+                self._set_wait_end()
+
+    def show(self, head: memoryview) -> None:
+        """The blob's first ``len(head)`` bytes are in: wake the readers they serve."""
+        if self.done.is_set() or (self.partial is not None and len(head) <= len(self.partial)):
+            return
+        self.partial = head
+        keep = []
+        for end, event in self._waiters:
+            if end <= len(head):
+                event.set()
+            else:
+                keep.append((end, event))
+        self._waiters = keep
+        self._set_wait_end()
+
+    def _set_wait_end(self) -> None:
+        self.wait_end = min((end for end, _ in self._waiters), default=NOBODY)
+
+    def _finish(self) -> None:
+        self.done.set()  # ``partial`` stays: its readers may not have run yet
+        for _, event in self._waiters:
+            event.set()
+        self._waiters = []
+        self.wait_end = NOBODY
 
 
 class Flights:
@@ -59,7 +107,7 @@ class Flights:
     def settle(self, keys: Iterable[BlobKey], flights: Iterable[Flight]) -> None:
         """End the flights (their data or error already set): wake readers, forget them."""
         for key, flight in zip(keys, flights, strict=True):
-            flight.done.set()
+            flight._finish()
             if self._flights.get(key) is flight:
                 del self._flights[key]
 

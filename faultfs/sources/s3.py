@@ -40,6 +40,7 @@ from faultfs.sources.retry import (
 )
 
 BODY_PIECE = 1 << 20  # a body is read in pieces of at most this (one recv_into loop each)
+PROGRESS_STEP = 128 << 10  # a streaming read tells the progress of its first piece this often
 REDACTED = "***"  # what stands in for a secret in a persisted source URL
 # S3 error codes that mean "try again later" even when the status is not 5xx.
 S3_TRANSIENT_CODES = frozenset({
@@ -240,12 +241,16 @@ class S3Reader:
 def fill(readinto: Callable[[memoryview], int | None], buf: memoryview,
          progress: Progress | None, piece: int) -> None:
     """``len(buf)`` bytes into ``buf`` with ``readinto`` (``http.client``'s loops on
-    ``recv_into`` with the GIL released until its view is full), ``piece`` bytes at a time,
-    ``progress(n)`` after each piece; a body that ends early is Transient."""
+    ``recv_into`` with the GIL released until its view is full), ``piece`` bytes at a time
+    — the first piece ``PROGRESS_STEP`` at a time, so the reader a request is for (of the
+    head of its first blob, mostly) hears of its bytes early —, ``progress(n)`` after each;
+    a body that ends early is Transient."""
     size = len(buf)
     pos = 0
+    step = min(piece, PROGRESS_STEP) if progress is not None else piece
     while pos < size:
-        stop = min(size, (pos // piece + 1) * piece)
+        stop = min(size, (pos // step + 1) * step if pos < piece else size,
+                   (pos // piece + 1) * piece)
         n = readinto(buf[pos:stop])
         if not n:
             raise Transient(f"short body: {pos} of {size} bytes")
