@@ -192,17 +192,21 @@ def machine_description() -> dict:
 
 
 def use_head_export(snap: Path, machine: dict) -> None:
-    """Export HEAD's packages into ``snap`` and put it first on PYTHONPATH: every faultfs
-    command the run starts (``.venv/bin/faultfs``, a script, so its own directory comes first,
-    then PYTHONPATH, then the editable install) imports the committed tree."""
+    """Export HEAD's packages into ``snap``, put it first on PYTHONPATH and make its parent the
+    working directory: every faultfs command the run starts (``.venv/bin/faultfs``, a script,
+    so its own directory comes first, then PYTHONPATH, then the editable install) and the
+    daemon it starts (``python -m faultfs.cli``, which puts the working directory first: from
+    the checkout, the working tree) import the committed tree."""
     snap.mkdir(parents=True)
     archive = subprocess.run(["git", "archive", "HEAD", "faultfs", "assimilators"], cwd=ROOT,
                              capture_output=True, check=True, timeout=60).stdout
     subprocess.run(["tar", "-x", "-C", str(snap)], input=archive, check=True, timeout=60)
     old = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = str(snap) + (os.pathsep + old if old else "")
+    os.chdir(snap.parent)  # every path of the run is absolute
+    # ``-c``, like the daemon's ``-m``, puts the working directory first on sys.path
     got = subprocess.run([str(FAULTFS.parent / "python"), "-c",
-                          "import faultfs; print(faultfs.__file__)"], cwd=snap.parent,
+                          "import faultfs; print(faultfs.__file__)"],
                          capture_output=True, text=True, timeout=60).stdout.strip()
     if not got.startswith(str(snap)):
         raise SystemExit(f"bench: --faultfs-head: faultfs still imports from {got}")
@@ -1395,9 +1399,11 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, _on_sigterm)
     signal.signal(signal.SIGHUP, _on_sigterm)
     command = "scripts/bench " + shlex.join(argv) if argv else "scripts/bench"
-    work = Path(tempfile.mkdtemp(prefix="faultfs-bench-", dir=args.work_dir))
+    work = Path(tempfile.mkdtemp(prefix="faultfs-bench-", dir=args.work_dir)).resolve()
     log(f"working in {work}")
-    data_dir = Path(args.data_dir) if args.data_dir else work / "data"
+    data_dir = Path(args.data_dir).resolve() if args.data_dir else work / "data"
+    if args.json_out:  # --faultfs-head changes the working directory
+        args.json_out = str(Path(args.json_out).resolve())
     started = datetime.datetime.now().astimezone()
     machine = machine_description()
     load_start = loadavg()
