@@ -88,6 +88,7 @@ from benchlib import (
     rclone_vfs_args,
     run_cmd,
     set_readahead_kb,
+    unmount_and_reap,
     vm_hwm_mib,
 )
 
@@ -692,18 +693,7 @@ class System:
         raise BenchError(f"{what} did not mount {self.mnt} within {MOUNT_TIMEOUT_S} s")
 
     def _unmount_and_reap(self, unmount_cmd: list[str]) -> None:
-        if is_mounted(self.mnt):
-            try:
-                run_cmd(unmount_cmd, timeout=60, check=False)
-            except BenchError as exc:
-                log(str(exc))
-            if is_mounted(self.mnt):
-                force_unmount(self.mnt, self.dev)
-        if self.pid is not None:
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline and pid_alive(self.pid):
-                time.sleep(0.05)
-            kill_pid(self.pid)
+        unmount_and_reap(self.mnt, self.dev, self.pid, unmount_cmd)
         self.pid = None
 
 
@@ -947,6 +937,20 @@ def write_cases() -> list[tuple[str, str, str]]:
     return rows
 
 
+@contextlib.contextmanager
+def _counted_once(into: dict, key, read, diff):
+    """Around the first measurement of ``key``: ``into[key] = diff(read() after, before)``
+    when ``read`` gives numbers both times (a system without counters gives None)."""
+    if key in into:
+        yield
+        return
+    before = read()
+    yield
+    after = read() if before is not None else None
+    if before is not None and after is not None:
+        into[key] = diff(after, before)
+
+
 class Runner:
     def __init__(self, args: argparse.Namespace, size: int) -> None:
         self.args = args
@@ -963,28 +967,15 @@ class Runner:
         self.h5_src: Path = Path()
         self.checked: dict[str, list[str]] = {s: [] for s in SYSTEMS}  # write cases verified
 
-    @contextlib.contextmanager
     def counting(self, sysm: System, key: str):
-        if (sysm.name, key) in self.requests:
-            yield
-            return
-        before = sysm.counters()
-        yield
-        after = sysm.counters() if before is not None else None
-        if before is not None and after is not None:
-            self.requests[(sysm.name, key)] = (after[0] - before[0], after[1] - before[1])
+        """The read requests (count, bytes) of the first measurement of ``key``."""
+        return _counted_once(self.requests, (sysm.name, key), sysm.counters,
+                                 lambda a, b: (a[0] - b[0], a[1] - b[1]))
 
-    @contextlib.contextmanager
     def counting_writes(self, sysm: System, key: str):
         """What the write requests of the first measurement of ``key`` made the daemon do."""
-        if (sysm.name, key) in self.wrequests:
-            yield
-            return
-        before = sysm.write_counters()
-        yield
-        after = sysm.write_counters() if before is not None else None
-        if before is not None and after is not None:
-            self.wrequests[(sysm.name, key)] = {k: after[k] - before[k] for k in after}
+        return _counted_once(self.wrequests, (sysm.name, key), sysm.write_counters,
+                                 lambda a, b: {k: a[k] - b[k] for k in a})
 
     def record(self, system: str, key: str, value: float) -> None:
         self.results[system].setdefault(key, []).append(value)

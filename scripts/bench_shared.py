@@ -55,16 +55,13 @@ from benchlib import (
     drop_caches,
     ensure_bucket,
     exit_on_signals,
-    force_unmount,
     is_mounted,
-    kill_pid,
-    pid_alive,
-    run_cmd,
     s3_client,
     sha256_of,
     start_s3_server,
     stop_process,
     timed_read,
+    unmount_and_reap,
 )
 from benchlib import log as _log
 
@@ -257,19 +254,10 @@ class Node:
                 self.last = self.stats()
                 self.pid = self.pid or int(self.last["pid"])
                 self.dev = self.dev or os.stat(self.mnt).st_dev
-            try:
-                run_cmd([sys.executable, "-m", "faultfs.cli", "umount", str(self.mnt)],
-                        timeout=UMOUNT_TIMEOUT_S, check=False)
-            except BenchError as exc:
-                log(str(exc))
-            if is_mounted(self.mnt):
-                force_unmount(self.mnt, self.dev)
-        if self.pid is not None:
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline and pid_alive(self.pid):
-                time.sleep(0.05)
-            kill_pid(self.pid)
-            self.pid = None
+        unmount_and_reap(self.mnt, self.dev, self.pid,
+                         [sys.executable, "-m", "faultfs.cli", "umount", str(self.mnt)],
+                         timeout=UMOUNT_TIMEOUT_S)
+        self.pid = None
         if not is_mounted(self.mnt):
             shutil.rmtree(self.store, ignore_errors=True)
         LIVE.discard(self)

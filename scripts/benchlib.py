@@ -162,6 +162,24 @@ def unmount(mnt: Path, dev: int | None = None) -> None:
         force_unmount(mnt, dev)
 
 
+def unmount_and_reap(mnt: Path, dev: int | None, pid: int | None, unmount_cmd: list[str],
+                     timeout: float = 60) -> None:
+    """Unmount ``mnt`` with ``unmount_cmd`` (forced if that fails), then wait up to 30 s for
+    its daemon ``pid`` to exit and kill it if it does not."""
+    if is_mounted(mnt):
+        try:
+            run_cmd(unmount_cmd, timeout=timeout, check=False)
+        except BenchError as exc:
+            log(str(exc))
+        if is_mounted(mnt):
+            force_unmount(mnt, dev)
+    if pid is not None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and pid_alive(pid):
+            time.sleep(0.05)
+        kill_pid(pid)
+
+
 def rclone_vfs_args(cache_dir: Path, writable: bool = False) -> list[str]:
     """How every benchmark mounts rclone: its full VFS cache (what users run for files they
     read more than once), the cache under the run's private directory; read-only unless

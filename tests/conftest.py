@@ -14,7 +14,8 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from range_http import RangeHttpServer
+
+from faultfs.testing.httpd import RangeHttpServer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAULTFS = [sys.executable, "-m", "faultfs.cli"]

@@ -17,13 +17,13 @@ import fsspec
 import pytest
 from conftest import check_concurrent_preads
 from fsspec.implementations.memory import MemoryFileSystem
-from range_http import RangeHttpServer
 
 from faultfs.errors import InvalidInput, SourceError
 from faultfs.sources import SourceOptions, SourceVersion, expand_sources, open_source
 from faultfs.sources.remote import open_fsspec_source
 from faultfs.sources.retry import RetryPolicy
 from faultfs.sources.secrets import display_url
+from faultfs.testing.httpd import RangeHttpServer
 
 QUICK = RetryPolicy(attempts=3, base_delay_s=0.001, max_delay_s=0.005)
 

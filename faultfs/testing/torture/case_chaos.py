@@ -27,6 +27,7 @@ import random
 import threading
 import time
 
+from faultfs.testing.httpd import RangeHttpServer
 from faultfs.testing.proxy import FaultPlan, FaultRule, LatencyProxy
 from faultfs.testing.torture.harness import (
     Budget,
@@ -38,7 +39,6 @@ from faultfs.testing.torture.harness import (
     diff_bytes,
     read_all,
 )
-from faultfs.testing.torture.httpd import RangeServer
 
 NAME = "chaos HTTP source"
 CS = 64 * KiB
@@ -141,7 +141,8 @@ def _run_threads(targets: list, bound: float) -> int:
 def run_case(run: Run, budget: Budget, res: CaseResult) -> None:
     size = SOURCE_SIZE - (16 * MiB if run.quick else 0)
     _, data = run.make_source("chaos-origin.bin", size, seed=run.seed + 5)
-    server = RangeServer({"/chaos.bin": data})
+    server = RangeHttpServer()
+    server.put("/chaos.bin", data)
     run.on_close(server.close)
     proxy = LatencyProxy("127.0.0.1", server.port, delay_ms=1, conn_mbps=None,
                          idle_timeout_s=300).start()

@@ -1,4 +1,6 @@
-"""A local HTTP/1.1 server that honours Range, for source and mount tests: objects by path.
+"""A local HTTP/1.1 server that honours Range, HEAD and If-Match, for source and mount tests
+and the torture suite's chaos case (the well-behaved origin it puts a fault-injecting
+``LatencyProxy`` in front of): objects by path.
 
 Each ``put`` makes a new version: ETag ``"vN"`` and a Last-Modified one second later. The
 switches default to a well-behaved public server; each makes it misbehave or refuse one way:
@@ -25,6 +27,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qsl, urlsplit
 
 
+class _QuietServer(ThreadingHTTPServer):
+    def handle_error(self, request: object, client_address: object) -> None:
+        pass  # a client that hung up (a reset a proxy made): nothing to report
+
+
 class RangeHttpServer:
     """Serves ``objects[path] = (bytes, etag, last_modified)`` on 127.0.0.1, from a thread."""
 
@@ -43,6 +50,7 @@ class RangeHttpServer:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            disable_nagle_algorithm = True
 
             def log_message(self, format: str, *args: object) -> None:
                 pass
@@ -109,9 +117,10 @@ class RangeHttpServer:
                 headers["Content-Range"] = f"bytes {first}-{last}/{len(data)}"
                 return self._reply(206, headers, data[first:last + 1])
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server = _QuietServer(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
-        self.base = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self.port = self._server.server_address[1]
+        self.base = f"http://127.0.0.1:{self.port}"
         self._thread = threading.Thread(
             target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
         )
