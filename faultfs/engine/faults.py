@@ -27,7 +27,7 @@ from faultfs.core.chunks import ChunkLayout, zero_fill
 from faultfs.engine.flights import Flight, Flights
 from faultfs.engine.tags import Tag
 from faultfs.errors import FaultfsError, SourceChanged, SourceError
-from faultfs.iopool import IoPool
+from faultfs.iopool import IoPool, run_in_thread
 from faultfs.stats import Stats
 from faultfs.tiers.base import Buffer
 from faultfs.tiers.multilevel import TierStack
@@ -222,7 +222,7 @@ class Faulter:
             return await self.pool.run(fn, *args)
         if self._demand is None:  # made inside the trio run that uses it
             self._demand = trio.CapacityLimiter(DEMAND_LANE)
-        return await trio.to_thread.run_sync(fn, *args, limiter=self._demand)
+        return await run_in_thread(self._demand, fn, *args)
 
     @staticmethod
     def streams(tag: Tag) -> bool:

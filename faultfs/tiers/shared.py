@@ -29,6 +29,7 @@ from urllib.parse import quote
 import trio
 
 from faultfs.errors import CorruptionError
+from faultfs.iopool import run_in_thread
 from faultfs.stats import Stats
 from faultfs.store.blobfile import HEADER_LEN, decode_header, encode_header
 from faultfs.tiers.base import BlobKey, Buffer, TierTag
@@ -98,7 +99,7 @@ class SharedTier:
             self._loads = trio.CapacityLimiter(LOAD_THREADS)
             self._publishes = trio.CapacityLimiter(PUBLISH_THREADS)
         limiter = self._publishes if publishing else self._loads
-        return await trio.to_thread.run_sync(fn, *args, limiter=limiter)
+        return await run_in_thread(limiter, fn, *args)
 
     @property
     def url(self) -> str:
