@@ -29,9 +29,18 @@ def test_forget_unregisters_a_tag_of_a_live_mount(mounter, sample, tmp_path):
         r = run_faultfs("forget", m.tag("a"))
         assert r.returncode != 0 and "open" in r.stderr  # a file of it is open
         assert held.read(10) == read(a)[:10]
+    registry = os.path.join(m.path, ".faultfs", "registry")
+    keys = sorted(os.listdir(registry))
+    assert len(keys) == 2
+    entries = {k: read(os.path.join(registry, k)) for k in keys}
     r = run_faultfs("forget", m.tag("a"), check=True)
     assert "forgot tag a" in r.stdout and "3.0 MiB" in r.stdout
     assert sorted(os.listdir(m.path)) == [".faultfs", "b"]
+    # the registry shows what is registered now; the entry left keeps its name and bytes
+    [left] = os.listdir(registry)
+    assert read(os.path.join(registry, left)) == entries[left] and b"b.bin" in entries[left]
+    gone = next(k for k in keys if k != left)
+    assert not os.path.exists(os.path.join(registry, gone))
     assert not os.path.exists(m.tag("a"))
     assert not os.path.exists(os.path.join(m.store, "tags", "t-a"))
     assert os.path.exists(os.path.join(m.store, "tags", "t-b"))

@@ -190,7 +190,7 @@ class Files:
         if node.kind == KIND_REGISTRY:
             if writing:
                 raise read_only()
-            return BytesFile(self.engine.registry[self.tree.registry_keys[node.index]])
+            return BytesFile(self.engine.registry[self.tree.registry_key(node.index)])
         if node.kind in (KIND_CHUNK, KIND_VIEW, KIND_PAGE, KIND_USER):
             if writing and not self.engine.writes.writable:
                 raise read_only()

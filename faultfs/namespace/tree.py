@@ -107,9 +107,30 @@ class Tree:
         self.engine = engine
         self.pages = engine.pages
         self.mounted_at = time.time_ns()
-        self.registry_keys = sorted(engine.registry)
+        # .faultfs/registry: entry i is inode (0, KIND_REGISTRY, i), so an index never moves:
+        # keys registered later are appended, a forgotten one leaves a hole (None)
+        self._registry_keys: list[str | None] = sorted(engine.registry)
         self.stats_size = 0  # bytes of the last stats document: .faultfs/stats' size
         self.metrics_size = 0  # likewise for .faultfs/metrics
+
+    def registry_keys(self) -> list[str | None]:
+        """The registry's keys by index, as the engine holds them now (tags registered or
+        forgotten while mounted: a live refresh of the shared store, ``faultfs forget``)."""
+        live = self.engine.registry
+        keys = self._registry_keys
+        if len(live) != sum(k is not None for k in keys) or any(
+                k is not None and k not in live for k in keys):
+            keys[:] = [k if k in live else None for k in keys]
+            known = set(keys)
+            keys.extend(sorted(k for k in live if k not in known))
+        return keys
+
+    def registry_key(self, index: int) -> str:
+        keys = self.registry_keys()
+        key = keys[index] if 0 <= index < len(keys) else None
+        if key is None:
+            raise _missing()
+        return key
 
     # -- nodes -------------------------------------------------------------------------------
 
@@ -125,8 +146,9 @@ class Tree:
             return Node(inode, 0)
         tag_id, kind, index = inodes.split(inode)
         if kind == KIND_REGISTRY:
-            if tag_id or index >= len(self.registry_keys):
+            if tag_id:
                 raise _missing()
+            self.registry_key(index)  # ENOENT when it names nothing (now)
             return Node(inode, kind, None, index)
         tag = self.tag_of(tag_id)
         if kind == KIND_CHUNK and index < self.engine.writes.num_chunks(tag):
@@ -183,7 +205,7 @@ class Tree:
             return self.attributes(self.node(fixed))
         if parent == REGISTRY_DIR:
             try:
-                index = self.registry_keys.index(name)
+                index = self.registry_keys().index(name)
             except ValueError:
                 raise _missing() from None
             return self.attributes(self.node(inodes.make(0, KIND_REGISTRY, index)))
@@ -255,7 +277,8 @@ class Tree:
             yield from ((i, n, ino) for i, (n, ino) in enumerate(fixed) if i >= start)
         elif directory.inode == REGISTRY_DIR:
             yield from ((i, k, inodes.make(0, KIND_REGISTRY, i))
-                        for i, k in enumerate(self.registry_keys) if i >= start)
+                        for i, k in enumerate(self.registry_keys())
+                        if i >= start and k is not None)
         else:
             assert directory.tag is not None
             yield from self._tag_entries(directory.tag, start)
@@ -321,7 +344,7 @@ class Tree:
             return Attributes(node.inode, stat.S_IFREG | 0o600, mtime_ns=self.mounted_at,
                               attr_timeout=0)
         if node.kind == KIND_REGISTRY:
-            size = len(self.engine.registry[self.registry_keys[node.index]])
+            size = len(self.engine.registry[self.registry_key(node.index)])
             return Attributes(node.inode, stat.S_IFREG | 0o400, size, mtime_ns=self.mounted_at)
         tag = node.tag
         assert tag is not None
