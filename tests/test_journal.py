@@ -10,9 +10,12 @@ from hypothesis import strategies as st
 
 from faultfs.store.journal import (
     HEAD_LEN,
+    KIND_BLOB,
     KIND_SIZE,
     KIND_WRITE,
     KIND_ZERO,
+    MAGIC,
+    MAGIC_V2,
     Journal,
     Record,
     encode,
@@ -24,9 +27,90 @@ GOLDEN = bytes.fromhex(
     "945faf7895f45ac0fca74d6a746368756e6b5f30616263")
 
 
+GOLDEN_BLOB = bytes.fromhex(
+    "46465357414c00020900000000000000040001000700000000000000000000000000100000000000887766"
+    "554433221190113d8158157b3d746368756e6b5f32")
+
+
 def test_a_record_is_pinned_byte_for_byte():
     assert encode(Record(7, KIND_WRITE, "t", "chunk_0", 4096, 3, b"abc")) == GOLDEN
     assert len(GOLDEN) == HEAD_LEN + 1 + 7 + 3
+
+
+def test_a_whole_blob_record_is_pinned_and_the_only_one_of_version_2():
+    """Version 2 added KIND_BLOB: its records carry the version-2 magic; records of the
+    other kinds keep version 1's bytes, so a version-1 journal replays as it always did."""
+    rec = Record(9, KIND_BLOB, "t", "chunk_2", 0, 1 << 20, b"", 0x1122334455667788)
+    assert encode(rec) == GOLDEN_BLOB
+    assert GOLDEN_BLOB.startswith(MAGIC_V2) and GOLDEN.startswith(MAGIC)
+    for kind in (KIND_WRITE, KIND_ZERO, KIND_SIZE):
+        assert encode(Record(1, kind, "t", "n", 0, 1, b"x" if kind == KIND_WRITE else b"")
+                      ).startswith(MAGIC)
+
+
+def test_a_kind_under_the_wrong_version_does_not_verify(tmp_path):
+    """A KIND_BLOB record under the version-1 magic (or a write under version 2) is not a
+    record: the replay stops there."""
+    blob = bytearray(GOLDEN_BLOB)
+    blob[:8] = MAGIC
+    write = bytearray(encode(Record(2, KIND_WRITE, "t", "chunk_0", 0, 3, b"abc")))
+    write[:8] = MAGIC_V2
+    for bad in (blob, write):
+        path = tmp_path / bad[:8].hex()
+        _fill(str(path), RECS[:1]).close()
+        with open(os.path.join(path, segment_name(1)), "ab") as f:
+            f.write(bytes(bad))
+        assert [r.seq for r in Journal(str(path)).replay()] == [1]
+
+
+def test_whole_blob_records_replay_with_their_checksum(tmp_path):
+    j = _fill(str(tmp_path), RECS[:1])
+    assert j.append(KIND_BLOB, "t", "chunk_3", 0, 4096, digest=12345) == 2
+    j.append(*RECS[1])
+    j.sync()
+    j.close()
+    got = list(Journal(str(tmp_path)).replay())
+    assert [(r.seq, r.kind, r.name, r.length, r.digest, r.data) for r in got] == [
+        (1, KIND_WRITE, "chunk_0", 3, 0, b"abc"), (2, KIND_BLOB, "chunk_3", 4096, 12345, b""),
+        (3, KIND_ZERO, "chunk_1", 100, 0, b"")]
+
+
+def test_a_record_the_caller_refuses_ends_the_replay_and_is_cut_off(tmp_path):
+    """``accept`` returning False (a whole-blob record whose file was lost) is a record that
+    does not verify: the replay stops there, the journal is cut before it and the next
+    append takes its seq (no record after it is ever replayed)."""
+    j = _fill(str(tmp_path), RECS[:1])
+    j.append(KIND_BLOB, "t", "chunk_3", 0, 4096, digest=1)
+    j.append(*RECS[1])
+    j.roll()
+    j.append(*RECS[2])
+    j.sync()
+    j.close()
+    seen = []
+
+    def accept(rec: Record) -> bool:
+        seen.append(rec.seq)
+        return rec.kind != KIND_BLOB
+
+    j = Journal(str(tmp_path))
+    assert [r.seq for r in j.replay(accept=accept)] == [1]
+    assert seen == [1, 2]
+    assert sorted(os.listdir(tmp_path)) == [segment_name(1)]  # the later segment is gone
+    assert j.append(KIND_ZERO, "t", "chunk_0", 0, 1) == 2
+    j.sync()
+    j.close()
+    assert [(r.seq, r.kind) for r in Journal(str(tmp_path)).replay()] == [
+        (1, KIND_WRITE), (2, KIND_ZERO)]
+
+
+def test_a_large_write_is_appended_uncopied_and_replays_whole(tmp_path):
+    data = os.urandom(3 << 20)
+    j = _fill(str(tmp_path), RECS[:1])
+    j.append(KIND_WRITE, "t", "chunk_9", 7, len(data), memoryview(data))
+    j.sync()
+    j.close()
+    got = list(Journal(str(tmp_path)).replay())
+    assert got[-1].data == data and got[-1].off == 7
 
 
 def _fill(path: str, records: list[tuple]) -> Journal:

@@ -224,6 +224,52 @@ def test_kill_9_during_fsyncing_writes_keeps_every_synced_write(mounter, sample,
     assert got in legal, "a synced write is missing or a write is torn"
 
 
+def test_whole_chunk_writes_survive_kill_9_and_are_folded_by_the_next_mount(mounter, sample):
+    """1 MiB writes over whole chunks go to direct files (no journal copy of the data, no
+    fold copy): after a kill -9 they are there; fsck knows the files; the next mount folds
+    them (renames) and later writes, partial ones over them included, read back."""
+    src = sample(4 * MiB)
+    m = mounter(src, args=["--chunk-size", "1M"])
+    view = os.path.join(m.tag("field"), "field.bin")
+    blocks = [bytes([n + 1]) * MiB for n in range(3)]
+    fd = os.open(view, os.O_WRONLY)
+    try:
+        os.pwrite(fd, blocks[0], 0)
+        os.fsync(fd)
+        os.pwrite(fd, blocks[1], 2 * MiB)  # acknowledged, never synced
+        os.pwrite(fd, blocks[2], 2 * MiB)  # replaces it
+        os.pwrite(fd, b"partial", 2 * MiB + 100)  # over a direct file
+    finally:
+        os.close(fd)
+    os.kill(m.pid, signal.SIGKILL)
+    m.pid = None
+    wdir = os.path.join(m.store, "writes", "t-field")
+    assert [n for n in os.listdir(wdir) if n.startswith("d-")], "whole writes are direct files"
+    doc = json.loads(run_faultfs("fsck", m.store, "--json").stdout)
+    assert doc["areas"]["dirty blobs"]["ok"] == 3, doc["areas"]  # the three direct files
+    assert not doc["areas"]["dirty blobs"].get("damaged")
+    assert not doc["areas"].get("other entries", {}).get("orphaned", 0), "fsck knows them"
+    want = bytearray(read(src))
+    want[0:MiB] = blocks[0]
+    want[2 * MiB:3 * MiB] = blocks[2]
+    want[2 * MiB + 100:2 * MiB + 107] = b"partial"
+    m2 = mounter(store=m.store, mountpoint=m.path)
+    assert read(os.path.join(m2.tag("field"), "field.bin")) == bytes(want)
+    assert read(os.path.join(m2.tag("field"), "chunk_2")) == bytes(want[2 * MiB:3 * MiB])
+    for _ in range(100):  # the mount folds what it replayed, then lets the files go
+        if not [n for n in os.listdir(wdir) if n.startswith("d-")]:
+            break
+        time.sleep(0.05)
+    assert not [n for n in os.listdir(wdir) if n.startswith("d-")]
+    with open(os.path.join(m2.tag("field"), "chunk_1"), "r+b") as f:
+        f.write(bytes([9]) * MiB)  # a whole chunk through chunk_N
+    want[MiB:2 * MiB] = bytes([9]) * MiB
+    m2.umount()
+    m3 = mounter(store=m.store, mountpoint=m.path)
+    assert read(os.path.join(m3.tag("field"), "field.bin")) == bytes(want)
+    assert sha(src) == hashlib.sha256(read(src)).hexdigest()
+
+
 def test_a_full_store_gives_the_writer_enospc_and_keeps_what_was_written(mounter, sample,
                                                                          small_fs):
     src = sample(8 * MiB)

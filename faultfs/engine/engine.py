@@ -369,17 +369,13 @@ class _CleanReads:
     async def read_clean(self, tag: Tag, index: int, off: int, size: int) -> Buffer:
         return await self._engine._blob_bytes(tag, index, off, size)
 
-    async def stage_clean(self, tag: Tag, index: int, *, wait: bool = True) -> Buffer | None:
-        """The size-0 request: fault the chunk if it is not staged, and pin the staged copy.
-        ``wait=False``: a fault whose store write is still under way returns its bytes at
-        once (the caller holds them, and calls again later to pin the stored copy)."""
+    async def stage_clean(self, tag: Tag, index: int) -> Buffer | None:
+        """The size-0 request: fault the chunk if it is not staged, and pin the staged copy."""
         engine = self._engine
         key = (tag.id, index)
         local = engine.tiers.local
         if not local.contains(key):
             data = await engine.faults.fault(tag, index)
-            if not wait and engine.tiers.is_pending(key):
-                return data
             with trio.move_on_after(30):  # the fault's own store write, behind it: not twice
                 while engine.tiers.is_pending(key):  # noqa: ASYNC110 - a store write, no event
                     await trio.sleep(0.001)

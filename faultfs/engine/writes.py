@@ -1,17 +1,22 @@
 """Writes: copy-on-write over the read-only source (DESIGN §11, §12).
 
 A written blob is *dirty*: its bytes are a base — the clean chunk (staged, pinned), a dirty
-file of its own (``store/dirty.py``), or nothing (a new blob) — with the writes since its
-last fold laid over it (an ``ExtentMap`` in memory, each write also a journal record). A
-fold writes base + writes as a new dirty file and lets the journal go.
+file of its own (``store/dirty.py``), a direct file (a write that covered the whole chunk,
+written as a file of its own and journaled as one small record), or nothing (a new blob) —
+with the writes since its last fold laid over it (an ``ExtentMap`` in memory, each write
+also a journal record). A fold writes base + writes as a new dirty file (a direct file with
+nothing over it is renamed, not copied) and lets the journal go.
 
 Invariants:
-- A write is acknowledged only after its journal record was appended (it survives a kill -9
-  of the daemon); ``fsync`` makes every acknowledged write durable; unmount folds everything
+- A write is acknowledged only after its journal record (and a whole-chunk write's direct
+  file before it) was written (it survives a kill -9 of the daemon); ``fsync`` makes every
+  acknowledged write durable (direct files, then the journal); unmount folds everything
   durably. After any crash each blob is the result of a prefix of its acknowledged writes
   that includes every write before the last completed ``fsync`` (the journal replays in
   order and stops at the first record that does not verify; a dirty file names the last
-  record it includes).
+  record it includes; a direct file that does not verify ends the replay at its record).
+- A direct file is deleted only once no record that names it can be replayed: after the
+  checkpoint that trimmed the journal past it, or a reset of its blob (durable first).
 - The source is never written. A partial write of a chunk that is not staged faults it first
   (the size-0 request); a write of a whole chunk does not.
 - Dirty data is never evicted, never replaced by a fault and never re-faulted: a damaged
@@ -42,16 +47,18 @@ from faultfs.iopool import IoPool
 from faultfs.stats import Stats
 from faultfs.store.dirty import DirtyFiles, folded_seq
 from faultfs.store.fileops import FileOps
-from faultfs.store.journal import KIND_SIZE, KIND_WRITE, KIND_ZERO, Journal, Record
+from faultfs.store.journal import KIND_BLOB, KIND_SIZE, KIND_WRITE, KIND_ZERO, Journal, Record
 from faultfs.tiers.base import Buffer
 
 log = logging.getLogger("faultfs.writes")
 
-CLEAN, FOLDED, NEW = "clean", "folded", "new"  # what a dirty blob's base is
+CLEAN, FOLDED, NEW, DIRECT = "clean", "folded", "new", "direct"  # what a dirty blob's base is
 USER_PREFIX = "u:"  # dirty files of user blobs are named by id: a rename is a table update
 GAP_PREFIX = ".pagegap."  # bytes written into the gaps of page N (hidden, never listed)
 FOLD_BYTES = 64 << 20  # written bytes held in memory before a checkpoint folds them
 FOLD_AT_ONCE = 4  # blobs a checkpoint folds in parallel (each one fsync on the I/O pool)
+SYNC_AT_ONCE = 8  # direct files an fsync syncs in parallel (the file system batches them)
+DIRECT_FILES = 4096  # direct files not folded yet before a checkpoint renames them
 VIEW = ""  # the journal's name for a tag's whole-object view (its size records)
 
 
@@ -74,8 +81,9 @@ class DirtyBlob:
     name: str  # its name in the journal and the dirty files: a chunk's, "u:<id>", ".pagegap.N"
     index: int | None  # a chunk's index
     size: int  # payload bytes
-    base: str  # CLEAN, FOLDED or NEW
+    base: str  # CLEAN, FOLDED, NEW or DIRECT
     folded_seq: int = 0  # the last journal record its dirty file includes
+    direct: int = 0  # DIRECT: the seq of its direct file (and of the record naming it)
     pending: ExtentMap = field(default_factory=ExtentMap)
     base_bytes: Buffer | None = None  # a clean base the store could not keep
     lock: trio.Lock | None = None
@@ -170,6 +178,10 @@ class Writes:
         self.held = 0  # bytes of writes held in memory (ExtentMap.held summed)
         self._nursery: trio.Nursery | None = None
         self._checkpointing: trio.Event | None = None
+        self._direct_count = 0  # blobs whose base is a direct file
+        self._unsynced: list[tuple[str, int]] = []  # (tag, seq) of direct files not synced yet
+        self._obsolete: list[tuple[str, int]] = []  # (tag, seq) of direct files to delete
+        self._syncing = trio.Lock()  # fsyncs one at a time: each covers what came before it
 
     # -- recovery (blocking, before the mount answers) ---------------------------------------
 
@@ -209,32 +221,88 @@ class Writes:
                                 FOLDED, seq))
 
     def replay(self, tags: dict[str, Tag]) -> int:
-        """Apply the journal's records after each blob's dirty file; the records applied."""
+        """Apply the journal's records after each blob's dirty file; the records applied.
+        A whole-chunk record whose direct file does not verify (a power loss before it was
+        synced) ends the replay there, like a torn record."""
         applied = 0
-        for rec in self.journal.replay(writable=self.writable):
+
+        def accept(rec: Record) -> bool:
+            """A whole-chunk record that will be applied needs its file, whole."""
+            if rec.kind != KIND_BLOB:
+                return True
             tag = tags.get(rec.tag)
-            if tag is None or tag.id not in self.tags:
-                continue
+            if tag is None or tag.id not in self.tags or self._chunk_index(tag, rec.name) is None:
+                return True  # not applied: whether its file is there does not matter
             tw = self.tags[tag.id]
-            if rec.seq <= tw.voided:
+            blob = self.blobs.get((tag.id, rec.name))
+            if rec.seq <= max(tw.voided, tw.voided_blobs.get(rec.name, 0),
+                              0 if blob is None else blob.folded_seq):
+                return True
+            return self.files.check_direct(tag.name, rec.name, rec.seq, rec.length, rec.digest)
+
+        for rec in self.journal.replay(writable=self.writable, accept=accept):
+            found = self._replayed(tags, rec)
+            if found is None:
                 continue
-            if rec.kind == KIND_SIZE and rec.name == VIEW:
-                if rec.seq > tw.view_seq:
-                    self._set_view_size(tag, tw, rec.length)
-                    applied += 1
-                continue
-            if rec.seq <= tw.voided_blobs.get(rec.name, 0):
-                continue
-            blob = self._blob_for(tag, rec.name, create=True)
-            if blob is None or rec.seq <= blob.folded_seq:
-                continue
-            self._apply(blob, rec)
+            tag, blob = found
+            if blob is None:
+                self._set_view_size(tag, self.tags[tag.id], rec.length)
+            else:
+                self._apply(blob, rec)
             applied += 1
+        self._sort_direct_files(tags)
         return applied
+
+    def _replayed(self, tags: dict[str, Tag], rec: Record) -> tuple[Tag, DirtyBlob | None] | None:
+        """What record ``rec`` changes at a replay — its tag and blob (None: the view's size)
+        — or None when it is void, folded already, or names nothing mounted."""
+        tag = tags.get(rec.tag)
+        if tag is None or tag.id not in self.tags:
+            return None
+        tw = self.tags[tag.id]
+        if rec.seq <= tw.voided:
+            return None
+        if rec.kind == KIND_SIZE and rec.name == VIEW:
+            return (tag, None) if rec.seq > tw.view_seq else None
+        if rec.seq <= tw.voided_blobs.get(rec.name, 0):
+            return None
+        if rec.kind == KIND_BLOB and self._chunk_index(tag, rec.name) is None:
+            return None  # only chunks are written so; never a record of ours otherwise
+        blob = self._blob_for(tag, rec.name, create=True)
+        if blob is None or rec.seq <= blob.folded_seq:
+            return None
+        return tag, blob
+
+    def _sort_direct_files(self, tags: dict[str, Tag]) -> None:
+        """After a replay: direct files no blob uses are deleted — at once when no record on
+        disk can name them (past the journal's end), else after the next checkpoint trims
+        the journal (a replay before then would look for them)."""
+        if not self.writable:
+            return
+        used = {(b.tag.name, b.direct) for b in self.blobs.values() if b.base == DIRECT}
+        for tag in tags.values():
+            if tag.id not in self.tags:
+                continue
+            for seq in self.files.direct_seqs(tag.name):
+                if (tag.name, seq) in used:
+                    continue
+                if seq >= self.journal.next_seq:
+                    self.files.delete_direct(tag.name, seq)
+                else:
+                    self._obsolete.append((tag.name, seq))
+
+    def needs_checkpoint(self) -> bool:
+        """Whether the writes found at mount should be folded now (a replay left some)."""
+        return bool(self.held or self._direct_count or self._obsolete)
 
     def _apply(self, blob: DirtyBlob, rec: Record) -> None:
         before = blob.pending.held
-        if rec.kind == KIND_WRITE:
+        if rec.kind == KIND_BLOB:  # its file verified (``replay``): the blob is that file
+            self._set_direct(blob, rec.seq)
+            # after a kill -9 it may be in the page cache only: the next sync (an fsync, the
+            # checkpoint before it is renamed) must make it durable like one written now
+            self._unsynced.append((blob.tag.name, rec.seq))
+        elif rec.kind == KIND_WRITE:
             blob.pending.write(rec.off, rec.data)
             blob.size = max(blob.size, rec.off + rec.length) if blob.index is None else blob.size
         elif rec.kind == KIND_ZERO:
@@ -300,15 +368,18 @@ class Writes:
             return bytes(max(0, min(size, tag.layout.chunk_size - off)))
         return await self._read(blob, off, size)
 
-    async def read_view(self, tag: Tag, off: int, size: int) -> bytes:
-        """View bytes of a tag with writes: chunk by chunk, dirty or clean."""
+    async def read_view(self, tag: Tag, off: int, size: int) -> Buffer:
+        """View bytes of a tag with writes: chunk by chunk, dirty or clean (a read inside
+        one chunk is its bytes as they come, uncopied)."""
         cs = tag.layout.chunk_size
-        parts = []
+        parts: list[Buffer] = []
         for index, inner, length in pieces(off, size, self.view_size(tag), cs):
             if self.is_dirty(tag, index) or index >= tag.layout.num_blobs:
                 parts.append(await self.read_chunk(tag, index, inner, length))
             else:
-                parts.append(bytes(await self.clean.read_clean(tag, index, inner, length)))
+                parts.append(await self.clean.read_clean(tag, index, inner, length))
+        if len(parts) == 1:
+            return parts[0]
         return b"".join(parts)
 
     async def read_user(self, tag: Tag, name: str, off: int, size: int) -> bytes:
@@ -329,6 +400,27 @@ class Writes:
         if off >= blob.size or size <= 0:
             return b""
         size = min(size, blob.size - off)
+        for _ in range(8):  # a direct file renamed (folded) under the read: take the new state
+            pending, base, direct = blob.pending, blob.base, blob.direct  # one state
+            if base != DIRECT:
+                break
+            try:
+                data = await self.pool.run(self.files.read_direct, blob.tag.name, blob.name,
+                                           direct, off, size)
+            except FileNotFoundError:
+                continue
+            except (CorruptionError, OSError) as exc:
+                raise FaultfsError(f"dirty blob {blob.name} of tag {blob.tag.name} cannot be "
+                                   f"read: {exc}", errno.EIO) from None
+            if not pending:
+                return data
+            buf = bytearray(size)
+            buf[:len(data)] = data
+            pending.overlay(buf, off)
+            return bytes(buf)
+        else:
+            raise FaultfsError(f"dirty blob {blob.name} of tag {blob.tag.name} cannot be read: "
+                               "its file keeps moving", errno.EIO)
         pending, base, base_bytes = blob.pending, blob.base, blob.base_bytes  # one state
         buf = bytearray(size)
         if base == FOLDED:
@@ -368,7 +460,7 @@ class Writes:
         if index >= self.num_chunks(tag):
             raise FaultfsError(f"tag {tag.name} has no chunk {index}", errno.ENOENT)
         await self._write(self._chunk_blob(tag, index), off, data)
-        await self._written(tag, "chunk", index, off, len(data))
+        self._written(tag)
         return len(data)
 
     async def write_view(self, tag: Tag, off: int, data: bytes) -> int:
@@ -377,14 +469,18 @@ class Writes:
         tw = self._tag(tag)
         cs = tag.layout.chunk_size
         end = off + len(data)
-        pos = 0
-        for index, inner, length in pieces(off, len(data), end, cs):
-            await self._write(self._chunk_blob(tag, index), inner, data[pos:pos + length])
-            pos += length
+        index, inner = divmod(off, cs)
+        if data and inner + len(data) <= cs:  # one chunk (most writes): no slice, no generator
+            await self._write(self._chunk_blob(tag, index), inner, data)
+        else:
+            pos = 0
+            for index, inner, length in pieces(off, len(data), end, cs):
+                await self._write(self._chunk_blob(tag, index), inner, data[pos:pos + length])
+                pos += length
         if end > tw.view_size:
             self._append(KIND_SIZE, tag.name, VIEW, 0, end)
             self._set_view_size(tag, tw, end)
-        await self._written(tag, "view", 0, off, len(data))
+        self._written(tag)
         return len(data)
 
     async def truncate_view(self, tag: Tag, size: int) -> None:
@@ -407,13 +503,13 @@ class Writes:
                     self._apply_zero(blob, inner, length)
         self._append(KIND_SIZE, tag.name, VIEW, 0, size)
         self._set_view_size(tag, tw, size)
-        await self._written(tag, "view", 0, min(size, old), abs(size - old))
+        self._written(tag)
 
     async def write_user(self, tag: Tag, name: str, off: int, data: bytes) -> int:
         self._check_writable(tag)
         blob = self._user_blob(tag, name)
         await self._write(blob, off, data)
-        await self._written(tag, "user", 0, off, len(data))
+        self._written(tag)
         return len(data)
 
     async def truncate_user(self, tag: Tag, name: str, size: int) -> None:
@@ -424,7 +520,7 @@ class Writes:
             before = blob.pending.held
             self._resize(blob, size)
             self.held += blob.pending.held - before
-        await self._written(tag, "user", 0, 0, size)
+        self._written(tag)
 
     async def write_gap(self, tag: Tag, page: int, off: int, data: bytes) -> None:
         """Bytes written into a gap of page ``page`` (the map has no slice there)."""
@@ -441,33 +537,90 @@ class Writes:
                                f"({blob.damaged}): run faultfs fsck", errno.EIO)
         if self._checkpointing is not None and self.held > 2 * self.fold_bytes:
             await self._checkpointing.wait()  # back-pressure: memory stays bounded
-        async with blob.locked():
-            whole = False
-            if blob.base == CLEAN and blob.base_bytes is None and not blob.pending:
-                if off == 0 and len(data) >= blob.size:
-                    whole = True  # a whole blob: no fault needed
-                else:
-                    assert blob.index is not None
-                    blob.base_bytes = await self.clean.stage_clean(blob.tag, blob.index)
-            self._append(KIND_WRITE, blob.tag.name, blob.name, off, len(data), data)
-            if whole:  # only once the write is journaled: a refused one changes nothing
-                blob.base = NEW
-            before = blob.pending.held
-            blob.pending.write(off, data)
-            if blob.index is None:
-                blob.size = max(blob.size, off + len(data))
-            self.held += blob.pending.held - before
+        if off == 0 and blob.index is not None and len(data) == blob.size:
+            await self._write_whole(blob, data)
+            return
+        unstaged = blob.base == CLEAN and blob.base_bytes is None and not blob.pending
+        lock = blob.lock
+        if not unstaged and (lock is None or not lock.locked()):
+            # the common case: nothing to fault and nobody folding the blob. Nothing below
+            # awaits, so no other task comes between (the lock would only cost its checkpoint)
+            self._put(blob, off, data)
+        else:
+            async with blob.locked():
+                whole = False
+                if blob.base == CLEAN and blob.base_bytes is None and not blob.pending:
+                    if off == 0 and len(data) >= blob.size:
+                        whole = True  # a whole blob: no fault needed
+                    else:
+                        assert blob.index is not None
+                        blob.base_bytes = await self.clean.stage_clean(blob.tag, blob.index)
+                self._put(blob, off, data)
+                if whole:  # only once the write is journaled: a refused one changes nothing
+                    blob.base = NEW
         self.stats.add("writes")
         self.stats.add("bytes_written", len(data))
         if self.held > self.fold_bytes:
             self.start_checkpoint()
 
+    def _put(self, blob: DirtyBlob, off: int, data: bytes) -> None:
+        """Journal a write of ``blob`` and lay it over the blob (its lock held, or no await
+        since the caller checked that nobody holds it)."""
+        self._append(KIND_WRITE, blob.tag.name, blob.name, off, len(data), data)
+        pending = blob.pending
+        before = pending.held
+        pending.write(off, data)
+        if blob.index is None:
+            blob.size = max(blob.size, off + len(data))
+        self.held += pending.held - before
+
+    async def _write_whole(self, blob: DirtyBlob, data: bytes) -> None:
+        """A write of a whole chunk: its bytes become a direct file (no fault, nothing held
+        in memory, no fold to copy them again), journaled by one small record naming it.
+        Both are written inline, like an append (a pwrite into the page cache, in order)."""
+        async with blob.locked():
+            tag, seq = blob.tag.name, self.journal.next_seq
+            try:
+                digest = self.files.write_direct(tag, blob.name, data, seq)
+            except OSError as exc:
+                code = errno.ENOSPC if exc.errno in (errno.ENOSPC, errno.EDQUOT) else errno.EIO
+                raise FaultfsError(f"writing {blob.name} of tag {tag} failed: {exc.strerror}",
+                                   code) from None
+            try:
+                got = self._append(KIND_BLOB, tag, blob.name, 0, len(data), digest=digest)
+            except BaseException:
+                try:  # no record names it: it is nothing (a crash here leaves it to the mount)
+                    self.files.delete_direct(tag, seq)
+                except OSError:
+                    pass
+                raise
+            assert got == seq, "the journal handed out another seq than the file's"
+            self._unsynced.append((tag, seq))
+            self.held -= blob.pending.held
+            self._set_direct(blob, seq)
+        self.stats.add("writes")
+        self.stats.add("bytes_written", len(data))
+        if self._direct_count > DIRECT_FILES:
+            self.start_checkpoint()
+
+    def _set_direct(self, blob: DirtyBlob, seq: int) -> None:
+        """Blob ``blob`` is now direct file ``seq`` whole: nothing under it or over it (the
+        caller counts ``held``)."""
+        if blob.base == DIRECT:
+            self._obsolete.append((blob.tag.name, blob.direct))  # a record may still name it
+        else:
+            self._direct_count += 1
+            if blob.base == CLEAN and blob.index is not None:
+                self.clean.unpin(blob.tag, blob.index)
+        blob.pending, blob.base_bytes = ExtentMap(), None
+        blob.base, blob.direct = DIRECT, seq
+
     def _append(self, kind: int, tag: str, name: str, off: int, length: int,
-                data: bytes = b"") -> int:
+                data: bytes = b"", digest: int = 0) -> int:
         """Journal one change (inline: an append to the page cache is a few microseconds a
         KiB, and appends must stay in order)."""
         try:
-            return self.journal.append(kind, tag, name, off, length, data)
+            return self.journal.append(kind, tag, name, off, length, data, digest)
         except StoreFull:
             raise FaultfsError("the store has no room for the write", errno.ENOSPC) from None
 
@@ -494,8 +647,9 @@ class Writes:
         self.changed.add(blob.tag.id)
         return blob
 
-    async def _written(self, tag: Tag, kind: str, index: int, off: int, size: int) -> None:
-        self._tag(tag).mtime_ns = time.time_ns()
+    def _written(self, tag: Tag) -> None:
+        tw = self.tags.get(tag.id)
+        (self._tag(tag) if tw is None else tw).mtime_ns = time.time_ns()
 
     # -- user blobs --------------------------------------------------------------------------
 
@@ -551,7 +705,44 @@ class Writes:
     async def fsync(self) -> None:
         """Every write acknowledged so far survives a power loss once this returns."""
         self.stats.add("fsyncs")
-        await self.pool.run(self.journal.sync)
+        await self._sync()
+
+    async def _sync(self) -> None:
+        """Make every write acknowledged so far durable: the direct files written since the
+        last sync (``SYNC_AT_ONCE`` at a time, then their directories), then the journal.
+        One at a time: a sync that returns covers the files another one took before it."""
+        async with self._syncing:
+            taken, self._unsynced = self._unsynced, []
+            try:
+                await self._sync_files(taken)
+            except BaseException:
+                self._unsynced[:0] = taken  # the next sync tries them again
+                raise
+            await self.pool.run(self.journal.sync)
+
+    async def _sync_files(self, taken: list[tuple[str, int]]) -> None:
+        if not taken:
+            return
+        paths = [self.files.direct_path(tag, seq) for tag, seq in taken]
+        failures: list[Exception] = []
+
+        async def one(group: list[str]) -> None:
+            try:
+                await self.pool.run(self.files.sync_files, group)
+            except Exception as exc:  # raised below, as itself (not as a group)
+                failures.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(min(SYNC_AT_ONCE, len(paths))):
+                nursery.start_soon(one, paths[i::SYNC_AT_ONCE])
+        try:
+            if failures:
+                raise failures[0]
+            await self.pool.run(self.files.sync_dirs, sorted({tag for tag, _ in taken}))
+        except OSError as exc:
+            code = errno.ENOSPC if exc.errno in (errno.ENOSPC, errno.EDQUOT) else errno.EIO
+            raise FaultfsError(f"syncing the written files failed: {exc.strerror}",
+                               code) from None
 
     def attach(self, nursery: trio.Nursery) -> None:
         self._nursery = nursery
@@ -569,7 +760,7 @@ class Writes:
         done = self._checkpointing = trio.Event()
         try:
             self.journal.roll()  # here, where appends happen: records after go to the next
-            await self.pool.run(self.journal.sync)  # folded or not, the records are durable
+            await self._sync()  # folded or not, the records (and direct files) are durable
             through = self.journal.last_seq
             await self._fold_all([b for b in self.blobs.values()
                                   if b.pending or b.base != FOLDED])
@@ -577,6 +768,11 @@ class Writes:
                 tw.view_seq = through
                 await self._save_state_id(tag_id)
             await self.pool.run(self.journal.trim, through)
+            # no record at or below ``through`` can be replayed now (trimmed, or its blob's
+            # durable file names a later seq): direct files they named may go
+            gone = [(t, q) for t, q in self._obsolete if q <= through]
+            self._obsolete = [(t, q) for t, q in self._obsolete if q > through]
+            await self.pool.run(self._delete_direct, gone)
             self.stats.add("checkpoints")
         except FaultfsError as exc:
             log.error("checkpoint of the writes failed (kept in the journal): %s", exc)
@@ -610,9 +806,20 @@ class Writes:
         if failures:
             raise failures[0]
 
+    def _delete_direct(self, gone: list[tuple[str, int]]) -> None:
+        for tag, seq in gone:
+            try:
+                self.files.delete_direct(tag, seq)
+            except OSError as exc:  # left behind: the next mount finds it unused
+                log.warning("deleting direct file %d of tag %s failed: %s", seq, tag,
+                            exc.strerror)
+
     async def fold(self, blob: DirtyBlob, *, sync_dir: bool = True) -> None:
         async with blob.locked():
             if not blob.pending and blob.base == FOLDED:
+                return
+            if not blob.pending and blob.base == DIRECT:
+                await self._adopt(blob, sync_dir=sync_dir)
                 return
             seq = self.journal.last_seq
             data = await self._read_whole(blob)
@@ -625,10 +832,35 @@ class Writes:
                                    f"{exc.strerror}", code) from None
             self.held -= blob.pending.held
             was_clean = blob.base == CLEAN
+            if blob.base == DIRECT:  # its record stays in the journal until a trim
+                self._obsolete.append((blob.tag.name, blob.direct))
+                self._direct_count -= 1
             blob.base, blob.folded_seq, blob.pending, blob.base_bytes = FOLDED, seq, ExtentMap(), None
+            blob.direct = 0
             if was_clean and blob.index is not None:
                 self.clean.unpin(blob.tag, blob.index)
             self.stats.add("folds")
+
+    async def _adopt(self, blob: DirtyBlob, *, sync_dir: bool) -> None:
+        """Fold a direct file with nothing over it: rename it to the blob's dirty file (it
+        must be synced first: a rename never makes an unsynced file the blob's)."""
+        tag, seq = blob.tag.name, blob.direct
+        if (tag, seq) in self._unsynced or self._syncing.locked():
+            await self._sync()  # (a sync under way may hold it: wait for that one too)
+
+        def rename() -> None:
+            self.files.adopt_direct(tag, blob.name, seq)
+            if sync_dir:
+                self.files.sync_dirs([tag])
+
+        try:
+            await self.pool.run(rename)
+        except OSError as exc:
+            raise FaultfsError(f"folding {blob.name} of tag {tag} failed: {exc.strerror}",
+                               errno.EIO) from None
+        blob.base, blob.folded_seq, blob.direct = FOLDED, seq, 0
+        self._direct_count -= 1
+        self.stats.add("folds")
 
     async def _read_whole(self, blob: DirtyBlob) -> bytes:
         return await self._read(blob, 0, blob.size) if blob.size else b""
@@ -636,7 +868,7 @@ class Writes:
     async def close(self) -> None:
         """Unmount: everything written is folded and durable."""
         await self.checkpoint()
-        await self.pool.run(self.journal.sync)
+        await self._sync()
         self.journal.close()
 
     # -- reset, clone ------------------------------------------------------------------------
@@ -670,6 +902,9 @@ class Writes:
             self.held -= blob.pending.held
             if blob.base == CLEAN and blob.index is not None:
                 self.clean.unpin(tag, blob.index)
+            if blob.base == DIRECT:  # void now (the state says so, durably): no replay needs it
+                self._direct_count -= 1
+                await self.pool.run(self._delete_direct, [(tag.name, blob.direct)])
             await self.pool.run(self.files.delete, tag.name, blob.name)
         return len(gone)
 
@@ -689,6 +924,10 @@ class Writes:
         for key in [k for k in self.blobs if k[0] == tag.id]:
             blob = self.blobs.pop(key)
             self.held -= blob.pending.held
+            if blob.base == DIRECT:
+                self._direct_count -= 1  # its file goes with the tag's directory
+        self._obsolete = [(t, q) for t, q in self._obsolete if t != tag.name]
+        self._unsynced = [(t, q) for t, q in self._unsynced if t != tag.name]
         self.tags.pop(tag.id, None)
         self.changed.discard(tag.id)
         name = self._names.pop(tag.id, tag.name)

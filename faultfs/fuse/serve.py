@@ -69,7 +69,7 @@ async def _serve_async(engine: Engine, mountpoint: str, ready: Callable[[], None
         if engine.config.stats_log:
             nursery.start_soon(_log_stats, engine)
         nursery.start_soon(_announce_ready, mountpoint, ready, engine.config.readahead_kb)
-        if engine.writes.held:
+        if engine.writes.needs_checkpoint():
             engine.writes.start_checkpoint()  # writes replayed from the journal: fold them
         await pyfuse3.main()
         with trio.move_on_after(DRAIN_TIMEOUT_S):

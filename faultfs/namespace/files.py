@@ -293,8 +293,9 @@ class Files:
 
     async def written(self, file: BlobFile, off: int, size: int) -> None:
         """Invalidate what the kernel cached of the other names of the bytes just written."""
-        if self.invalidate is None:
-            return
+        opened = self.opened
+        if self.invalidate is None or not opened or (len(opened) == 1 and file.inode in opened):
+            return  # no other name is open to cache anything (the usual case): no work
         stale = [i for i in self._names_of(file, off, size) if i in self.opened and i != file.inode]
         if stale:
             await self.invalidate(stale[:INVALIDATE_MAX])

@@ -6,6 +6,12 @@ the journal position it includes (``wal:<seq>``): a replay applies only the reco
 They live apart from staged clean blobs, so nothing that manages the cache (eviction, the
 trusted scan at mount, a fault's store write) can touch user data.
 
+A write that covers a whole chunk is written as a *direct file* ``t-<tag>/d-<seq, 16 hex>``
+(the same format, naming ``wal:<seq>``) without fsync, and journaled as one small KIND_BLOB
+record of that seq; the next fsync syncs it, and a fold renames it to ``b-<blob>`` (no copy).
+Until then the ``b-`` file under it is kept: a power loss that tears the direct file finds
+the record's checksum wrong and the replay stops there, before the blob's older state.
+
 Invariants:
 - Files are replaced whole and durably (temp file, fsync, rename, directory fsync), through a
   ``FileOps`` (so the crash tests cover them): after a crash a blob is its old file or its
@@ -13,6 +19,8 @@ Invariants:
 - A read verifies the header and every block it returns; a damaged dirty file is a
   CorruptionError (EIO to readers), never re-faulted or replaced silently. So is anything
   but a regular file (a FIFO, a directory, a link) where a dirty file should be.
+- A direct file is never written in place, and is deleted only when no record may name it
+  any more (the journal was trimmed past it, or its blob was reset).
 - Nothing is followed out of the store: a link (or a file) where a tag's directory should be
   holds no dirty data, and is replaced by a real directory before anything is written there;
   a linked ``writes`` or ``writes/journal`` refuses the mount.
@@ -25,14 +33,24 @@ import logging
 import os
 import secrets
 import stat
+import struct
 from urllib.parse import unquote
 
 from faultfs.errors import CorruptionError, InvalidInput
-from faultfs.store.blobfile import FLAG_DIRTY, HEADER_LEN, BlobHeader, decode_header, encode_header
+from faultfs.store.blobfile import (
+    FLAG_DIRTY,
+    HEADER_LEN,
+    BlobHeader,
+    decode_header,
+    encode_header,
+    payload_hash,
+)
 from faultfs.store.blobstore import encode_component
 from faultfs.store.fileops import FileOps, OsFileOps
 
 WAL_PREFIX = "wal:"
+DIRECT_PREFIX = "d-"  # d-<seq, 16 hex>: a chunk written whole, not folded yet
+_PAYLOAD_XXH3 = struct.Struct("<Q")  # blob header bytes [32, 40): the payload's xxh3_64
 log = logging.getLogger("faultfs.writes")
 
 
@@ -57,6 +75,7 @@ class DirtyFiles:
         self.root = os.path.join(root, "writes")
         self.ops = ops or OsFileOps()
         self.writable = writable  # False: list and read only (a degraded or read-only store)
+        self._ready: set[str] = set()  # tag directories checked and made by this process
         for directory in (self.root, os.path.join(self.root, "journal")):
             if os.path.islink(directory):
                 raise InvalidInput(f"{directory} is a symbolic link: faultfs does not follow "
@@ -120,6 +139,120 @@ class DirtyFiles:
         data = header + bytes(payload) if with_payload else header
         self._replace(self.path(tag, name), data, sync_dir=sync_dir)
         return len(data)
+
+    # -- direct files (whole-chunk writes) ---------------------------------------------------
+
+    def direct_path(self, tag: str, seq: int) -> str:
+        return os.path.join(self.tag_dir(tag), f"{DIRECT_PREFIX}{seq:016x}")
+
+    def write_direct(self, tag: str, name: str, payload: bytes | memoryview, seq: int) -> int:
+        """Write ``payload`` as the direct file of ``seq`` (a new file, not synced: a kill -9
+        keeps it, ``sync_files`` makes it durable); the payload's xxh3_64, for its record."""
+        directory = self.tag_dir(tag)
+        if directory not in self._ready:  # a lstat and a mkdir once per tag, not per write
+            self._tag_dir_for_writing(directory)
+            self._ready.add(directory)
+        header, with_payload = encode_header(tag, name, payload, flags=FLAG_DIRTY,
+                                             source_version=f"{WAL_PREFIX}{seq}")
+        path = self.direct_path(tag, seq)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+        try:
+            fd = self.ops.open(path, flags)
+        except FileExistsError:  # left by a crash before its record: no record names it
+            self.ops.unlink(path)
+            fd = self.ops.open(path, flags)
+        try:
+            try:
+                for data, at in ((header, 0), (payload if with_payload else b"", HEADER_LEN)):
+                    view = memoryview(data)
+                    done = 0
+                    while done < len(view):
+                        done += self.ops.pwrite(fd, view[done:], at + done)
+            finally:
+                self.ops.close(fd)
+        except BaseException:
+            try:
+                self.ops.unlink(path)
+            except OSError:
+                pass
+            raise
+        return int(_PAYLOAD_XXH3.unpack_from(header, 32)[0])  # 0 for an all-zero payload
+
+    def sync_files(self, paths: list[str]) -> None:
+        """fsync each file of ``paths`` (direct files written since the last sync; one
+        deleted meanwhile — its blob was reset — needs none)."""
+        for path in paths:
+            try:
+                fd = self.ops.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            try:
+                self.ops.fsync(fd)
+            finally:
+                self.ops.close(fd)
+
+    def check_direct(self, tag: str, name: str, seq: int, length: int, digest: int) -> bool:
+        """Whether the direct file of ``seq`` holds blob ``name`` of ``tag`` whole, as its
+        record says (length, payload checksum, every block): False when it is missing, torn
+        or anything else (a power loss before it was synced)."""
+        path = self.direct_path(tag, seq)
+        if not self.ops.exists(path) or os.path.islink(path):
+            return False
+        try:
+            fd = self.ops.open(path, os.O_RDONLY)
+        except (OSError, InvalidInput):
+            return False
+        try:
+            size = self.ops.size(fd)
+            h = decode_header(self.ops.pread(fd, HEADER_LEN, 0), file_size=size)
+            if (h.tag != tag or h.name != name or not h.dirty or h.payload_len != length
+                    or h.source_version != f"{WAL_PREFIX}{seq}" or h.payload_xxh3 != digest):
+                return False
+            if h.all_zero:
+                return True  # nothing stored: the header (checksummed) is the whole file
+            data = self.ops.pread(fd, h.stored_len, HEADER_LEN)
+            if len(data) != h.stored_len or payload_hash(data) != digest:
+                return False
+            h.check_blocks(0, data)
+        except (CorruptionError, OSError):
+            return False
+        finally:
+            self.ops.close(fd)
+        return True
+
+    def read_direct(self, tag: str, name: str, seq: int, off: int, size: int) -> bytes:
+        """Verified payload bytes of the direct file of ``seq`` (as ``read``)."""
+        return self._read(self.direct_path(tag, seq), tag, name, off, size)
+
+    def adopt_direct(self, tag: str, name: str, seq: int) -> None:
+        """Make the (synced) direct file of ``seq`` blob ``name``'s dirty file: a rename; its
+        directory is synced by ``sync_dirs``."""
+        path = self.path(tag, name)
+        if self._foreign_file(path):  # a rename cannot replace a directory: move it aside
+            aside = f"{path}.foreign-{secrets.token_hex(4)}"
+            log.warning("%s is not a regular file: moved to %s", path, aside)
+            os.rename(path, aside)
+        self.ops.rename(self.direct_path(tag, seq), path)
+
+    def delete_direct(self, tag: str, seq: int) -> None:
+        path = self.direct_path(tag, seq)
+        if self.ops.exists(path):
+            self.ops.unlink(path)
+
+    def direct_seqs(self, tag: str) -> list[int]:
+        """Seqs of the direct files of ``tag`` on disk."""
+        directory = self._tag_dir_for_reading(tag)
+        if directory is None:
+            return []
+        out = []
+        for entry in self.ops.listdir(directory):
+            digits = entry[len(DIRECT_PREFIX):]
+            if entry.startswith(DIRECT_PREFIX) and len(digits) == 16:
+                try:
+                    out.append(int(digits, 16))
+                except ValueError:
+                    continue
+        return sorted(out)
 
     def sync_dirs(self, tags: list[str]) -> None:
         """Make the renames of files written with ``sync_dir=False`` durable."""
@@ -245,6 +378,7 @@ class DirtyFiles:
     def forget_tag(self, tag: str) -> None:
         """Remove every dirty file and the write state of ``tag``."""
         directory = self.tag_dir(tag)
+        self._ready.discard(directory)
         if self._foreign(directory):
             os.unlink(directory)  # a link: never what it points to
             return

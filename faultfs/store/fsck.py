@@ -14,7 +14,8 @@ What the walk looks at, area by area (the layout is in ``blobstore.py``, ``dirty
   know are *orphaned*.
 - writes  ``writes/t-<tag>/``: ``state.json`` (the write state) is a JSON object of the fields
   the engine reads; dirty files verify like blobs, are flagged dirty, name a journal position
-  and belong to the tag or one of its ancestors (a clone's linked files).
+  and belong to the tag or one of its ancestors (a clone's linked files); so do the direct
+  files ``d-<seq>`` of whole-chunk writes not folded yet, which name their own seq.
 - the journal  ``writes/journal/w-<seq>.log``: records verify in order, across segments, with
   rising seqs; a partial record at the end of the last segment is a *torn tail* (a crash while
   appending: the next mount cuts it off), a bad record anywhere else is damage.
@@ -58,8 +59,8 @@ from faultfs.store.blobstore import (
     open_regular,
     remove_entry,
 )
+from faultfs.store.dirty import DIRECT_PREFIX, WAL_PREFIX
 from faultfs.store.dirty import STATE as WRITE_STATE
-from faultfs.store.dirty import WAL_PREFIX
 from faultfs.store.journal import (
     HEAD_LEN,
     KIND_WRITE,
@@ -239,6 +240,17 @@ def _scan(path: str) -> Iterator[os.DirEntry]:
         return
     with it:
         yield from it
+
+
+def _direct_seq(name: str) -> int | None:
+    """The seq a direct file's name (``d-<16 hex>``) gives, None for any other name."""
+    digits = name[len(DIRECT_PREFIX):]
+    if not name.startswith(DIRECT_PREFIX) or len(digits) != 16:
+        return None
+    try:
+        return int(digits, 16)
+    except ValueError:
+        return None
 
 
 def _is_temp(name: str) -> bool:
@@ -689,13 +701,17 @@ class StoreWalk:
                 yield self._temp(entry.path)
             elif entry.name.startswith(("b-", "h-")):
                 yield self._dirty_file(entry, label, owns, orphan)
+            elif _direct_seq(entry.name) is not None:
+                yield self._dirty_file(entry, label, owns, orphan, direct=True)
             else:
                 yield self._unknown(entry.path)
 
     def _dirty_file(self, entry: os.DirEntry, label: str, owns: Callable[[str], bool],
-                    orphan: str) -> Finding:
+                    orphan: str, *, direct: bool = False) -> Finding:
+        """A dirty file, or (``direct``) a whole-chunk write's ``d-<seq>`` file that the
+        next mount folds: the same format, naming that seq."""
         path = entry.path
-        name, hashed = self._blob_name(entry.name)
+        name, hashed = (None, True) if direct else self._blob_name(entry.name)
         if name is None and not hashed:
             return self._unknown(path)
         _, size = _lsize(path)
@@ -703,7 +719,9 @@ class StoreWalk:
         header = blob.header
         problem = blob.problem
         if header is not None and not problem:
-            if hashed and encode_component("b-", header.name) != entry.name:
+            if direct and header.source_version != f"{WAL_PREFIX}{_direct_seq(entry.name)}":
+                problem = f"names another journal position ({header.source_version!r})"
+            elif not direct and hashed and encode_component("b-", header.name) != entry.name:
                 problem = f"holds blob {header.name!r}, which is not named so"
             elif not header.dirty:
                 problem = "is not flagged dirty"

@@ -4,18 +4,25 @@ write is acknowledged, so a crash loses nothing acknowledged and tears nothing (
 Layout: ``<store>/writes/journal/w-<first seq, 16 hex>.log`` segments, replayed in order.
 A record (little-endian), pinned by a golden-bytes test — change it and bump ``MAGIC``:
 
-    0   magic       8  b"FFSWAL\\x00\\x01"
+    0   magic       8  b"FFSWAL\\x00\\x01" (kinds 1-3), b"FFSWAL\\x00\\x02" (kind 4)
     8   seq         u64  1, 2, 3 ... across segments, never reused
-    16  kind        u8   1 write (data follows), 2 zero (a range reads as zeros), 3 size
+    16  kind        u8   1 write (data follows), 2 zero (a range reads as zeros), 3 size,
+                         4 blob (the whole blob is the dirty file ``d-<seq>`` of its tag)
     17  reserved    u8   0
     18  tag_len     u16
     20  name_len    u16  (0 with kind 3: the size of the tag's whole-object view)
     22  reserved    u16  0
     24  off         u64  write/zero: offset in the blob; size: 0
-    32  length      u64  write: data bytes; zero: range length; size: the new size
-    40  data_xxh3   u64  xxh3_64 of the data (0 without data)
+    32  length      u64  write: data bytes; zero: range length; size: the new size;
+                         blob: the payload bytes of its file
+    40  data_xxh3   u64  xxh3_64 of the data (0 without data); blob: of the file's payload
     48  head_xxh3   u64  xxh3_64 of bytes [0, 48) + tag + name
     56  tag, name (UTF-8), then the data
+
+Version 2 added kind 4 and nothing else: a record of kinds 1-3 is the same bytes in both
+versions (it keeps the version-1 magic, so a version-1 journal is read as it always was); a
+kind-4 record carries the version-2 magic, so a faultfs that knows only version 1 stops its
+replay there, as at any record it cannot verify.
 
 Invariants:
 - A record is acknowledged once ``append`` returned: its bytes are in the kernel (a kill -9 of
@@ -35,7 +42,7 @@ import errno
 import os
 import struct
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import xxhash
@@ -44,14 +51,17 @@ from faultfs.errors import CorruptionError, FaultfsError, StoreFull
 from faultfs.store.fileops import FileOps, OsFileOps
 
 MAGIC = b"FFSWAL\x00\x01"
-KIND_WRITE, KIND_ZERO, KIND_SIZE = 1, 2, 3
+MAGIC_V2 = b"FFSWAL\x00\x02"  # kind 4 (KIND_BLOB) only: see the module docstring
+KIND_WRITE, KIND_ZERO, KIND_SIZE, KIND_BLOB = 1, 2, 3, 4
 _HEAD = struct.Struct("<8sQBBHHHQQQ")
+_CHECK = struct.Struct("<Q")
 HEAD_LEN = _HEAD.size + 8  # the fixed part and its checksum: 56 bytes
 assert HEAD_LEN == 56
 SEGMENT_BYTES = 64 << 20  # a segment is closed (fsynced) and a new one started past this
 MAX_RECORD_DATA = 1 << 30  # a write record carries at most one blob's bytes
 MAX_SEQ = 1 << 62  # no journal gets near it; a record claiming more is not one of ours
 SEGMENT_PREFIX, SEGMENT_SUFFIX = "w-", ".log"
+INLINE_DATA = 64 << 10  # data up to this is joined to its record's head: one pwrite
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,20 +72,36 @@ class Record:
     name: str
     off: int
     length: int
-    data: bytes = b""
+    data: bytes | memoryview = b""
+    digest: int = 0  # KIND_BLOB: xxh3_64 of its file's payload (0 for the other kinds)
+
+
+def encode_prefix(rec: Record) -> bytes:
+    """A record without its data: the fixed part, its checksum, the tag and the name (an
+    append writes the data after it, uncopied)."""
+    return _prefix(rec.seq, rec.kind, rec.tag, rec.name, rec.off, rec.length, rec.data,
+                   rec.digest)
+
+
+def _prefix(seq: int, kind: int, tag: str, name: str, off: int, length: int,
+            data: bytes | memoryview, digest: int) -> bytes:
+    names = (tag + name).encode("utf-8")
+    tag_len = len(tag.encode("utf-8")) if not tag.isascii() else len(tag)
+    if kind == KIND_WRITE:
+        if len(data) != length:
+            raise ValueError("a write record's length is its data's")
+        magic, digest = MAGIC, xxhash.xxh3_64_intdigest(data) if length else 0
+    elif kind == KIND_BLOB:
+        magic = MAGIC_V2
+    else:
+        magic, digest = MAGIC, 0
+    head = _HEAD.pack(magic, seq, kind, 0, tag_len, len(names) - tag_len, 0, off, length, digest)
+    return head + _CHECK.pack(xxhash.xxh3_64_intdigest(head + names)) + names
 
 
 def encode(rec: Record) -> bytes:
-    tag = rec.tag.encode("utf-8")
-    name = rec.name.encode("utf-8")
-    data = rec.data if rec.kind == KIND_WRITE else b""
-    if rec.kind == KIND_WRITE and len(data) != rec.length:
-        raise ValueError("a write record's length is its data's")
-    digest = xxhash.xxh3_64_intdigest(data) if data else 0
-    head = _HEAD.pack(MAGIC, rec.seq, rec.kind, 0, len(tag), len(name), 0, rec.off, rec.length,
-                      digest)
-    check = xxhash.xxh3_64_intdigest(head + tag + name)
-    return b"".join((head, struct.pack("<Q", check), tag, name, data))
+    prefix = encode_prefix(rec)
+    return prefix + rec.data if rec.kind == KIND_WRITE else prefix
 
 
 def decode_head(raw: bytes) -> tuple[int, int, int, int, int, int, int, int]:
@@ -84,7 +110,9 @@ def decode_head(raw: bytes) -> tuple[int, int, int, int, int, int, int, int]:
     if len(raw) < HEAD_LEN:
         raise CorruptionError("journal record truncated")
     magic, seq, kind, r1, tag_len, name_len, r2, off, length, digest = _HEAD.unpack_from(raw)
-    if magic != MAGIC or kind not in (KIND_WRITE, KIND_ZERO, KIND_SIZE) or r1 or r2:
+    known = (KIND_BLOB,) if magic == MAGIC_V2 else (KIND_WRITE, KIND_ZERO, KIND_SIZE) if (
+        magic == MAGIC) else ()
+    if kind not in known or r1 or r2:
         raise CorruptionError("not a journal record")
     if kind == KIND_WRITE and length > MAX_RECORD_DATA:
         raise CorruptionError("journal record too long")
@@ -127,10 +155,14 @@ class Journal:
 
     # -- replay ------------------------------------------------------------------------------
 
-    def replay(self, *, writable: bool = True) -> Iterator[Record]:
+    def replay(self, *, writable: bool = True,
+               accept: Callable[[Record], bool] | None = None) -> Iterator[Record]:
         """The records on disk, in order, up to the first one that does not verify. Leaves the
         journal ready to append after the last good record (a torn tail is cut off).
-        ``writable=False`` (a store that cannot be written) only reads."""
+        ``writable=False`` (a store that cannot be written) only reads. ``accept``: asked
+        about each record just before it is yielded (after the ones before it were used);
+        False makes it count as one that does not verify (a KIND_BLOB record whose file was
+        lost): the replay stops there and the journal is cut before it."""
         if writable:
             self.ops.makedirs(self.dir)
         firsts = sorted(s for s in (_segment_seq(n) for n in self.ops.listdir(self.dir))
@@ -150,7 +182,8 @@ class Journal:
                 pos = 0
                 while pos < size:
                     rec, length = self._read_record(fd, pos, size)
-                    if rec is None or rec.seq < expect:
+                    if rec is None or rec.seq < expect or (
+                            accept is not None and not accept(rec)):
                         stopped = True
                         break
                     expect = rec.seq + 1
@@ -171,6 +204,13 @@ class Journal:
             self._fd = self.ops.open(os.path.join(self.dir, segment_name(first)), os.O_RDWR)
             self.ops.ftruncate(self._fd, pos)
             self._first, self._pos = first, pos
+        # What a kill -9 left may be in the page cache only (the records, the segments'
+        # names): the next sync makes all of it durable, as if appended in this mount.
+        for first in self._segments:
+            if first != self._first:
+                self._unsynced.append(
+                    self.ops.open(os.path.join(self.dir, segment_name(first)), os.O_RDONLY))
+        self._dir_dirty = bool(self._segments)
 
     def _read_record(self, fd: int, pos: int, size: int) -> tuple[Record | None, int]:
         raw = self.ops.pread(fd, HEAD_LEN, pos)
@@ -194,31 +234,48 @@ class Journal:
             name = names[tag_len:].decode("utf-8")
         except UnicodeDecodeError:
             return None, 0
-        return Record(seq, kind, tag, name, off, length, bytes(data)), total
+        return Record(seq, kind, tag, name, off, length, bytes(data),
+                      digest if kind == KIND_BLOB else 0), total
 
     # -- appending ---------------------------------------------------------------------------
 
     def append(self, kind: int, tag: str, name: str, off: int, length: int,
-               data: bytes | memoryview = b"") -> int:
-        """Append one record; its seq. StoreFull (nothing appended) when there is no room."""
+               data: bytes | memoryview = b"", digest: int = 0) -> int:
+        """Append one record; its seq (always ``next_seq`` as it was: a caller may name a
+        file by it first). StoreFull (nothing appended) when there is no room. ``digest``:
+        a KIND_BLOB record's payload checksum."""
         if self._fd < 0 or self._pos >= SEGMENT_BYTES:
             try:
                 self._start_segment()
             except OSError as exc:
                 raise _failure(exc) from None
         seq = self.next_seq
-        raw = encode(Record(seq, kind, tag, name, off, length, bytes(data)))
+        prefix = _prefix(seq, kind, tag, name, off, length, data, digest)
+        pos = self._pos
         try:
-            written = 0
-            while written < len(raw):
-                written += self.ops.pwrite(self._fd, raw[written:], self._pos + written)
+            if kind != KIND_WRITE or length <= INLINE_DATA:
+                # one syscall: joining a few KiB costs less than a second one
+                raw = prefix + data if kind == KIND_WRITE else prefix
+                if self.ops.pwrite(self._fd, raw, pos) != len(raw):
+                    self._write_all(raw, pos)
+                pos += len(raw)
+            else:  # a large write is never copied: two syscalls
+                for part in (prefix, data):
+                    self._write_all(part, pos)
+                    pos += len(part)
         except OSError as exc:
             self.ops.ftruncate(self._fd, self._pos)  # no half record stays behind
             raise _failure(exc) from None
-        self._pos += len(raw)
+        self.appended += pos - self._pos
+        self._pos = pos
         self.next_seq = seq + 1
-        self.appended += len(raw)
         return seq
+
+    def _write_all(self, part: bytes | memoryview, pos: int) -> None:
+        view = memoryview(part)
+        written = 0
+        while written < len(view):
+            written += self.ops.pwrite(self._fd, view[written:], pos + written)
 
     def _start_segment(self) -> None:
         """Start the next segment (on the thread that appends). The one before is fsynced by

@@ -4,7 +4,8 @@ for the clean blobs, the write journal and dirty files on a ``SimDisk``) against
 appended survives, nothing else happens) and a power loss (``SimDisk.crash``: what was not
 fsynced is kept, dropped or torn at random).
 
-Rules: writes through the view (growing it) and through ``chunk_N``, truncates of the view,
+Rules: writes through the view (growing it) and through ``chunk_N``, whole-chunk writes (the
+direct files of ``store/dirty.py``: aligned, through either name), truncates of the view,
 fsyncs, checkpoints (folds), reads of both names, the three stops.
 
 What must hold (DESIGN §11): reads return exactly the model; after a remount or a kill -9
@@ -189,7 +190,10 @@ class WritesWorld:
         self.size.settle(writes.view_size(self.tag), "the view's size", exact=exact)
         count = max(len(self.chunks), writes.num_chunks(self.tag))
         for index in range(count):
-            got = bytes(self.run(self.engine.read_blob, self.tag, index, 0, self.cs))
+            try:
+                got = bytes(self.run(self.engine.read_blob, self.tag, index, 0, self.cs))
+            except FaultfsError as exc:  # no stop may leave a blob unreadable
+                raise AssertionError(f"chunk {index} cannot be read after the stop: {exc}") from None
             self._chunk(index).settle(got, f"chunk {index}", exact=exact)
 
     # -- checks ------------------------------------------------------------------------------
@@ -241,6 +245,16 @@ class WritesModel(RuleBasedStateMachine):
             return
         w.write_chunk(index, off, data)
 
+    @rule(pick=st.integers(0, 7), seed=st.integers(0, 1 << 16), view=st.booleans())
+    def write_whole_chunk(self, pick: int, seed: int, view: bool) -> None:
+        """A write covering one chunk exactly: a direct file, not a journal record of data."""
+        w = self.w
+        data = random.Random(seed).randbytes(w.cs)
+        if view:
+            w.write_view(pick * w.cs, data)
+            return
+        w.write_chunk(pick % w.engine.writes.num_chunks(w.tag), 0, data)
+
     @rule(size=st.integers(0, 7 * CS))
     def truncate(self, size: int) -> None:
         self.w.truncate(size)
@@ -277,18 +291,26 @@ class WritesModel(RuleBasedStateMachine):
 
 def _script(world: WritesWorld) -> None:
     """A fixed sequence that reaches every durable step: appends, syncs, a segment roll,
-    folds (a checkpoint), state files, the unmount fold."""
+    folds (a checkpoint), state files, the unmount fold; and each state of a whole-chunk
+    write's direct file: written, synced, replaced unsynced, written over, renamed by a fold,
+    replaced after the fold, synced by the unmount."""
     cs = world.cs
     world.write_view(10, b"a" * 100)
-    world.write_chunk(1, 0, b"b" * cs)  # a whole chunk: no fault
+    world.write_chunk(1, 0, b"b" * cs)  # a whole chunk: a direct file, no fault
     world.fsync()
+    world.write_chunk(1, 0, b"B" * cs)  # replaces a synced direct file, unsynced
+    world.write_view(2 * cs, b"g" * cs)  # a whole chunk through the view
+    world.write_view(2 * cs + 9, b"h" * 5)  # written over a direct file
+    world.write_chunk(3, 0, bytes(cs))  # an all-zero direct file (a header, no payload)
     world.write_view(3 * cs - 50, b"c" * 200)  # across two chunks
     world.truncate(2 * cs + 7)
-    world.checkpoint()
+    world.checkpoint()  # chunk 1 renamed, chunk 2 folded (its direct file obsolete)
+    world.write_view(cs, b"i" * cs)  # a direct file over a folded one
     world.write_view(4 * cs, b"d" * 300)  # grows the view past the source
     world.write_chunk(0, 5, b"e" * 9)
     world.fsync()
     world.write_view(0, b"f" * 17)
+    world.write_chunk(0, 0, b"j" * cs)  # the last write: a direct file the unmount folds
     world.run(world.engine.close_writes)
     world.sync_model()
 
@@ -325,7 +347,9 @@ def crash_sweep(seeds: int = 3) -> int:
 def writes_mutant(kind: str) -> Iterator[None]:
     """Deliberately broken writes for the duration (the model must catch each kind):
     ``nosync`` — fsync returns without syncing; ``noreplay`` — a remount reads the journal
-    but applies none of its records; ``nofold`` — a checkpoint folds nothing yet trims the journal."""
+    but applies none of its records; ``nofold`` — a checkpoint folds nothing yet trims the
+    journal; ``nodirectsync`` — fsync syncs the journal but not the direct files of
+    whole-chunk writes; ``nodirectcheck`` — a replay trusts a direct file without verifying it."""
     from faultfs.engine.writes import Writes
 
     saved = []
@@ -348,10 +372,25 @@ def writes_mutant(kind: str) -> Iterator[None]:
         async def fold(self, blob, **kwargs) -> None:
             return None
         patch("fold", fold)
+    elif kind == "nodirectsync":
+        async def _sync_files(self, taken) -> None:
+            return None
+        patch("_sync_files", _sync_files)
+    elif kind == "nodirectcheck":
+        from faultfs.store.dirty import DirtyFiles
+
+        saved_check = DirtyFiles.check_direct
+        DirtyFiles.check_direct = lambda self, *args: True  # type: ignore[method-assign]
+        saved.append(("", saved_check))
     else:
         raise ValueError(f"no mutant {kind!r}")
     try:
         yield
     finally:
         for name, value in reversed(saved):
-            setattr(Writes, name, value)
+            if name:
+                setattr(Writes, name, value)
+            else:
+                from faultfs.store.dirty import DirtyFiles
+
+                DirtyFiles.check_direct = value  # type: ignore[method-assign]
