@@ -100,7 +100,7 @@ def test_jsonl_every_record_once_balanced_by_bytes(tmp_path):
     assert sum(len(v) for v in shards_of.values()) > len(sizes)
     # one state file per reader, in the seed's byte-exact format, plus the sidecar
     names = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("run.meta"))
-    expected = ["run.meta.partition", "run.meta.partition.lock"]
+    expected = ["run.meta.partition", "run.meta.partition.lock", "run.meta.partition.readers"]
     for r in range(WORLD):
         for w in range(WORKERS):
             expected += [
@@ -456,6 +456,27 @@ def test_repartition_from_4x2_to_3_never_delivers_a_committed_record_twice(tmp_p
     # repartition=True is a no-op once the recorded partition matches
     with open_reader(src, state, 0, 0, 3, workers, repartition=True) as s:
         assert list(s.batches(10)) == []
+
+
+def test_a_repartition_while_a_reader_of_the_old_partition_is_open_is_refused(tmp_path):
+    """Its uncommitted records would go to a new reader too; once it is closed (or its
+    process is gone: the lock goes with it) the repartition runs."""
+    records = make_jsonl_shards(tmp_path)
+    src, state = str(tmp_path / "part-*.jsonl"), tmp_path / "run.meta"
+    committed = commit_some(src, state, WORLD, WORKERS, random.Random(5))
+    running = open_reader(src, state, 2, 1)
+    sidecar = (tmp_path / "run.meta.partition").read_bytes()
+    with pytest.raises(InvalidInput, match=r"readers of the recorded partition \(world_size 4, "
+                       r"num_workers 2\) are still open; close them before repartitioning"):
+        open_reader(src, state, 0, 0, 3, 1, repartition=True)
+    assert (tmp_path / "run.meta.partition").read_bytes() == sidecar, "nothing changed"
+    # readers of the recorded partition still open beside it
+    with open_reader(src, state, 0, 0) as other:
+        assert other.committed_batch_id >= 0
+    running.close()
+    after = read_partition(src, state, 3, 1, repartition=True)
+    delivered = committed + [r for i in sorted(after) for r in after[i]]
+    assert sorted(delivered) == sorted(records)
 
 
 def test_repartition_with_dedup_carries_the_committed_hashes(tmp_path):

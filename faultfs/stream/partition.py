@@ -33,6 +33,11 @@ Invariants:
   fresh states into place, removes the states of readers that no longer exist, and clears the
   mark. A crash before the commit point leaves the old partition whole; after it, the next
   opener finishes the renames, each exactly once (its temporary name is gone afterwards).
+- Every open reader of a partition holds a shared ``flock`` on ``<state>.partition.readers``
+  (taken while holding the partition lock, released by ``close`` or its process's end); a
+  repartition needs it exclusively and is refused while one is held: a reader still running
+  would deliver its uncommitted records while a new reader delivers them too. (The
+  unpartitioned stream of before holds no such lock.)
 - Hashes committed by old readers are carried, sorted and unique, into one file
   (``<state>.partition.g<G>.dedup``) whose count and xxh3_64 the sidecar records; every reader
   of generation G with dedup loads it beside its own WAL.
@@ -71,6 +76,7 @@ START: Key = (0, 0, 0)
 
 PARTITION_SUFFIX = ".partition"
 LOCK_SUFFIX = ".partition.lock"
+READERS_SUFFIX = ".partition.readers"  # every open partitioned reader holds a shared flock
 MAGIC = b"FFPT"
 VERSION = 1  # bump on any layout change; the golden test says so
 FLAG_PENDING = 1  # a repartition whose fresh states may not all be in place yet
@@ -584,6 +590,13 @@ class ReaderPlan:
     num_workers: int
     partition: Partition | None  # None: the unpartitioned stream of before
     sidecar: str
+    hold: int = -1  # a descriptor of the readers' lock, held shared while the reader is open
+
+    def release(self) -> None:
+        """Let go of the readers' lock (the reader is closed)."""
+        if self.hold >= 0:
+            os.close(self.hold)
+            object.__setattr__(self, "hold", -1)
 
     @property
     def index(self) -> int:
@@ -652,7 +665,7 @@ def plan_reader(
                     shards, shard_sizes(shards), world_size, num_workers, template
                 )
                 store(sidecar, part)
-                return replace(plan, partition=part)
+                return replace(plan, partition=part, hold=_reading(state, part, False))
         if part.fingerprint != fp or len(part.shard_sizes) != len(shards):
             raise InvalidInput(
                 f"{sidecar}: the partition was made over {len(part.shard_sizes)} shards with "
@@ -682,8 +695,42 @@ def plan_reader(
                     f"{num_workers} — pass repartition=True to restart from the first record "
                     "not committed by any reader"
                 )
-            part = _repartition(shards, state, part, world_size, num_workers)
-        return replace(plan, partition=part)
+            hold = _reading(state, part, True)
+            try:
+                part = _repartition(shards, state, part, world_size, num_workers)
+                fcntl.flock(hold, fcntl.LOCK_SH)  # from now on, one reader of the new one
+            except BaseException:
+                os.close(hold)
+                raise
+            return replace(plan, partition=part, hold=hold)
+        return replace(plan, partition=part, hold=_reading(state, part, False))
+
+
+def _reading(state: str, part: Partition, replacing: bool) -> int:
+    """A descriptor of ``<state>.partition.readers`` holding a shared flock (this reader is
+    open), or (``replacing``) an exclusive one, taken only if no reader of ``part`` is open —
+    a repartition under running readers would hand their uncommitted records to new ones
+    too. Called holding the partition lock, so neither waits for a repartition."""
+    path = state + READERS_SUFFIX
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+    except OSError as err:
+        raise InvalidInput(f"{path}: cannot open the readers' lock: {err.strerror}") from None
+    try:
+        if not replacing:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            return fd
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise InvalidInput(
+                f"{state}: readers of the recorded partition (world_size {part.world_size}, "
+                f"num_workers {part.num_workers}) are still open; close them before "
+                "repartitioning") from None
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _repartition(

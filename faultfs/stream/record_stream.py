@@ -142,6 +142,14 @@ class RecordStream:
             reader_state=reader_state,
             repartition=repartition,
         )
+        try:
+            self._open_state(os.fspath(state), rank, worker, dedup)
+        except BaseException:
+            self.plan.release()  # a reader that did not open holds no lock
+            raise
+
+    def _open_state(self, state: str, rank: int, worker: int, dedup: bool) -> None:
+        """The rest of ``__init__``: this reader's checkpoint, resume point and hashes."""
         part = self.plan.partition
         self._pieces = shard_pieces(self.plan.intervals, len(self.shards)) if part else None
         self._own_shards = sorted(self._pieces) if self._pieces is not None else []
@@ -169,7 +177,7 @@ class RecordStream:
             if dedup and self._meta.dedup_count:
                 committed = self._meta.committed_hashes()
             if dedup and part is not None and part.base_count:
-                base = load_base(os.fspath(state), part)
+                base = load_base(state, part)
                 committed = base if committed is None else np.concatenate((base, committed))
             self._delivered = DeliveredHashes(
                 committed, copy=False  # a fresh array read from the WAL: sorted in place
@@ -496,6 +504,7 @@ class RecordStream:
             self._reader.close()
             self._reader = None
         self._meta.close()
+        self.plan.release()
 
     def __enter__(self) -> RecordStream:
         return self
