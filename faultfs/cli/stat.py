@@ -130,6 +130,7 @@ def render_stats(snap: dict) -> str:
         f"{'zero-filled bytes':<22}{c.get('zero_filled_bytes', 0):>12}    {'stale blobs dropped':<22}{c.get('stale_blobs_dropped', 0):>12}",
         f"{'memory hits':<22}{c.get('memory_hits', 0):>12}    {'read ahead (store)':<22}{c.get('store_readahead', 0):>12}",
         f"{'store reads (ring)':<22}{c.get('ring_reads', 0):>12}    {'corrupt blobs dropped':<22}{c.get('corrupt_blobs_dropped', 0):>12}",
+        f"{'reads from a head':<22}{c.get('head_reads', 0):>12}    {'prefetched blobs':<22}{c.get('prefetches', 0):>12}",
         f"{'writes':<22}{c.get('writes', 0):>12}    {'bytes written':<22}{format_size(c.get('bytes_written', 0)):>12}",
         f"{'fsyncs':<22}{c.get('fsyncs', 0):>12}    {'folds':<22}{c.get('folds', 0):>12}",
         f"fault latency  p50 {lat.get('p50_ms', 0)} ms, p90 {lat.get('p90_ms', 0)} ms, "
