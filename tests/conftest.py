@@ -3,7 +3,6 @@ files, and objects on a loopback HTTP server that honours Range)."""
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import shutil
@@ -16,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from faultfs.testing.httpd import RangeHttpServer
+from faultfs.testing.mountview import MountView
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAULTFS = [sys.executable, "-m", "faultfs.cli"]
@@ -64,23 +64,13 @@ def run_faultfs(*args: str, env: dict | None = None, timeout: float = 120,
     return result
 
 
-class Mount:
+class Mount(MountView):
     """One faultfs mount made through the CLI; ``close()`` unmounts whatever happened."""
 
     def __init__(self, path: str, store: str) -> None:
         self.path = path
         self.store = store
         self.pid: int | None = None
-
-    def stats(self) -> dict:
-        with open(os.path.join(self.path, ".faultfs", "stats"), "rb") as f:
-            return json.loads(f.read())
-
-    def counters(self) -> dict:
-        return self.stats()["counters"]
-
-    def tag(self, name: str) -> str:
-        return os.path.join(self.path, name)
 
     def umount(self) -> None:
         run_faultfs("umount", self.path, check=True)

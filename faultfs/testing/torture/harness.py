@@ -29,6 +29,8 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from faultfs.testing.mountview import MountView
+
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 FAULTFS = [sys.executable, "-m", "faultfs.cli"]
 PR_SET_CHILD_SUBREAPER = 36
@@ -176,7 +178,7 @@ def lazy_detach(path: str) -> None:
 
 
 @dataclass
-class Mount:
+class Mount(MountView):
     """One faultfs mount made through the CLI (``Run.mount``)."""
 
     run: Run
@@ -184,16 +186,6 @@ class Mount:
     store: str
     pid: int | None = None
     dev: int | None = None
-
-    def stats(self) -> dict:
-        with open(os.path.join(self.path, ".faultfs", "stats"), "rb") as f:
-            return json.loads(f.read())
-
-    def counters(self) -> dict:
-        return self.stats()["counters"]
-
-    def tag(self, name: str) -> str:
-        return os.path.join(self.path, name)
 
     def umount(self, timeout: float = UMOUNT_TIMEOUT_S) -> None:
         """``faultfs umount``; TortureError when it fails or the daemon outlives it."""
