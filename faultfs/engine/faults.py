@@ -9,7 +9,9 @@ Invariants:
 - Readers get the bytes as soon as they are read: a blob of a run read from a streaming
   source (``pread_stream``: the S3 and other remote sources) is handed to its readers the
   moment its last byte lands, while the rest of the run is still on the wire; otherwise when
-  the source read is done. The store write follows (behind the reader when the engine is
+  the source read is done. A reader of a range (``fault_range``) is answered even earlier,
+  once its own bytes of the blob have landed (``Flight.show``); the fault it waits for then
+  runs in the mount's nursery, beside it. The store write follows (behind the reader when the engine is
   attached to a mount), the bytes held until it is on disk.
 """
 
