@@ -99,11 +99,7 @@ def reader(args: argparse.Namespace) -> dict:
                 report["corrupt_at"] = time.monotonic()
     if _Stop.requested:
         report["stopped"] = "signal"
-    for fd in fds.values():
-        try:
-            os.close(fd)
-        except OSError:
-            pass
+    _close_all(fds)
     return report
 
 
@@ -144,12 +140,16 @@ def writer(args: argparse.Namespace) -> dict:
         except OSError as exc:
             report["error"] = f"{errno.errorcode.get(exc.errno or 0, exc.errno)}: {exc}"
             report["error_at"] = time.monotonic()
+    _close_all(fds)
+    return report
+
+
+def _close_all(fds: dict) -> None:
     for fd in fds.values():
         try:
             os.close(fd)
         except OSError:
             pass
-    return report
 
 
 def _pwrite(fd: int, data: bytes, off: int) -> None:
