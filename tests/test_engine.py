@@ -22,6 +22,7 @@ from faultfs.sources import SourceOptions
 from faultfs.store.blobfile import FLAG_DIRTY, FLAG_NO_FAULT
 from faultfs.store.blobstore import BlobStore
 from faultfs.testing.fakes import CS, ctx_for, engine_for, make_source, payload
+from faultfs.tiers.base import StoreOutcome
 
 
 @pytest.fixture
@@ -683,3 +684,85 @@ def test_a_foreign_tag_state_is_ignored_not_fatal(tmp_path):
     eng2 = engine_for(store)
     [tag2] = eng2.recover()
     assert trio.run(eng2.read_view, tag2, 0, len(data)) == data
+
+
+def _put_through(eng, before):
+    """Replace the local tier's ``put`` with ``before(key)`` (async, may return an outcome to
+    skip the real store write) followed by the real one."""
+    real = eng.tiers.local.put
+
+    async def put(key, data):
+        outcome = await before(key)
+        return outcome if outcome is not None else await real(key, data)
+
+    eng.tiers.local.put = put
+
+
+def test_a_partial_write_of_an_unstaged_chunk_waits_for_the_fault_not_its_store_write(store):
+    """The size-0 request faults the chunk before the write is applied; its store write then
+    runs behind the writer (held at a gate here), and the base ends up staged and pinned."""
+    data = payload(CS * 4)
+    src = make_source(data)
+    eng = engine_for(store, memory_mb=1, prefetch_mb=0)
+    tag = eng.register(ctx_for())
+    gate = trio.Event()
+
+    async def held(key):
+        await gate.wait()
+
+    _put_through(eng, held)
+    want = bytearray(data[CS:2 * CS])
+    want[100:110] = b"x" * 10
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            eng.attach(nursery)
+            with trio.fail_after(5):
+                await eng.writes.write_chunk(tag, 1, 100, b"x" * 10)
+                assert eng.pending_stores == 1, "the store write is still at the gate"
+                assert await eng.writes.read_chunk(tag, 1, 0, CS) == want
+            gate.set()
+            await settle(eng)
+            assert eng.is_staged(tag, 1) and (tag.id, 1) in eng.tiers.local._pinned
+            assert await eng.writes.read_chunk(tag, 1, 0, CS) == want
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert src.reads == 1 and eng.stats.counters["faults"] == 1
+
+
+@pytest.mark.parametrize("skips", [1, 1000], ids=["once", "always"])
+def test_a_written_base_the_store_did_not_keep_is_stored_again_or_faulted_again(store, skips):
+    """The store write behind a partial write skipped the base once (then it is stored once
+    more, behind the writer) or every time (then it is clean bytes: a later read or fold
+    faults it again, and the written bytes are never lost or served as zeros)."""
+    data = payload(CS * 4)
+    make_source(data)
+    eng = engine_for(store, memory_mb=0, prefetch_mb=0)
+    tag = eng.register(ctx_for())
+    left = [skips]
+
+    async def skip(key):
+        if left[0]:
+            left[0] -= 1
+            return StoreOutcome.SKIPPED_CACHE_CAP
+        return None
+
+    _put_through(eng, skip)
+    want = bytearray(data[2 * CS:3 * CS])
+    want[CS - 8:] = b"y" * 8
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            eng.attach(nursery)
+            await eng.writes.write_chunk(tag, 2, CS - 8, b"y" * 8)
+            await settle(eng)
+            assert eng.is_staged(tag, 2) == (skips == 1)
+            assert await eng.writes.read_chunk(tag, 2, 0, CS) == want
+            await eng.writes.checkpoint()  # the fold reads the base (faulted again if need be)
+            assert await eng.writes.read_chunk(tag, 2, 0, CS) == want
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    # always: the write's fault, then the read's and the fold's (read-through, like --no-store)
+    assert eng.stats.counters["faults"] == (1 if skips == 1 else 3)

@@ -376,9 +376,13 @@ class _CleanReads:
         local = engine.tiers.local
         if not local.contains(key):
             data = await engine.faults.fault(tag, index)
+            if engine.tiers.stage_behind(key, data):
+                # The write goes on now: its base is held until stored, and a base the store
+                # could not keep is clean bytes a later read faults again (never dirty data)
+                local.pin(key)
+                return None
             with trio.move_on_after(30):  # the fault's own store write, behind it: not twice
-                while engine.tiers.is_pending(key):  # noqa: ASYNC110 - a store write, no event
-                    await trio.sleep(0.001)
+                await engine.tiers.wait_stored(key)
             if not local.contains(key):
                 await local.put(key, data)
             if not local.contains(key):

@@ -18,7 +18,9 @@ Invariants:
 - A direct file is deleted only once no record that names it can be replayed: after the
   checkpoint that trimmed the journal past it, or a reset of its blob (durable first).
 - The source is never written. A partial write of a chunk that is not staged faults it first
-  (the size-0 request); a write of a whole chunk does not.
+  (the size-0 request); a write of a whole chunk does not. The write waits for the fault,
+  not for the faulted chunk's store write, which runs behind it (the base is pinned, and
+  one the store could not keep is clean bytes that a later read faults again).
 - Dirty data is never evicted, never replaced by a fault and never re-faulted: a damaged
   dirty file is EIO and is kept.
 - Writes and folds of one blob are serialised (its lock); a read takes the base and the

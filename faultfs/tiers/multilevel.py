@@ -37,6 +37,7 @@ class TierStack:
         self.pool = pool
         self.stats = stats
         self._pending: dict[BlobKey, Buffer] = {}  # faulted, being written to the local tier
+        self._waiters: dict[BlobKey, trio.Event] = {}  # who waits for a pending store write
         self._background: trio.Nursery | None = None
         self._slots: trio.Semaphore | None = None
 
@@ -108,12 +109,12 @@ class TierStack:
             try:
                 await self.local.put(key, data)
             finally:
-                self._pending.pop(key, None)
+                self._done(key)
             return
         try:
             await self._slots.acquire()  # back-pressure: bounded bytes await storing
         except BaseException:
-            self._pending.pop(key, None)
+            self._done(key)
             raise
         self._background.start_soon(self._store_behind, key, data)
 
@@ -124,13 +125,51 @@ class TierStack:
             log.exception("storing blob %s failed", key)
             self.stats.add("store_failures")
         finally:
-            self._pending.pop(key, None)
+            self._done(key)
             assert self._slots is not None
             self._slots.release()
+
+    def _done(self, key: BlobKey) -> None:
+        self._pending.pop(key, None)
+        waiter = self._waiters.pop(key, None)
+        if waiter is not None:
+            waiter.set()
 
     def is_pending(self, key: BlobKey) -> bool:
         """Whether the store write of a just-faulted blob is under way."""
         return key in self._pending
+
+    def stage_behind(self, key: BlobKey, data: Buffer) -> bool:
+        """See that a just-faulted blob ends up in the local store, behind the caller: after
+        its pending store write, once more if that one did not keep it (a store write the
+        policy skipped). False without a background nursery: the caller stores it itself."""
+        if self._background is None:
+            return False
+        self._background.start_soon(self._stage_after, key, data)
+        return True
+
+    async def _stage_after(self, key: BlobKey, data: Buffer) -> None:
+        await self.wait_stored(key)
+        if self.local.contains(key) or key in self._pending:
+            return
+        self._pending[key] = data  # drain waits for it too
+        try:
+            await self.local.put(key, data)
+        except Exception:  # a background task must never take the mount down
+            log.exception("storing blob %s failed", key)
+            self.stats.add("store_failures")
+        finally:
+            self._done(key)
+
+    async def wait_stored(self, key: BlobKey) -> None:
+        """Return once the pending store write of ``key`` is over (at once when none is),
+        woken by its end rather than by polling."""
+        if key not in self._pending:
+            return
+        waiter = self._waiters.get(key)
+        if waiter is None:
+            waiter = self._waiters[key] = trio.Event()
+        await waiter.wait()
 
     def pending_of(self, tag_id: int) -> bool:
         return any(key[0] == tag_id for key in self._pending)
