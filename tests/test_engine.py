@@ -152,18 +152,19 @@ def test_store_full_backoff_counts_exactly(store, monkeypatch):
     src = make_source(payload(CS * 300))
     eng = engine_for(store)
     tag = eng.register(ctx_for())
-    from faultfs.store import blobstore
+    from faultfs.store import blobstore, durable
 
-    real = blobstore.write_atomic
+    real = blobstore.write_parts  # every blob write's bytes (new names and replacements)
     state = {"calls": 0}
 
-    def write_atomic(path, parts, **kw):
+    def write_parts(fd, parts):
         state["calls"] += 1
         if state["calls"] == 1:
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real(path, parts, **kw)
+        return real(fd, parts)
 
-    monkeypatch.setattr(blobstore, "write_atomic", write_atomic)
+    monkeypatch.setattr(blobstore, "write_parts", write_parts)
+    monkeypatch.setattr(durable, "write_parts", write_parts)
 
     async def main():
         for i in range(258):

@@ -395,10 +395,9 @@ def test_fsck_and_gc_refuse_a_store_a_live_mount_owns_and_never_block_a_mount(
     m = mounter(field, args=["--chunk-size", "256K"])
     read(os.path.join(m.tag("field"), "chunk_0"))
     store = m.store
-    staged = os.path.join(store, "tags", "t-field", "b-chunk_0")
-    deadline = time.monotonic() + 30
-    while not os.path.exists(staged) and time.monotonic() < deadline:
-        time.sleep(0.05)  # blobs are stored behind the readers
+    deadline = time.monotonic() + 30  # blobs are stored behind the readers: wait until
+    while m.stats()["tags"]["field"]["staged_blobs"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)  # the daemon counts it (its file appears before it is written)
     before = files_under(store)
     for argv in (("fsck", store), ("fsck", store, "--repair"), ("gc", store),
                  ("gc", store, "--dry-run")):

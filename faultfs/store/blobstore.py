@@ -38,7 +38,7 @@ from faultfs.store.blobfile import (
     decode_header,
     encode_header,
 )
-from faultfs.store.durable import fsync_dir, write_atomic
+from faultfs.store.durable import fsync_dir, write_atomic, write_parts
 
 NOWAIT_MAX = 256 << 10  # cached reads up to this size are served on the event loop's thread
 SMALL_READ = 256 << 10  # below this a read returns its own bytes (no pooled mapping: buffers.py)
@@ -189,6 +189,7 @@ class BlobStore:
     def __init__(self, root: str, *, create: bool = True) -> None:
         self.root = os.path.abspath(os.path.expanduser(root))
         self._lock_fd = -1
+        self._real_dirs: set[str] = set()  # tag directories this process made or checked
         self.degraded = ""  # why nothing can be written (a full or read-only file system)
         self.degraded_errno = 0
         if create:
@@ -362,6 +363,44 @@ class BlobStore:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise StoreFull(f"store {self.root} is full") from None
             raise
+        return len(header) + (len(payload) if with_payload else 0)
+
+    def put_new(self, tag: str, name: str, payload: bytes | memoryview, *, flags: int,
+                source_version: str = "") -> int | None:
+        """Stage a clean blob whose name is free, straight under its name: one create, one
+        ``pwritev``, one close — no temporary file, no rename, no fsync. None (nothing
+        written) when the name is taken or the tag's directory was not made or checked by
+        this store: the caller then decides (a dirty blob there is never replaced) and
+        takes ``put``. A crash mid-write leaves a short or unsynced file, which fails
+        verification like any unsynced clean blob and is faulted again."""
+        self._require_writable()
+        directory = self.tag_dir(tag)
+        if flags & FLAG_DIRTY or directory not in self._real_dirs:
+            return None
+        header, with_payload = encode_header(tag, name, payload, flags=flags,
+                                             source_version=source_version)
+        path = self.blob_path(tag, name)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                         | os.O_CLOEXEC, 0o600)
+        except FileExistsError:
+            return None
+        except FileNotFoundError:  # the directory went away: put() makes it again
+            self._real_dirs.discard(directory)
+            return None
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise StoreFull(f"store {self.root} is full") from None
+            raise
+        try:
+            write_parts(fd, [header, payload] if with_payload else [header])
+        except OSError as exc:
+            os.close(fd)
+            _unlink_quietly(path)
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise StoreFull(f"store {self.root} is full") from None
+            raise
+        os.close(fd)
         return len(header) + (len(payload) if with_payload else 0)
 
     def read_header(self, path: str) -> BlobHeader | None:
@@ -557,6 +596,7 @@ class BlobStore:
         if not self._real_dir(directory):
             remove_entry(directory)
         os.makedirs(directory, mode=PRIVATE, exist_ok=True)
+        self._real_dirs.add(directory)
         return directory
 
     @staticmethod
@@ -587,6 +627,7 @@ class BlobStore:
         """Remove a tag and every blob in it."""
         import shutil
 
+        self._real_dirs.discard(self.tag_dir(tag))
         shutil.rmtree(self.tag_dir(tag), ignore_errors=True)
         fsync_dir(os.path.join(self.root, "tags"))
 

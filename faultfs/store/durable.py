@@ -22,6 +22,18 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def write_parts(fd: int, parts: Iterable[bytes | memoryview]) -> None:
+    """Write the concatenation of ``parts`` at offset 0 of ``fd``, a ``pwrite`` per part
+    (a ``pwritev`` of a header and a payload copied slower into the page cache here)."""
+    off = 0
+    for part in parts:
+        view = memoryview(part)
+        while view:
+            written = os.pwrite(fd, view, off)
+            off += written
+            view = view[written:]
+
+
 def write_atomic(path: str, parts: Iterable[bytes | memoryview], *, mode: int = 0o644,
                  durable: bool = True, sync_dir: bool = True) -> None:
     """Replace ``path`` with the concatenation of ``parts``, atomically.
@@ -33,13 +45,7 @@ def write_atomic(path: str, parts: Iterable[bytes | memoryview], *, mode: int = 
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
     try:
         try:
-            off = 0
-            for part in parts:
-                view = memoryview(part)
-                while view:
-                    written = os.pwrite(fd, view, off)
-                    off += written
-                    view = view[written:]
+            write_parts(fd, parts)
             if durable:
                 os.fsync(fd)
         finally:

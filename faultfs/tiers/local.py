@@ -490,11 +490,15 @@ class LocalTier:
                 freed += self.store.delete(victim_tag, victim_name)
         if not self.policy.fits_reserve(self.store.free_bytes(), len(data) + HEADER_LEN):
             return StoreOutcome.SKIPPED_RESERVE, 0, kept, freed
-        if self.store.is_dirty(tag.name, name):
-            return StoreOutcome.SKIPPED_DIRTY, 0, kept, freed
         try:
-            stored = self.store.put(tag.name, name, data, flags=FLAG_NO_FAULT,
-                                    source_version=tag.version)
+            # a free name needs no look for a dirty blob and no atomic replace
+            stored = self.store.put_new(tag.name, name, data, flags=FLAG_NO_FAULT,
+                                        source_version=tag.version)
+            if stored is None:
+                if self.store.is_dirty(tag.name, name):
+                    return StoreOutcome.SKIPPED_DIRTY, 0, kept, freed
+                stored = self.store.put(tag.name, name, data, flags=FLAG_NO_FAULT,
+                                        source_version=tag.version)
         except StoreFull:
             return StoreOutcome.FULL, 0, kept, freed
         except OSError as exc:
