@@ -120,14 +120,21 @@ class TierStack:
 
     async def _store_behind(self, key: BlobKey, data: Buffer) -> None:
         try:
+            await self._put_quietly(key, data)
+        finally:
+            assert self._slots is not None
+            self._slots.release()
+
+    async def _put_quietly(self, key: BlobKey, data: Buffer) -> None:
+        """Store a pending blob in the background, then end its pending state; a failure is
+        logged and counted (a background task must never take the mount down)."""
+        try:
             await self.local.put(key, data)
-        except Exception:  # a background task must never take the mount down
+        except Exception:
             log.exception("storing blob %s failed", key)
             self.stats.add("store_failures")
         finally:
             self._done(key)
-            assert self._slots is not None
-            self._slots.release()
 
     def _done(self, key: BlobKey) -> None:
         self._pending.pop(key, None)
@@ -153,13 +160,7 @@ class TierStack:
         if self.local.contains(key) or key in self._pending:
             return
         self._pending[key] = data  # drain waits for it too
-        try:
-            await self.local.put(key, data)
-        except Exception:  # a background task must never take the mount down
-            log.exception("storing blob %s failed", key)
-            self.stats.add("store_failures")
-        finally:
-            self._done(key)
+        await self._put_quietly(key, data)
 
     async def wait_stored(self, key: BlobKey) -> None:
         """Return once the pending store write of ``key`` is over (at once when none is),
