@@ -338,6 +338,31 @@ def test_user_blobs_are_created_renamed_and_unlinked(mounter, sample):
     assert "gone.bin" not in os.listdir(m2.tag("field"))
 
 
+def test_a_user_blob_cannot_grow_past_the_largest_blob(mounter, sample):
+    """A user blob is one dirty file, and no blob is longer than 1 GiB (a longer one would
+    be written but could never be read back): growing one past that is EFBIG and changes
+    nothing."""
+    from faultfs.engine.writes import USER_BLOB_MAX
+
+    m = mounter(sample(100 * KiB))
+    path = os.path.join(m.tag("field"), "big.out")
+    with open(path, "wb") as f:
+        f.write(b"kept")
+    for grow in (lambda fd: os.pwrite(fd, b"x", USER_BLOB_MAX),
+                 lambda fd: os.ftruncate(fd, USER_BLOB_MAX + 1)):
+        fd = os.open(path, os.O_RDWR)
+        try:
+            with pytest.raises(OSError) as info:
+                grow(fd)
+            assert info.value.errno == errno.EFBIG
+        finally:
+            os.close(fd)
+    assert read(path) == b"kept"
+    m.umount()
+    m2 = mounter(store=m.store)
+    assert read(os.path.join(m2.tag("field"), "big.out")) == b"kept"
+
+
 def test_chunks_have_a_fixed_size(mounter, sample):
     m = mounter(sample(2 * MiB), args=["--chunk-size", "1M"])
     fd = os.open(os.path.join(m.tag("field"), "chunk_0"), os.O_RDWR)

@@ -47,12 +47,14 @@ from faultfs.engine.tags import Tag
 from faultfs.errors import CorruptionError, FaultfsError, StoreFull
 from faultfs.iopool import IoPool
 from faultfs.stats import Stats
+from faultfs.store.blobfile import MAX_PAYLOAD
 from faultfs.store.dirty import DirtyFiles, folded_seq
 from faultfs.store.fileops import FileOps
 from faultfs.store.journal import KIND_BLOB, KIND_SIZE, KIND_WRITE, KIND_ZERO, Journal, Record
 from faultfs.tiers.base import Buffer
 
 log = logging.getLogger("faultfs.writes")
+USER_BLOB_MAX = MAX_PAYLOAD  # a user blob is one dirty file: no longer than any blob
 
 CLEAN, FOLDED, NEW, DIRECT = "clean", "folded", "new", "direct"  # what a dirty blob's base is
 USER_PREFIX = "u:"  # dirty files of user blobs are named by id: a rename is a table update
@@ -508,7 +510,13 @@ class Writes:
         self._written(tag)
 
     async def write_user(self, tag: Tag, name: str, off: int, data: bytes) -> int:
+        """A user blob is one dirty file, at most ``USER_BLOB_MAX`` bytes: what fits is
+        written (a short count), a write wholly past it is EFBIG."""
         self._check_writable(tag)
+        if off + len(data) > USER_BLOB_MAX:
+            if off >= USER_BLOB_MAX:
+                raise _too_big(tag, name, off + len(data))
+            data = data[:USER_BLOB_MAX - off]  # what fits: a short count
         blob = self._user_blob(tag, name)
         await self._write(blob, off, data)
         self._written(tag)
@@ -516,6 +524,8 @@ class Writes:
 
     async def truncate_user(self, tag: Tag, name: str, size: int) -> None:
         self._check_writable(tag)
+        if size > USER_BLOB_MAX:
+            raise _too_big(tag, name, size)
         blob = self._user_blob(tag, name)
         async with blob.locked():
             self._append(KIND_SIZE, tag.name, blob.name, 0, size)
@@ -1032,3 +1042,9 @@ class Writes:
             code = errno.ENOSPC if exc.errno in (errno.ENOSPC, errno.EDQUOT) else errno.EIO
             raise FaultfsError(f"saving the writes of tag {name} failed: {exc.strerror}",
                                code) from None
+
+
+
+def _too_big(tag: Tag, name: str, size: int) -> FaultfsError:
+    return FaultfsError(f"user blob {name} of tag {tag.name} cannot grow to {size} bytes: a "
+                        f"user blob holds at most {USER_BLOB_MAX >> 20} MiB", errno.EFBIG)
