@@ -113,6 +113,20 @@ def test_a_large_write_is_appended_uncopied_and_replays_whole(tmp_path):
     assert got[-1].data == data and got[-1].off == 7
 
 
+def test_rolling_twice_with_nothing_between_keeps_one_empty_segment(tmp_path):
+    """Two checkpoints in a row (or a checkpoint, then an unmount with no write between)
+    roll the journal twice: the second has nothing to roll. It created the same segment
+    again (EEXIST), and that checkpoint failed."""
+    j = _fill(str(tmp_path), RECS[:2])
+    j.roll()
+    j.roll()
+    j.append(*RECS[2])
+    j.sync()
+    j.roll()
+    j.close()
+    assert [r.seq for r in Journal(str(tmp_path)).replay()] == [1, 2, 3]
+
+
 def _fill(path: str, records: list[tuple]) -> Journal:
     j = Journal(path)
     list(j.replay())

@@ -338,29 +338,58 @@ def test_user_blobs_are_created_renamed_and_unlinked(mounter, sample):
     assert "gone.bin" not in os.listdir(m2.tag("field"))
 
 
-def test_a_user_blob_cannot_grow_past_the_largest_blob(mounter, sample):
-    """A user blob is one dirty file, and no blob is longer than 1 GiB (a longer one would
-    be written but could never be read back): growing one past that is EFBIG and changes
-    nothing."""
-    from faultfs.engine.writes import USER_BLOB_MAX
+def test_a_user_blob_copied_in_is_kept_in_parts_folded_once_each(mounter, sample):
+    """``cp`` of a 5 MiB file into a tag (128 KiB writes, checkpoints while it runs): it
+    reads back, shrinks and grows across parts, survives a remount, and its store holds
+    one dirty file per 1 MiB part (a fold rewrites the parts written since the last one:
+    ``tests/test_user_blobs.py`` counts them)."""
+    m = mounter(sample(100 * KiB), args=["--dirty-mb", "1"])
+    data = random.Random(5).randbytes(5 * MiB + 1234)
+    path = os.path.join(m.tag("field"), "copy.bin")
+    with open(path, "wb") as f:
+        for off in range(0, len(data), 128 * KiB):
+            f.write(data[off:off + 128 * KiB])
+    assert read(path) == data and os.stat(path).st_size == len(data)
+    assert m.counters()["checkpoints"] >= 1, "folds ran while it was copied in"
+    os.truncate(path, 2 * MiB + 5)
+    os.truncate(path, 3 * MiB)  # grown again: what was cut reads as zeros
+    want = data[:2 * MiB + 5] + bytes(MiB - 5)
+    assert read(path) == want
+    m.umount()
+    m2 = mounter(store=m.store)
+    assert read(os.path.join(m2.tag("field"), "copy.bin")) == want
+    m2.umount()
+    parts = [n for n in os.listdir(os.path.join(m.store, "writes", "t-field"))
+             if n.startswith("b-u")]
+    assert len(parts) == 6, parts  # 0 … 5: the three past the end are empty now
 
+
+def test_a_user_blob_grows_past_the_largest_blob_in_parts(mounter, sample):
+    """No blob is longer than 1 GiB, but a user blob is kept in parts: it can grow past
+    that (here sparsely, by a truncate and a write far out), and reads zeros in between."""
     m = mounter(sample(100 * KiB))
     path = os.path.join(m.tag("field"), "big.out")
     with open(path, "wb") as f:
         f.write(b"kept")
-    for grow in (lambda fd: os.pwrite(fd, b"x", USER_BLOB_MAX),
-                 lambda fd: os.ftruncate(fd, USER_BLOB_MAX + 1)):
-        fd = os.open(path, os.O_RDWR)
-        try:
-            with pytest.raises(OSError) as info:
-                grow(fd)
-            assert info.value.errno == errno.EFBIG
-        finally:
-            os.close(fd)
-    assert read(path) == b"kept"
-    m.umount()
-    m2 = mounter(store=m.store)
-    assert read(os.path.join(m2.tag("field"), "big.out")) == b"kept"
+    far = (1 << 30) + 3 * MiB + 17
+    os.truncate(path, far)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        assert os.pwrite(fd, b"tail", far) == 4
+    finally:
+        os.close(fd)
+    for mount in (m, None):
+        if mount is None:
+            m.umount()
+            mount = mounter(store=m.store)
+        p = os.path.join(mount.tag("field"), "big.out")
+        assert os.stat(p).st_size == far + 4
+        with open(p, "rb") as f:
+            assert f.read(4) == b"kept"
+            f.seek(far - 5)
+            assert f.read() == b"\0" * 5 + b"tail"
+            f.seek(1 << 30)
+            assert f.read(MiB) == bytes(MiB)
 
 
 def test_chunks_have_a_fixed_size(mounter, sample):

@@ -58,6 +58,7 @@ USER_BLOB_MAX = MAX_PAYLOAD  # a user blob is one dirty file: no longer than any
 
 CLEAN, FOLDED, NEW, DIRECT = "clean", "folded", "new", "direct"  # what a dirty blob's base is
 USER_PREFIX = "u:"  # dirty files of user blobs are named by id: a rename is a table update
+USER_PART = 1 << 20  # a user blob is cut into dirty blobs of this size: u:<id>, u:<id>.1, ...
 GAP_PREFIX = ".pagegap."  # bytes written into the gaps of page N (hidden, never listed)
 FOLD_BYTES = 64 << 20  # written bytes held in memory before a checkpoint folds them
 FOLD_AT_ONCE = 4  # blobs a checkpoint folds in parallel (each one fsync on the I/O pool)
@@ -87,6 +88,7 @@ class DirtyBlob:
     size: int  # payload bytes
     base: str  # CLEAN, FOLDED, NEW or DIRECT
     folded_seq: int = 0  # the last journal record its dirty file includes
+    folded_size: int = -1  # FOLDED: its dirty file's payload length (a resize changes size)
     direct: int = 0  # DIRECT: the seq of its direct file (and of the record naming it)
     pending: ExtentMap = field(default_factory=ExtentMap)
     base_bytes: Buffer | None = None  # a clean base the store could not keep
@@ -126,6 +128,7 @@ class TagWrites:
     view_seq: int = 0  # the last size record the state file includes
     users: dict[str, int] = field(default_factory=dict)  # user blob name -> id
     next_user: int = 1
+    parted: set[int] = field(default_factory=set)  # user blob ids cut into USER_PART parts
     ancestors: tuple[str, ...] = ()  # a clone's parent, grandparent ...: its linked files
     voided: int = 0  # records at or below this seq are void (a reset of the tag)
     voided_blobs: dict[str, int] = field(default_factory=dict)  # a reset of single blobs
@@ -140,14 +143,16 @@ def _tag_writes(state: dict, source_size: int) -> TagWrites:
         users = state.get("users", {})
         voided = state.get("voided_blobs", {})
         ancestors = state.get("ancestors", ())
+        parted = state.get("parted", [])
         if not (isinstance(users, dict) and isinstance(voided, dict)
-                and isinstance(ancestors, (list, tuple))
+                and isinstance(ancestors, (list, tuple)) and isinstance(parted, list)
                 and all(isinstance(a, str) for a in ancestors)):
-            raise TypeError("users, voided_blobs or ancestors")
+            raise TypeError("users, voided_blobs, ancestors or parted")
         return TagWrites(view_size=_uint(state.get("view_size", source_size)),
                          view_seq=_uint(state.get("view_seq", 0)),
                          users={str(k): _uint(v) for k, v in users.items()},
                          next_user=_uint(state.get("next_user", 1)),
+                         parted={_uint(u) for u in parted},
                          ancestors=tuple(ancestors),
                          voided=_uint(state.get("voided", 0)),
                          voided_blobs={str(k): _uint(v) for k, v in voided.items()},
@@ -176,6 +181,9 @@ class Writes:
         self.files = DirtyFiles(root, ops, writable=writable)
         self.journal = Journal(os.path.join(self.files.root, "journal"), ops)
         self.blobs: dict[tuple[int, str], DirtyBlob] = {}
+        # (tag id, user blob id) -> its dirty blobs by part; and its size, when known
+        self._parts: dict[tuple[int, int], dict[int, DirtyBlob]] = {}
+        self._user_sizes: dict[tuple[int, int], int] = {}
         self.tags: dict[int, TagWrites] = {}
         self._names: dict[int, str] = {}  # tag id -> name, for the state files
         self.changed: set[int] = set()  # ids of tags with writes: their views take this path
@@ -203,7 +211,7 @@ class Writes:
         self._names[tag.id] = tag.name
         if tw.view_size != tag.layout.size or tw.users:
             self.changed.add(tag.id)
-        ids = {f"{USER_PREFIX}{i}" for i in tw.users.values()}
+        ids = set(tw.users.values())
         for name in self.files.names(tag.name):
             try:
                 header = self.files.header(tag.name, name, tw.ancestors)
@@ -211,18 +219,19 @@ class Writes:
                 log.error("tag %s: %s: kept, reads of it fail with EIO", tag.name, exc)
                 index = self._chunk_index(tag, name)
                 size = tag.layout.chunk_size if index is not None else 0
-                self._add(DirtyBlob(tag, name, index, size, FOLDED, 1 << 62,
+                self._add(DirtyBlob(tag, name, index, size, FOLDED, 1 << 62, folded_size=size,
                                     damaged=exc.message))
                 continue
             assert header is not None
             seq = folded_seq(header)
-            if name.startswith(USER_PREFIX) and name not in ids:
+            user = user_key(name)
+            if name.startswith(USER_PREFIX) and (user is None or user[0] not in ids):
                 continue  # unlinked (the table says so): its file is removed at the next fold
-            if seq <= max(tw.voided, tw.voided_blobs.get(name, 0)):
+            if seq <= max(tw.voided, tw.voided_blobs.get(void_key(name), 0)):
                 continue  # reset
             self.journal.advance(seq)
             self._add(DirtyBlob(tag, name, self._chunk_index(tag, name), header.payload_len,
-                                FOLDED, seq))
+                                FOLDED, seq, folded_size=header.payload_len))
 
     def replay(self, tags: dict[str, Tag]) -> int:
         """Apply the journal's records after each blob's dirty file; the records applied.
@@ -268,7 +277,7 @@ class Writes:
             return None
         if rec.kind == KIND_SIZE and rec.name == VIEW:
             return (tag, None) if rec.seq > tw.view_seq else None
-        if rec.seq <= tw.voided_blobs.get(rec.name, 0):
+        if rec.seq <= tw.voided_blobs.get(void_key(rec.name), 0):
             return None
         if rec.kind == KIND_BLOB and self._chunk_index(tag, rec.name) is None:
             return None  # only chunks are written so; never a record of ours otherwise
@@ -301,6 +310,7 @@ class Writes:
 
     def _apply(self, blob: DirtyBlob, rec: Record) -> None:
         before = blob.pending.held
+        self._user_changed(blob)
         if rec.kind == KIND_BLOB:  # its file verified (``replay``): the blob is that file
             self._set_direct(blob, rec.seq)
             # after a kill -9 it may be in the page cache only: the next sync (an fsync, the
@@ -352,8 +362,22 @@ class Writes:
         return next((n for n, i in tw.users.items() if i == uid), None)
 
     def user_size(self, tag: Tag, name: str) -> int:
-        blob = self.blobs.get((tag.id, self._user_file(tag, name)))
-        return 0 if blob is None else blob.size
+        uid = self.user_id(tag, name)
+        return 0 if uid is None else self._user_size(tag, uid)
+
+    def _user_size(self, tag: Tag, uid: int) -> int:
+        """A user blob's size: its one dirty blob's, or where its last non-empty part ends."""
+        key = (tag.id, uid)
+        size = self._user_sizes.get(key)
+        if size is None:
+            parts = self._parts.get(key, {})
+            if uid in self.tags[tag.id].parted:
+                size = max((k * USER_PART + b.size for k, b in parts.items() if b.size),
+                           default=0)
+            else:
+                size = parts[0].size if 0 in parts else 0
+            self._user_sizes[key] = size
+        return size
 
     def dirty_summary(self, tag: Tag) -> tuple[int, int]:
         """``(dirty blobs, bytes)`` of a tag (bytes: sizes of its dirty blobs)."""
@@ -387,17 +411,28 @@ class Writes:
         return b"".join(parts)
 
     async def read_user(self, tag: Tag, name: str, off: int, size: int) -> bytes:
-        blob = self.blobs.get((tag.id, self._user_file(tag, name)))
-        if blob is None:
+        uid = self.user_id(tag, name)
+        if uid is None:
             return b""
-        return await self._read(blob, off, size)
+        parts = self._parts.get((tag.id, uid), {})
+        if uid not in self.tags[tag.id].parted:
+            return await self._read(parts[0], off, size) if 0 in parts else b""
+        out: list[bytes | bytearray] = []  # (bytes: reads are never the fold's buffer)
+        for k, inner, length in pieces(off, size, self._user_size(tag, uid), USER_PART):
+            blob = parts.get(k)
+            data = b"" if blob is None else await self._read(blob, inner, length)
+            out.append(data if len(data) == length else bytes(data) + bytes(length - len(data)))
+        return out[0] if len(out) == 1 else b"".join(out)
 
     async def read_gap(self, tag: Tag, page: int, off: int, size: int) -> bytes | None:
         """The bytes written into the gaps of page ``page`` (None when none were)."""
         blob = self.blobs.get((tag.id, f"{GAP_PREFIX}{page}"))
         return None if blob is None else await self._read(blob, off, size)
 
-    async def _read(self, blob: DirtyBlob, off: int, size: int) -> bytes:
+    async def _read(self, blob: DirtyBlob, off: int, size: int, *,
+                    mutable: bool = False) -> bytes | bytearray:
+        """Bytes ``[off, off+size)`` of ``blob``: its base with its writes over it.
+        ``mutable``: the buffer they were assembled in, uncopied (a fold's)."""
         if blob.damaged:
             raise FaultfsError(f"dirty blob {blob.name} of tag {blob.tag.name} cannot be read: "
                                f"{blob.damaged}", errno.EIO)
@@ -421,7 +456,7 @@ class Writes:
             buf = bytearray(size)
             buf[:len(data)] = data
             pending.overlay(buf, off)
-            return bytes(buf)
+            return buf if mutable else bytes(buf)
         else:
             raise FaultfsError(f"dirty blob {blob.name} of tag {blob.tag.name} cannot be read: "
                                "its file keeps moving", errno.EIO)
@@ -442,7 +477,7 @@ class Writes:
                 data = await self.clean.read_clean(blob.tag, blob.index, off, size)
                 buf[:len(data)] = data
         pending.overlay(buf, off)
-        return bytes(buf)
+        return buf if mutable else bytes(buf)
 
     # -- writes ------------------------------------------------------------------------------
 
@@ -510,29 +545,63 @@ class Writes:
         self._written(tag)
 
     async def write_user(self, tag: Tag, name: str, off: int, data: bytes) -> int:
-        """A user blob is one dirty file, at most ``USER_BLOB_MAX`` bytes: what fits is
-        written (a short count), a write wholly past it is EFBIG."""
+        """A user blob made before parts is one dirty file, at most ``USER_BLOB_MAX`` bytes
+        (what fits is written, a short count; a write wholly past it is EFBIG); one made
+        since is cut into parts of ``USER_PART``, each a dirty blob of its own, so a fold
+        rewrites only the parts written since the last one."""
         self._check_writable(tag)
-        if off + len(data) > USER_BLOB_MAX:
-            if off >= USER_BLOB_MAX:
-                raise _too_big(tag, name, off + len(data))
-            data = data[:USER_BLOB_MAX - off]  # what fits: a short count
-        blob = self._user_blob(tag, name)
-        await self._write(blob, off, data)
+        uid = self._user_uid(tag, name)
+        if uid not in self.tags[tag.id].parted:
+            if off + len(data) > USER_BLOB_MAX:
+                if off >= USER_BLOB_MAX:
+                    raise _too_big(tag, name, off + len(data))
+                data = data[:USER_BLOB_MAX - off]  # what fits: a short count
+            await self._write(self._user_part(tag, uid, 0), off, data)
+        else:
+            view = memoryview(data)
+            at = 0
+            try:
+                for k, inner, length in pieces(off, len(data), off + len(data), USER_PART):
+                    await self._write(self._user_part(tag, uid, k), inner, view[at:at + length])
+                    at += length
+            except BaseException:  # some parts may have grown: work the size out again
+                self._user_sizes.pop((tag.id, uid), None)
+                raise
+        key = (tag.id, uid)
+        if key in self._user_sizes:
+            self._user_sizes[key] = max(self._user_sizes[key], off + len(data))
         self._written(tag)
         return len(data)
 
     async def truncate_user(self, tag: Tag, name: str, size: int) -> None:
         self._check_writable(tag)
-        if size > USER_BLOB_MAX:
-            raise _too_big(tag, name, size)
-        blob = self._user_blob(tag, name)
+        uid = self._user_uid(tag, name)
+        if uid not in self.tags[tag.id].parted:
+            if size > USER_BLOB_MAX:
+                raise _too_big(tag, name, size)
+            await self._truncate_part(self._user_part(tag, uid, 0), size)
+        else:
+            last, inner = divmod(size, USER_PART)
+            if inner == 0 and last:  # the part that holds the last byte is the whole one
+                last, inner = last - 1, USER_PART
+            for k, blob in sorted(self._parts.get((tag.id, uid), {}).items()):
+                if k > last or (k == last and not size):
+                    if blob.size:
+                        await self._truncate_part(blob, 0)
+            if size:
+                blob = self._user_part(tag, uid, last)
+                if blob.size != inner:
+                    await self._truncate_part(blob, inner)
+            self._user_sizes[(tag.id, uid)] = size
+        self._written(tag)
+
+    async def _truncate_part(self, blob: DirtyBlob, size: int) -> None:
         async with blob.locked():
-            self._append(KIND_SIZE, tag.name, blob.name, 0, size)
+            self._append(KIND_SIZE, blob.tag.name, blob.name, 0, size)
             before = blob.pending.held
             self._resize(blob, size)
             self.held += blob.pending.held - before
-        self._written(tag)
+        self._user_changed(blob)
 
     async def write_gap(self, tag: Tag, page: int, off: int, data: bytes) -> None:
         """Bytes written into a gap of page ``page`` (the map has no slice there)."""
@@ -646,8 +715,12 @@ class Writes:
 
     def _resize(self, blob: DirtyBlob, size: int) -> None:
         if size < blob.size:
+            # regrown, the bytes past ``size`` read as zeros: the mask reaches as far as the
+            # mask of an earlier shrink did (it lies past ``blob.size``, over base bytes that
+            # are still in the folded file, and the cut would drop it)
+            top = max(blob.size, blob.pending.end)
             blob.pending.cut(size)
-            blob.pending.zero(size, blob.size - size)  # regrown, those bytes read as zeros
+            blob.pending.zero(size, top - size)
         blob.size = size
 
     def _set_view_size(self, tag: Tag, tw: TagWrites, size: int) -> None:
@@ -656,6 +729,10 @@ class Writes:
 
     def _add(self, blob: DirtyBlob) -> DirtyBlob:
         self.blobs[(blob.tag.id, blob.name)] = blob
+        user = user_key(blob.name) if blob.index is None else None
+        if user is not None:
+            self._parts.setdefault((blob.tag.id, user[0]), {})[user[1]] = blob
+            self._user_sizes.pop((blob.tag.id, user[0]), None)
         self.changed.add(blob.tag.id)
         return blob
 
@@ -681,8 +758,9 @@ class Writes:
         uid = tw.next_user
         tw.next_user += 1
         tw.users[name] = uid
+        tw.parted.add(uid)
         await self._save_state(tag)
-        self._add(DirtyBlob(tag, f"{USER_PREFIX}{uid}", None, 0, NEW))
+        self._add(DirtyBlob(tag, part_name(uid, 0), None, 0, NEW))
 
     async def unlink_user(self, tag: Tag, name: str) -> None:
         self._check_writable(tag)
@@ -690,11 +768,9 @@ class Writes:
         uid = tw.users.pop(name, None)
         if uid is None:
             raise FaultfsError(f"tag {tag.name} has no blob {name}", errno.ENOENT)
+        tw.parted.discard(uid)
         await self._save_state(tag)
-        blob = self.blobs.pop((tag.id, f"{USER_PREFIX}{uid}"), None)
-        if blob is not None:
-            self.held -= blob.pending.held
-        await self.pool.run(self.files.delete, tag.name, f"{USER_PREFIX}{uid}")
+        await self._drop_user(tag, uid)
 
     async def rename_user(self, tag: Tag, old: str, new: str) -> None:
         """Rename a user blob (replacing a user blob named ``new``): one table update."""
@@ -705,12 +781,37 @@ class Writes:
             raise FaultfsError(f"tag {tag.name} has no blob {old}", errno.ENOENT)
         replaced = tw.users.pop(new, None)
         tw.users[new] = tw.users.pop(old)
+        if replaced is not None:
+            tw.parted.discard(replaced)
         await self._save_state(tag)
         if replaced is not None:
-            blob = self.blobs.pop((tag.id, f"{USER_PREFIX}{replaced}"), None)
-            if blob is not None:
-                self.held -= blob.pending.held
-            await self.pool.run(self.files.delete, tag.name, f"{USER_PREFIX}{replaced}")
+            await self._drop_user(tag, replaced)
+
+    async def _drop_user(self, tag: Tag, uid: int) -> None:
+        """Forget the dirty blobs of user blob ``uid`` (unlinked, or replaced by a rename)
+        and delete their files (the state saying it is gone is durable already)."""
+        names = [self._forget((tag.id, b.name)).name
+                 for b in list(self._parts.get((tag.id, uid), {}).values())]
+        names = names or [part_name(uid, 0)]
+
+        def delete() -> None:
+            for name in names:
+                self.files.delete(tag.name, name)
+
+        await self.pool.run(delete)
+
+    def _forget(self, key: tuple[int, str]) -> DirtyBlob:
+        """Take dirty blob ``key`` out of every table (its held bytes too)."""
+        blob = self.blobs.pop(key)
+        self.held -= blob.pending.held
+        user = user_key(blob.name) if blob.index is None else None
+        if user is not None:
+            parts = self._parts.get((key[0], user[0]), {})
+            parts.pop(user[1], None)
+            if not parts:
+                self._parts.pop((key[0], user[0]), None)
+            self._user_sizes.pop((key[0], user[0]), None)
+        return blob
 
     # -- durability --------------------------------------------------------------------------
 
@@ -775,10 +876,11 @@ class Writes:
             await self._sync()  # folded or not, the records (and direct files) are durable
             through = self.journal.last_seq
             await self._fold_all([b for b in self.blobs.values()
-                                  if b.pending or b.base != FOLDED])
+                                  if b.pending or b.base != FOLDED or b.size != b.folded_size])
             for tag_id, tw in self.tags.items():
                 tw.view_seq = through
-                await self._save_state_id(tag_id)
+                if tag_id in self.changed:  # a tag nothing was written to keeps no state
+                    await self._save_state_id(tag_id)
             await self.pool.run(self.journal.trim, through)
             # no record at or below ``through`` can be replayed now (trimmed, or its blob's
             # durable file names a later seq): direct files they named may go
@@ -828,7 +930,7 @@ class Writes:
 
     async def fold(self, blob: DirtyBlob, *, sync_dir: bool = True) -> None:
         async with blob.locked():
-            if not blob.pending and blob.base == FOLDED:
+            if not blob.pending and blob.base == FOLDED and blob.size == blob.folded_size:
                 return
             if not blob.pending and blob.base == DIRECT:
                 await self._adopt(blob, sync_dir=sync_dir)
@@ -848,6 +950,7 @@ class Writes:
                 self._obsolete.append((blob.tag.name, blob.direct))
                 self._direct_count -= 1
             blob.base, blob.folded_seq, blob.pending, blob.base_bytes = FOLDED, seq, ExtentMap(), None
+            blob.folded_size = len(data)
             blob.direct = 0
             if was_clean and blob.index is not None:
                 self.clean.unpin(blob.tag, blob.index)
@@ -871,11 +974,12 @@ class Writes:
             raise FaultfsError(f"folding {blob.name} of tag {tag} failed: {exc.strerror}",
                                errno.EIO) from None
         blob.base, blob.folded_seq, blob.direct = FOLDED, seq, 0
+        blob.folded_size = blob.size
         self._direct_count -= 1
         self.stats.add("folds")
 
-    async def _read_whole(self, blob: DirtyBlob) -> bytes:
-        return await self._read(blob, 0, blob.size) if blob.size else b""
+    async def _read_whole(self, blob: DirtyBlob) -> bytes | bytearray:
+        return await self._read(blob, 0, blob.size, mutable=True) if blob.size else b""
 
     async def close(self) -> None:
         """Unmount: everything written is folded and durable."""
@@ -893,25 +997,28 @@ class Writes:
         seq = self.journal.last_seq
         if names is None:
             tw.voided = seq
-            tw.view_size, tw.users = tag.layout.size, {}
+            tw.view_size, tw.users, tw.parted = tag.layout.size, {}, set()
             self.changed.discard(tag.id)
             gone = [key for key in self.blobs if key[0] == tag.id]
         else:
             gone = []
             for name in names:
-                file = self._user_file(tag, name) or name
-                if (tag.id, file) not in self.blobs and file not in self._ids(tw):
+                uid = tw.users.get(name)
+                if uid is not None:  # every part of it: one void mark covers them all
+                    tw.voided_blobs[part_name(uid, 0)] = seq
+                    gone += [(tag.id, b.name) for b in self._parts.get((tag.id, uid), {}).values()]
+                    continue
+                if (tag.id, name) not in self.blobs:
                     if self._chunk_index(tag, name) is None:
                         raise FaultfsError(f"tag {tag.name} has no blob {name}", errno.ENOENT)
                     continue  # a chunk that was never written: nothing to drop
-                tw.voided_blobs[file] = seq
-                gone.append((tag.id, file))
+                tw.voided_blobs[name] = seq
+                gone.append((tag.id, name))
         await self._save_state(tag)
         for key in gone:
-            blob = self.blobs.pop(key, None)
-            if blob is None:
+            if key not in self.blobs:
                 continue
-            self.held -= blob.pending.held
+            blob = self._forget(key)
             if blob.base == CLEAN and blob.index is not None:
                 self.clean.unpin(tag, blob.index)
             if blob.base == DIRECT:  # void now (the state says so, durably): no replay needs it
@@ -934,8 +1041,7 @@ class Writes:
         """Drop every write of ``tag`` and its files (``faultfs forget``); a checkpoint then
         lets the journal go, so no record of it is replayed onto a later tag of that name."""
         for key in [k for k in self.blobs if k[0] == tag.id]:
-            blob = self.blobs.pop(key)
-            self.held -= blob.pending.held
+            blob = self._forget(key)
             if blob.base == DIRECT:
                 self._direct_count -= 1  # its file goes with the tag's directory
         self._obsolete = [(t, q) for t, q in self._obsolete if t != tag.name]
@@ -947,10 +1053,6 @@ class Writes:
             await self.pool.run(self.files.forget_tag, name)
             await self.checkpoint()
 
-    @staticmethod
-    def _ids(tw: TagWrites) -> set[str]:
-        return {f"{USER_PREFIX}{i}" for i in tw.users.values()}
-
     async def prepare_clone(self, parent: Tag, child: str) -> None:
         """Give tag ``child`` (not registered yet) ``parent``'s writes as they are now: every
         dirty blob of the parent folded, its files linked (a fold replaces a file, never
@@ -960,6 +1062,7 @@ class Writes:
         ptw = self._tag(parent)
         state = {"view_size": ptw.view_size, "view_seq": self.journal.last_seq,
                  "users": dict(ptw.users), "next_user": ptw.next_user,
+                 "parted": sorted(ptw.parted),
                  "ancestors": [parent.name, *ptw.ancestors], "voided": 0, "voided_blobs": {},
                  "mtime_ns": ptw.mtime_ns}
 
@@ -991,18 +1094,24 @@ class Writes:
             blob = self._add(DirtyBlob(tag, name, index, tag.layout.chunk_size, base))
         return blob
 
-    def _user_file(self, tag: Tag, name: str) -> str:
+    def _user_uid(self, tag: Tag, name: str) -> int:
         uid = self.user_id(tag, name)
-        return "" if uid is None else f"{USER_PREFIX}{uid}"
-
-    def _user_blob(self, tag: Tag, name: str) -> DirtyBlob:
-        file = self._user_file(tag, name)
-        if not file:
+        if uid is None:
             raise FaultfsError(f"tag {tag.name} has no blob {name}", errno.ENOENT)
-        blob = self.blobs.get((tag.id, file))
+        return uid
+
+    def _user_part(self, tag: Tag, uid: int, k: int) -> DirtyBlob:
+        blob = self._parts.get((tag.id, uid), {}).get(k)
         if blob is None:
-            blob = self._add(DirtyBlob(tag, file, None, 0, NEW))
+            blob = self._add(DirtyBlob(tag, part_name(uid, k), None, 0, NEW))
         return blob
+
+    def _user_changed(self, blob: DirtyBlob) -> None:
+        """A part of a user blob changed size: its size is worked out again when asked."""
+        if blob.index is None and blob.name.startswith(USER_PREFIX):
+            user = user_key(blob.name)
+            if user is not None:
+                self._user_sizes.pop((blob.tag.id, user[0]), None)
 
     def _blob_for(self, tag: Tag, name: str, *, create: bool) -> DirtyBlob | None:
         """The blob a journal record names, or None when it is gone (an unlinked user blob)."""
@@ -1010,8 +1119,8 @@ class Writes:
         if blob is not None or not create:
             return blob
         if name.startswith(USER_PREFIX):
-            tw = self.tags[tag.id]
-            if name not in {f"{USER_PREFIX}{i}" for i in tw.users.values()}:
+            user = user_key(name)
+            if user is None or user[0] not in self.tags[tag.id].users.values():
                 return None
             blob = DirtyBlob(tag, name, None, 0, NEW)
         elif name.startswith(GAP_PREFIX):
@@ -1033,7 +1142,8 @@ class Writes:
             return  # never written over: fsck reports it, the user decides
         name = self._names[tag_id]
         state = {"view_size": tw.view_size, "view_seq": tw.view_seq, "users": tw.users,
-                 "next_user": tw.next_user, "ancestors": list(tw.ancestors),
+                 "next_user": tw.next_user, "parted": sorted(tw.parted),
+                 "ancestors": list(tw.ancestors),
                  "voided": tw.voided, "voided_blobs": tw.voided_blobs,
                  "mtime_ns": tw.mtime_ns}
         try:
@@ -1048,3 +1158,23 @@ class Writes:
 def _too_big(tag: Tag, name: str, size: int) -> FaultfsError:
     return FaultfsError(f"user blob {name} of tag {tag.name} cannot grow to {size} bytes: a "
                         f"user blob holds at most {USER_BLOB_MAX >> 20} MiB", errno.EFBIG)
+
+
+def part_name(uid: int, k: int) -> str:
+    """The dirty blob of part ``k`` of user blob ``uid`` (part 0's is the blob's old name)."""
+    return f"{USER_PREFIX}{uid}" if k == 0 else f"{USER_PREFIX}{uid}.{k}"
+
+
+def user_key(name: str) -> tuple[int, int] | None:
+    """``(user blob id, part)`` of a user blob's dirty blob name, None for any other."""
+    if not name.startswith(USER_PREFIX):
+        return None
+    uid, dot, part = name[len(USER_PREFIX):].partition(".")
+    a, b = parse_index(uid), (parse_index(part) if dot else 0)
+    return None if a is None or b is None or (dot and b == 0) else (a, b)
+
+
+def void_key(name: str) -> str:
+    """The name a reset marks for ``name``: a user blob's first part for every part."""
+    user = user_key(name)
+    return name if user is None else part_name(user[0], 0)

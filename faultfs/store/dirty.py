@@ -136,9 +136,9 @@ class DirtyFiles:
         written."""
         header, with_payload = encode_header(tag, name, payload, flags=FLAG_DIRTY,
                                              source_version=f"{WAL_PREFIX}{seq}")
-        data = header + bytes(payload) if with_payload else header
-        self._replace(self.path(tag, name), data, sync_dir=sync_dir)
-        return len(data)
+        parts = [header, payload] if with_payload else [header]
+        self._replace(self.path(tag, name), parts, sync_dir=sync_dir)
+        return len(header) + (len(payload) if with_payload else 0)
 
     # -- direct files (whole-chunk writes) ---------------------------------------------------
 
@@ -259,7 +259,10 @@ class DirtyFiles:
         for tag in tags:
             self.ops.fsync_dir(self.tag_dir(tag))
 
-    def _replace(self, path: str, data: bytes, *, sync_dir: bool = True) -> None:
+    def _replace(self, path: str, parts: list[bytes | bytearray | memoryview], *,
+                 sync_dir: bool = True) -> None:
+        """Replace ``path`` with the concatenation of ``parts`` (written one after another,
+        never joined: a fold's payload is not copied again), durably."""
         directory = os.path.dirname(path)
         self._tag_dir_for_writing(directory)
         if self._foreign_file(path):  # a rename cannot replace a directory: move it aside
@@ -270,9 +273,13 @@ class DirtyFiles:
         fd = self.ops.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         try:
             try:
-                written = 0
-                while written < len(data):
-                    written += self.ops.pwrite(fd, data[written:], written)
+                at = 0
+                for part in parts:
+                    view = memoryview(part)
+                    done = 0
+                    while done < len(view):
+                        done += self.ops.pwrite(fd, view[done:], at + done)
+                    at += len(view)
                 self.ops.fsync(fd)
             finally:
                 self.ops.close(fd)
@@ -417,4 +424,4 @@ class DirtyFiles:
 
     def write_state(self, tag: str, state: dict) -> None:
         data = json.dumps(state, sort_keys=True, indent=1).encode()
-        self._replace(os.path.join(self.tag_dir(tag), STATE), data)
+        self._replace(os.path.join(self.tag_dir(tag), STATE), [data])

@@ -100,7 +100,7 @@ KEEP_RECOVERABLE = "a mount with its source recovers it"
 # The write state's fields and their types, as ``engine/writes.py`` reads them.
 WRITE_STATE_FIELDS: dict[str, type | tuple[type, ...]] = {
     "view_size": int, "view_seq": int, "users": dict, "next_user": int, "ancestors": list,
-    "voided": int, "voided_blobs": dict, "mtime_ns": int,
+    "voided": int, "voided_blobs": dict, "mtime_ns": int, "parted": list,
 }
 
 
@@ -934,6 +934,9 @@ def _write_state_problem(doc: dict) -> str:
             return f"field {name} maps names to something other than integers"
     if not all(isinstance(a, str) for a in doc.get("ancestors", ())):
         return "field ancestors names something other than tags"
+    if not all(isinstance(u, int) and not isinstance(u, bool) and u >= 0
+               for u in doc.get("parted", ())):
+        return "field parted lists something other than user blob ids"
     return ""
 
 

@@ -333,7 +333,10 @@ class Journal:
         return self._pos + max(0, len(self._segments) - 1) * SEGMENT_BYTES
 
     def roll(self) -> None:
-        """Start the next segment now (on the appending thread; ``sync`` makes it durable)."""
+        """Start the next segment now (on the appending thread; ``sync`` makes it durable);
+        nothing when the current one holds no record yet (it is the next one already)."""
+        if self._fd >= 0 and self._first == self.next_seq:
+            return
         try:
             self._start_segment()
         except OSError as exc:
