@@ -10,10 +10,10 @@ import random
 
 import pytest
 
-from faultfs.engine.writes import USER_PART, USER_PREFIX, part_name, user_key, void_key
-from faultfs.testing.writes_model import WritesWorld
+from faultfs.engine.writes import USER_PREFIX, part_name, user_key, void_key
+from faultfs.testing.writes_model import UPART, WritesWorld
 
-P = USER_PART
+P = UPART  # the parts of the model's engines (the mount's are USER_PART, 1 MiB)
 NAME = "out.bin"
 
 
@@ -80,7 +80,7 @@ def test_a_growing_user_blob_folds_only_its_new_parts():
     try:
         w = world.engine.writes
         world.run(w.create_user, world.tag, NAME)
-        piece = 128 << 10
+        piece = P // 4
         data = random.Random(1).randbytes(6 * P)
         folds = []
         for step in range(3):  # 2 MiB appended, then a checkpoint

@@ -12,7 +12,14 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis.errors import Flaky
 from hypothesis.stateful import run_state_machine_as_test
 
-from faultfs.testing.writes_model import CS, WritesModel, WritesWorld, crash_sweep, writes_mutant
+from faultfs.testing.writes_model import (
+    CS,
+    ChunkWritesModel,
+    WritesModel,
+    WritesWorld,
+    crash_sweep,
+    writes_mutant,
+)
 
 SETTINGS = settings(
     max_examples=80, stateful_step_count=30, deadline=None, database=None,
@@ -28,12 +35,13 @@ def test_a_crash_at_every_write_and_fsync_point_keeps_a_synced_prefix():
 
 
 @pytest.mark.parametrize("kind", ["nosync", "noreplay", "nofold", "nodirectsync",
-                                  "nodirectcheck"])
+                                  "nodirectcheck", "nosizefold"])
 def test_the_writes_model_catches_broken_writes(kind):
     hunt = settings(SETTINGS, max_examples=300, derandomize=True,
                     phases=[Phase.explicit, Phase.generate])
+    model = WritesModel if kind == "nosizefold" else ChunkWritesModel  # (a user blob's size)
     with writes_mutant(kind), pytest.raises((AssertionError, Flaky)):
-        run_state_machine_as_test(WritesModel, settings=hunt)
+        run_state_machine_as_test(model, settings=hunt)
 
 
 @pytest.mark.parametrize("then", ["fsync", "checkpoint"])

@@ -184,6 +184,7 @@ class Writes:
         # (tag id, user blob id) -> its dirty blobs by part; and its size, when known
         self._parts: dict[tuple[int, int], dict[int, DirtyBlob]] = {}
         self._user_sizes: dict[tuple[int, int], int] = {}
+        self.user_part = USER_PART  # (the writes model cuts smaller parts: few KiB test it all)
         self.tags: dict[int, TagWrites] = {}
         self._names: dict[int, str] = {}  # tag id -> name, for the state files
         self.changed: set[int] = set()  # ids of tags with writes: their views take this path
@@ -372,7 +373,7 @@ class Writes:
         if size is None:
             parts = self._parts.get(key, {})
             if uid in self.tags[tag.id].parted:
-                size = max((k * USER_PART + b.size for k, b in parts.items() if b.size),
+                size = max((k * self.user_part + b.size for k, b in parts.items() if b.size),
                            default=0)
             else:
                 size = parts[0].size if 0 in parts else 0
@@ -418,7 +419,7 @@ class Writes:
         if uid not in self.tags[tag.id].parted:
             return await self._read(parts[0], off, size) if 0 in parts else b""
         out: list[bytes | bytearray] = []  # (bytes: reads are never the fold's buffer)
-        for k, inner, length in pieces(off, size, self._user_size(tag, uid), USER_PART):
+        for k, inner, length in pieces(off, size, self._user_size(tag, uid), self.user_part):
             blob = parts.get(k)
             data = b"" if blob is None else await self._read(blob, inner, length)
             out.append(data if len(data) == length else bytes(data) + bytes(length - len(data)))
@@ -561,7 +562,7 @@ class Writes:
             view = memoryview(data)
             at = 0
             try:
-                for k, inner, length in pieces(off, len(data), off + len(data), USER_PART):
+                for k, inner, length in pieces(off, len(data), off + len(data), self.user_part):
                     await self._write(self._user_part(tag, uid, k), inner, view[at:at + length])
                     at += length
             except BaseException:  # some parts may have grown: work the size out again
@@ -581,9 +582,10 @@ class Writes:
                 raise _too_big(tag, name, size)
             await self._truncate_part(self._user_part(tag, uid, 0), size)
         else:
-            last, inner = divmod(size, USER_PART)
+            part = self.user_part
+            last, inner = divmod(size, part)
             if inner == 0 and last:  # the part that holds the last byte is the whole one
-                last, inner = last - 1, USER_PART
+                last, inner = last - 1, part
             for k, blob in sorted(self._parts.get((tag.id, uid), {}).items()):
                 if k > last or (k == last and not size):
                     if blob.size:
@@ -790,12 +792,14 @@ class Writes:
     async def _drop_user(self, tag: Tag, uid: int) -> None:
         """Forget the dirty blobs of user blob ``uid`` (unlinked, or replaced by a rename)
         and delete their files (the state saying it is gone is durable already)."""
-        names = [self._forget((tag.id, b.name)).name
-                 for b in list(self._parts.get((tag.id, uid), {}).values())]
-        names = names or [part_name(uid, 0)]
+        names = {self._forget((tag.id, b.name)).name
+                 for b in list(self._parts.get((tag.id, uid), {}).values())}
+        # and the first part's name in any case: an empty blob folded before any record was
+        # appended names seq 0, which a mount does not load (its file is only deleted here)
+        names.add(part_name(uid, 0))
 
         def delete() -> None:
-            for name in names:
+            for name in sorted(names):
                 self.files.delete(tag.name, name)
 
         await self.pool.run(delete)

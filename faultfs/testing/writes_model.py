@@ -6,12 +6,14 @@ fsynced is kept, dropped or torn at random).
 
 Rules: writes through the view (growing it) and through ``chunk_N``, whole-chunk writes (the
 direct files of ``store/dirty.py``: aligned, through either name), truncates of the view,
-fsyncs, checkpoints (folds), reads of both names, the three stops.
+writes and truncates of a user blob (in parts of ``UPART`` here, so a few KiB cross parts),
+fsyncs, checkpoints (folds), reads of every name, the three stops.
 
 What must hold (DESIGN §11): reads return exactly the model; after a remount or a kill -9
 every acknowledged write is there; after a power loss each chunk, and the view's size, equal
 the model at some prefix of their own writes that includes every write before the last
-fsync — never a torn or foreign state. The prefix found becomes the model.
+fsync — never a torn or foreign state; so does each part of the user blob. The prefix found
+becomes the model.
 
 ``crash_sweep`` runs a fixed script and crashes it at every write and fsync point of the
 journal and dirty files in turn (``SimOps(crash_at=n)``), checking the same rule.
@@ -28,7 +30,7 @@ from collections.abc import Iterator
 
 import trio
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from faultfs.engine import Engine
 from faultfs.errors import FaultfsError
@@ -38,6 +40,8 @@ from faultfs.testing.fakes import CS, ctx_for, engine_for, make_source, payload
 
 TAG = "w"
 URL = "mem://writes-model"
+USER = "u.bin"  # the user blob of the model
+UPART = 2 * CS  # its parts (the engine's are 1 MiB)
 
 
 class History:
@@ -91,9 +95,13 @@ class WritesWorld:
         chunks = [source[i:i + cs].ljust(cs, b"\0") for i in range(0, size, cs)]
         self.chunks = [History(c) for c in chunks]
         self.size = History(size)
+        self.parts: list[History] = []  # the user blob's parts (bytes, as long as the part)
+        self.has_user = False
 
     def _engine(self) -> Engine:
-        return engine_for(self.store, writes_ops=self.ops)
+        engine = engine_for(self.store, writes_ops=self.ops)
+        engine.writes.user_part = UPART
+        return engine
 
     def close(self) -> None:
         self.engine.close()
@@ -129,8 +137,23 @@ class WritesWorld:
         self.size.push(size)
 
     def sync_model(self) -> None:
-        for h in (*self.chunks, self.size):
+        for h in (*self.chunks, self.size, *self.parts):
             h.sync()
+
+    def _part(self, k: int) -> History:
+        while len(self.parts) <= k:
+            self.parts.append(History(b""))
+        return self.parts[k]
+
+    def user_model(self) -> bytes:
+        size = self.user_model_size()
+        out = bytearray(size)
+        for k, h in enumerate(self.parts):
+            out[k * UPART:k * UPART + len(h.now)] = h.now
+        return bytes(out[:size])
+
+    def user_model_size(self) -> int:
+        return max((k * UPART + len(h.now) for k, h in enumerate(self.parts) if h.now), default=0)
 
     # -- running -----------------------------------------------------------------------------
 
@@ -154,6 +177,34 @@ class WritesWorld:
     def truncate(self, size: int) -> None:
         self.model_truncate(size)
         self.run(self.engine.writes.truncate_view, self.tag, size)
+
+    def create_user(self) -> None:
+        self.run(self.engine.writes.create_user, self.tag, USER)  # durable when it returns
+        self.has_user = True
+
+    def write_user(self, off: int, data: bytes) -> None:
+        pos = 0
+        while pos < len(data):
+            k, inner = divmod(off + pos, UPART)
+            take = min(len(data) - pos, UPART - inner)
+            h = self._part(k)
+            now = h.now.ljust(inner, b"\0")
+            h.push(now[:inner] + data[pos:pos + take] + now[inner + take:])
+            pos += take
+        self.run(self.engine.writes.write_user, self.tag, USER, off, data)
+
+    def truncate_user(self, size: int) -> None:
+        last, inner = divmod(size, UPART)
+        if inner == 0 and last:
+            last, inner = last - 1, UPART
+        for k, h in enumerate(self.parts):
+            if (k > last or not size) and h.now:
+                h.push(b"")
+        if size:
+            h = self._part(last)
+            if len(h.now) != inner:
+                h.push(h.now[:inner].ljust(inner, b"\0"))
+        self.run(self.engine.writes.truncate_user, self.tag, USER, size)
 
     def fsync(self) -> None:
         self.run(self.engine.writes.fsync)
@@ -188,6 +239,18 @@ class WritesWorld:
         """Match what came back against the histories."""
         writes = self.engine.writes
         self.size.settle(writes.view_size(self.tag), "the view's size", exact=exact)
+        if self.has_user:
+            uid = writes.user_id(self.tag, USER)
+            assert uid is not None, "the user blob is gone after the stop"
+            found = writes._parts.get((self.tag.id, uid), {})
+            for k in range(max(len(self.parts), max(found, default=-1) + 1)):
+                blob = found.get(k)
+                try:
+                    got = b"" if blob is None or not blob.size else bytes(
+                        self.run(writes._read, blob, 0, blob.size))
+                except FaultfsError as exc:
+                    raise AssertionError(f"part {k} cannot be read after the stop: {exc}") from None
+                self._part(k).settle(got, f"user blob part {k}", exact=exact)
         count = max(len(self.chunks), writes.num_chunks(self.tag))
         for index in range(count):
             try:
@@ -202,12 +265,20 @@ class WritesWorld:
         got = bytes(self.run(self.engine.read_view, self.tag, off, size))
         assert got == self.view_model()[off:off + size], f"view [{off}, +{size})"
 
+    def check_user(self, off: int, size: int) -> None:
+        writes = self.engine.writes
+        assert writes.user_size(self.tag, USER) == self.user_model_size(), "the user blob's size"
+        got = bytes(self.run(writes.read_user, self.tag, USER, off, size))
+        assert got == self.user_model()[off:off + size], f"user blob [{off}, +{size})"
+
     def check_chunk(self, index: int, off: int, size: int) -> None:
         got = bytes(self.run(self.engine.read_blob, self.tag, index, off, size))
         assert got == self._chunk(index).now[off:off + size], f"chunk {index} [{off}, +{size})"
 
 
 class WritesModel(RuleBasedStateMachine):
+    USER_BLOBS = True  # False: the rules of the view and chunks only (the mutant hunts)
+
     def __init__(self) -> None:
         super().__init__()
         self.world: WritesWorld | None = None
@@ -259,6 +330,26 @@ class WritesModel(RuleBasedStateMachine):
     def truncate(self, size: int) -> None:
         self.w.truncate(size)
 
+    @rule(off=st.integers(0, 4 * UPART), data=st.binary(min_size=1, max_size=3 * UPART))
+    @precondition(lambda self: self.USER_BLOBS)
+    def write_user(self, off: int, data: bytes) -> None:
+        if not self.w.has_user:
+            self.w.create_user()
+        self.w.write_user(off, data)
+
+    @rule(size=st.integers(0, 5 * UPART))
+    @precondition(lambda self: self.USER_BLOBS)
+    def truncate_user(self, size: int) -> None:
+        if not self.w.has_user:
+            self.w.create_user()
+        self.w.truncate_user(size)
+
+    @rule(off=st.integers(0, 5 * UPART), size=st.integers(0, 3 * UPART))
+    @precondition(lambda self: self.USER_BLOBS)
+    def read_user(self, off: int, size: int) -> None:
+        if self.w.has_user:
+            self.w.check_user(off, size)
+
     @rule()
     def fsync(self) -> None:
         self.w.fsync()
@@ -304,7 +395,11 @@ def _script(world: WritesWorld) -> None:
     world.write_chunk(3, 0, bytes(cs))  # an all-zero direct file (a header, no payload)
     world.write_view(3 * cs - 50, b"c" * 200)  # across two chunks
     world.truncate(2 * cs + 7)
+    world.create_user()
+    world.write_user(UPART - 10, b"u" * 30)  # across two parts of the user blob
+    world.truncate_user(3 * UPART + 1)  # grown by a size alone
     world.checkpoint()  # chunk 1 renamed, chunk 2 folded (its direct file obsolete)
+    world.truncate_user(UPART - 5)
     world.write_view(cs, b"i" * cs)  # a direct file over a folded one
     world.write_view(4 * cs, b"d" * 300)  # grows the view past the source
     world.write_chunk(0, 5, b"e" * 9)
@@ -349,7 +444,9 @@ def writes_mutant(kind: str) -> Iterator[None]:
     ``nosync`` — fsync returns without syncing; ``noreplay`` — a remount reads the journal
     but applies none of its records; ``nofold`` — a checkpoint folds nothing yet trims the
     journal; ``nodirectsync`` — fsync syncs the journal but not the direct files of
-    whole-chunk writes; ``nodirectcheck`` — a replay trusts a direct file without verifying it."""
+    whole-chunk writes; ``nodirectcheck`` — a replay trusts a direct file without verifying it;
+    ``nosizefold`` — a checkpoint folds only blobs with bytes held (a size change alone is
+    trimmed away with the journal)."""
     from faultfs.engine.writes import Writes
 
     saved = []
@@ -376,6 +473,14 @@ def writes_mutant(kind: str) -> Iterator[None]:
         async def _sync_files(self, taken) -> None:
             return None
         patch("_sync_files", _sync_files)
+    elif kind == "nosizefold":
+        async def checkpoint_folding_held_only(self) -> None:
+            sized = [b for b in self.blobs.values() if not b.pending and b.base == "folded"]
+            for blob in sized:
+                blob.folded_size = blob.size  # as if its file had the size: never folded
+            await real_checkpoint(self)
+        real_checkpoint = Writes.__dict__["checkpoint"]
+        patch("checkpoint", checkpoint_folding_held_only)
     elif kind == "nodirectcheck":
         from faultfs.store.dirty import DirtyFiles
 
@@ -394,3 +499,10 @@ def writes_mutant(kind: str) -> Iterator[None]:
                 from faultfs.store.dirty import DirtyFiles
 
                 DirtyFiles.check_direct = value  # type: ignore[method-assign]
+
+
+class ChunkWritesModel(WritesModel):
+    """The model without the user blob: what the mutant hunts search (the view and chunks
+    are what their mutants break, and fewer rules find them in fewer examples)."""
+
+    USER_BLOBS = False
