@@ -10,12 +10,19 @@ Invariants:
   removes its checkpoint.
 - An existing DEST is never overwritten unless it is the export being resumed, or
   ``force`` is given.
-- A remote DEST (an fsspec URL) is written in one stream; an interrupted one starts over.
+- An S3 DEST (``s3://``) is a multipart upload: its upload id, the tag's mark and the part
+  size are kept in a local state file (``$XDG_STATE_HOME/faultfs/exports``, written
+  atomically) before the first part; a resume asks S3 which parts it holds and uploads the
+  rest; the upload is completed only once every part is in, so DEST never shows a partial
+  object. A resume of another state of the tag aborts the old upload and starts over.
+- Any other remote DEST (an fsspec URL) is written in one stream; an interrupted one starts
+  over.
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import sys
@@ -29,11 +36,14 @@ from faultfs.core.coord import StreamCoordinate
 from faultfs.core.names import CTL_NAME
 from faultfs.errors import FaultfsError, InvalidInput, SourceError
 from faultfs.progress import ProgressBar
-from faultfs.sources import local_path
+from faultfs.sources import SourceOptions, local_path
+from faultfs.store.durable import write_atomic
 
 BLOCK = 8 << 20  # bytes read from the view and written per step
 CHECKPOINT_BYTES = 256 << 20  # a local export checkpoints (after an fsync) this often
 STATE_SUFFIX = ".faultfs-export.meta"
+PART_BYTES = 64 << 20  # an S3 export's parts (at least this; 10,000 at most)
+MAX_PARTS = 10_000  # S3's limit on the parts of one upload
 
 
 @dataclass
@@ -69,7 +79,9 @@ def export(tag_dir: str, dest: str, *, force: bool = False, progress: bool = Tru
     bar = ProgressBar(out or sys.stderr, "export", size) if progress else None
     path = local_path(dest)
     with open(view, "rb", buffering=0) as src:
-        if path is None:
+        if path is None and dest.startswith(("s3://", "s3a://")):
+            _export_s3(src, dest, size, mark, report, bar, storage_options or {}, force)
+        elif path is None:
             _export_remote(src, dest, size, report, bar, storage_options or {}, force)
         else:
             _export_local(src, os.path.abspath(path), size, mark, report, bar, force)
@@ -149,3 +161,131 @@ def _export_remote(src, dest: str, size: int, report: ExportReport, bar, options
         raise InvalidInput(f"{dest} exists: give --force to replace it", errno.EEXIST)
     with fs.open(path, "wb") as f:
         _copy(src, size, 0, lambda off, data: f.write(data), report, bar)
+
+
+def _export_s3(src, dest: str, size: int, mark: int, report: ExportReport, bar,
+               options: dict, force: bool) -> None:
+    from faultfs.sources.filesystems import filesystem_for, s3_client
+
+    fs, path = filesystem_for(dest, SourceOptions(storage_options=options))
+    bucket, _, key = path.partition("/")
+    if not bucket or not key:
+        raise InvalidInput(f"{dest} names no object (s3://BUCKET/KEY)")
+    client = s3_client(fs)
+    state_path = remote_state_path(dest)
+    state = _read_state(state_path)
+    if state is not None and (state.get("mark"), state.get("size")) != (mark, size):
+        _abort(client, bucket, key, state)  # another state of the tag: start over
+        state = None
+    done: dict[int, str] = {}
+    if state is not None:
+        try:
+            done = _uploaded(client, bucket, key, str(state["upload"]), int(state["part"]), size)
+        except _UploadGone:  # aborted by a lifecycle rule or by hand: start over
+            state = None
+    if state is None:
+        if fs.exists(path) and not force:
+            raise InvalidInput(f"{dest} exists: give --force to replace it", errno.EEXIST)
+        if size == 0:
+            client.put_object(Bucket=bucket, Key=key, Body=b"")
+            return
+        part = max(PART_BYTES, -(-size // MAX_PARTS))
+        upload = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
+        state = {"dest": dest, "mark": mark, "size": size, "part": part, "upload": upload}
+        _write_state(state_path, state)
+    part, upload = int(state["part"]), str(state["upload"])
+    count = -(-size // part)
+    first = 1
+    while first in done:
+        first += 1
+    report.resumed_from = min((first - 1) * part, size)
+    if bar:
+        bar.update(report.resumed_from)
+    for number in range(first, count + 1):
+        lo = (number - 1) * part
+        data = _read_range(src, lo, min(part, size - lo))
+        done[number] = _upload_part(client, bucket, key, upload, number, data)
+        report.written += len(data)
+        if bar:
+            bar.update(lo + len(data))
+    client.complete_multipart_upload(
+        Bucket=bucket, Key=key, UploadId=upload,
+        MultipartUpload={"Parts": [{"PartNumber": n, "ETag": done[n]} for n in range(1, count + 1)]})
+    os.unlink(state_path)
+
+
+class _UploadGone(Exception):
+    pass
+
+
+def remote_state_path(dest: str) -> str:
+    """Where the state of an export to ``dest`` is kept (one file per destination)."""
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local",
+                                                            "state")
+    digest = hashlib.sha256(dest.encode("utf-8", "surrogateescape")).hexdigest()[:32]
+    return os.path.join(base, "faultfs", "exports", f"{digest}.json")
+
+
+def _read_state(path: str) -> dict | None:
+    try:
+        with open(path, "rb") as f:
+            doc = json.loads(f.read(1 << 16))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return None  # damaged: the upload it named is left to the bucket's lifecycle rules
+    ok = isinstance(doc, dict) and all(isinstance(doc.get(k), int) and doc[k] >= 0
+                                       for k in ("mark", "size", "part"))
+    return doc if ok and doc["part"] > 0 and isinstance(doc.get("upload"), str) else None
+
+
+def _write_state(path: str, state: dict) -> None:
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    write_atomic(path, [json.dumps(state).encode()], mode=0o600)
+
+
+def _uploaded(client, bucket: str, key: str, upload: str, part: int, size: int) -> dict[int, str]:
+    """The parts S3 holds of ``upload`` whole (their ETags by number); _UploadGone when S3
+    no longer knows the upload."""
+    done: dict[int, str] = {}
+    marker = 0
+    while True:
+        try:
+            page = client.list_parts(Bucket=bucket, Key=key, UploadId=upload,
+                                     PartNumberMarker=marker)
+        except Exception as exc:
+            code = getattr(exc, "response", {}).get("Error", {}).get("Code", "")
+            if code in ("NoSuchUpload", "404"):
+                raise _UploadGone() from None
+            raise FaultfsError(f"listing the parts of the export to s3://{bucket}/{key} "
+                               f"failed: {exc}") from None
+        for p in page.get("Parts", []):
+            number = int(p["PartNumber"])
+            if int(p["Size"]) == min(part, size - (number - 1) * part):
+                done[number] = str(p["ETag"])
+        if not page.get("IsTruncated"):
+            return done
+        marker = int(page["NextPartNumberMarker"])
+
+
+def _upload_part(client, bucket: str, key: str, upload: str, number: int, data: bytes) -> str:
+    return str(client.upload_part(Bucket=bucket, Key=key, UploadId=upload, PartNumber=number,
+                                  Body=data)["ETag"])
+
+
+def _abort(client, bucket: str, key: str, state: dict) -> None:
+    try:
+        client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=str(state["upload"]))
+    except Exception:  # gone already: nothing to abort
+        pass
+
+
+def _read_range(src, off: int, size: int) -> bytes:
+    parts, pos = [], off
+    while pos < off + size:
+        data = os.pread(src.fileno(), min(BLOCK, off + size - pos), pos)
+        if not data:
+            raise SourceError(f"the view ended at {pos} of {off + size} bytes")
+        parts.append(data)
+        pos += len(data)
+    return b"".join(parts)

@@ -10,7 +10,7 @@ from faultfs.export import export
 def register(sub) -> None:
     e = sub.add_parser("export", help="write MNT/TAG's current bytes to a path or fsspec URL")
     e.add_argument("tag_dir", metavar="MNT/TAG")
-    e.add_argument("dest", metavar="DEST", help="a local path (resumable) or an fsspec URL")
+    e.add_argument("dest", metavar="DEST", help="a local path or an s3:// URL (both resumable), or any fsspec URL")
     e.add_argument("--force", action="store_true", help="replace an existing DEST")
     e.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     e.add_argument("--debug", action="store_true")
