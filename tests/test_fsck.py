@@ -297,6 +297,9 @@ def test_the_journal_of_a_killed_mount_verifies_and_a_torn_tail_is_reported_as_s
     writes = [(100, b"first"), (CHUNK + 7, b"second"), (3 * CHUNK + 9, b"third")]
     for off, data in writes:
         pwrite_synced(view, off, data)
+    deadline = time.monotonic() + 30  # the faulted chunks are stored behind the writes: a
+    while m.stats()["tags"]["field"]["staged_blobs"] < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)  # kill in the middle of one would leave a clean blob to repair
     os.kill(m.pid, signal.SIGKILL)  # the writes stay in the journal, not folded
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
