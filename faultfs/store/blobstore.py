@@ -367,8 +367,9 @@ class BlobStore:
 
     def put_new(self, tag: str, name: str, payload: bytes | memoryview, *, flags: int,
                 source_version: str = "") -> int | None:
-        """Stage a clean blob whose name is free, straight under its name: one create, one
-        ``pwritev``, one close — no temporary file, no rename, no fsync. None (nothing
+        """Stage a clean blob whose name is free, straight under its name: one create, a
+        ``pwrite`` of the header and one of the payload, one close — no temporary file, no
+        rename, no fsync. None (nothing
         written) when the name is taken or the tag's directory was not made or checked by
         this store: the caller then decides (a dirty blob there is never replaced) and
         takes ``put``. A crash mid-write leaves a short or unsynced file, which fails
