@@ -50,6 +50,10 @@ def test_extent_map_matches_a_bytearray(script, base):
         window = bytearray(base[off:off + 50])
         m.overlay(window, off)
         assert bytes(window) == bytes(model[off:off + 50])
+    for off in range(0, len(base), 13):  # and know whether any base byte shows in them
+        for n in (0, 1, 9, 50):
+            if off + n <= len(base):
+                assert m.covers(off, n) == all(covered[off:off + n]), (off, n)
 
 
 def test_zero_extents_hold_no_memory():

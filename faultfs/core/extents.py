@@ -73,6 +73,15 @@ class ExtentMap:
         for start, length, data in self.pieces(off, len(view)):
             view[start - off:start - off + length] = bytes(length) if data is None else data
 
+    def covers(self, off: int, size: int) -> bool:
+        """Whether extents cover every byte of ``[off, off+size)`` (no base byte shows)."""
+        end, pos = off + size, off
+        i = bisect_right(self._ends, off)
+        while pos < end and i < len(self._starts) and self._starts[i] <= pos:
+            pos = self._ends[i]
+            i += 1
+        return pos >= end
+
     def items(self) -> Iterator[tuple[int, int, bytes | None]]:
         """Every extent: ``(start, length, data or None)``."""
         for s, e, data in zip(self._starts, self._ends, self._datas, strict=True):

@@ -463,7 +463,9 @@ class Writes:
                                "its file keeps moving", errno.EIO)
         pending, base, base_bytes = blob.pending, blob.base, blob.base_bytes  # one state
         buf = bytearray(size)
-        if base == FOLDED:
+        if pending.covers(off, size):
+            pass  # every byte was written over (a chunk rewritten in pieces): no base read
+        elif base == FOLDED:
             try:
                 data = await self.pool.run(self.files.read, blob.tag.name, blob.name, off, size)
             except (CorruptionError, OSError) as exc:
