@@ -46,6 +46,7 @@ from faultfs.store.blobfile import (
     payload_hash,
 )
 from faultfs.store.blobstore import encode_component
+from faultfs.store.durable import write_parts
 from faultfs.store.fileops import FileOps, OsFileOps
 
 WAL_PREFIX = "wal:"
@@ -162,12 +163,8 @@ class DirtyFiles:
             self.ops.unlink(path)
             fd = self.ops.open(path, flags)
         try:
-            try:
-                for data, at in ((header, 0), (payload if with_payload else b"", HEADER_LEN)):
-                    view = memoryview(data)
-                    done = 0
-                    while done < len(view):
-                        done += self.ops.pwrite(fd, view[done:], at + done)
+            try:  # the header is HEADER_LEN bytes: the payload follows it
+                write_parts(fd, [header, payload] if with_payload else [header], self.ops.pwrite)
             finally:
                 self.ops.close(fd)
         except BaseException:
@@ -273,13 +270,7 @@ class DirtyFiles:
         fd = self.ops.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         try:
             try:
-                at = 0
-                for part in parts:
-                    view = memoryview(part)
-                    done = 0
-                    while done < len(view):
-                        done += self.ops.pwrite(fd, view[done:], at + done)
-                    at += len(view)
+                write_parts(fd, parts, self.ops.pwrite)
                 self.ops.fsync(fd)
             finally:
                 self.ops.close(fd)

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import os
 import secrets
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 
 def fsync_dir(path: str) -> None:
@@ -22,14 +23,16 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def write_parts(fd: int, parts: Iterable[bytes | memoryview]) -> None:
+def write_parts(fd: int, parts: Iterable[bytes | bytearray | memoryview],
+                pwrite: Callable[[int, Any, int], int] = os.pwrite) -> None:
     """Write the concatenation of ``parts`` at offset 0 of ``fd``, a ``pwrite`` per part
-    (a ``pwritev`` of a header and a payload copied slower into the page cache here)."""
+    (a ``pwritev`` of a header and a payload copied slower into the page cache here);
+    ``pwrite``: the call that writes (a ``FileOps``'s, where crashes are simulated)."""
     off = 0
     for part in parts:
         view = memoryview(part)
         while view:
-            written = os.pwrite(fd, view, off)
+            written = pwrite(fd, view, off)
             off += written
             view = view[written:]
 

@@ -142,10 +142,6 @@ class TierStack:
         if waiter is not None:
             waiter.set()
 
-    def is_pending(self, key: BlobKey) -> bool:
-        """Whether the store write of a just-faulted blob is under way."""
-        return key in self._pending
-
     def stage_behind(self, key: BlobKey, data: Buffer) -> bool:
         """See that a just-faulted blob ends up in the local store, behind the caller: after
         its pending store write, once more if that one did not keep it (a store write the
