@@ -100,6 +100,69 @@ def test_long_lines_span_blocks(tmp_path, monkeypatch):
         assert drain(s, 2) == [line.encode() for line in lines]
 
 
+def _reference_records(data: bytes, start: int, stop: int | None) -> list:
+    """The records a line reader must give for the lines that start in ``[start, stop)``:
+    each non-empty one, its "\\r\\n" or "\\n" cut off (and a last lone "\\r")."""
+    out, pos = [], 0
+    for line in data.splitlines(keepends=True):
+        begin, pos = pos, pos + len(line)
+        if begin < start or (stop is not None and begin >= stop):
+            continue
+        body = line.rstrip(b"\n")
+        if body.endswith(b"\r") and (line.endswith(b"\n") or pos == len(data)):
+            body = body[:-1]
+        if body:
+            out.append(body)
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 90), st.sampled_from(["\n", "\r\n"])), max_size=25),
+    st.booleans(),
+    st.integers(1, 64),
+    st.integers(1, 64),
+    st.integers(1, 16),
+    st.data(),
+)
+def test_line_reader_gives_every_line_of_its_range_once(lines, final, block, first, tail, data):
+    """The line reader against a plain split, for any read sizes: lines longer than a read,
+    blank lines, CRLF, no final newline, and ranges starting and ending anywhere."""
+    text = b"".join(b"%d" % i + b"x" * n + nl.encode() for i, (n, nl) in enumerate(lines))
+    if not final and text:
+        text = text.rstrip(b"\r\n")
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "a.jsonl"
+        path.write_bytes(text)
+        cut = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=3)))
+        bounds = [0, *cut, None]
+        ranges = [(bounds[i], bounds[i + 1], bounds[i] == 0) for i in range(len(bounds) - 1)]
+        old = readers_mod.LINE_BLOCK, readers_mod.FIRST_READ, readers_mod.TAIL_READ
+        readers_mod.LINE_BLOCK, readers_mod.FIRST_READ, readers_mod.TAIL_READ = block, first, tail
+        try:
+            shard = Shard(str(path), "lines")
+            reader = readers_mod.LineShardReader(shard, 0, 0, 0, ranges=ranges)
+            got, ends = [], []
+            while (b := reader.next_block()) is not None:
+                got += b.records
+                ends += [int(e) for e in b.ends]
+            reader.close()
+        finally:
+            readers_mod.LINE_BLOCK, readers_mod.FIRST_READ, readers_mod.TAIL_READ = old
+    want = []
+    for start, stop, _exact in ranges:
+        # an inexact start: the records that start at or after it (a line start at start
+        # itself counts only if the byte before it ends a line)
+        first_start = start
+        if start > 0 and text[start - 1:start] != b"\n":
+            nl = text.find(b"\n", start)
+            first_start = len(text) if nl < 0 else nl + 1
+        want += _reference_records(text, first_start, stop)
+    assert got == want
+    assert ends == sorted(set(ends)), "each record ends after the one before it"
+    assert all(text[e - 1:e] == b"\n" or e == len(text) for e in ends)
+
+
 def test_prefetched_batches_commit_in_one_checkpoint(tmp_path):
     write_lines(tmp_path / "a.txt", [str(i) for i in range(10)])
     with RecordStream(str(tmp_path / "a.txt"), tmp_path / "s.meta") as s:

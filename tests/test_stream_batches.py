@@ -12,6 +12,7 @@ import io
 import json
 import random
 import tempfile
+import threading
 from pathlib import Path
 
 import fsspec
@@ -100,6 +101,52 @@ def test_arrow_batches_equal_the_per_record_parse(tmp_path, small_blocks, dedup,
         assert [json.dumps(r) for r in rows(parsed)] == expected
     else:
         assert rows(parsed) == recs
+
+
+@pytest.mark.parametrize("dedup", [False, True])
+def test_formats_switched_between_batches_keep_the_order(tmp_path, small_blocks, dedup):
+    """Blocks read and parsed ahead, then asked for in another format (or schema), still
+    come in order, none skipped or repeated, across shards."""
+    recs = corpus(400, seed=3)
+    write(tmp_path / "a.jsonl", jsonl(recs[:150]))
+    write(tmp_path / "b.jsonl", jsonl(recs[150:]))
+    src = str(tmp_path / "*.jsonl")
+    with RecordStream(src, tmp_path / "raw.meta", dedup=dedup) as s:
+        want = [json.loads(r) for _, batch, _ in drain(s, 9) for r in batch]
+    schema = pa.schema([("id", pa.int64()), ("text", pa.string())])
+    got = []
+    with RecordStream(src, tmp_path / "mixed.meta", dedup=dedup) as s:
+        for k in range(10_000):
+            fmt, kw = [("arrow", {}), ("raw", {}), ("arrow", {"schema": schema}),
+                       ("pydict", {})][k % 4]
+            batch = next(s.batches(9 + k % 5, format=fmt, **kw), None)
+            if batch is None:
+                break
+            batch_id, records = batch
+            if fmt == "raw":
+                got += [json.loads(r) for r in records]
+            elif fmt == "pydict":
+                got += [dict(zip(records, row, strict=True)) for row in zip(*records.values(),
+                                                                              strict=True)]
+            else:
+                got += [{key: r[key] for key in r} for r in records.to_pylist()]
+            s.commit(batch_id)
+    assert [r["id"] for r in got] == [r["id"] for r in want]
+
+
+def test_closing_with_blocks_read_ahead_stops_the_workers(tmp_path, small_blocks):
+    write(tmp_path / "a.jsonl", jsonl(corpus(300)))
+    s = RecordStream(str(tmp_path / "a.jsonl"), tmp_path / "s.meta", dedup=False)
+    it = s.batches(4, format="arrow")
+    batch_id, _ = next(it)
+    s.commit(batch_id)
+    assert len(s._ahead) == 2, "two blocks are read and parsed ahead"
+    s.close()
+    assert not s._ahead and s._pool is None and s._reader is None
+    assert not [t for t in threading.enumerate() if t.name.startswith("faultfs-stream")]
+    with RecordStream(str(tmp_path / "a.jsonl"), tmp_path / "s.meta", dedup=False) as s:
+        rest = rows(drain(s, 50, "arrow"))
+    assert [r["id"] for r in rest] == [r["id"] for r in corpus(300)][4:]
 
 
 def test_pydict_batches_are_the_arrow_table_as_columns(tmp_path):

@@ -118,12 +118,22 @@ class LocalFileSource:
         return self._stat.st_mtime
 
     def pread(self, off: int, size: int) -> bytes | memoryview:
+        return self._read(off, size, pooled=True)
+
+    def pread_bytes(self, off: int, size: int) -> bytes:
+        """``pread`` into one new ``bytes`` (for readers that keep slices of it, as the record
+        streams do): the page cache's copy lands there directly, no pooled buffer between."""
+        out = self._read(off, size, pooled=False)
+        return out if isinstance(out, bytes) else bytes(out)
+
+    def _read(self, off: int, size: int, *, pooled: bool) -> bytes | memoryview:
         try:
-            out = None
+            out: bytes | memoryview | None = None
             if self.direct and size >= DIRECT_MIN:
                 out = self._pread_direct(off, size)
             if out is None:
-                out = pread_full(self._fd, size, off)  # into a buffer of our own, no copy
+                # into a pooled buffer of our own (no copy), or one bytes object
+                out = pread_full(self._fd, size, off) if pooled else _pread_bytes(self._fd, size, off)
         except OSError as exc:
             raise SourceError(
                 f"reading source {self.url} [{off}, {off + size}) failed: {exc.strerror}"
@@ -186,6 +196,22 @@ class LocalFileSource:
             if self._direct_fd >= 0:
                 os.close(self._direct_fd)
                 self._direct_fd = -1
+
+
+def _pread_bytes(fd: int, size: int, off: int) -> bytes:
+    """Up to ``size`` bytes at ``off`` (short only at end of file), as one ``bytes``."""
+    out = os.pread(fd, size, off)
+    if len(out) == size or not out:
+        return out
+    parts = [out]
+    got = len(out)
+    while got < size:
+        more = os.pread(fd, size - got, off + got)
+        if not more:
+            break
+        parts.append(more)
+        got += len(more)
+    return b"".join(parts)
 
 
 def _kind(mode: int) -> str:

@@ -211,8 +211,8 @@ class LineShardReader:
         self._file = shard.open()
         self._global = global_start
         self._ranges = deque(ranges if ranges is not None else [(start_offset, None, True)])
-        self._offset = 0  # file offset of the first byte of ``_carry`` (a line start)
-        self._carry = b""  # an incomplete last line waiting for the next read
+        self._offset = 0  # file offset of the next line start: the next read begins there
+        self._need = 0  # the next read's least size (a line longer than the last read)
         self._stop: int | None = None  # records must start before it
         self._skip = False  # drop bytes through the next "\n" first (a range's inexact start)
         self._eof = False
@@ -233,21 +233,27 @@ class LineShardReader:
         pos = start - 1 if self._skip else start
         if pos != self._file.tell():
             self._file.seek(pos)
-        self._offset, self._carry, self._stop = pos, b"", stop
+        self._offset, self._need, self._stop = pos, 0, stop
         self._eof = self._done = False
         self._read_size = min(FIRST_READ, LINE_BLOCK)
         return True
 
     def _read(self) -> bytes:
+        """The bytes from ``_offset`` on: one read, into one ``bytes`` (the partial line at
+        the end of a read is read again at the start of the next, never copied onto it)."""
         size = self._read_size
         self._read_size = min(size * 4, LINE_BLOCK)
+        pos = self._offset
         if self._stop is not None:
-            pos = self._offset + len(self._carry)
             size = min(size, self._stop - pos) if pos < self._stop else min(size, TAIL_READ)
+        size = max(size, self._need)
+        self._need = 0
         try:
+            if pos != self._file.tell():
+                self._file.seek(pos)
             return self._file.read(size)
         except OSError as err:
-            raise SourceError(f"{self._shard.url}: read failed at {self._offset}: {err}") from err
+            raise SourceError(f"{self._shard.url}: read failed at {pos}: {err}") from err
 
     def next_block(self) -> RecordBlock | None:
         while True:
@@ -260,29 +266,31 @@ class LineShardReader:
             ):
                 self._done = True  # the next line starts at or past the range's end
                 continue
-            data = self._read()
-            if data:
-                buf = self._carry + data if self._carry else data
-                if self._skip:
-                    nl = buf.find(b"\n")
-                    self._offset += len(buf) if nl < 0 else nl + 1
-                    if nl < 0:
-                        continue
-                    buf, self._skip = buf[nl + 1 :], False
-                    if not buf:
-                        continue
-                cut = buf.rfind(b"\n") + 1
-                if cut == 0:
-                    self._carry = buf  # a line longer than a block: keep reading
-                    continue
-                self._carry = buf[cut:]
-                block = self._block(buf, cut, terminated=True)
-            else:
+            buf = self._read()
+            if not buf:
                 self._eof = True
-                if self._skip or not self._carry:
+                continue
+            at_eof = self._file.tell() >= self._file.size
+            if self._skip:
+                nl = buf.find(b"\n")
+                self._offset += len(buf) if nl < 0 else nl + 1
+                if nl < 0:
+                    self._eof = at_eof
                     continue
-                buf, self._carry = self._carry, b""
+                self._skip = False
+                if nl + 1 == len(buf):
+                    self._eof = at_eof
+                    continue
+                buf = buf[nl + 1 :]
+            cut = buf.rfind(b"\n") + 1
+            if cut:
+                block = self._block(buf, cut, terminated=True)
+            elif at_eof:  # the shard's last line, without a terminator
+                self._eof = True
                 block = self._block(buf, len(buf), terminated=False)
+            else:  # a line longer than this read: read it again, whole
+                self._need = 2 * len(buf) + TAIL_READ
+                continue
             if block is not None:
                 return block
 
@@ -310,6 +318,8 @@ class LineShardReader:
             k = int(np.searchsorted(starts, self._stop - offset))  # the records of this range
             starts, stops, ends = starts[:k], stops[:k], ends[:k]
             self._done = True
+            if k:  # the lines past the range are not this block's: records split data whole
+                buf = buf[: int(ends[-1])]
         if not ends.size:
             return None
         block = RecordBlock(

@@ -19,10 +19,11 @@ Invariants:
 - Every ``format`` yields the same batches: the same records (a parsed row is its raw
   record, parsed; dedup is by the raw record's bytes), the same batch ids and coordinates,
   so a checkpoint written while reading one format resumes in any other.
-- Parsed formats read and parse one block ahead, in one worker thread (pyarrow parses without
-  the GIL, so the parse of block k+1 overlaps the consumer and the dedup of block k). Only the
-  worker touches the reader while a read-ahead is in flight; its errors are raised when the
-  stream reaches that block, as without read-ahead; ``close`` waits for it.
+- Parsed formats read and parse ``READ_AHEAD`` blocks ahead, in worker threads (pyarrow parses
+  without the GIL, so the parse of block k+1 overlaps the consumer, the dedup of block k and
+  the read of block k+2). The workers take turns on the reader, in block order (``_Turns``);
+  only they touch it while a read-ahead is in flight. A block's errors are raised when the
+  stream reaches that block, as without read-ahead; ``close`` waits for the workers.
 - A partitioned stream (``rank``/``world_size``, ``worker``/``num_workers``) is one reader of
   a partition (``faultfs.stream.partition``): it reads only the shards that hold its records,
   only its records in them, in the same order, and keeps its own state file; with dedup it
@@ -36,6 +37,7 @@ Invariants:
 from __future__ import annotations
 
 import os
+import threading
 from bisect import bisect_left
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
@@ -70,6 +72,8 @@ from faultfs.stream.shards import Shard, expand_shards
 
 _hash = xxhash.xxh3_64_intdigest
 FORMATS = ("raw", "arrow", "pydict")
+READ_AHEAD = 2  # parsed blocks on their way: two parses at once keep both of pyarrow's
+# threads busy while the next block is read
 _NO_HASHES = np.empty(0, dtype=np.uint64)
 
 
@@ -97,6 +101,40 @@ def line_ranges(pieces: list[Piece], resume: int | None) -> list[LineRange]:
                 continue
         ranges.append((lo, stop, lo == 0))
     return ranges
+
+
+class _Turns:
+    """The read-ahead workers' turns on one reader: ticket ``k`` reads the k-th block asked
+    for, after ticket ``k - 1`` has read its own; once a read found the reader's end (or
+    failed), later tickets read nothing."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._issued = 0
+        self._turn = 0
+        self.ended = False
+
+    def issue(self) -> int:
+        self._issued += 1
+        return self._issued - 1
+
+    def take(self, ticket: int, read: Any) -> Any:
+        with self._cond:
+            while self._turn != ticket:
+                self._cond.wait()
+            try:
+                if self.ended:
+                    return None
+                block = read()
+                if block is None:
+                    self.ended = True
+                return block
+            except BaseException:
+                self.ended = True
+                raise
+            finally:
+                self._turn += 1
+                self._cond.notify_all()
 
 
 class RecordStream:
@@ -195,8 +233,9 @@ class RecordStream:
         self._fresh_hashes: np.ndarray = _NO_HASHES
         self._fresh_count = 0
         self._view: tuple[str, Any, Any] | None = None  # (format, schema, records)
-        # parsed formats: the next block of the open reader and its table (schema, table)
-        self._ahead: Future[tuple[RecordBlock | None, Any, Any]] | None = None
+        # parsed formats: the next blocks of the open reader, each with its table (in order)
+        self._ahead: deque[Future[tuple[RecordBlock | None, Any, Any]]] = deque()
+        self._turns: _Turns | None = None  # the workers' turns on the open reader
         self._pool: ThreadPoolExecutor | None = None
         self._pos = 0  # next index into the fresh records
         self._position = coord  # just after the last record handed out
@@ -290,10 +329,9 @@ class RecordStream:
                 if self._reader is None:
                     self._shard_id = self._next_shard(self._shard_id + 1)
                     continue
-            ahead, self._ahead = self._ahead, None
             table: tuple[Any, Any] | None = None
-            if ahead is not None:
-                block, schema, parsed = ahead.result()  # its error, if any, is raised here
+            if self._ahead:
+                block, schema, parsed = self._ahead.popleft().result()  # its error, if any
                 if block is not None and parse is not None and schema is parse[0]:
                     table = (schema, parsed)
             else:
@@ -309,6 +347,7 @@ class RecordStream:
                 if parse is not None:
                     self._read_ahead(parse[0])
                 return True
+            self._wait_ahead()  # the reads after the last block find nothing either
             self._reader.close()
             self._reader = None
             self._shard_id = self._next_shard(self._shard_id + 1)
@@ -316,16 +355,29 @@ class RecordStream:
         return False
 
     def _read_ahead(self, schema: Any) -> None:
+        """Keep ``READ_AHEAD`` blocks of the open reader on their way, each parsed with
+        ``schema``; the workers read them in turn, in the order they were asked for."""
         reader = self._reader
-        assert reader is not None and self._ahead is None
+        assert reader is not None
+        if not self._ahead:
+            self._turns = _Turns()
+        turns = self._turns
+        assert turns is not None
 
-        def work() -> tuple[RecordBlock | None, Any, Any]:
-            block = reader.next_block()
+        def work(ticket: int) -> tuple[RecordBlock | None, Any, Any]:
+            block = turns.take(ticket, reader.next_block)
             return block, schema, None if block is None else block_table(block, schema)
 
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="faultfs-stream")
-        self._ahead = self._pool.submit(work)
+            self._pool = ThreadPoolExecutor(READ_AHEAD, thread_name_prefix="faultfs-stream")
+        while len(self._ahead) < READ_AHEAD and not turns.ended:
+            self._ahead.append(self._pool.submit(work, turns.issue()))
+
+    def _wait_ahead(self) -> None:
+        """Wait for every read-ahead in flight and drop them (their errors with them)."""
+        while self._ahead:
+            self._ahead.popleft().exception()
+        self._turns = None
 
     def _select_fresh(self, block: RecordBlock) -> None:
         """Decide, once per block, which of its records will be delivered.
@@ -494,9 +546,7 @@ class RecordStream:
     # -- lifetime --------------------------------------------------------------------------
 
     def close(self) -> None:
-        if self._ahead is not None:
-            self._ahead.exception()  # wait: the worker may be using the reader
-            self._ahead = None
+        self._wait_ahead()  # the workers may be using the reader
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None

@@ -40,6 +40,8 @@ class ShardFile(io.RawIOBase):
     def __init__(self, source: Source, size: int) -> None:
         super().__init__()
         self._source = source
+        # a source that reads into one new bytes object saves the copy out of its buffer
+        self._pread_bytes = getattr(source, "pread_bytes", None)
         self._size = size
         self._pos = 0
 
@@ -69,7 +71,12 @@ class ShardFile(io.RawIOBase):
             size = max(0, self._size - self._pos)
         if size == 0 or self._pos >= self._size:
             return b""
-        data = bytes(self._source.pread(self._pos, min(size, self._size - self._pos)))
+        size = min(size, self._size - self._pos)
+        if self._pread_bytes is not None:
+            data = self._pread_bytes(self._pos, size)
+        else:
+            got = self._source.pread(self._pos, size)
+            data = got if isinstance(got, bytes) else bytes(got)
         self._pos += len(data)
         return data
 
