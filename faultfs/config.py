@@ -99,6 +99,9 @@ class Config:
     # FAULTFS_URING: staged reads through io_uring when the serving thread has other work
     # ("on"), for every read it can take ("always"), or never ("off", also "0")
     uring: str = "on"
+    # FAULTFS_URING_PUNT=0: ring reads start their disk read on the serving thread, as a
+    # blocking read would, instead of in the kernel's worker (IOSQE_ASYNC)
+    uring_punt: bool = True
     # FAULTFS_SOURCE_DIRECT=0: large reads of uncached local sources take the page cache too
     source_direct: bool = True
 
@@ -139,7 +142,7 @@ class Config:
               read_only: bool | None = None, dirty_mb: int | None = None,
               shared_store: str | None = None, shared_store_endpoint_url: str | None = None,
               metrics_addr: str | None = None, uring: str | None = None,
-              source_direct: bool | None = None,
+              uring_punt: bool | None = None, source_direct: bool | None = None,
               env: Mapping[str, str] | None = None) -> Config:
         """Flags (non-None arguments) win over the environment, which wins over defaults."""
         return cls(
@@ -163,6 +166,8 @@ class Config:
             metrics_addr=(metrics_addr if metrics_addr is not None
                           else (env_value("FAULTFS_METRICS_ADDR", env) or "").strip()),
             uring=uring if uring is not None else _uring_mode(env),
+            uring_punt=(uring_punt if uring_punt is not None
+                        else _env_flag("FAULTFS_URING_PUNT", True, env)),
             source_direct=(source_direct if source_direct is not None
                            else _env_flag("FAULTFS_SOURCE_DIRECT", True, env)),
         )

@@ -115,5 +115,7 @@ def test_the_settings_reach_the_mount_from_the_environment():
     config = Config.build(env={"FAULTFS_URING": "always"})
     assert config.source_direct is True and config.uring == "always"
     assert Config.build(env={}).uring == "on"
+    assert Config.build(env={}).uring_punt is True
+    assert Config.build(env={"FAULTFS_URING_PUNT": "0"}).uring_punt is False
     with pytest.raises(InvalidInput, match="FAULTFS_URING must be one of"):
         Config.build(env={"FAULTFS_URING": "sometimes"})

@@ -89,10 +89,11 @@ def edge_ranges(chunk: int, count: int, seed: int) -> list[tuple[int, int, int]]
 
 
 @needs_ring
+@pytest.mark.parametrize("punt", [True, False], ids=["worker", "inline"])
 @pytest.mark.parametrize("chunk", [1 * MiB, 300 * KiB + 123, 40 * KiB])
-def test_the_ring_serves_the_same_verified_bytes_as_the_blocking_path(store, chunk):
+def test_the_ring_serves_the_same_verified_bytes_as_the_blocking_path(store, chunk, punt):
     data = payload(3 * chunk - 1000)  # a short, zero-filled last blob
-    eng, tag = staged_engine(store, data, chunk)
+    eng, tag = staged_engine(store, data, chunk, uring_punt=punt)
     full = data + bytes(3 * chunk - len(data))
     local = eng.tiers.local
     ranges = edge_ranges(chunk, 300, seed=chunk)
@@ -108,6 +109,7 @@ def test_the_ring_serves_the_same_verified_bytes_as_the_blocking_path(store, chu
     through_ring = trio.run(read_all, True)
     reader = local._reader
     assert reader is not None and reader.submitted > 0, "the reads went through the ring"
+    assert reader._read_flags == (uring.SQE_ASYNC if punt else 0)
     drop_store_cache(store)
     blocking = trio.run(read_all, False)
     expected = [full[i * chunk + off:i * chunk + min(off + size, chunk)] for i, off, size in ranges]
@@ -117,10 +119,11 @@ def test_the_ring_serves_the_same_verified_bytes_as_the_blocking_path(store, chu
 
 
 @needs_ring
-def test_concurrent_ring_reads_of_one_blob_and_many(store):
+@pytest.mark.parametrize("punt", [True, False], ids=["worker", "inline"])
+def test_concurrent_ring_reads_of_one_blob_and_many(store, punt):
     chunk = 256 * KiB
     data = payload(16 * chunk)
-    eng, tag = staged_engine(store, data, chunk)
+    eng, tag = staged_engine(store, data, chunk, uring_punt=punt)
     rng = random.Random(7)
     ranges = [(rng.randrange(16), rng.randrange(chunk), rng.randrange(1, 70 * KiB))
               for _ in range(400)]

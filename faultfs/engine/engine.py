@@ -70,7 +70,7 @@ class Engine:
         self.tiers = TierStack(
             MemoryTier(config.memory_mb << 20),
             LocalTier(store, policy, self.pool, self.stats, inline_read=config.inline_read_kb << 10,
-                      ring=config.uring),
+                      ring=config.uring, ring_punt=config.uring_punt),
             self.pool, self.stats, shared)
         self._tags = Tags(store, self.tiers, self.stats, source_options or SourceOptions())
         self.flights = Flights()

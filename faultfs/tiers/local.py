@@ -92,8 +92,8 @@ class LocalTier:
     name = "local"
 
     def __init__(self, store: BlobStore, policy: StorePolicy, pool: IoPool, stats: Stats, *,
-                 inline_read: int, ring: str = "on", ring_read: int = RING_READ
-                 ) -> None:
+                 inline_read: int, ring: str = "on", ring_read: int = RING_READ,
+                 ring_punt: bool = True) -> None:
         self.store = store
         self.policy = policy
         self.pool = pool
@@ -104,6 +104,7 @@ class LocalTier:
         # "on": a small read the serving thread can afford to block on takes the blocking path
         self.block_when_idle = ring != "always"
         self.ring_read = ring_read
+        self.ring_punt = ring_punt  # ring reads start in the kernel's worker (Config.uring_punt)
         self._reader: RingReader | None = None
         self._idle = uring.IdleProbe()
         self._cached_score = 0.0  # moving share of probed ring reads the page cache had
@@ -285,7 +286,7 @@ class LocalTier:
         if ring is None:
             self.use_ring = False
             return None
-        self._reader = RingReader(ring)
+        self._reader = RingReader(ring, punt_reads=self.ring_punt)
         return self._reader
 
     async def _ring_read(self, ring: RingReader, blob: OpenBlob, size: int, off: int
