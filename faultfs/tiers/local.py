@@ -15,8 +15,9 @@ Invariants:
   When the thread has nothing else to do (no FUSE request waiting, no ring read in flight), a
   small read (``--inline-read-kb``) blocks it instead: one disk read then costs less than a
   ring entry's wake-ups. Without a ring (``FAULTFS_URING=0``, an old kernel) small reads block
-  the thread as before (a read of bytes in the page cache, ``RWF_NOWAIT``, never does), and
-  with ``--inline-read-kb 0`` every staged read goes to the I/O pool.
+  the thread as before; a larger one first tries ``RWF_NOWAIT`` (served only from the page
+  cache, never blocking) before its trip to the I/O pool, and with ``--inline-read-kb 0``
+  every staged read that misses the page cache goes to the pool.
 - A blob file is never closed while a read of it is in flight.
 - Dirty blobs (user data) are never evicted or replaced by a fault.
 """
@@ -239,9 +240,14 @@ class LocalTier:
                 return first_read
             if ring is not None:
                 return await self._ring_read(ring, blob, size, off)
+            if size <= self.inline_read:
+                # read on this thread either way: a RWF_NOWAIT try first would only add a
+                # system call (on a miss it starts the disk read the blocking read then
+                # waits for; one blocking read does both)
+                return blob.pread_view(size, off)
             data = blob.pread_view(size, off, nowait=True)  # never blocks: page-cache hits only
             if data is None:
-                data = await self._store_read(size, blob.pread_view, size, off)
+                data = await self.pool.run(blob.pread_view, size, off)
             return data
         except CorruptionError as exc:
             tag = self._tags[key[0]]
