@@ -203,15 +203,7 @@ def _pread_bytes(fd: int, size: int, off: int) -> bytes:
     out = os.pread(fd, size, off)
     if len(out) == size or not out:
         return out
-    parts = [out]
-    got = len(out)
-    while got < size:
-        more = os.pread(fd, size - got, off + got)
-        if not more:
-            break
-        parts.append(more)
-        got += len(more)
-    return b"".join(parts)
+    return out + bytes(pread_full(fd, size - len(out), off + len(out)))  # a rare short read
 
 
 def _kind(mode: int) -> str:

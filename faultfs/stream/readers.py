@@ -230,9 +230,7 @@ class LineShardReader:
             return False
         start, stop, exact = self._ranges.popleft()
         self._skip = not exact and start > 0
-        pos = start - 1 if self._skip else start
-        if pos != self._file.tell():
-            self._file.seek(pos)
+        pos = start - 1 if self._skip else start  # where _read begins
         self._offset, self._need, self._stop = pos, 0, stop
         self._eof = self._done = False
         self._read_size = min(FIRST_READ, LINE_BLOCK)

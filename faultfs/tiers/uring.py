@@ -313,9 +313,10 @@ class RingReader:
         ud = self._next
         self._next = ud + 1
         wait = _Wait(1, anchor)
-        sqe_flags = self._read_flags if self._ops and opcode == OP_READ else 0
+        punt = self._punt()
         self._ops[ud] = (wait, 0)
-        self.ring.prep(opcode, fd, ctypes.addressof(anchor), length, off, 0, ud, sqe_flags)
+        self.ring.prep(opcode, fd, ctypes.addressof(anchor), length, off, 0, ud,
+                       punt if opcode == OP_READ else 0)
         self._submit()
         if wait.left:
             wait.task = trio.lowlevel.current_task()
@@ -336,7 +337,7 @@ class RingReader:
         wait = _Wait(n, anchors)
         ud = self._next
         self._next = ud + n
-        punt = self._read_flags if self._ops else 0
+        punt = self._punt()
         for i, (opcode, fd, addr, length, off, flags) in enumerate(entries):
             self.ring.prep(opcode, fd, addr, length, off, flags, ud + i,
                            punt if opcode == OP_READ else 0)
@@ -347,6 +348,10 @@ class RingReader:
             self.parked += 1
             await trio.lowlevel.wait_task_rescheduled(_no_abort)
         return wait.results
+
+    def _punt(self) -> int:
+        """The entry flags of reads queued now (``SQE_ASYNC`` while others are in flight)."""
+        return self._read_flags if self._ops else 0
 
     def _submit(self) -> None:
         ring = self.ring
