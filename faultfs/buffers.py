@@ -144,6 +144,15 @@ def alloc(size: int) -> memoryview:
     return POOL.alloc(size)
 
 
+def pread_bytes(fd: int, size: int, off: int) -> bytes:
+    """Up to ``size`` bytes of ``fd`` at ``off`` (short only at end of file), as one new
+    ``bytes`` (the kernel's copy lands there: for readers that keep slices of it)."""
+    out = os.pread(fd, size, off)
+    if len(out) == size or not out:
+        return out
+    return out + bytes(pread_full(fd, size - len(out), off + len(out)))  # a rare short read
+
+
 def pread_full(fd: int, size: int, off: int) -> memoryview:
     """Up to ``size`` bytes of ``fd`` at ``off``, read until the size or end of file
     (short only at end of file), into a buffer from the shared pool."""

@@ -31,13 +31,14 @@ import zlib
 from dataclasses import dataclass
 from typing import TextIO
 
+from faultfs.buffers import pread_bytes
 from faultfs.control_client import split_tag_dir
 from faultfs.core.coord import StreamCoordinate
 from faultfs.core.names import CTL_NAME
 from faultfs.errors import FaultfsError, InvalidInput, SourceError
 from faultfs.progress import ProgressBar
 from faultfs.sources import SourceOptions, local_path
-from faultfs.store.durable import write_atomic
+from faultfs.store.durable import write_atomic, write_parts
 
 BLOCK = 8 << 20  # bytes read from the view and written per step
 CHECKPOINT_BYTES = 256 << 20  # a local export checkpoints (after an fsync) this often
@@ -134,8 +135,8 @@ def _export_local(src, dest: str, size: int, mark: int, report: ExportReport, ba
                                                         global_row_idx=size))
                     last = pos
 
-            _copy(src, size, start, lambda off, data: _pwrite_all(fd, data, off), report, bar,
-                  checkpoint)
+            _copy(src, size, start, lambda off, data: write_parts(fd, [data], at=off), report,
+                  bar, checkpoint)
             os.ftruncate(fd, size)
             os.fsync(fd)
         finally:
@@ -143,13 +144,6 @@ def _export_local(src, dest: str, size: int, mark: int, report: ExportReport, ba
     for leftover in (state, state + ".dedup"):
         if os.path.exists(leftover):
             os.unlink(leftover)
-
-
-def _pwrite_all(fd: int, data: bytes, off: int) -> None:
-    view = memoryview(data)
-    while view:
-        n = os.pwrite(fd, view, off)
-        view, off = view[n:], off + n
 
 
 def _export_remote(src, dest: str, size: int, report: ExportReport, bar, options: dict,
@@ -281,11 +275,7 @@ def _abort(client, bucket: str, key: str, state: dict) -> None:
 
 
 def _read_range(src, off: int, size: int) -> bytes:
-    parts, pos = [], off
-    while pos < off + size:
-        data = os.pread(src.fileno(), min(BLOCK, off + size - pos), pos)
-        if not data:
-            raise SourceError(f"the view ended at {pos} of {off + size} bytes")
-        parts.append(data)
-        pos += len(data)
-    return b"".join(parts)
+    data = pread_bytes(src.fileno(), size, off)
+    if len(data) != size:
+        raise SourceError(f"the view ended at {off + len(data)} of {off + size} bytes")
+    return data

@@ -24,7 +24,7 @@ import stat as stat_mod
 import struct
 import threading
 
-from faultfs.buffers import alloc, pread_full
+from faultfs.buffers import alloc, pread_bytes, pread_full
 from faultfs.errors import InvalidInput, SourceChanged, SourceError
 from faultfs.sources.base import SourceVersion
 
@@ -133,7 +133,7 @@ class LocalFileSource:
                 out = self._pread_direct(off, size)
             if out is None:
                 # into a pooled buffer of our own (no copy), or one bytes object
-                out = pread_full(self._fd, size, off) if pooled else _pread_bytes(self._fd, size, off)
+                out = pread_full(self._fd, size, off) if pooled else pread_bytes(self._fd, size, off)
         except OSError as exc:
             raise SourceError(
                 f"reading source {self.url} [{off}, {off + size}) failed: {exc.strerror}"
@@ -196,14 +196,6 @@ class LocalFileSource:
             if self._direct_fd >= 0:
                 os.close(self._direct_fd)
                 self._direct_fd = -1
-
-
-def _pread_bytes(fd: int, size: int, off: int) -> bytes:
-    """Up to ``size`` bytes at ``off`` (short only at end of file), as one ``bytes``."""
-    out = os.pread(fd, size, off)
-    if len(out) == size or not out:
-        return out
-    return out + bytes(pread_full(fd, size - len(out), off + len(out)))  # a rare short read
 
 
 def _kind(mode: int) -> str:

@@ -24,11 +24,11 @@ def fsync_dir(path: str) -> None:
 
 
 def write_parts(fd: int, parts: Iterable[bytes | bytearray | memoryview],
-                pwrite: Callable[[int, Any, int], int] = os.pwrite) -> None:
-    """Write the concatenation of ``parts`` at offset 0 of ``fd``, a ``pwrite`` per part
-    (a ``pwritev`` of a header and a payload copied slower into the page cache here);
+                pwrite: Callable[[int, Any, int], int] = os.pwrite, *, at: int = 0) -> None:
+    """Write the concatenation of ``parts`` at offset ``at`` of ``fd``, a ``pwrite`` per
+    part (a ``pwritev`` of a header and a payload copied slower into the page cache here);
     ``pwrite``: the call that writes (a ``FileOps``'s, where crashes are simulated)."""
-    off = 0
+    off = at
     for part in parts:
         view = memoryview(part)
         while view:
