@@ -92,6 +92,10 @@ class Config:
     readahead_kb: int = READAHEAD_KB
     inline_read_kb: int = INLINE_READ_KB
     read_only: bool = False  # --read-only: writes get EROFS
+    # --xattrs: answer the user.faultfs.* extended attributes. Off, the mount answers the first
+    # getxattr ENOSYS and the kernel stops asking: otherwise it asks getxattr("security.capability")
+    # before every write, two requests per write (docs/decisions.md, "Extended attributes")
+    xattrs: bool = False
     dirty_mb: int = DIRTY_MB
     shared_store: str = ""  # --shared-store URL (DESIGN §13); "" = none
     shared_store_endpoint_url: str = ""  # when the shared store's S3 endpoint is not the sources'
@@ -139,8 +143,8 @@ class Config:
               stats_log: bool | None = None, cache_size: int | None = None,
               memory_mb: int | None = None, prefetch_mb: int | None = None,
               readahead_kb: int | None = None, inline_read_kb: int | None = None,
-              read_only: bool | None = None, dirty_mb: int | None = None,
-              shared_store: str | None = None, shared_store_endpoint_url: str | None = None,
+              read_only: bool | None = None, xattrs: bool | None = None,
+              dirty_mb: int | None = None, shared_store: str | None = None, shared_store_endpoint_url: str | None = None,
               metrics_addr: str | None = None, uring: str | None = None,
               uring_punt: bool | None = None, source_direct: bool | None = None,
               env: Mapping[str, str] | None = None) -> Config:
@@ -157,6 +161,7 @@ class Config:
             readahead_kb=readahead_kb if readahead_kb is not None else _env_int("FAULTFS_READAHEAD_KB", READAHEAD_KB, env),
             inline_read_kb=inline_read_kb if inline_read_kb is not None else _env_int("FAULTFS_INLINE_READ_KB", INLINE_READ_KB, env),
             read_only=read_only if read_only is not None else _env_flag("FAULTFS_READ_ONLY", False, env),
+            xattrs=xattrs if xattrs is not None else _env_flag("FAULTFS_XATTRS", False, env),
             dirty_mb=dirty_mb if dirty_mb is not None else _env_int("FAULTFS_DIRTY_MB", DIRTY_MB, env),
             shared_store=(shared_store if shared_store is not None
                           else (env_value("FAULTFS_SHARED_STORE", env) or "").strip()),

@@ -23,7 +23,7 @@ COUNTERS = (
     "zero_filled_bytes", "bytes_served", "page_reads", "page_slices", "page_errors",
     "stale_blobs_dropped", "corrupt_blobs_dropped", "memory_hits", "prefetches",
     "prefetch_errors", "store_readahead", "ring_reads", "dirty_kept", "skipped_dirty", "skipped_degraded",
-    "writes", "bytes_written", "fsyncs", "folds", "checkpoints",
+    "writes", "bytes_written", "fsyncs", "folds", "checkpoints", "xattrs_refused",
     "shared_hits", "shared_misses", "shared_damaged", "shared_errors", "shared_skipped",
     "shared_publishes", "shared_publish_failures", "shared_publish_skipped",
     "shared_publish_dropped", "shared_bytes_in", "shared_bytes_out",

@@ -7,10 +7,11 @@ Invariants:
   blobs named ``<prefix><index>`` plus views that are not blobs (``page:N``, ``.pagemap``, the
   whole-object view). The blobs of a tag are its regular files whose names end in a decimal
   index and share the tag's most common prefix, warmed in index order; tags in name order.
-- A blob is staged iff the mount says so in its ``user.faultfs.staged`` attribute (``st_blocks``
-  cannot: the mount reports at least one block for every non-empty file, so archivers never
-  take unread data for a hole; without the attribute, fully allocated means staged); staged blobs
-  are skipped without being read. Warming reads the whole blob in large ``pread``s into one
+- A blob is staged iff the mount says so: one ``staged`` request per tag through
+  ``.faultfs/control`` (a bitmap of its chunks), else the blob's ``user.faultfs.staged``
+  attribute (mounts with ``--xattrs``), else ``st_blocks`` (which cannot say it exactly: the
+  mount reports at least one block for every non-empty file, so archivers never take unread
+  data for a hole; fully allocated means staged). Staged blobs are skipped without being read. Warming reads the whole blob in large ``pread``s into one
   reused buffer: the read faults it in and the mount stores it.
 - The checkpoint is a DualMetadataManager coordinate: ``shard_id`` = tag index, ``byte_offset``
   = index of the next blob of that tag, ``page_idx`` = the tag's name as 32 bits (``tag_mark``:
@@ -22,6 +23,7 @@ Invariants:
 
 from __future__ import annotations
 
+import base64
 import errno
 import json
 import os
@@ -36,9 +38,10 @@ from typing import TextIO
 
 import xxhash
 
+from faultfs.control_client import request
 from faultfs.core.coord import StreamCoordinate
 from faultfs.core.names import CTL_NAME, PAGE_PREFIX, XATTR_STAGED
-from faultfs.errors import InvalidInput, SourceError
+from faultfs.errors import FaultfsError, InvalidInput, SourceError
 from faultfs.progress import ProgressBar
 
 CONTROL_DIR = CTL_NAME  # the mount's control directory: stats and registry, never warmed
@@ -128,8 +131,35 @@ def tag_blobs(tag_dir: str) -> list[tuple[int, str]]:
     return sorted(by_prefix[prefix])
 
 
+def staged_chunks(tag_dir: str) -> tuple[str, int, bytes] | None:
+    """The mount's answer for the tag at ``tag_dir``: ``(chunk name prefix, chunks, bitmap)``,
+    or None when it gives none (not a faultfs mount that takes requests, or an older one)."""
+    root, tag = os.path.split(os.path.abspath(tag_dir).rstrip("/"))
+    try:
+        answer = request(root, {"op": "staged", "tag": tag})
+        prefix, chunks = answer["prefix"], answer["chunks"]
+        bitmap = base64.b64decode(answer["bitmap"], validate=True)
+    except (FaultfsError, OSError, KeyError, TypeError, ValueError):
+        return None
+    if not isinstance(prefix, str) or not isinstance(chunks, int) or len(bitmap) * 8 < chunks:
+        return None
+    return prefix, chunks, bitmap
+
+
+def chunk_staged(answer: tuple[str, int, bytes] | None, index: int, path: str) -> bool | None:
+    """What ``answer`` (``staged_chunks``) says of blob ``index`` at ``path``; None when it
+    says nothing of it (not a chunk of the tag: another prefix, or past its chunks)."""
+    if answer is None:
+        return None
+    prefix, chunks, bitmap = answer
+    if os.path.basename(path) != f"{prefix}{index}" or index >= chunks:
+        return None
+    return bool(bitmap[index >> 3] >> (index & 7) & 1)
+
+
 def is_staged(path: str, st: os.stat_result) -> bool:
-    """Whether the mount holds ``path``'s bytes already (see the module invariants)."""
+    """Whether the mount holds ``path``'s bytes already, asked of the blob itself (see the
+    module invariants)."""
     try:
         return os.getxattr(path, XATTR_STAGED) == b"1"
     except OSError:
@@ -154,6 +184,7 @@ def read_whole_blob(path: str, size: int, buf: bytearray) -> int:
 def _plan(tags: list[str], start: StreamCoordinate) -> list[Blob]:
     blobs = []
     for tag_idx in range(start.shard_id, len(tags)):
+        answer = staged_chunks(tags[tag_idx])
         for index, path in tag_blobs(tags[tag_idx]):
             if tag_idx == start.shard_id and index < start.byte_offset:
                 continue  # done before the checkpoint
@@ -161,7 +192,10 @@ def _plan(tags: list[str], start: StreamCoordinate) -> list[Blob]:
                 st = os.stat(path)
             except FileNotFoundError:
                 continue  # vanished since listing (e.g. evicted and forgotten)
-            blobs.append(Blob(tag_idx, index, path, st.st_size, is_staged(path, st)))
+            staged = chunk_staged(answer, index, path)
+            if staged is None:
+                staged = is_staged(path, st)
+            blobs.append(Blob(tag_idx, index, path, st.st_size, staged))
     return blobs
 
 

@@ -71,3 +71,33 @@ def test_default_checkpoint_lives_in_the_store(mounter, sample):
     run_faultfs("warm", m.path, "--no-progress", check=True)
     names = os.listdir(os.path.join(m.store, "warm"))
     assert len([n for n in names if n.endswith(".meta")]) == 1, names
+
+
+def test_the_staged_request_names_staged_and_written_chunks(mounter, sample):
+    """``faultfs warm`` learns what is staged from one control request per tag (no extended
+    attributes needed): staged chunks, dirty ones and those the view grew are all set."""
+    from faultfs.control_client import request
+    from faultfs.errors import FaultfsError
+    from faultfs.warm import chunk_staged, staged_chunks
+
+    m = mounter(sample(3 * MiB + 100), args=["--chunk-size", "1M", "--prefetch-mb", "0"])
+    tag = m.tag("field")
+    with open(os.path.join(tag, "chunk_1"), "rb") as f:
+        f.read()
+    with open(os.path.join(tag, "chunk_2"), "r+b") as f:
+        f.write(b"dirty")
+    with open(os.path.join(tag, "field.bin"), "r+b") as f:
+        f.seek(5 * MiB)
+        f.write(b"grown")
+    deadline = time.monotonic() + 10
+    while m.stats()["tags"]["field"]["staged_blobs"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)  # chunk 1's store write follows its read (chunk 2's fault too)
+    answer = staged_chunks(tag)
+    assert answer is not None and answer[:2] == ("chunk_", 6)
+    here = [chunk_staged(answer, i, os.path.join(tag, f"chunk_{i}")) for i in range(6)]
+    assert here[:3] == [False, True, True] and here[4:] == [True, True]
+    assert chunk_staged(answer, 6, os.path.join(tag, "chunk_6")) is None, "past its chunks"
+    assert chunk_staged(answer, 1, os.path.join(tag, "page:1")) is None, "not a chunk"
+    with pytest.raises(FaultfsError, match="no tag named"):
+        request(m.path, {"op": "staged", "tag": "nope"})
+    assert staged_chunks(os.path.join(m.path, "nope")) is None

@@ -536,3 +536,50 @@ def test_a_closed_chunk_sees_every_later_write_through_the_view(mounter, sample)
             f.write(word)
         assert read(chunk)[100:102] == word, f"round {round_}: a stale page of chunk_0"
         assert cached[100:102] != word
+
+
+def test_without_xattrs_a_write_is_one_request_and_with_them_attributes_answer(mounter, sample):
+    """By default the mount refuses extended attributes with ENOSYS, once: the kernel then stops
+    asking getxattr("security.capability") before every write (two requests per write
+    before). With --xattrs the user.faultfs.* attributes answer, on every name."""
+    src = sample(4 * MiB)
+    data = read(src)
+    m = mounter(src, args=["--chunk-size", "1M"])
+    view = os.path.join(m.tag("field"), "field.bin")
+    fd = os.open(view, os.O_RDWR)
+    try:
+        for i in range(200):
+            os.pwrite(fd, b"%08d" % i, i * 4 * KiB)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    for call in (lambda: os.getxattr(view, "user.faultfs.staged"), lambda: os.listxattr(view)):
+        with pytest.raises(OSError) as err:
+            call()
+        assert err.value.errno == errno.EOPNOTSUPP
+    stats = m.stats()
+    assert stats["xattrs"] is False
+    assert stats["counters"]["writes"] == 200
+    assert stats["counters"].get("xattrs_refused", 0) <= 1, "the kernel kept asking"
+    got = read(view)
+    for i in range(200):
+        assert got[i * 4 * KiB:i * 4 * KiB + 8] == b"%08d" % i
+    assert got[8:4 * KiB] == data[8:4 * KiB]
+
+    on = mounter(src, store=str(m.store) + "-x", args=["--chunk-size", "1M", "--xattrs"])
+    tag = on.tag("field")
+    assert os.getxattr(os.path.join(tag, "chunk_0"), "user.faultfs.staged") == b"0"
+    assert os.getxattr(os.path.join(tag, "chunk_0"), "user.faultfs.source") == os.fsencode(src)
+    read(os.path.join(tag, "chunk_1"))
+    deadline = time.monotonic() + 10  # the store write follows the read
+    while (os.getxattr(os.path.join(tag, "chunk_1"), "user.faultfs.staged") != b"1"
+           and time.monotonic() < deadline):
+        time.sleep(0.02)
+    assert os.getxattr(os.path.join(tag, "chunk_1"), "user.faultfs.staged") == b"1"
+    assert os.getxattr(os.path.join(tag, "field.bin"), "user.faultfs.staged") in (b"0/4", b"1/4")
+    assert sorted(os.listxattr(os.path.join(tag, "chunk_0"))) == [
+        "user.faultfs.source", "user.faultfs.staged", "user.faultfs.tag"]
+    with pytest.raises(OSError) as err:
+        os.getxattr(os.path.join(tag, "chunk_0"), "security.capability")
+    assert err.value.errno == errno.ENODATA
+    assert on.stats()["xattrs"] is True

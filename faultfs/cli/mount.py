@@ -49,6 +49,9 @@ def register(sub) -> None:
     m.add_argument("--no-store", action="store_true",
                    help="never store: pure read-through (writes are refused)")
     m.add_argument("--read-only", action="store_true", help="refuse every write (EROFS)")
+    m.add_argument("--xattrs", action="store_true",
+                   help="answer the user.faultfs.* extended attributes (the kernel then asks one "
+                        "before every write: a small write costs two requests)")
     m.add_argument("--dirty-mb", type=int,
                    help="written bytes held in memory before they are folded into files "
                         "(default 64)")
@@ -194,6 +197,7 @@ def _mount_here(args: argparse.Namespace) -> int:
                               prefetch_mb=args.prefetch_mb, readahead_kb=args.readahead_kb,
                               inline_read_kb=args.inline_read_kb,
                               read_only=True if args.read_only else None,
+                              xattrs=True if args.xattrs else None,
                               dirty_mb=args.dirty_mb, shared_store=args.shared_store,
                               shared_store_endpoint_url=args.shared_store_endpoint_url,
                               metrics_addr=args.metrics_addr)

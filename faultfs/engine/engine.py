@@ -234,6 +234,19 @@ class Engine:
     def staged_count(self, tag: Tag) -> int:
         return self.tiers.local.staged_count(tag.id)
 
+    def chunk_here(self, tag: Tag, index: int) -> bool:
+        """Whether a read of chunk ``index`` needs no source: staged, or the writes'."""
+        return self.writes.touches(tag, index) or self.is_staged(tag, index)
+
+    def here_bitmap(self, tag: Tag) -> bytes:
+        """``chunk_here`` of every chunk of ``tag``, one bit each (chunk i: bit ``i % 8``,
+        least significant first, of byte ``i // 8``)."""
+        bits = bytearray((self.writes.num_chunks(tag) + 7) // 8)
+        for index in range(self.writes.num_chunks(tag)):
+            if self.chunk_here(tag, index):
+                bits[index >> 3] |= 1 << (index & 7)
+        return bytes(bits)
+
     def write_identity_pagemap(self, tag: Tag, page_size: int) -> None:
         """Blocking (before the mount answers): lay the tag's range over page space."""
         self.pages.write_identity(tag, page_size)

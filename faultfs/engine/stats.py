@@ -35,6 +35,7 @@ def snapshot(config: Config, store_root: str, store_free_bytes: int, stats: Stat
         "cache_size": config.cache_size,
         "cached_bytes": policy.lru_bytes,
         "io_threads": config.io_threads,
+        "xattrs": config.xattrs,
         "backoff_faults_left": policy.backoff_left,
         "memory_bytes": tiers.memory.size,
         "read_buffers": buffers.POOL.snapshot(),

@@ -186,8 +186,12 @@ class FaultOperations(pyfuse3.Operations):
 
     async def getxattr(self, inode, name, ctx):
         # The kernel asks for "security.capability" before every write (file_remove_privs;
-        # pyfuse3 cannot negotiate FUSE_HANDLE_KILLPRIV_V2, and ENOSYS would turn off every
-        # attribute): answered at once, with no engine work. Ours are all "user.faultfs.*".
+        # pyfuse3 cannot negotiate FUSE_HANDLE_KILLPRIV_V2). Without --xattrs the first ask is
+        # answered ENOSYS and the kernel never asks again: one request per write, not two.
+        # With them, names outside ours are answered at once, with no engine work.
+        if not self.engine.config.xattrs:
+            self.engine.stats.add("xattrs_refused")  # once: the kernel stops asking
+            raise pyfuse3.FUSEError(errno.ENOSYS)
         if not name.startswith(XATTR_OURS):
             raise pyfuse3.FUSEError(errno.ENODATA)
         return await self._getxattr(inode, name)
@@ -201,6 +205,8 @@ class FaultOperations(pyfuse3.Operations):
 
     @fuse_boundary
     async def listxattr(self, inode, ctx):
+        if not self.engine.config.xattrs:
+            raise FaultfsError("extended attributes are off (mount with --xattrs)", errno.ENOSYS)
         return [os.fsencode(name) for name in self.tree.xattrs(await self.tree.load(inode))]
 
     @fuse_boundary

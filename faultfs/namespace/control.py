@@ -5,7 +5,10 @@ Requests: ``{"op": "reset", "tag": T}`` (every write of T dropped),
 ``{"op": "reset", "tag": T, "blobs": [...]}`` (those blobs only),
 ``{"op": "clone", "tag": T, "new": N}`` (N becomes a point-in-time copy of T),
 ``{"op": "forget", "tag": T, "keep_blobs": bool, "discard_writes": bool}`` (T is
-unregistered: its directory goes, its registry entry and blobs are removed unless kept).
+unregistered: its directory goes, its registry entry and blobs are removed unless kept),
+``{"op": "staged", "tag": T}`` (which chunks a read serves without the source: ``chunks``,
+their name ``prefix`` and ``bitmap``, base64 of one bit per chunk, chunk i at bit ``i % 8`` of byte ``i // 8``;
+``faultfs warm`` asks it once per tag).
 The answer is ``{"ok": true, ...}`` or ``{"ok": false, "error": "<one line>", "errno": n}``.
 
 Invariants: the request runs once, when the answer is first read; a request that cannot be
@@ -14,6 +17,7 @@ parsed changes nothing; the file is 0600 and only its owner can open it.
 
 from __future__ import annotations
 
+import base64
 import errno
 import json
 from collections import Counter
@@ -79,10 +83,13 @@ class ControlFile(PlainFile):
     async def _dispatch(self, req: dict) -> dict[str, Any]:
         op = req.get("op")
         tag = self.engine.tags.get(str(req.get("tag", "")))
-        if op not in ("reset", "clone", "forget"):
+        if op not in ("reset", "clone", "forget", "staged"):
             raise FaultfsError(f"unknown request {op!r}", errno.EINVAL)
         if tag is None:
             raise FaultfsError(f"no tag named {req.get('tag')!r} in this mount", errno.ENOENT)
+        if op == "staged":
+            return {"chunks": self.engine.writes.num_chunks(tag), "prefix": tag.layout.blob_prefix,
+                    "bitmap": base64.b64encode(self.engine.here_bitmap(tag)).decode()}
         if op == "forget":
             if self.files.live.get(tag.id, 0) > 0:
                 raise FaultfsError(f"tag {tag.name} has {self.files.live[tag.id]} file(s) open: "

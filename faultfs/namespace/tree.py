@@ -319,9 +319,7 @@ class Tree:
             return {}
         out = {XATTR_TAG: tag.name.encode("utf-8", "surrogateescape")}
         if node.kind == KIND_CHUNK:
-            here = self.engine.writes.touches(tag, node.index) or self.engine.is_staged(
-                tag, node.index)
-            out[XATTR_STAGED] = b"1" if here else b"0"
+            out[XATTR_STAGED] = b"1" if self.engine.chunk_here(tag, node.index) else b"0"
         elif node.kind == KIND_VIEW:
             out[XATTR_STAGED] = f"{self.engine.staged_count(tag)}/{tag.layout.num_blobs}".encode()
         if node.kind in (KIND_CHUNK, KIND_VIEW):
@@ -353,7 +351,7 @@ class Tree:
         cs = tag.layout.chunk_size
         mode = stat.S_IFREG | (0o644 if writes.writable else 0o444)
         if node.kind == KIND_CHUNK:
-            here = writes.touches(tag, node.index) or self.engine.is_staged(tag, node.index)
+            here = self.engine.chunk_here(tag, node.index)
             return Attributes(node.inode, mode, cs, cs if here else 0, mtime)
         if node.kind == KIND_VIEW:
             size = writes.view_size(tag)

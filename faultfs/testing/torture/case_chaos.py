@@ -39,6 +39,7 @@ from faultfs.testing.torture.harness import (
     diff_bytes,
     read_all,
 )
+from faultfs.warm import chunk_staged, staged_chunks
 
 NAME = "chaos HTTP source"
 CS = 64 * KiB
@@ -176,8 +177,11 @@ def run_case(run: Run, budget: Budget, res: CaseResult) -> None:
     # the storm: every request fails, so every read that needs the source must answer EIO
     proxy.set_faults(FaultPlan(FaultRule("status", fraction=1.0, status=503), seed=run.seed))
     storm = Tally()
+    here = staged_chunks(tag)
+    if here is None:
+        raise TortureError(f"the staging mount gave no staged bitmap of {tag}")
     unstaged = [i for i in range(chunks * 3 // 4, chunks)
-                if os.getxattr(os.path.join(tag, f"chunk_{i}"), "user.faultfs.staged") == b"0"]
+                if chunk_staged(here, i, os.path.join(tag, f"chunk_{i}")) is False]
     picked = [(tag, i) for i in random.Random(run.seed).sample(
         unstaged, min(storm_reads, len(unstaged)))]
     picked += [(tag_through, i) for i in random.Random(run.seed + 1).sample(
