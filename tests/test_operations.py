@@ -290,3 +290,23 @@ with faultfs.mounted({src!r}, store=store, chunk_size="1M", reserve_mb=0) as roo
             assert "zombie" in f.read(), "the daemon outlived the with block"
     except FileNotFoundError:
         pass  # gone
+
+
+def test_every_mount_helper_option_is_a_flag_of_faultfs_mount():
+    """``-o name[=value]`` turns into ``--name [value]``: each option the helper knows must be
+    one ``faultfs mount`` takes, and a new mount flag cannot be missing from fstab lines
+    unnoticed (and every mount flag but the daemon's own has its option)."""
+    import argparse
+
+    from faultfs.cli import build_parser
+    from faultfs.cli.fstab import FLAGS, VALUED, mount_argv
+
+    [commands] = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    mount = commands.choices["mount"]
+    takes = {s for a in mount._actions for s in a.option_strings if s.startswith("--")}
+    options = [*(f"{n}=1" for n in VALUED), *FLAGS]
+    argv = mount_argv(["/src", "/mnt", "-o", ",".join(options)])
+    assert {a for a in argv if a.startswith("--")} <= takes
+    helper = {f"--{n.replace('_', '-')}" for n in (*VALUED, *FLAGS)}
+    internal = {"--help", "--foreground", "--ready-fd"}  # the daemon's, not a mount's choices
+    assert takes - helper <= internal, sorted(takes - helper)
