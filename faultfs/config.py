@@ -92,9 +92,9 @@ class Config:
     readahead_kb: int = READAHEAD_KB
     inline_read_kb: int = INLINE_READ_KB
     read_only: bool = False  # --read-only: writes get EROFS
-    # --xattrs: answer the user.faultfs.* extended attributes. Off, the mount answers the first
-    # getxattr ENOSYS and the kernel stops asking: otherwise it asks getxattr("security.capability")
-    # before every write, two requests per write (docs/decisions.md, "Extended attributes")
+    # --xattrs: answer the user.faultfs.* extended attributes. Off, the first getxattr is
+    # answered ENOSYS and the kernel stops asking; on, it asks getxattr("security.capability")
+    # before every write: two requests per write (docs/decisions.md, "Extended attributes")
     xattrs: bool = False
     dirty_mb: int = DIRTY_MB
     shared_store: str = ""  # --shared-store URL (DESIGN §13); "" = none
@@ -144,7 +144,8 @@ class Config:
               memory_mb: int | None = None, prefetch_mb: int | None = None,
               readahead_kb: int | None = None, inline_read_kb: int | None = None,
               read_only: bool | None = None, xattrs: bool | None = None,
-              dirty_mb: int | None = None, shared_store: str | None = None, shared_store_endpoint_url: str | None = None,
+              dirty_mb: int | None = None, shared_store: str | None = None,
+              shared_store_endpoint_url: str | None = None,
               metrics_addr: str | None = None, uring: str | None = None,
               uring_punt: bool | None = None, source_direct: bool | None = None,
               env: Mapping[str, str] | None = None) -> Config:

@@ -2,7 +2,7 @@
 layer importing a higher one.
 
     errors < core < config, buffers, stats, iopool, progress < store < sources < assimilators
-      < tiers < engine, stream < namespace < fuse < daemon, warm, control_client < export
+      < tiers < engine, stream < namespace < fuse < control_client < daemon, warm < export
       < cli < testing
 
 Every import counts, also one inside a function or under ``TYPE_CHECKING`` (a lazy or typing
@@ -28,7 +28,8 @@ LAYERS = [
     ["faultfs.engine", "faultfs.stream"],
     ["faultfs.namespace"],
     ["faultfs.fuse"],
-    ["faultfs.daemon", "faultfs.warm", "faultfs.control_client"],
+    ["faultfs.control_client"],  # requests to a live mount: warm asks it what is staged
+    ["faultfs.daemon", "faultfs.warm"],
     ["faultfs.export"],
     ["faultfs.cli", "faultfs.api"],
     ["faultfs.testing"],

@@ -241,8 +241,9 @@ class Engine:
     def here_bitmap(self, tag: Tag) -> bytes:
         """``chunk_here`` of every chunk of ``tag``, one bit each (chunk i: bit ``i % 8``,
         least significant first, of byte ``i // 8``)."""
-        bits = bytearray((self.writes.num_chunks(tag) + 7) // 8)
-        for index in range(self.writes.num_chunks(tag)):
+        chunks = self.writes.num_chunks(tag)
+        bits = bytearray((chunks + 7) // 8)
+        for index in range(chunks):
             if self.chunk_here(tag, index):
                 bits[index >> 3] |= 1 << (index & 7)
         return bytes(bits)

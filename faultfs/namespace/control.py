@@ -7,8 +7,8 @@ Requests: ``{"op": "reset", "tag": T}`` (every write of T dropped),
 ``{"op": "forget", "tag": T, "keep_blobs": bool, "discard_writes": bool}`` (T is
 unregistered: its directory goes, its registry entry and blobs are removed unless kept),
 ``{"op": "staged", "tag": T}`` (which chunks a read serves without the source: ``chunks``,
-their name ``prefix`` and ``bitmap``, base64 of one bit per chunk, chunk i at bit ``i % 8`` of byte ``i // 8``;
-``faultfs warm`` asks it once per tag).
+their name ``prefix`` and ``bitmap``, base64 of one bit per chunk, chunk i at bit ``i % 8``
+of byte ``i // 8``; ``faultfs warm`` asks it once per tag).
 The answer is ``{"ok": true, ...}`` or ``{"ok": false, "error": "<one line>", "errno": n}``.
 
 Invariants: the request runs once, when the answer is first read; a request that cannot be
@@ -88,7 +88,8 @@ class ControlFile(PlainFile):
         if tag is None:
             raise FaultfsError(f"no tag named {req.get('tag')!r} in this mount", errno.ENOENT)
         if op == "staged":
-            return {"chunks": self.engine.writes.num_chunks(tag), "prefix": tag.layout.blob_prefix,
+            return {"chunks": self.engine.writes.num_chunks(tag),
+                    "prefix": tag.layout.blob_prefix,
                     "bitmap": base64.b64encode(self.engine.here_bitmap(tag)).decode()}
         if op == "forget":
             if self.files.live.get(tag.id, 0) > 0:
