@@ -14,7 +14,8 @@ MAX_NAME_BYTES = 255  # NAME_MAX of every Linux file system
 CTL_NAME = ".faultfs"  # the control directory at the root: stats, registry
 PAGEMAP_NAME = ".pagemap"  # a tag's pagemap text
 PAGE_PREFIX = "page:"  # page N of a tag is "page:N"
-# Extended attributes of a tag's files: "1"/"0" for a chunk, "staged/total" chunks for a view.
+# Extended attributes of a tag's files (mounts with --xattrs): "1"/"0" for a chunk, "here/total"
+# chunks for a view (here: staged, dirty or grown; total: with the chunks the view grew).
 XATTR_STAGED = "user.faultfs.staged"
 XATTR_TAG = "user.faultfs.tag"
 XATTR_SOURCE = "user.faultfs.source"

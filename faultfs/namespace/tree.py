@@ -321,7 +321,9 @@ class Tree:
         if node.kind == KIND_CHUNK:
             out[XATTR_STAGED] = b"1" if self.engine.chunk_here(tag, node.index) else b"0"
         elif node.kind == KIND_VIEW:
-            out[XATTR_STAGED] = f"{self.engine.staged_count(tag)}/{tag.layout.num_blobs}".encode()
+            bits = self.engine.here_bitmap(tag)  # as the control request tells it: dirty too
+            here = sum(b.bit_count() for b in bits)
+            out[XATTR_STAGED] = f"{here}/{self.engine.writes.num_chunks(tag)}".encode()
         if node.kind in (KIND_CHUNK, KIND_VIEW):
             out[XATTR_SOURCE] = tag.ctx.src.encode("utf-8", "surrogateescape")
         return out
