@@ -240,15 +240,14 @@ class LocalTier:
                 return first_read
             if ring is not None:
                 return await self._ring_read(ring, blob, size, off)
-            if size <= self.inline_read:
-                # read on this thread either way: a RWF_NOWAIT try first would only add a
-                # system call (on a miss it starts the disk read the blocking read then
-                # waits for; one blocking read does both)
-                return blob.pread_view(size, off)
-            data = blob.pread_view(size, off, nowait=True)  # never blocks: page-cache hits only
-            if data is None:
-                data = await self.pool.run(blob.pread_view, size, off)
-            return data
+            if size > self.inline_read:  # bound for the pool: page-cache hits need no trip
+                data = blob.pread_view(size, off, nowait=True)  # never blocks
+                if data is not None:
+                    return data
+            # a small read blocks this thread either way: a RWF_NOWAIT try first would only
+            # add a system call (on a miss it starts the disk read the blocking read then
+            # waits for; one blocking read does both)
+            return await self._store_read(size, blob.pread_view, size, off)
         except CorruptionError as exc:
             tag = self._tags[key[0]]
             log.warning("tag %s: %s", tag.name, exc)
