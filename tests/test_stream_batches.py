@@ -149,6 +149,50 @@ def test_closing_with_blocks_read_ahead_stops_the_workers(tmp_path, small_blocks
     assert [r["id"] for r in rest] == [r["id"] for r in corpus(300)][4:]
 
 
+@pytest.mark.parametrize(("fmt", "fails"), [("raw", "read"), ("arrow", "read"),
+                                            ("arrow", "parse")])
+def test_a_failed_read_ahead_ends_the_stream_at_its_block(tmp_path, monkeypatch, small_blocks,
+                                                         fmt, fails):
+    """A read or parse that fails in a read-ahead worker (dedup on: the workers also decide
+    their blocks in turn) is raised when the stream reaches that block: every record before it
+    comes out once, in order; the worker after it does not wait for a decision that never
+    comes; close returns and a reopened stream resumes from the last commit."""
+    recs = corpus(300, seed=5)
+    lines = [json.dumps(r) for r in recs]
+    if fails == "parse":
+        lines[150] = '{"id": 150, "text": oops}'
+    write(tmp_path / "a.jsonl", "".join(line + "\n" for line in lines))
+    want = unique_in_order(lines)
+    real_read = readers_mod.LineShardReader._read
+    calls = {"n": 0}
+
+    def failing_read(reader):
+        calls["n"] += 1
+        if calls["n"] == 9 and fails == "read":
+            raise OSError(5, "Input/output error")
+        return real_read(reader)
+
+    monkeypatch.setattr(readers_mod.LineShardReader, "_read", failing_read)
+    got: list = []
+
+    def consume(stream):
+        for batch_id, batch in stream.batches(3, format=fmt):
+            got.extend([r.decode() for r in batch] if fmt == "raw" else
+                       [json.dumps(r) for r in batch.to_pylist()])
+            stream.commit(batch_id)
+
+    s = RecordStream(str(tmp_path / "a.jsonl"), tmp_path / "s.meta")
+    with pytest.raises(OSError if fails == "read" else RecordParseError):
+        consume(s)
+    assert got and got == want[: len(got)]
+    s.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("faultfs-stream")]
+    monkeypatch.setattr(readers_mod.LineShardReader, "_read", real_read)
+    with RecordStream(str(tmp_path / "a.jsonl"), tmp_path / "s.meta") as s:
+        rest = [r.decode() for _, b in s.batches(50) for r in b]
+    assert got + rest == want
+
+
 def test_pydict_batches_are_the_arrow_table_as_columns(tmp_path):
     recs = corpus(50)
     write(tmp_path / "a.jsonl", jsonl(recs))

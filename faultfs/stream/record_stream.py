@@ -19,11 +19,13 @@ Invariants:
 - Every ``format`` yields the same batches: the same records (a parsed row is its raw
   record, parsed; dedup is by the raw record's bytes), the same batch ids and coordinates,
   so a checkpoint written while reading one format resumes in any other.
-- Parsed formats read and parse ``READ_AHEAD`` blocks ahead, in worker threads (pyarrow parses
-  without the GIL, so the parse of block k+1 overlaps the consumer, the dedup of block k and
-  the read of block k+2). The workers take turns on the reader, in block order (``_Turns``);
-  only they touch it while a read-ahead is in flight. A block's errors are raised when the
-  stream reaches that block, as without read-ahead; ``close`` waits for the workers.
+- Parsed formats and dedup read ``READ_AHEAD`` blocks ahead, in worker threads: each block is split
+  (raw) or parsed (pyarrow parses without the GIL), hashed and decided (dedup), and its fresh
+  records picked, while the consumer uses the block before it. The workers take turns on the
+  reader, in block order (``_Turns``), and decide their blocks in that order too, so each is
+  decided against every block before it; only they touch the reader and the delivered set
+  while a read-ahead is in flight. A block's errors are raised when the stream reaches that
+  block, as without read-ahead; ``close`` waits for the workers.
 - A partitioned stream (``rank``/``world_size``, ``worker``/``num_workers``) is one reader of
   a partition (``faultfs.stream.partition``): it reads only the shards that hold its records,
   only its records in them, in the same order, and keeps its own state file; with dedup it
@@ -70,7 +72,8 @@ from faultfs.stream.readers import (
 )
 from faultfs.stream.shards import Shard, expand_shards
 
-_hash = xxhash.xxh3_64_intdigest
+_digest = xxhash.xxh3_64_digest  # 8 bytes, big-endian: joined and read as one array
+_BIG_U64 = np.dtype(">u8")
 FORMATS = ("raw", "arrow", "pydict")
 READ_AHEAD = 2  # parsed blocks on their way: two parses at once keep both of pyarrow's
 # threads busy while the next block is read
@@ -103,15 +106,43 @@ def line_ranges(pieces: list[Piece], resume: int | None) -> list[LineRange]:
     return ranges
 
 
+_Firsts = tuple[np.ndarray, np.ndarray, np.ndarray]  # hashes, distinct sorted, first index
+# which records of a block are delivered: their indices (None: all), their hashes, their count
+_Fresh = tuple[np.ndarray | None, np.ndarray, int]
+_View = tuple[str, Any]  # the records' format ("raw" or "arrow") and schema (None for raw)
+
+
+def block_firsts(block: RecordBlock) -> _Firsts:
+    """The xxh3_64 hash of each record of ``block``, the distinct hashes (sorted) and the
+    index of each one's first occurrence: what dedup needs of a block before it looks at the
+    delivered set (the records are split on the way)."""
+    keys = block.records if block.kind == "lines" else map(row_bytes, block.records)
+    hashes = np.frombuffer(b"".join(map(_digest, keys)), dtype=_BIG_U64).astype(np.uint64)
+    unique, first = first_occurrences(hashes)
+    return hashes, unique, first
+
+
+@dataclass(frozen=True)
+class _Ahead:
+    """A block read ahead: its fresh records (decided in block order) in ``view``."""
+
+    block: RecordBlock | None  # None: the reader's end
+    fresh: _Fresh | None = None
+    view: _View | None = None
+    records: Any = None
+
+
 class _Turns:
     """The read-ahead workers' turns on one reader: ticket ``k`` reads the k-th block asked
     for, after ticket ``k - 1`` has read its own; once a read found the reader's end (or
-    failed), later tickets read nothing."""
+    failed), later tickets read nothing. Dedup decisions take turns the same way
+    (``in_order``), so that each block is decided against every block before it."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._issued = 0
         self._turn = 0
+        self._decided = 0
         self.ended = False
 
     def issue(self) -> int:
@@ -134,6 +165,19 @@ class _Turns:
                 raise
             finally:
                 self._turn += 1
+                self._cond.notify_all()
+
+    def in_order(self, ticket: int, work: Any) -> Any:
+        """``work()`` (None: nothing) once every earlier ticket has passed its own turn
+        here; each ticket passes once, also when it fails before it gets here."""
+        with self._cond:
+            while self._decided != ticket:
+                self._cond.wait()
+        try:
+            return None if work is None else work()
+        finally:
+            with self._cond:
+                self._decided += 1
                 self._cond.notify_all()
 
 
@@ -229,12 +273,10 @@ class RecordStream:
         self._block: RecordBlock | None = None
         # which of the block's records will be delivered: their indices in the block (None:
         # all of them) and hashes; the records in the format asked for, made once per block
-        self._fresh_idx: np.ndarray | None = None
-        self._fresh_hashes: np.ndarray = _NO_HASHES
-        self._fresh_count = 0
+        self._fresh: _Fresh = (None, _NO_HASHES, 0)
         self._view: tuple[str, Any, Any] | None = None  # (format, schema, records)
-        # parsed formats: the next blocks of the open reader, each with its table (in order)
-        self._ahead: deque[Future[tuple[RecordBlock | None, Any, Any]]] = deque()
+        # the next blocks of the open reader, each read, decided and made into records ahead
+        self._ahead: deque[Future[_Ahead]] = deque()
         self._turns: _Turns | None = None  # the workers' turns on the open reader
         self._pool: ThreadPoolExecutor | None = None
         self._pos = 0  # next index into the fresh records
@@ -320,32 +362,32 @@ class RecordStream:
             expected_size=size,
         )
 
-    def _next_block(self, parse: tuple[Any] | None = None) -> bool:
+    def _next_block(self, view: _View) -> bool:
         """Load the next non-empty block into the lookahead buffer; False at the end.
-        ``parse``: ``(schema,)`` when batches are parsed (the block after it is read ahead)."""
+        ``view``: the format (and schema) the records are wanted in, made ahead for the
+        blocks after it."""
         while self._shard_id < len(self.shards):
             if self._reader is None:
                 self._reader = self._open_reader()
                 if self._reader is None:
                     self._shard_id = self._next_shard(self._shard_id + 1)
                     continue
-            table: tuple[Any, Any] | None = None
-            if self._ahead:
-                block, schema, parsed = self._ahead.popleft().result()  # its error, if any
-                if block is not None and parse is not None and schema is parse[0]:
-                    table = (schema, parsed)
-            else:
-                block = self._reader.next_block()
+            ahead = self._ahead.popleft().result() if self._ahead else None  # its error
+            block = self._reader.next_block() if ahead is None else ahead.block
             if block is not None:
                 self._block = block
                 self._pos = 0
                 self._view = None
                 self._scanned = block.global_start + block.count
-                self._select_fresh(block)
-                if table is not None:
-                    self._view = ("arrow", table[0], self._take(table[1]))
-                if parse is not None:
-                    self._read_ahead(parse[0])
+                if ahead is None or ahead.fresh is None:
+                    self._fresh = self._decide(block)
+                else:
+                    self._fresh = ahead.fresh
+                if ahead is not None and ahead.view is not None and ahead.view[0] == view[0] \
+                        and ahead.view[1] is view[1]:
+                    self._view = (view[0], view[1], ahead.records)
+                if view[0] != "raw" or self.dedup:  # raw records alone: no gain ahead
+                    self._read_ahead(view)
                 return True
             self._wait_ahead()  # the reads after the last block find nothing either
             self._reader.close()
@@ -354,9 +396,10 @@ class RecordStream:
         self._block = None
         return False
 
-    def _read_ahead(self, schema: Any) -> None:
-        """Keep ``READ_AHEAD`` blocks of the open reader on their way, each parsed with
-        ``schema``; the workers read them in turn, in the order they were asked for."""
+    def _read_ahead(self, view: _View) -> None:
+        """Keep ``READ_AHEAD`` blocks of the open reader on their way, each split (raw) or
+        parsed (``view``), hashed and decided (dedup), and its fresh records picked; the
+        workers read and decide the blocks in turn, in the order they were asked for."""
         reader = self._reader
         assert reader is not None
         if not self._ahead:
@@ -364,9 +407,24 @@ class RecordStream:
         turns = self._turns
         assert turns is not None
 
-        def work(ticket: int) -> tuple[RecordBlock | None, Any, Any]:
-            block = turns.take(ticket, reader.next_block)
-            return block, schema, None if block is None else block_table(block, schema)
+        def work(ticket: int) -> _Ahead:
+            decided = False
+            try:
+                block = turns.take(ticket, reader.next_block)
+                if block is None:
+                    return _Ahead(None)
+                table = None if view[0] == "raw" else block_table(block, view[1])
+                fresh = None
+                if self.dedup:
+                    firsts = block_firsts(block)
+                    decided = True
+                    fresh = turns.in_order(ticket, lambda: self._decide(block, firsts))
+                else:
+                    fresh = self._decide(block)
+                return _Ahead(block, fresh, view, self._fresh_records(block, fresh, table))
+            finally:
+                if not decided:
+                    turns.in_order(ticket, None)
 
         if self._pool is None:
             self._pool = ThreadPoolExecutor(READ_AHEAD, thread_name_prefix="faultfs-stream")
@@ -379,8 +437,9 @@ class RecordStream:
             self._ahead.popleft().exception()
         self._turns = None
 
-    def _select_fresh(self, block: RecordBlock) -> None:
-        """Decide, once per block, which of its records will be delivered.
+    def _decide(self, block: RecordBlock, firsts: _Firsts | None = None) -> _Fresh:
+        """Which of the block's records will be delivered (``firsts``: its
+        ``block_firsts``, made before). Called once per block, in block order.
 
         A record is a duplicate iff its hash was committed or delivered before this block, or
         appears earlier in this block. The block's first occurrences join the delivered set
@@ -388,39 +447,36 @@ class RecordStream:
         """
         n = block.count
         if not self.dedup:
-            self._fresh_idx, self._fresh_hashes, self._fresh_count = None, _NO_HASHES, n
-            return
-        keys = block.records if block.kind == "lines" else map(row_bytes, block.records)
-        hashes = np.fromiter(map(_hash, keys), dtype=np.uint64, count=n)
-        unique, first = first_occurrences(hashes)
+            return None, _NO_HASHES, n
+        hashes, unique, first = block_firsts(block) if firsts is None else firsts
         new = ~self._delivered.contains(unique)
         self._delivered.add(unique[new])
         if new.all() and unique.size == n:
-            self._fresh_idx, self._fresh_hashes, self._fresh_count = None, hashes, n
-            return
+            return None, hashes, n
         fresh = np.zeros(n, dtype=bool)
         fresh[first[new]] = True
         idx = np.flatnonzero(fresh)
-        self._fresh_idx, self._fresh_hashes, self._fresh_count = idx, hashes[idx], int(idx.size)
+        return idx, hashes[idx], int(idx.size)
+
+    @staticmethod
+    def _fresh_records(block: RecordBlock, fresh: _Fresh, table: Any) -> Any:
+        """The fresh records of ``block``: raw (``table`` None) or the rows of ``table``."""
+        idx = fresh[0]
+        if table is not None:
+            return table if idx is None else table.take(idx)
+        return block.records if idx is None else pick(block.records, idx)
 
     def _records(self, fmt: str, schema: Any) -> Any:
         """The block's fresh records in ``fmt``: a list (raw) or a table (parsed)."""
         view = self._view
         if view is not None and view[0] == fmt and view[1] is schema:
             return view[2]
-        block, idx = self._block, self._fresh_idx
+        block = self._block
         assert block is not None
-        records: Any
-        if fmt == "raw":
-            records = block.records if idx is None else pick(block.records, idx)
-        else:
-            records = self._take(block_table(block, schema))
+        table = None if fmt == "raw" else block_table(block, schema)
+        records = self._fresh_records(block, self._fresh, table)
         self._view = (fmt, schema, records)
         return records
-
-    def _take(self, table: Any) -> Any:
-        """The fresh rows of the current block's table."""
-        return table if self._fresh_idx is None else table.take(self._fresh_idx)
 
     def _coord_after(self, block: RecordBlock, i: int) -> StreamCoordinate:
         end = int(block.ends[i])
@@ -480,23 +536,24 @@ class RecordStream:
         hashes: list[np.ndarray] = []
         count = 0
         last: tuple[RecordBlock, int] | None = None
+        want: _View = ("raw", None) if view == "raw" else ("arrow", schema)
         while count < batch_size:
             block = self._block
-            if block is None or self._pos >= self._fresh_count:
-                if not self._next_block(None if view == "raw" else (schema,)):
+            idx, fresh_hashes, fresh_count = self._fresh
+            if block is None or self._pos >= fresh_count:
+                if not self._next_block(want):
                     break
                 continue
             records = self._records(view, schema)
             start = self._pos
-            stop = min(self._fresh_count, start + batch_size - count)
+            stop = min(fresh_count, start + batch_size - count)
             if view == "raw":
                 parts.append(records if start == 0 and stop == len(records)
                              else records[start:stop])
             else:
                 parts.append(records.slice(start, stop - start))
             if self.dedup:
-                hashes.append(self._fresh_hashes[start:stop])
-            idx = self._fresh_idx
+                hashes.append(fresh_hashes[start:stop])
             last = (block, stop - 1 if idx is None else int(idx[stop - 1]))
             count += stop - start
             self._pos = stop
