@@ -139,6 +139,12 @@ def test_closing_with_blocks_read_ahead_stops_the_workers(tmp_path, small_blocks
     s = RecordStream(str(tmp_path / "a.jsonl"), tmp_path / "s.meta", dedup=False)
     it = s.batches(4, format="arrow")
     batch_id, _ = next(it)
+    assert not s._ahead, "the first block is handed out before any read-ahead starts"
+    taken = 4
+    while not s._ahead:
+        s.commit(batch_id)
+        batch_id, _ = next(it)
+        taken += 4
     s.commit(batch_id)
     assert len(s._ahead) == 2, "two blocks are read and parsed ahead"
     s.close()
@@ -146,7 +152,7 @@ def test_closing_with_blocks_read_ahead_stops_the_workers(tmp_path, small_blocks
     assert not [t for t in threading.enumerate() if t.name.startswith("faultfs-stream")]
     with RecordStream(str(tmp_path / "a.jsonl"), tmp_path / "s.meta", dedup=False) as s:
         rest = rows(drain(s, 50, "arrow"))
-    assert [r["id"] for r in rest] == [r["id"] for r in corpus(300)][4:]
+    assert [r["id"] for r in rest] == [r["id"] for r in corpus(300)][taken:]
 
 
 @pytest.mark.parametrize(("fmt", "fails"), [("raw", "read"), ("arrow", "read"),

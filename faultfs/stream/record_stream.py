@@ -279,6 +279,7 @@ class RecordStream:
         self._ahead: deque[Future[_Ahead]] = deque()
         self._turns: _Turns | None = None  # the workers' turns on the open reader
         self._pool: ThreadPoolExecutor | None = None
+        self._opened = True  # no block handed out yet: the first is read without read-ahead
         self._pos = 0  # next index into the fresh records
         self._position = coord  # just after the last record handed out
         self._scanned = coord.global_row_idx  # raw records scanned, lookahead included
@@ -386,7 +387,9 @@ class RecordStream:
                 if ahead is not None and ahead.view is not None and ahead.view[0] == view[0] \
                         and ahead.view[1] is view[1]:
                     self._view = (view[0], view[1], ahead.records)
-                if view[0] != "raw" or self.dedup:  # raw records alone: no gain ahead
+                if self._opened:
+                    self._opened = False  # a restart's first batch waits for no read-ahead
+                elif view[0] != "raw" or self.dedup:  # raw records alone: no gain ahead
                     self._read_ahead(view)
                 return True
             self._wait_ahead()  # the reads after the last block find nothing either
