@@ -20,6 +20,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -27,6 +28,8 @@ from faultfs.errors import InvalidInput
 from faultfs.stream import RecordParseError, RecordStream
 from faultfs.stream import readers as readers_mod
 from faultfs.stream.delivered import DeliveredHashes, first_occurrences
+from faultfs.stream.record_stream import block_firsts
+from faultfs.stream.shards import expand_shards
 
 
 def write(path, text: bytes | str):
@@ -560,6 +563,25 @@ def test_memory_shards_parsed_batches_and_resume(memfs, tmp_path, small_blocks):
 
 # ---------------------------------------------------------------------------------------------
 # the block-wise dedup structures against plain models
+
+
+def test_block_hashes_are_the_xxh3_64_of_each_record(tmp_path, small_blocks):
+    """The hashes dedup decides by (and the WAL keeps) are xxh3_64 of each record's bytes,
+    whatever way they are computed in bulk."""
+    lines = [b'{"k": %d}' % i for i in range(50)] + [b"", b"\xff\xfe", b"x" * 300, b'{"k": 0}']
+    write(tmp_path / "a.jsonl", b"\n".join(lines) + b"\n")
+    shard = expand_shards(str(tmp_path / "a.jsonl"), None)[0]
+    reader = readers_mod.LineShardReader(shard, 0, 0, 0)
+    seen = []
+    while (block := reader.next_block()) is not None:
+        hashes, unique, first = block_firsts(block)
+        assert hashes.dtype == np.uint64
+        assert hashes.tolist() == [xxhash.xxh3_64_intdigest(r) for r in block.records]
+        assert unique.tolist() == sorted(set(hashes.tolist()))
+        assert [hashes[i] for i in first] == list(unique)
+        seen += block.records
+    reader.close()
+    assert seen == [line for line in lines if line]
 
 
 @settings(max_examples=60, deadline=None)
