@@ -19,12 +19,13 @@ Invariants:
 - Every ``format`` yields the same batches: the same records (a parsed row is its raw
   record, parsed; dedup is by the raw record's bytes), the same batch ids and coordinates,
   so a checkpoint written while reading one format resumes in any other.
-- Parsed formats and dedup read ``READ_AHEAD`` blocks ahead, in worker threads: each block is split
-  (raw) or parsed (pyarrow parses without the GIL), hashed and decided (dedup), and its fresh
-  records picked, while the consumer uses the block before it. The workers take turns on the
-  reader, in block order (``_Turns``), and decide their blocks in that order too, so each is
-  decided against every block before it; only they touch the reader and the delivered set
-  while a read-ahead is in flight. A block's errors are raised when the stream reaches that
+- Parsed formats and dedup read ``READ_AHEAD`` blocks ahead, in worker threads: each block
+  is split (raw) or parsed (pyarrow parses without the GIL), hashed and decided (dedup), and
+  its fresh records picked, while the consumer uses the block before it. The workers take
+  turns on the reader, in block order (``_Turns``), and decide their blocks in that order
+  too, so each is decided against every block before it; only they touch the reader and the
+  delivered set while a read-ahead is in flight. The first block after opening is handed out
+  before any read-ahead starts. A block's errors are raised when the stream reaches that
   block, as without read-ahead; ``close`` waits for the workers.
 - A partitioned stream (``rank``/``world_size``, ``worker``/``num_workers``) is one reader of
   a partition (``faultfs.stream.partition``): it reads only the shards that hold its records,
@@ -75,8 +76,8 @@ from faultfs.stream.shards import Shard, expand_shards
 _digest = xxhash.xxh3_64_digest  # 8 bytes, big-endian: joined and read as one array
 _BIG_U64 = np.dtype(">u8")
 FORMATS = ("raw", "arrow", "pydict")
-READ_AHEAD = 2  # parsed blocks on their way: two parses at once keep both of pyarrow's
-# threads busy while the next block is read
+READ_AHEAD = 2  # blocks on their way: two parses at once keep both of pyarrow's threads
+# busy while the next block is read (and with dedup, one block's hashing overlaps another's read)
 _NO_HASHES = np.empty(0, dtype=np.uint64)
 
 
@@ -127,8 +128,8 @@ class _Ahead:
     """A block read ahead: its fresh records (decided in block order) in ``view``."""
 
     block: RecordBlock | None  # None: the reader's end
-    fresh: _Fresh | None = None
-    view: _View | None = None
+    fresh: _Fresh = (None, _NO_HASHES, 0)
+    view: _View = ("raw", None)
     records: Any = None
 
 
@@ -380,12 +381,8 @@ class RecordStream:
                 self._pos = 0
                 self._view = None
                 self._scanned = block.global_start + block.count
-                if ahead is None or ahead.fresh is None:
-                    self._fresh = self._decide(block)
-                else:
-                    self._fresh = ahead.fresh
-                if ahead is not None and ahead.view is not None and ahead.view[0] == view[0] \
-                        and ahead.view[1] is view[1]:
+                self._fresh = self._decide(block) if ahead is None else ahead.fresh
+                if ahead is not None and ahead.view[0] == view[0] and ahead.view[1] is view[1]:
                     self._view = (view[0], view[1], ahead.records)
                 if self._opened:
                     self._opened = False  # a restart's first batch waits for no read-ahead
@@ -417,7 +414,6 @@ class RecordStream:
                 if block is None:
                     return _Ahead(None)
                 table = None if view[0] == "raw" else block_table(block, view[1])
-                fresh = None
                 if self.dedup:
                     firsts = block_firsts(block)
                     decided = True
