@@ -25,7 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from faultfs.errors import InvalidInput
-from faultfs.stream import RecordParseError, RecordStream
+from faultfs.stream import RecordParseError, RecordStream, hashing
 from faultfs.stream import readers as readers_mod
 from faultfs.stream.delivered import DeliveredHashes, first_occurrences
 from faultfs.stream.record_stream import block_firsts
@@ -565,11 +565,26 @@ def test_memory_shards_parsed_batches_and_resume(memfs, tmp_path, small_blocks):
 # the block-wise dedup structures against plain models
 
 
-def test_block_hashes_are_the_xxh3_64_of_each_record(tmp_path, small_blocks):
+@pytest.fixture(params=["bulk", "per-record"])
+def hash_path(request, monkeypatch):
+    """Both ways to a block's record hashes: polars-hash over Arrow views, and one
+    python-xxhash call per record (where the stream extra is not installed)."""
+    if request.param == "bulk":
+        if not hashing._load_bulk():
+            pytest.skip("the bulk record hashes need the stream extra: pip install "
+                        "'faultfs[stream]' (polars, polars-hash)")
+    else:
+        monkeypatch.setattr(hashing, "_bulk", False)
+    return request.param
+
+
+def test_block_hashes_are_the_xxh3_64_of_each_record(tmp_path, small_blocks, hash_path):
     """The hashes dedup decides by (and the WAL keeps) are xxh3_64 of each record's bytes,
-    whatever way they are computed in bulk."""
-    lines = [b'{"k": %d}' % i for i in range(50)] + [b"", b"\xff\xfe", b"x" * 300, b'{"k": 0}']
-    write(tmp_path / "a.jsonl", b"\n".join(lines) + b"\n")
+    whatever way they are computed in bulk: short records (held inside an Arrow view), long
+    ones, bytes that are not UTF-8, "\r\n" line ends, a last line without a terminator."""
+    lines = ([b'{"k": %d}' % i for i in range(50)] + [b"\xff\xfe", b"x" * 300, b'{"k": 0}']
+             + [b"a" * n for n in range(1, 15)])
+    write(tmp_path / "a.jsonl", b"\n".join(lines[:30]) + b"\n\n" + b"\r\n".join(lines[30:]))
     shard = expand_shards(str(tmp_path / "a.jsonl"), None)[0]
     reader = readers_mod.LineShardReader(shard, 0, 0, 0)
     seen = []
@@ -581,7 +596,36 @@ def test_block_hashes_are_the_xxh3_64_of_each_record(tmp_path, small_blocks):
         assert [hashes[i] for i in first] == list(unique)
         seen += block.records
     reader.close()
-    assert seen == [line for line in lines if line]
+    assert seen == lines
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.binary(min_size=1, max_size=40).filter(lambda b: b"\n" not in b),
+                min_size=1, max_size=80))
+def test_bulk_hashes_are_per_record_hashes(records):
+    bulk = hashing._load_bulk()
+    if not bulk:
+        pytest.skip("the bulk record hashes need the stream extra: pip install "
+                    "'faultfs[stream]' (polars, polars-hash)")
+    data = b"\n".join(records) + b"\n"
+    stops = np.flatnonzero(np.frombuffer(data, dtype=np.uint8) == 10)
+    starts = np.concatenate(([0], stops[:-1] + 1))
+    got = hashing.bulk_hashes(bulk, data, starts, stops)
+    assert got.tolist() == hashing.per_record_hashes(records).tolist()
+    assert got.tolist() == [xxhash.xxh3_64_intdigest(r) for r in records]
+
+
+def test_dedup_streams_agree_on_both_hash_paths(tmp_path, small_blocks, hash_path):
+    """A stream with dedup delivers the same records, and commits the same WAL, either way."""
+    recs = corpus(400, seed=11, dup_every=3)
+    write(tmp_path / "a.jsonl", jsonl(recs[:200]))
+    write(tmp_path / "b.jsonl", jsonl(recs[200:]))
+    with RecordStream(str(tmp_path / "*.jsonl"), tmp_path / "s.meta") as s:
+        got = [r for _, batch, _ in drain(s, 7) for r in batch]
+    assert [json.loads(r) for r in got] == [json.loads(r) for r in
+                                            unique_in_order([json.dumps(r) for r in recs])]
+    wal = np.fromfile(tmp_path / "s.meta.dedup", dtype=np.uint64)
+    assert sorted(set(wal.tolist())) == sorted(xxhash.xxh3_64_intdigest(r) for r in got)
 
 
 @settings(max_examples=60, deadline=None)

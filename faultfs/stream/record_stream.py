@@ -49,13 +49,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import xxhash
 
 from faultfs.core.coord import StreamCoordinate
 from faultfs.errors import InvalidInput
 from faultfs.store.metadata import DualMetadataManager
 from faultfs.stream.columns import block_table, concat, import_arrow
 from faultfs.stream.delivered import DeliveredHashes, first_occurrences
+from faultfs.stream.hashing import record_hashes
 from faultfs.stream.partition import (
     ReaderPlan,
     load_base,
@@ -69,12 +69,9 @@ from faultfs.stream.readers import (
     Piece,
     RecordBlock,
     pick,
-    row_bytes,
 )
 from faultfs.stream.shards import Shard, expand_shards
 
-_digest = xxhash.xxh3_64_digest  # 8 bytes, big-endian: joined and read as one array
-_BIG_U64 = np.dtype(">u8")
 FORMATS = ("raw", "arrow", "pydict")
 READ_AHEAD = 2  # blocks on their way: two parses at once keep both of pyarrow's threads
 # busy while the next block is read (and with dedup, one block's hashing overlaps another's read)
@@ -113,12 +110,11 @@ _Fresh = tuple[np.ndarray | None, np.ndarray, int]
 _View = tuple[str, Any]  # the records' format ("raw" or "arrow") and schema (None for raw)
 
 
-def block_firsts(block: RecordBlock) -> _Firsts:
+def block_firsts(block: RecordBlock, *, may_import: bool = True) -> _Firsts:
     """The xxh3_64 hash of each record of ``block``, the distinct hashes (sorted) and the
     index of each one's first occurrence: what dedup needs of a block before it looks at the
-    delivered set (the records are split on the way)."""
-    keys = block.records if block.kind == "lines" else map(row_bytes, block.records)
-    hashes = np.frombuffer(b"".join(map(_digest, keys)), dtype=_BIG_U64).astype(np.uint64)
+    delivered set (``may_import``: see ``record_hashes``)."""
+    hashes = record_hashes(block, may_import=may_import)
     unique, first = first_occurrences(hashes)
     return hashes, unique, first
 
@@ -447,7 +443,9 @@ class RecordStream:
         n = block.count
         if not self.dedup:
             return None, _NO_HASHES, n
-        hashes, unique, first = block_firsts(block) if firsts is None else firsts
+        if firsts is None:  # on the consumer's thread: no import on its way to a batch
+            firsts = block_firsts(block, may_import=False)
+        hashes, unique, first = firsts
         new = ~self._delivered.contains(unique)
         self._delivered.add(unique[new])
         if new.all() and unique.size == n:
