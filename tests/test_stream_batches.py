@@ -11,7 +11,10 @@ import contextlib
 import io
 import json
 import random
+import subprocess
+import sys
 import tempfile
+import textwrap
 import threading
 from pathlib import Path
 
@@ -200,6 +203,26 @@ def test_a_failed_read_ahead_ends_the_stream_at_its_block(tmp_path, monkeypatch,
     with RecordStream(str(tmp_path / "a.jsonl"), tmp_path / "s.meta") as s:
         rest = [r.decode() for _, b in s.batches(50) for r in b]
     assert got + rest == want
+
+
+def test_the_first_parsed_batch_with_dedup_imports_no_pandas(tmp_path):
+    """Keeping a block's fresh rows hands pyarrow the row numbers as an Arrow array: given a
+    numpy array, pyarrow imports pandas where it is installed (~0.3 s in the middle of a
+    restart's first batch)."""
+    pytest.importorskip("pandas", reason="pyarrow imports pandas only where it is installed")
+    recs = corpus(300, seed=2, dup_every=2)
+    write(tmp_path / "a.jsonl", jsonl(recs))
+    code = textwrap.dedent(f"""
+        import sys
+        from faultfs.stream import RecordStream
+        with RecordStream({str(tmp_path / "a.jsonl")!r}, {str(tmp_path / "s.meta")!r}) as s:
+            batch_id, table = next(s.batches(64, format="arrow"))
+            assert table.num_rows == 64 and table.column("id").to_pylist()[:2] == [0, 1]
+        print("pandas" in sys.modules)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    assert out.split() == ["False"]
 
 
 def test_pydict_batches_are_the_arrow_table_as_columns(tmp_path):

@@ -53,7 +53,7 @@ import numpy as np
 from faultfs.core.coord import StreamCoordinate
 from faultfs.errors import InvalidInput
 from faultfs.store.metadata import DualMetadataManager
-from faultfs.stream.columns import block_table, concat, import_arrow
+from faultfs.stream.columns import block_table, concat, import_arrow, take_rows
 from faultfs.stream.delivered import DeliveredHashes, first_occurrences
 from faultfs.stream.hashing import record_hashes
 from faultfs.stream.partition import (
@@ -460,7 +460,7 @@ class RecordStream:
         """The fresh records of ``block``: raw (``table`` None) or the rows of ``table``."""
         idx = fresh[0]
         if table is not None:
-            return table if idx is None else table.take(idx)
+            return table if idx is None else take_rows(table, idx)
         return block.records if idx is None else pick(block.records, idx)
 
     def _records(self, fmt: str, schema: Any) -> Any:
