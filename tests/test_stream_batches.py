@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import random
 import subprocess
 import sys
@@ -636,6 +637,35 @@ def test_bulk_hashes_are_per_record_hashes(records):
     got = hashing.bulk_hashes(bulk, data, starts, stops)
     assert got.tolist() == hashing.per_record_hashes(records).tolist()
     assert got.tolist() == [xxhash.xxh3_64_intdigest(r) for r in records]
+
+
+def test_a_forked_child_of_a_polars_process_hashes_per_record(tmp_path):
+    """polars' thread pool does not survive a fork (a DataLoader worker): a child forked after
+    polars was loaded takes the per-record path, and its hashes are the same."""
+    if not hashing._load_bulk():
+        pytest.skip("the bulk record hashes need the stream extra: pip install "
+                    "'faultfs[stream]' (polars, polars-hash)")
+    recs = [b'{"n": %d}' % i for i in range(500)]
+    write(tmp_path / "a.jsonl", b"\n".join(recs) + b"\n")
+    shard = expand_shards(str(tmp_path / "a.jsonl"), None)[0]
+    reader = readers_mod.LineShardReader(shard, 0, 0, 0)
+    block = reader.next_block()
+    reader.close()
+    want = [xxhash.xxh3_64_intdigest(r) for r in block.records]
+    assert hashing.record_hashes(block).tolist() == want  # the parent, in bulk
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report, then leave without running the parent's cleanups
+        ok = hashing._bulk is False and hashing.record_hashes(block).tolist() == want
+        os.write(write_end, b"ok" if ok else b"no")
+        os._exit(0)
+    os.close(write_end)
+    try:
+        assert os.read(read_end, 2) == b"ok"
+    finally:
+        os.close(read_end)
+        os.waitpid(pid, 0)
+    assert hashing._bulk  # the parent keeps its bulk path
 
 
 def test_dedup_streams_agree_on_both_hash_paths(tmp_path, small_blocks, hash_path):

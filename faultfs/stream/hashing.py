@@ -9,11 +9,14 @@ Two ways to the same numbers:
   larger than a view can address, or where the extra is not installed.
 
 The bulk path is imported by the first caller that may import it (a read-ahead worker), never
-on a consumer's way to its first batch; until then the per-record path serves.
+on a consumer's way to its first batch; until then the per-record path serves. A process
+forked from one that had polars loaded (a PyTorch DataLoader worker, by default) keeps to the
+per-record path: polars' thread pool does not survive a fork, and polars can hang in the child.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from typing import Any
@@ -45,6 +48,16 @@ def _load_bulk() -> Any:
             else:
                 _bulk = (pa, pl, plh)
     return _bulk
+
+
+def _after_fork_in_child() -> None:
+    global _bulk, _loading
+    _loading = threading.Lock()  # the parent's may have been held by another thread
+    if "polars" in sys.modules:
+        _bulk = False
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def per_record_hashes(records: Any) -> np.ndarray:
