@@ -589,14 +589,21 @@ def test_memory_shards_parsed_batches_and_resume(memfs, tmp_path, small_blocks):
 # the block-wise dedup structures against plain models
 
 
+def need_bulk():
+    """The loaded bulk hash path (polars, polars-hash), or a skip that says what is missing."""
+    bulk = hashing._load_bulk()
+    if not bulk:
+        pytest.skip("the bulk record hashes need the stream extra: pip install "
+                    "'faultfs[stream]' (polars, polars-hash)")
+    return bulk
+
+
 @pytest.fixture(params=["bulk", "per-record"])
 def hash_path(request, monkeypatch):
     """Both ways to a block's record hashes: polars-hash over Arrow views, and one
     python-xxhash call per record (where the stream extra is not installed)."""
     if request.param == "bulk":
-        if not hashing._load_bulk():
-            pytest.skip("the bulk record hashes need the stream extra: pip install "
-                        "'faultfs[stream]' (polars, polars-hash)")
+        need_bulk()
     else:
         monkeypatch.setattr(hashing, "_bulk", False)
     return request.param
@@ -627,10 +634,7 @@ def test_block_hashes_are_the_xxh3_64_of_each_record(tmp_path, small_blocks, has
 @given(st.lists(st.binary(min_size=1, max_size=40).filter(lambda b: b"\n" not in b),
                 min_size=1, max_size=80))
 def test_bulk_hashes_are_per_record_hashes(records):
-    bulk = hashing._load_bulk()
-    if not bulk:
-        pytest.skip("the bulk record hashes need the stream extra: pip install "
-                    "'faultfs[stream]' (polars, polars-hash)")
+    bulk = need_bulk()
     data = b"\n".join(records) + b"\n"
     stops = np.flatnonzero(np.frombuffer(data, dtype=np.uint8) == 10)
     starts = np.concatenate(([0], stops[:-1] + 1))
@@ -642,9 +646,7 @@ def test_bulk_hashes_are_per_record_hashes(records):
 def test_a_forked_child_of_a_polars_process_hashes_per_record(tmp_path):
     """polars' thread pool does not survive a fork (a DataLoader worker): a child forked after
     polars was loaded takes the per-record path, and its hashes are the same."""
-    if not hashing._load_bulk():
-        pytest.skip("the bulk record hashes need the stream extra: pip install "
-                    "'faultfs[stream]' (polars, polars-hash)")
+    need_bulk()
     recs = [b'{"n": %d}' % i for i in range(500)]
     write(tmp_path / "a.jsonl", b"\n".join(recs) + b"\n")
     shard = expand_shards(str(tmp_path / "a.jsonl"), None)[0]
