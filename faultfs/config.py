@@ -20,7 +20,8 @@ MEMORY_MB = 64  # recently faulted blobs kept in memory: later pieces of a blob 
 PREFETCH_MB = 32  # sequential readers get up to this much faulted ahead of them
 READAHEAD_KB = 4096  # kernel readahead of the mount: 1 MiB requests, several in flight
 INLINE_READ_KB = 64  # staged reads up to this size block the event loop's thread, no pool trip
-DIRTY_MB = 64  # written bytes held in memory (and the journal) before they are folded
+DIRTY_MB = 64  # written bytes held in memory before they are spilled (read back from the journal)
+JOURNAL_MB = 1024  # journal bytes on disk before a checkpoint folds them into dirty files
 URING_MODES = ("on", "always", "off")  # staged reads through io_uring (tiers/uring.py)
 
 # Upper bounds: beyond them a value is a typo, not a setting (an absurd reserve silently
@@ -97,6 +98,7 @@ class Config:
     # before every write: two requests per write (docs/decisions.md, "Extended attributes")
     xattrs: bool = False
     dirty_mb: int = DIRTY_MB
+    journal_mb: int = JOURNAL_MB
     shared_store: str = ""  # --shared-store URL (DESIGN §13); "" = none
     shared_store_endpoint_url: str = ""  # when the shared store's S3 endpoint is not the sources'
     metrics_addr: str = ""  # --metrics-addr HOST:PORT: Prometheus metrics over HTTP
@@ -120,7 +122,7 @@ class Config:
             raise InvalidInput(f"FAULTFS_URING must be one of {', '.join(URING_MODES)} or 0 "
                                f"(it is {self.uring!r})")
         if min(self.memory_mb, self.prefetch_mb, self.readahead_kb, self.inline_read_kb,
-               self.dirty_mb) < 0:
+               self.dirty_mb, self.journal_mb) < 0:
             raise InvalidInput("memory, prefetch, readahead and inline-read sizes must not be negative")
         for flag, value, most in (("--io-threads", self.io_threads, MAX_IO_THREADS),
                                   ("--reserve-mb", self.reserve_mb, MAX_MB),
@@ -129,6 +131,7 @@ class Config:
                                   ("--readahead-kb", self.readahead_kb, MAX_READAHEAD_KB),
                                   ("--inline-read-kb", self.inline_read_kb, MAX_READAHEAD_KB),
                                   ("--dirty-mb", self.dirty_mb, MAX_MB),
+                                  ("--journal-mb", self.journal_mb, MAX_MB),
                                   ("--cache-size", self.cache_size, MAX_BYTES)):
             if value > most:
                 raise InvalidInput(f"{flag} must be at most {most} (it is {value})")
@@ -144,7 +147,8 @@ class Config:
               memory_mb: int | None = None, prefetch_mb: int | None = None,
               readahead_kb: int | None = None, inline_read_kb: int | None = None,
               read_only: bool | None = None, xattrs: bool | None = None,
-              dirty_mb: int | None = None, shared_store: str | None = None,
+              dirty_mb: int | None = None, journal_mb: int | None = None,
+              shared_store: str | None = None,
               shared_store_endpoint_url: str | None = None,
               metrics_addr: str | None = None, uring: str | None = None,
               uring_punt: bool | None = None, source_direct: bool | None = None,
@@ -164,6 +168,7 @@ class Config:
             read_only=read_only if read_only is not None else _env_flag("FAULTFS_READ_ONLY", False, env),
             xattrs=xattrs if xattrs is not None else _env_flag("FAULTFS_XATTRS", False, env),
             dirty_mb=dirty_mb if dirty_mb is not None else _env_int("FAULTFS_DIRTY_MB", DIRTY_MB, env),
+            journal_mb=journal_mb if journal_mb is not None else _env_int("FAULTFS_JOURNAL_MB", JOURNAL_MB, env),
             shared_store=(shared_store if shared_store is not None
                           else (env_value("FAULTFS_SHARED_STORE", env) or "").strip()),
             shared_store_endpoint_url=(

@@ -33,7 +33,8 @@ local file a fresh copy, the ceiling a writable trivial file system that drops t
 - ``rand 4 KiB x{1,8} cold/warm``: ``pwrite`` of 4 KiB at distinct random aligned offsets
   (fixed seed, ``--write-ops`` / ``--write-ops-cold`` split over forked writers), each writer
   ending with ``fsync`` (ops/s); cold = nothing staged, warm = staged (faultfs and rclone: the
-  file read whole through the mount first); page cache dropped before each;
+  file read whole through the mount first); page cache dropped before each; ``sustained``: warm,
+  one writer, ``--write-ops-sustained`` writes (more than faultfs holds in memory);
 - ``h5py update cold/warm``: ``h5py.File(view, "r+")``, rewrite ``--h5-write-fraction`` of the
   dataset's chunks (whole chunks, fixed seed), close (seconds);
 - the time ``close`` took after the fsync (a system may defer work to it), the CPU seconds each
@@ -920,6 +921,7 @@ def all_cases() -> list[tuple[str, str, str]]:
 
 WRITERS = (1, 8)
 WRITE_STATES = ("cold", "warm")
+SUSTAINED = "sustained"  # warm, one writer, --write-ops-sustained: past faultfs's --dirty-mb
 
 
 def wrand_key(writers: int, state: str) -> str:
@@ -933,6 +935,7 @@ def write_cases() -> list[tuple[str, str, str]]:
         what = "cold (nothing staged)" if state == "cold" else "warm (staged)"
         rows += [(wrand_key(w, state), f"rand 4 KiB write x{w} + fsync, {what}", "ops/s")
                  for w in WRITERS]
+    rows.append((wrand_key(1, SUSTAINED), "rand 4 KiB write x1 + fsync, warm, sustained", "ops/s"))
     rows += [(f"wh5_{state}", f"h5py r+ update, {state}", "s") for state in WRITE_STATES]
     return rows
 
@@ -1091,6 +1094,10 @@ class Runner:
                         self.write_case(sysm, wrand_key(writers, state), self.big_src,
                                         state == "warm", lambda path, s=sysm, plan=plan:
                                         self._wrand(s, path, plan), rep)
+            plan = rand_write_plan(self.size, a.write_ops_sustained, 1, a.seed + 1)
+            for sysm in systems:
+                self.write_case(sysm, wrand_key(1, SUSTAINED), self.big_src, True,
+                                lambda path, s=sysm, plan=plan: self._wrand(s, path, plan), rep)
             for state in WRITE_STATES:
                 for sysm in (s for s in systems if s.has_h5):
                     self.write_case(sysm, f"wh5_{state}", self.h5_src, state == "warm",
@@ -1198,6 +1205,7 @@ TARGETS: dict[str, list[tuple[str, float]]] = {
     # the writes issue, item 6
     "wseq": [("rclone", 1.0)],
     **{wrand_key(w, state): [("rclone", 2.0)] for w in WRITERS for state in WRITE_STATES},
+    wrand_key(1, SUSTAINED): [("rclone", 2.0)],
 }
 RSS_TARGET_MIB = 300
 
@@ -1323,6 +1331,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--write-ops", type=int,
                    help="random 4 KiB writes per warm case, split over the writers (default 8000; "
                         "--quick 2000)")
+    p.add_argument("--write-ops-sustained", type=int,
+                   help="random 4 KiB writes of the sustained case, one writer (default 48000, "
+                        "187.5 MiB: three times faultfs's default --dirty-mb; --quick 20000)")
     p.add_argument("--write-ops-cold", type=int,
                    help="random 4 KiB writes per cold case, split over the writers (default 1000; "
                         "--quick 400)")
@@ -1363,6 +1374,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     a.rand_ops_cold = a.rand_ops_cold or (200 if q else 400)
     a.write_ops = a.write_ops or (2000 if q else 8000)
     a.write_ops_cold = a.write_ops_cold or (400 if q else 1000)
+    a.write_ops_sustained = a.write_ops_sustained or (20000 if q else 48000)
     cases = {c.strip() for c in a.cases.split(",") if c.strip()}
     if cases - {*CASE_GROUPS, "all"} or not cases:
         p.error(f"--cases: one or more of {', '.join(CASE_GROUPS)}, all")
@@ -1663,7 +1675,8 @@ def render_write_report(args, head, runner: Runner, peak: dict[str, float | None
         + " over a directory with fresh copies; local: a fresh copy; ceiling: "
         "`fuse_ceiling.py --writable` (drops the bytes). A fresh mount (empty store or cache) per "
         f"case and rep, page cache dropped before each. Medians of {args.reps} reps; random: "
-        f"{args.write_ops} writes per warm case, {args.write_ops_cold} per cold case, distinct "
+        f"{args.write_ops} writes per warm case, {args.write_ops_cold} per cold case, "
+        f"{args.write_ops_sustained} in the sustained one, distinct "
         "4 KiB-aligned offsets split over the writers (forked processes), each ending with "
         f"fsync; h5py: {args.h5_write_fraction:g} of the dataset's chunks rewritten whole, then "
         "close (no fsync: h5py never calls it).",

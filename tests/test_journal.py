@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import os
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from faultfs.errors import CorruptionError
 from faultfs.store.journal import (
     HEAD_LEN,
     KIND_BLOB,
@@ -18,6 +20,7 @@ from faultfs.store.journal import (
     MAGIC_V2,
     Journal,
     Record,
+    SegmentGone,
     encode,
     segment_name,
 )
@@ -259,3 +262,37 @@ def test_a_record_claiming_a_huge_seq_ends_the_replay_and_writes_go_on(tmp_path)
     assert [r.seq for r in j.replay()] == [1]
     assert j.append(KIND_ZERO, "t", "chunk_0", 0, 1) == 2
     j.close()
+
+
+def test_a_write_records_data_reads_back_verified_until_its_segment_is_trimmed(tmp_path):
+    """What a spilled extent of a dirty blob reads: the data where ``append`` (or a replay)
+    says it lies, checked against the record's checksum; gone with its trimmed segment."""
+    j = Journal(str(tmp_path))
+    j.append(KIND_WRITE, "t", "chunk_0", 0, 5, b"hello")
+    first = j.last_data
+    j.append(KIND_ZERO, "t", "chunk_0", 0, 9)
+    j.append(KIND_WRITE, "tag-ü", "u:3", 7, 70000, b"w" * 70000)  # past the inline limit
+    second = j.last_data
+    assert j.read_data(*first[:2], 5, first[2]) == b"hello"
+    assert j.read_data(*second[:2], 70000, second[2]) == b"w" * 70000
+    with pytest.raises(CorruptionError):
+        j.read_data(first[0], first[1], 5, first[2] ^ 1)  # another checksum: not these bytes
+    j.sync()
+    j.close()
+    j2 = Journal(str(tmp_path))  # a replay says the same places
+    got = [(r.segment, r.data_pos, r.data_digest) for r in j2.replay() if r.kind == KIND_WRITE]
+    assert got == [first, second]
+    j2.roll()
+    j2.append(KIND_WRITE, "t", "chunk_1", 0, 3, b"new")
+    third = j2.last_data
+    j2.sync()
+    assert j2.trim(j2.last_seq - 1) == 1
+    with pytest.raises(SegmentGone):
+        j2.read_data(*first[:2], 5, first[2])
+    assert j2.read_data(*third[:2], 3, third[2]) == b"new"
+    path = os.path.join(str(tmp_path), segment_name(third[0]))
+    with open(path, "r+b") as f:  # the store's contents changed under the journal
+        f.seek(third[1])
+        f.write(b"N")
+    with pytest.raises(CorruptionError):
+        j2.read_data(*third[:2], 3, third[2])

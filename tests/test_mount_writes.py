@@ -224,6 +224,47 @@ def test_kill_9_during_fsyncing_writes_keeps_every_synced_write(mounter, sample,
     assert got in legal, "a synced write is missing or a write is torn"
 
 
+def test_writes_past_the_memory_bound_are_read_back_from_the_journal_not_folded(mounter,
+                                                                                sample):
+    """Random 4 KiB writes over a view of many chunks, far past ``--dirty-mb`` but within
+    ``--journal-mb``: their bytes are let go of (spilled) instead of every dirty chunk being
+    rewritten; they read back through the view and the chunks, survive a kill -9 (the replay
+    keeps them in the journal too) and a clean remount (which folds them)."""
+    src = sample(8 * MiB)
+    source_sha = sha(src)
+    m = mounter(src, args=["--chunk-size", "256K", "--dirty-mb", "1"])
+    tag = m.tag("field")
+    view = os.path.join(tag, "field.bin")
+    want = bytearray(read(src))
+    rng = random.Random(11)
+    fd = os.open(view, os.O_RDWR)
+    try:
+        for n in range(1200):  # ~4.7 MiB of writes over all 32 chunks
+            off = rng.randrange(len(want) // 4096) * 4096 + rng.choice([0, 100])
+            data = rng.randbytes(4096)
+            os.pwrite(fd, data, off)
+            want[off:off + len(data)] = data
+            if n % 300 == 299:  # reads in between see spilled and held writes together
+                probe = rng.randrange(len(want) - 20000)
+                assert os.pread(fd, 20000, probe) == bytes(want[probe:probe + 20000])
+    finally:
+        os.close(fd)
+    counters = m.counters()
+    assert counters["spills"] >= 2 and counters["spilled_bytes"] >= 3 * MiB, counters
+    assert counters["checkpoints"] == 0 and counters["folds"] == 0, "nothing was rewritten"
+    assert m.stats()["writes"]["held_bytes"] <= 2 * MiB, "memory stays bounded"
+    assert read(view) == bytes(want)
+    assert read(os.path.join(tag, "chunk_5")) == bytes(want[5 * 256 * KiB:6 * 256 * KiB])
+    os.kill(m.pid, signal.SIGKILL)  # acknowledged, never synced: in the journal only
+    m.pid = None
+    m2 = mounter(store=m.store, mountpoint=m.path)
+    assert read(os.path.join(m2.tag("field"), "field.bin")) == bytes(want)
+    m2.umount()  # folds everything
+    m3 = mounter(store=m.store, mountpoint=m.path)
+    assert read(os.path.join(m3.tag("field"), "field.bin")) == bytes(want)
+    assert sha(src) == source_sha, "the source is never written"
+
+
 def test_whole_chunk_writes_survive_kill_9_and_are_folded_by_the_next_mount(mounter, sample):
     """1 MiB writes over whole chunks go to direct files (no journal copy of the data, no
     fold copy): after a kill -9 they are there; fsck knows the files; the next mount folds
@@ -343,7 +384,7 @@ def test_a_user_blob_copied_in_is_kept_in_parts_folded_once_each(mounter, sample
     reads back, shrinks and grows across parts, survives a remount, and its store holds
     one dirty file per 1 MiB part (a fold rewrites the parts written since the last one:
     ``tests/test_user_blobs.py`` counts them)."""
-    m = mounter(sample(100 * KiB), args=["--dirty-mb", "1"])
+    m = mounter(sample(100 * KiB), args=["--dirty-mb", "1", "--journal-mb", "1"])
     data = random.Random(5).randbytes(5 * MiB + 1234)
     path = os.path.join(m.tag("field"), "copy.bin")
     with open(path, "wb") as f:

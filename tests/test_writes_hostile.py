@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import json
+import mmap
 import os
 import stat
 
@@ -147,3 +148,39 @@ def test_a_registry_entry_that_cannot_come_back_does_not_block_the_others(mounte
     assert read(os.path.join(m2.tag("beta"), "beta.bin")) == read(b)
     with open(os.path.join(m.store, "log", "faultfs.log")) as f:
         assert "tag alpha cannot be recovered" in f.read()  # said in the store's log
+
+
+def test_a_spilled_write_whose_journal_bytes_changed_reads_eio_never_other_bytes(mounter,
+                                                                                sample):
+    """Past ``--dirty-mb`` a write's bytes are read back from the journal: when those bytes
+    on disk no longer verify (changed under the mount), reads of them fail with EIO — never
+    zeros or the changed bytes — and the rest of the view still reads."""
+    src = sample(4 * MiB)
+    m = mounter(src, args=["--chunk-size", "1M", "--dirty-mb", "1"])
+    view = os.path.join(m.tag("field"), "field.bin")
+    marker = b"\xa5" * 4096
+    with open(view, "r+b") as f:
+        f.seek(3 * MiB)
+        f.write(marker)
+        f.flush()
+        for i in range(400):  # 1.6 MiB more: past the memory bound, the marker is spilled
+            f.seek(i * 4096)
+            f.write(bytes([i % 251 + 1]) * 4096)
+    assert m.counters()["spills"] >= 1
+    journal = os.path.join(m.store, "writes", "journal")
+    [segment] = os.listdir(journal)
+    raw = read(os.path.join(journal, segment))
+    at = raw.index(marker)
+    write_at(os.path.join(journal, segment), at + 10, b"\x00")
+    fd = os.open(view, os.O_RDONLY | os.O_DIRECT)  # around the kernel's cache of the view
+    try:
+        buf = mmap.mmap(-1, 4096)
+        with pytest.raises(OSError) as err:
+            os.preadv(fd, [buf], 3 * MiB)
+        assert err.value.errno == errno.EIO
+        assert os.preadv(fd, [buf], 2 * MiB) == 4096 and bytes(buf) == read(src)[2 * MiB:2 * MiB + 4096]
+    finally:
+        os.close(fd)
+    with pytest.raises(OSError) as err:  # the blob is kept as it is: not written over
+        write_at(view, 3 * MiB + 8192, b"over")
+    assert err.value.errno == errno.EIO

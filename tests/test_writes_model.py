@@ -35,7 +35,7 @@ def test_a_crash_at_every_write_and_fsync_point_keeps_a_synced_prefix():
 
 
 @pytest.mark.parametrize("kind", ["nosync", "noreplay", "nofold", "nodirectsync",
-                                  "nodirectcheck", "nosizefold"])
+                                  "nodirectcheck", "nosizefold", "spillzeros"])
 def test_the_writes_model_catches_broken_writes(kind):
     hunt = settings(SETTINGS, max_examples=300, derandomize=True,
                     phases=[Phase.explicit, Phase.generate])

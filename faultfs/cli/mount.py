@@ -53,8 +53,11 @@ def register(sub) -> None:
                    help="answer the user.faultfs.* extended attributes (the kernel then asks one "
                         "before every write: a small write costs two requests)")
     m.add_argument("--dirty-mb", type=int,
-                   help="written bytes held in memory before they are folded into files "
-                        "(default 64)")
+                   help="written bytes held in memory; past it they are read back from the "
+                        "journal (default 64)")
+    m.add_argument("--journal-mb", type=int,
+                   help="journal bytes on disk before a checkpoint folds the writes into "
+                        "files (default 1024)")
     m.add_argument("--shared-store", metavar="URL",
                    help="share registrations and clean blobs with every node mounting the same "
                         "object store (s3://bucket/prefix, a directory, any fsspec URL; "
@@ -198,7 +201,8 @@ def _mount_here(args: argparse.Namespace) -> int:
                               inline_read_kb=args.inline_read_kb,
                               read_only=True if args.read_only else None,
                               xattrs=True if args.xattrs else None,
-                              dirty_mb=args.dirty_mb, shared_store=args.shared_store,
+                              dirty_mb=args.dirty_mb, journal_mb=args.journal_mb,
+                              shared_store=args.shared_store,
                               shared_store_endpoint_url=args.shared_store_endpoint_url,
                               metrics_addr=args.metrics_addr)
         _setup_logging(args)

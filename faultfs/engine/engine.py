@@ -80,7 +80,8 @@ class Engine:
         self.writes = Writes(store.root, _CleanReads(self), self.pool, self.stats,
                              writable=(config.store_enabled and not config.read_only
                                        and store.writable),
-                             fold_bytes=config.dirty_mb << 20, ops=writes_ops)
+                             fold_bytes=config.dirty_mb << 20,
+                             journal_bytes=config.journal_mb << 20, ops=writes_ops)
         self._writes_open = False
         self._refreshed_at = float("-inf")  # the last look for tags other nodes registered
         self._refreshing: trio.Event | None = None

@@ -34,6 +34,8 @@ Invariants:
   record that does not verify, wherever it is).
 - ``trim(seq)`` deletes the segments whose records all have a seq at or below it (they are
   folded into blob files); the current segment is never deleted while it is written.
+- ``read_data`` reads a write record's data back (a spilled extent of a dirty blob) only from
+  a segment that is still there, and only bytes that verify against the record's checksum.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ MAGIC_V2 = b"FFSWAL\x00\x02"  # kind 4 (KIND_BLOB) only: see the module docstrin
 KIND_WRITE, KIND_ZERO, KIND_SIZE, KIND_BLOB = 1, 2, 3, 4
 _HEAD = struct.Struct("<8sQBBHHHQQQ")
 _CHECK = struct.Struct("<Q")
+_DIGEST, _DIGEST_AT = struct.Struct("<Q"), 40  # a record's data_xxh3, at byte 40
 HEAD_LEN = _HEAD.size + 8  # the fixed part and its checksum: 56 bytes
 assert HEAD_LEN == 56
 SEGMENT_BYTES = 64 << 20  # a segment is closed (fsynced) and a new one started past this
@@ -74,6 +77,14 @@ class Record:
     length: int
     data: bytes | memoryview = b""
     digest: int = 0  # KIND_BLOB: xxh3_64 of its file's payload (0 for the other kinds)
+    # where a replayed KIND_WRITE record's data lies (``read_data``), and its checksum
+    segment: int = 0
+    data_pos: int = 0
+    data_digest: int = 0
+
+
+class SegmentGone(FaultfsError):
+    """A record's segment was trimmed: its writes are folded into a file now (read that)."""
 
 
 def encode_prefix(rec: Record) -> bytes:
@@ -147,6 +158,9 @@ class Journal:
         self._first = 0  # first seq of the segment being written
         self._pos = 0  # where the next record goes in it
         self._segments: list[int] = []  # first seqs of the segments on disk, oldest first
+        self._readers: dict[int, int] = {}  # segment -> descriptor data is read back through
+        # (segment, data offset, data xxh3) of the last KIND_WRITE record appended
+        self.last_data: tuple[int, int, int] = (0, 0, 0)
         self._dir_dirty = False  # a segment was created since the directory's last fsync
         self._unsynced: list[int] = []  # descriptors of older segments not fsynced yet
         self._lock = threading.Lock()  # appends and rolls on one thread, syncs on another
@@ -181,7 +195,7 @@ class Journal:
                 size = self.ops.size(fd)
                 pos = 0
                 while pos < size:
-                    rec, length = self._read_record(fd, pos, size)
+                    rec, length = self._read_record(fd, pos, size, first)
                     if rec is None or rec.seq < expect or (
                             accept is not None and not accept(rec)):
                         stopped = True
@@ -212,7 +226,8 @@ class Journal:
                     self.ops.open(os.path.join(self.dir, segment_name(first)), os.O_RDONLY))
         self._dir_dirty = bool(self._segments)
 
-    def _read_record(self, fd: int, pos: int, size: int) -> tuple[Record | None, int]:
+    def _read_record(self, fd: int, pos: int, size: int,
+                     segment: int) -> tuple[Record | None, int]:
         raw = self.ops.pread(fd, HEAD_LEN, pos)
         try:
             seq, kind, tag_len, name_len, off, length, digest, check = decode_head(raw)
@@ -235,7 +250,8 @@ class Journal:
         except UnicodeDecodeError:
             return None, 0
         return Record(seq, kind, tag, name, off, length, bytes(data),
-                      digest if kind == KIND_BLOB else 0), total
+                      digest if kind == KIND_BLOB else 0, segment, pos + HEAD_LEN + tag_len
+                      + name_len, digest if kind == KIND_WRITE else 0), total
 
     # -- appending ---------------------------------------------------------------------------
 
@@ -252,6 +268,7 @@ class Journal:
         seq = self.next_seq
         prefix = _prefix(seq, kind, tag, name, off, length, data, digest)
         pos = self._pos
+        data_at = pos + len(prefix)
         try:
             if kind != KIND_WRITE or length <= INLINE_DATA:
                 # one syscall: joining a few KiB costs less than a second one
@@ -269,7 +286,31 @@ class Journal:
         self.appended += pos - self._pos
         self._pos = pos
         self.next_seq = seq + 1
+        if kind == KIND_WRITE:
+            self.last_data = (self._first, data_at, _DIGEST.unpack_from(prefix, _DIGEST_AT)[0])
         return seq
+
+    # -- reading data back -------------------------------------------------------------------
+
+    def read_data(self, segment: int, pos: int, length: int, digest: int) -> bytes:
+        """The ``length`` bytes of a write record's data at ``pos`` of ``segment``, verified
+        against its checksum ``digest`` (any thread). SegmentGone when the segment was
+        trimmed (its writes are folded), CorruptionError when the bytes do not verify."""
+        with self._lock:
+            if segment not in self._segments:
+                raise SegmentGone(f"journal segment {segment} was trimmed")
+            fd = self._readers.get(segment)
+            if fd is None:
+                try:
+                    fd = self._readers[segment] = self.ops.open(
+                        os.path.join(self.dir, segment_name(segment)), os.O_RDONLY)
+                except FileNotFoundError:
+                    raise SegmentGone(f"journal segment {segment} was trimmed") from None
+            data = self.ops.pread(fd, length, pos)
+        if len(data) != length or xxhash.xxh3_64_intdigest(data) != digest:
+            raise CorruptionError(f"journal segment {segment_name(segment)}: the data at "
+                                  f"{pos} does not verify")
+        return data
 
     def _write_all(self, part: bytes | memoryview, pos: int) -> None:
         view = memoryview(part)
@@ -356,15 +397,19 @@ class Journal:
         if gone:
             with self._lock:
                 self._segments = [s for s in self._segments if s not in gone]
+                for first in gone:
+                    fd = self._readers.pop(first, None)
+                    if fd is not None:
+                        self.ops.close(fd)
             self.ops.fsync_dir(self.dir)
         return len(gone)
 
     def close(self) -> None:
         with self._sync_lock, self._lock:
-            for fd in [*self._unsynced, self._fd]:
+            for fd in [*self._unsynced, self._fd, *self._readers.values()]:
                 if fd >= 0:
                     self.ops.close(fd)
-            self._unsynced, self._fd = [], -1
+            self._unsynced, self._fd, self._readers = [], -1, {}
 
 
 def _failure(exc: OSError) -> FaultfsError:

@@ -210,6 +210,10 @@ class WritesWorld:
         self.run(self.engine.writes.fsync)
         self.sync_model()
 
+    def spill(self) -> None:
+        """Let go of every written byte held in memory (reads take them from the journal)."""
+        self.engine.writes.spill()
+
     def checkpoint(self) -> None:
         self.run(self.engine.writes.checkpoint)
         # a checkpoint syncs the journal before it folds: everything before it is durable
@@ -358,6 +362,10 @@ class WritesModel(RuleBasedStateMachine):
     def checkpoint(self) -> None:
         self.w.checkpoint()
 
+    @rule()
+    def spill(self) -> None:
+        self.w.spill()
+
     @rule(off=st.integers(0, 7 * CS), size=st.integers(0, 3 * CS))
     def read_view(self, off: int, size: int) -> None:
         self.w.check_view(off, size)
@@ -398,11 +406,14 @@ def _script(world: WritesWorld) -> None:
     world.create_user()
     world.write_user(UPART - 10, b"u" * 30)  # across two parts of the user blob
     world.truncate_user(3 * UPART + 1)  # grown by a size alone
+    world.spill()  # the writes so far are read back from the journal from here on
+    world.write_view(12, b"k" * 20)  # over a spilled write: held and spilled parts
     world.checkpoint()  # chunk 1 renamed, chunk 2 folded (its direct file obsolete)
     world.truncate_user(UPART - 5)
     world.write_view(cs, b"i" * cs)  # a direct file over a folded one
     world.write_view(4 * cs, b"d" * 300)  # grows the view past the source
     world.write_chunk(0, 5, b"e" * 9)
+    world.spill()
     world.fsync()
     world.write_view(0, b"f" * 17)
     world.write_chunk(0, 0, b"j" * cs)  # the last write: a direct file the unmount folds
@@ -446,7 +457,7 @@ def writes_mutant(kind: str) -> Iterator[None]:
     journal; ``nodirectsync`` — fsync syncs the journal but not the direct files of
     whole-chunk writes; ``nodirectcheck`` — a replay trusts a direct file without verifying it;
     ``nosizefold`` — a checkpoint folds only blobs with bytes held (a size change alone is
-    trimmed away with the journal)."""
+    trimmed away with the journal); ``spillzeros`` — a spilled write reads back as zeros."""
     from faultfs.engine.writes import Writes
 
     saved = []
@@ -481,6 +492,10 @@ def writes_mutant(kind: str) -> Iterator[None]:
             await real_checkpoint(self)
         real_checkpoint = Writes.__dict__["checkpoint"]
         patch("checkpoint", checkpoint_folding_held_only)
+    elif kind == "spillzeros":
+        def read_back(self, ref) -> bytes:
+            return bytes(len(ref))
+        patch("_read_back", read_back)
     elif kind == "nodirectcheck":
         from faultfs.store.dirty import DirtyFiles
 

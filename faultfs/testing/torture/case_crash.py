@@ -17,8 +17,10 @@ Verification replays the script on a ``bytes`` model: the view and each user blo
 the ops before the one in flight, each chunk (and user blob) with or without the in-flight op
 (it may be acknowledged without being logged; nothing may be torn within a blob), every
 ``chunk_N`` as its part of the view. The case fails if nothing was pending in the journal at
-the kill (records not yet folded into dirty files), so it cannot pass vacuously; odd trials
-fold often (``--dirty-mb 1``), so some writes are in dirty files and some only in the journal.
+the kill (records not yet folded into dirty files), so it cannot pass vacuously. Trials take
+three settings in turn: the defaults; folding often (``--dirty-mb 1 --journal-mb 1``), so some
+writes are in dirty files and some only in the journal; and spilling often (``--dirty-mb 1``),
+so the writes are read back from the journal rather than from memory.
 """
 
 from __future__ import annotations
@@ -71,7 +73,8 @@ def run_case(run: Run, budget: Budget, res: CaseResult) -> None:
             break
         seed = run.seed * 1000 + trial
         store = run.path(f"crash-store-{trial}")
-        args = ["--chunk-size", str(CHUNK)] + (["--dirty-mb", "1"] if trial % 2 else [])
+        args = ["--chunk-size", str(CHUNK)] + ([], ["--dirty-mb", "1", "--journal-mb", "1"],
+                                                ["--dirty-mb", "1"])[trial % 3]
         m = run.mount(src, store=store, mountpoint=mnt, args=args)
         log_path = run.path(f"crash-log-{trial}")
         open(log_path, "w").close()

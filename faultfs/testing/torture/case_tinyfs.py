@@ -117,7 +117,8 @@ def writes_case(run: Run, res: CaseResult, label: str, *, size_kb: int, reserve_
     src, data = run.make_source(f"{tag}.bin", 8 * MiB, seed=run.seed + 50 + size_kb)
     store = os.path.join(fs, "store")
     m = run.mount(src, store=store, reserve_mb=reserve_mb,
-                  args=["--chunk-size", str(CS), "--dirty-mb", "1", "--prefetch-mb", "0"])
+                  args=["--chunk-size", str(CS), "--dirty-mb", "1", "--journal-mb", "1",
+                        "--prefetch-mb", "0"])
     view = os.path.join(m.tag(tag), f"{tag}.bin")
     model = bytearray(data)
     err: OSError | None = None
