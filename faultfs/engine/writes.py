@@ -31,8 +31,8 @@ Invariants:
   over ``SPILL_RECORD``, whose checksum covers too much to read back per read) is folded.
 - The journal and the work of the next checkpoint are bounded: past ``journal_bytes`` on
   disk, ``MAX_RECORDS`` records since the last checkpoint, or blobs written since it whose
-  sizes add up to ``FOLD_WORK`` times ``journal_bytes`` (what the checkpoint — and so an
-  unmount — rewrites), a checkpoint folds every dirty blob and trims the journal; past twice
+  sizes add up to ``FOLD_WORK`` times ``journal_bytes`` or that number ``FOLD_BLOBS`` (what
+  the checkpoint — and so an unmount — rewrites), a checkpoint folds every dirty blob and trims the journal; past twice
   that, writers wait for it. A fold rewrites a whole blob, so the writes a blob gets between two checkpoints are
   what its rewrite is shared by (a checkpoint per ``fold_bytes`` of writes cost 16x their
   bytes in folds with a 1 GiB view written at random, and two thirds of the write rate).
@@ -84,6 +84,7 @@ JOURNAL_BYTES = 1 << 30  # journal bytes on disk before a checkpoint folds them
 MAX_RECORDS = 1 << 17  # records since the last checkpoint before one (~180 B of memory each)
 SPILL_RECORD = 1 << 20  # data of records up to this is spilled; longer ones are folded
 FOLD_WORK = 4  # blobs written since the last checkpoint, in journal bounds, before the next
+FOLD_BLOBS = 8192  # ... or this many of them (each fold is an fsync: an unmount waits for them)
 CHECKPOINT_RETRY_S = 5.0  # after a failed checkpoint, writes start no other for this long
 FOLD_AT_ONCE = 4  # blobs a checkpoint folds in parallel (each one fsync on the I/O pool)
 SYNC_AT_ONCE = 8  # direct files an fsync syncs in parallel (the file system batches them)
@@ -720,6 +721,7 @@ class Writes:
         return (self.held > times * self.fold_bytes
                 or journal.bytes_on_disk > times * self.journal_bytes
                 or self._fold_work > times * FOLD_WORK * self.journal_bytes
+                or len(self._touched) > times * FOLD_BLOBS
                 or journal.next_seq - self._kept_from > times * MAX_RECORDS)
 
     def _touch(self, blob: DirtyBlob) -> None:
