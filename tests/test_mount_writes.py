@@ -127,13 +127,18 @@ def test_a_write_is_seen_by_an_existing_mmap_of_another_name(mounter, sample):
         mm.close()
 
 
-def test_fsx_style_random_script_matches_a_local_file(mounter, sample, tmp_path):
+@pytest.mark.parametrize("memory", [[], ["--dirty-mb", "1"], ["--dirty-mb", "1", "--journal-mb", "3"]],
+                         ids=["held", "spilled", "spilled-and-folded"])
+def test_fsx_style_random_script_matches_a_local_file(mounter, sample, tmp_path, memory):
     """Random pwrites, preads, ftruncates and mmap writes through the view, the same script
-    on a local copy of the source; compared as it goes, at the end, and after a remount."""
+    on a local copy of the source; compared as it goes, at the end, and after a remount.
+    With the writes held in memory; spilled past 1 MiB (read back from the journal); and
+    spilled with a checkpoint folding them behind the script every 3 MiB of journal (reads
+    meet blobs folded and segments trimmed under them)."""
     src = sample(3 * MiB + 777)
     model_path = tmp_path / "model.bin"
     model_path.write_bytes(read(src))
-    m = mounter(src, args=["--chunk-size", "256K"])
+    m = mounter(src, args=["--chunk-size", "256K", *memory])
     view = os.path.join(m.tag("field"), "field.bin")
     rng = random.Random(2024)
     fd, md = os.open(view, os.O_RDWR), os.open(model_path, os.O_RDWR)
@@ -164,6 +169,11 @@ def test_fsx_style_random_script_matches_a_local_file(mounter, sample, tmp_path)
         os.close(fd)
         os.close(md)
     assert read(view) == read(model_path)
+    counters = m.counters()
+    if memory:
+        assert counters["spills"] > 0, counters
+    if "--journal-mb" in memory:
+        assert counters["checkpoints"] > 3, counters
     m.umount()
     m2 = mounter(store=m.store)
     assert read(os.path.join(m2.tag("field"), "field.bin")) == read(model_path)

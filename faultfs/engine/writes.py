@@ -32,10 +32,12 @@ Invariants:
 - The journal and the work of the next checkpoint are bounded: past ``journal_bytes`` on
   disk, ``MAX_RECORDS`` records since the last checkpoint, or blobs written since it whose
   sizes add up to ``FOLD_WORK`` times ``journal_bytes`` or that number ``FOLD_BLOBS`` (what
-  the checkpoint — and so an unmount — rewrites), a checkpoint folds every dirty blob and trims the journal; past twice
-  that, writers wait for it. A fold rewrites a whole blob, so the writes a blob gets between two checkpoints are
-  what its rewrite is shared by (a checkpoint per ``fold_bytes`` of writes cost 16x their
-  bytes in folds with a 1 GiB view written at random, and two thirds of the write rate).
+  the checkpoint — and so an unmount — rewrites), a checkpoint folds every dirty blob and
+  trims the journal; past twice that, writers wait for it. A fold rewrites a whole blob, so
+  the writes a blob gets between two checkpoints are what its rewrite is shared by (a
+  checkpoint per ``fold_bytes`` of writes cost 16x their bytes in folds with a 1 GiB view
+  written at random, and two thirds of the write rate). A checkpoint that failed is started
+  again by writes no sooner than ``CHECKPOINT_RETRY_S`` later.
 - A spilled extent is read back only from a segment that is still there: a read that finds
   its segment trimmed (the blob folded meanwhile) takes the blob's new state.
 """

@@ -282,6 +282,7 @@ class WritesWorld:
 
 class WritesModel(RuleBasedStateMachine):
     USER_BLOBS = True  # False: the rules of the view and chunks only (the mutant hunts)
+    SPILLS = True  # False: writes stay held in memory (the hunts of mutants that are not spills)
 
     def __init__(self) -> None:
         super().__init__()
@@ -363,6 +364,7 @@ class WritesModel(RuleBasedStateMachine):
         self.w.checkpoint()
 
     @rule()
+    @precondition(lambda self: self.SPILLS)
     def spill(self) -> None:
         self.w.spill()
 
@@ -521,3 +523,10 @@ class ChunkWritesModel(WritesModel):
     are what their mutants break, and fewer rules find them in fewer examples)."""
 
     USER_BLOBS = False
+    SPILLS = False
+
+
+class SpillWritesModel(ChunkWritesModel):
+    """The view and chunks with spills: the hunt of the mutant that breaks reading back."""
+
+    SPILLS = True
