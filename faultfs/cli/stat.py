@@ -106,6 +106,7 @@ def _shared_lines(snap: dict, c: dict) -> list[str]:
 def render_stats(snap: dict) -> str:
     """The counters of ``faultfs stat`` as a readable table."""
     c = snap.get("counters", {})
+    w = snap.get("writes", {})
     lat = snap.get("fault_latency", {})
     lines = [
         f"store          {snap.get('store')}  (free {format_size(snap.get('store_free_bytes', 0))}, "
@@ -133,6 +134,8 @@ def render_stats(snap: dict) -> str:
         f"{'reads from a head':<22}{c.get('head_reads', 0):>12}    {'prefetched blobs':<22}{c.get('prefetches', 0):>12}",
         f"{'writes':<22}{c.get('writes', 0):>12}    {'bytes written':<22}{format_size(c.get('bytes_written', 0)):>12}",
         f"{'fsyncs':<22}{c.get('fsyncs', 0):>12}    {'folds':<22}{c.get('folds', 0):>12}",
+        f"{'checkpoints':<22}{c.get('checkpoints', 0):>12}    {'bytes spilled':<22}{format_size(c.get('spilled_bytes', 0)):>12}",
+        f"{'writes held':<22}{format_size(w.get('held_bytes', 0)):>12}    {'journal':<22}{format_size(w.get('journal_bytes', 0)):>12}",
         f"fault latency  p50 {lat.get('p50_ms', 0)} ms, p90 {lat.get('p90_ms', 0)} ms, "
         f"p99 {lat.get('p99_ms', 0)} ms, max {lat.get('max_ms', 0)} ms",
         *_shared_lines(snap, c),
