@@ -85,8 +85,12 @@ FOLD_BYTES = 64 << 20  # written bytes held in memory before they are spilled
 JOURNAL_BYTES = 1 << 30  # journal bytes on disk before a checkpoint folds them
 MAX_RECORDS = 1 << 17  # records since the last checkpoint before one (~180 B of memory each)
 SPILL_RECORD = 1 << 20  # data of records up to this is spilled; longer ones are folded
-FOLD_WORK = 4  # blobs written since the last checkpoint, in journal bounds, before the next
-FOLD_BLOBS = 8192  # ... or this many of them (each fold is an fsync: an unmount waits for them)
+# blobs written since the last checkpoint whose sizes add up to this many journal bounds, or
+# this many blobs, start the next (each fold is a whole blob and an fsync, ~5 ms here: an
+# unmount waits for them). Not lower: with 4 KiB writes at random over a view of 8 GiB, a
+# bound of 4 journals folded 4 GiB per 22 MiB written; this one lets the journal fill first.
+FOLD_WORK = 8
+FOLD_BLOBS = 8192
 CHECKPOINT_RETRY_S = 5.0  # after a failed checkpoint, writes start no other for this long
 FOLD_AT_ONCE = 4  # blobs a checkpoint folds in parallel (each one fsync on the I/O pool)
 SYNC_AT_ONCE = 8  # direct files an fsync syncs in parallel (the file system batches them)
