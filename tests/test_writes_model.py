@@ -16,6 +16,7 @@ from hypothesis.stateful import run_state_machine_as_test
 from faultfs.testing.writes_model import (
     CS,
     ChunkWritesModel,
+    SpillingWritesModel,
     SpillWritesModel,
     WritesModel,
     WritesWorld,
@@ -27,7 +28,7 @@ SETTINGS = settings(
     max_examples=80, stateful_step_count=30, deadline=None, database=None,
     derandomize=bool(os.environ.get("CI")), suppress_health_check=[HealthCheck.too_slow])
 
-test_writes_match_the_chunk_model = WritesModel.TestCase
+test_writes_match_the_chunk_model = SpillingWritesModel.TestCase
 test_writes_match_the_chunk_model.settings = SETTINGS
 
 

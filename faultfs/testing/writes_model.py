@@ -282,7 +282,6 @@ class WritesWorld:
 
 class WritesModel(RuleBasedStateMachine):
     USER_BLOBS = True  # False: the rules of the view and chunks only (the mutant hunts)
-    SPILLS = True  # False: writes stay held in memory (the hunts of mutants that are not spills)
 
     def __init__(self) -> None:
         super().__init__()
@@ -363,10 +362,6 @@ class WritesModel(RuleBasedStateMachine):
     def checkpoint(self) -> None:
         self.w.checkpoint()
 
-    @rule()
-    @precondition(lambda self: self.SPILLS)
-    def spill(self) -> None:
-        self.w.spill()
 
     @rule(off=st.integers(0, 7 * CS), size=st.integers(0, 3 * CS))
     def read_view(self, off: int, size: int) -> None:
@@ -523,10 +518,21 @@ class ChunkWritesModel(WritesModel):
     are what their mutants break, and fewer rules find them in fewer examples)."""
 
     USER_BLOBS = False
-    SPILLS = False
+
+
+def _spill(self: WritesModel) -> None:
+    self.w.spill()
+
+
+class SpillingWritesModel(WritesModel):
+    """The whole model, and spills: every written byte let go of at random steps (reads then
+    take them from the journal). A class of its own, so that the mutant hunts of the models
+    above draw the same steps as they did before spills were a rule."""
+
+    spill = rule()(_spill)
 
 
 class SpillWritesModel(ChunkWritesModel):
     """The view and chunks with spills: the hunt of the mutant that breaks reading back."""
 
-    SPILLS = True
+    spill = rule()(_spill)
