@@ -47,11 +47,14 @@ class Ref:
 Data = bytes | Ref | None
 
 
+def spilled(data: Data) -> bool:
+    """Whether ``data`` is a ref whose bytes were let go of (they must be read back)."""
+    return type(data) is Ref and data.data is None
+
+
 def _held(data: Data, n: int) -> int:
     """Bytes of memory an extent of ``n`` bytes holding ``data`` takes."""
-    if data is None or (type(data) is Ref and data.data is None):
-        return 0
-    return n
+    return 0 if data is None or spilled(data) else n
 
 
 class ExtentMap:

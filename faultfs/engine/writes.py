@@ -54,7 +54,7 @@ from typing import Protocol
 import trio
 
 from faultfs.core.chunks import pieces
-from faultfs.core.extents import ExtentMap, Ref, lay
+from faultfs.core.extents import ExtentMap, Ref, lay, spilled
 from faultfs.core.names import PAGE_PREFIX, PAGEMAP_NAME, check_name, parse_index
 from faultfs.engine.tags import Tag
 from faultfs.errors import CorruptionError, FaultfsError, StoreFull
@@ -489,7 +489,7 @@ class Writes:
         """Lay ``pending`` over ``buf`` (bytes ``[off, off+len(buf))``): the parts taken now,
         in one step, and the spilled ones read back from the journal on the I/O pool."""
         parts = list(pending.pieces(off, len(buf)))
-        if not any(type(d) is Ref and d.data is None for _, _, d in parts):
+        if not any(spilled(d) for _, _, d in parts):
             lay(buf, off, parts)
             return
         try:

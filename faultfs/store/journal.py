@@ -57,7 +57,7 @@ MAGIC_V2 = b"FFSWAL\x00\x02"  # kind 4 (KIND_BLOB) only: see the module docstrin
 KIND_WRITE, KIND_ZERO, KIND_SIZE, KIND_BLOB = 1, 2, 3, 4
 _HEAD = struct.Struct("<8sQBBHHHQQQ")
 _CHECK = struct.Struct("<Q")
-_DIGEST, _DIGEST_AT = struct.Struct("<Q"), 40  # a record's data_xxh3, at byte 40
+DATA_DIGEST_AT = 40  # where a record's data_xxh3 lies in its head
 HEAD_LEN = _HEAD.size + 8  # the fixed part and its checksum: 56 bytes
 assert HEAD_LEN == 56
 SEGMENT_BYTES = 64 << 20  # a segment is closed (fsynced) and a new one started past this
@@ -287,7 +287,7 @@ class Journal:
         self._pos = pos
         self.next_seq = seq + 1
         if kind == KIND_WRITE:
-            self.last_data = (self._first, data_at, _DIGEST.unpack_from(prefix, _DIGEST_AT)[0])
+            self.last_data = (self._first, data_at, _CHECK.unpack_from(prefix, DATA_DIGEST_AT)[0])
         return seq
 
     # -- reading data back -------------------------------------------------------------------
