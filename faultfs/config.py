@@ -123,7 +123,8 @@ class Config:
                                f"(it is {self.uring!r})")
         if min(self.memory_mb, self.prefetch_mb, self.readahead_kb, self.inline_read_kb,
                self.dirty_mb, self.journal_mb) < 0:
-            raise InvalidInput("memory, prefetch, readahead and inline-read sizes must not be negative")
+            raise InvalidInput("memory, prefetch, readahead, inline-read, dirty and journal sizes "
+                               "must not be negative")
         for flag, value, most in (("--io-threads", self.io_threads, MAX_IO_THREADS),
                                   ("--reserve-mb", self.reserve_mb, MAX_MB),
                                   ("--memory-mb", self.memory_mb, MAX_MB),

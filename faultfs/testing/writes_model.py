@@ -362,7 +362,6 @@ class WritesModel(RuleBasedStateMachine):
     def checkpoint(self) -> None:
         self.w.checkpoint()
 
-
     @rule(off=st.integers(0, 7 * CS), size=st.integers(0, 3 * CS))
     def read_view(self, off: int, size: int) -> None:
         self.w.check_view(off, size)
