@@ -110,6 +110,8 @@ class Config:
     uring_punt: bool = True
     # FAULTFS_SOURCE_DIRECT=0: large reads of uncached local sources take the page cache too
     source_direct: bool = True
+    # FAULTFS_STORE_DIRECT=0: new blobs are written through the page cache too
+    store_direct: bool = True
 
     def __post_init__(self) -> None:
         if self.io_threads < 1:
@@ -153,6 +155,7 @@ class Config:
               shared_store_endpoint_url: str | None = None,
               metrics_addr: str | None = None, uring: str | None = None,
               uring_punt: bool | None = None, source_direct: bool | None = None,
+              store_direct: bool | None = None,
               env: Mapping[str, str] | None = None) -> Config:
         """Flags (non-None arguments) win over the environment, which wins over defaults."""
         return cls(
@@ -182,6 +185,8 @@ class Config:
                         else _env_flag("FAULTFS_URING_PUNT", True, env)),
             source_direct=(source_direct if source_direct is not None
                            else _env_flag("FAULTFS_SOURCE_DIRECT", True, env)),
+            store_direct=(store_direct if store_direct is not None
+                          else _env_flag("FAULTFS_STORE_DIRECT", True, env)),
         )
 
 

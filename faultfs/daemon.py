@@ -68,6 +68,7 @@ def prepare(spec: MountSpec, config: Config, options: SourceOptions,
     if config.metrics_addr:
         parse_addr(config.metrics_addr)
     store = BlobStore(config.store_dir, create=False)
+    store.direct = config.store_direct
     mountpoint = prepare_mountpoint(spec.mountpoint)
     if _within(store.root, mountpoint):
         raise InvalidInput(f"store {store.root} is inside the mountpoint {mountpoint}: the mount "

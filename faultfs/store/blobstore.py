@@ -29,6 +29,7 @@ from urllib.parse import quote, unquote
 
 from faultfs.buffers import pread_full
 from faultfs.errors import CorruptionError, FaultfsError, InvalidInput, StoreFull
+from faultfs.store import direct
 from faultfs.store.blobfile import (
     FLAG_DIRTY,
     HEADER_LEN,
@@ -190,6 +191,9 @@ class BlobStore:
         self.root = os.path.abspath(os.path.expanduser(root))
         self._lock_fd = -1
         self._real_dirs: set[str] = set()  # tag directories this process made or checked
+        # new clean blobs of whole pages are written around the page cache (store.direct);
+        # False: never (Config.store_direct), or once the file system refused it
+        self.direct = True
         self.degraded = ""  # why nothing can be written (a full or read-only file system)
         self.degraded_errno = 0
         if create:
@@ -368,11 +372,11 @@ class BlobStore:
     def put_new(self, tag: str, name: str, payload: bytes | memoryview, *, flags: int,
                 source_version: str = "") -> int | None:
         """Stage a clean blob whose name is free, straight under its name: one create, a
-        ``pwrite`` of the header and one of the payload, one close — no temporary file, no
-        rename, no fsync. None (nothing
-        written) when the name is taken or the tag's directory was not made or checked by
-        this store: the caller then decides (a dirty blob there is never replaced) and
-        takes ``put``. A crash mid-write leaves a short or unsynced file, which fails
+        ``pwrite`` of the header and one of the payload (one ``pwritev`` around the page
+        cache when the payload is page-aligned whole pages: ``store/direct.py``), one close —
+        no temporary file, no rename, no fsync. None (nothing written) when the name is taken
+        or the tag's directory was not made or checked by this store: the caller then
+        decides (a dirty blob there is never replaced) and takes ``put``. A crash mid-write leaves a short or unsynced file, which fails
         verification like any unsynced clean blob and is faulted again."""
         self._require_writable()
         directory = self.tag_dir(tag)
@@ -394,7 +398,12 @@ class BlobStore:
                 raise StoreFull(f"store {self.root} is full") from None
             raise
         try:
-            write_parts(fd, [header, payload] if with_payload else [header])
+            view = memoryview(payload)
+            around = with_payload and self.direct and direct.aligned(view)
+            if around and not direct.write_blob(fd, header, view):
+                self.direct = around = False  # the file system refuses O_DIRECT: never again
+            if not around:
+                write_parts(fd, [header, payload] if with_payload else [header])
         except OSError as exc:
             os.close(fd)
             _unlink_quietly(path)
