@@ -376,8 +376,9 @@ class BlobStore:
         cache when the payload is page-aligned whole pages: ``store/direct.py``), one close —
         no temporary file, no rename, no fsync. None (nothing written) when the name is taken
         or the tag's directory was not made or checked by this store: the caller then
-        decides (a dirty blob there is never replaced) and takes ``put``. A crash mid-write leaves a short or unsynced file, which fails
-        verification like any unsynced clean blob and is faulted again."""
+        decides (a dirty blob there is never replaced) and takes ``put``. A crash mid-write
+        leaves a short or unsynced file, which fails verification like any unsynced clean
+        blob and is faulted again."""
         self._require_writable()
         directory = self.tag_dir(tag)
         if flags & FLAG_DIRTY or directory not in self._real_dirs:

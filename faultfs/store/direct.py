@@ -5,8 +5,9 @@ file's) or from memory; a second copy in the store file's page cache costs the `
 copy of every byte (about a third of the daemon's CPU on a cold S3 read, with the socket's
 receive and the FUSE reply), the kernel's writeback of it later, and memory the reader's
 cache could use. So a blob whose payload is a page-aligned buffer of whole pages (the pooled
-buffers every fault of ``buffers.SMALL`` and more reads into) is written with one ``pwritev`` of its header (copied into an
-aligned page) and its payload, straight from the buffer to the device.
+buffers every fault of ``buffers.SMALL`` and more reads into) is written with one ``pwritev``
+of its header (copied into an aligned page) and its payload, straight from the buffer to the
+device.
 
 Anything else takes the page cache as before, and so does every write on a file system that
 refuses ``O_DIRECT`` (tmpfs on older kernels, some FUSE and network file systems: ``fcntl``
@@ -34,7 +35,7 @@ _pages = threading.local()  # one aligned header page per I/O thread
 def aligned(view: memoryview) -> bool:
     """True when ``view`` can be written with ``O_DIRECT``: writable (its address can be
     read), page-aligned, and whole pages long."""
-    if not O_DIRECT or view.readonly or not view.contiguous or len(view) % ALIGN:
+    if not O_DIRECT or view.readonly or not view.contiguous or view.nbytes % ALIGN:
         return False
     cell = ctypes.c_char.from_buffer(view)  # holds an export of the buffer: dropped at once
     try:
@@ -64,7 +65,7 @@ def write_blob(fd: int, header: bytes, payload: memoryview) -> bool:
         if exc.errno == errno.EINVAL:
             return False
         raise
-    total = len(header) + len(payload)
+    total = len(header) + payload.nbytes
     try:
         written = os.pwritev(fd, [_header_page(header), payload], 0)
     except OSError as exc:
