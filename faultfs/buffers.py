@@ -29,6 +29,10 @@ HUGE = 2 << 20  # a buffer this big may be backed by huge pages
 KEEP_BYTES = 32 << 20  # free buffers kept mapped for reuse (counted in the daemon's RSS)
 MAX_LENT = 4096  # buffers watched for return; the oldest are forgotten beyond this
 RECLAIM_EVERY = 16  # with a free buffer at hand, look for returned ones every 16 allocations
+# O_DIRECT reads and writes of these buffers (sources/local.py, store/direct.py): offsets,
+# lengths and addresses in pages, which covers every device's block size
+ALIGN = 4096
+O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
 

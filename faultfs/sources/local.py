@@ -24,13 +24,11 @@ import stat as stat_mod
 import struct
 import threading
 
-from faultfs.buffers import alloc, pread_bytes, pread_full
+from faultfs.buffers import ALIGN, O_DIRECT, alloc, pread_bytes, pread_full
 from faultfs.errors import InvalidInput, SourceChanged, SourceError
 from faultfs.sources.base import SourceVersion
 
 DIRECT_MIN = 1 << 20  # reads of at least this much of an uncached range skip the page cache
-ALIGN = 4096  # O_DIRECT offsets, lengths and buffers: the page size covers every block size
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
 _SYS_CACHESTAT = {"x86_64": 451, "aarch64": 451}.get(os.uname().machine)
 _CACHESTAT = struct.Struct("<5Q")
 
@@ -103,7 +101,7 @@ class LocalFileSource:
         self.pinned = file_version(st)
         self._direct_fd = -1  # the same file opened O_DIRECT, on first use
         # SourceOptions.local_direct (Config.source_direct); False also once O_DIRECT failed
-        self.direct = direct and bool(_O_DIRECT) and _cachestat is not None
+        self.direct = direct and bool(O_DIRECT) and _cachestat is not None
         self.direct_reads = 0
 
     def version(self) -> SourceVersion:
@@ -176,7 +174,7 @@ class LocalFileSource:
             if self._direct_fd < 0 and self.direct and self._fd >= 0:
                 try:  # the very file of self._fd, not whatever the path names now
                     fd = os.open(f"/proc/self/fd/{self._fd}",
-                                 os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | _O_DIRECT)
+                                 os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | O_DIRECT)
                 except OSError:
                     self.direct = False
                     return -1

@@ -24,10 +24,8 @@ import mmap
 import os
 import threading
 
+from faultfs.buffers import ALIGN, O_DIRECT
 from faultfs.store.durable import write_parts
-
-ALIGN = 4096  # buffer addresses, offsets and lengths: the page size covers every block size
-O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 _pages = threading.local()  # one aligned header page per I/O thread
 
