@@ -20,9 +20,11 @@ Recycled buffers are not zeroed: ``alloc`` is for reads that fill what they retu
 from __future__ import annotations
 
 import collections
+import ctypes
 import mmap
 import os
 import threading
+from typing import Any
 
 SMALL = 256 << 10  # below this, the heap is cheaper than a mapping of our own
 HUGE = 2 << 20  # a buffer this big may be backed by huge pages
@@ -141,6 +143,13 @@ class BufferPool:
 
 
 POOL = BufferPool()
+
+
+def address_of(buf: Any) -> tuple[int, Any]:
+    """The address of writable buffer ``buf``, and the object that keeps it exported (alive,
+    unmoved, not resizable) until it is dropped."""
+    anchor = ctypes.c_char.from_buffer(buf)
+    return ctypes.addressof(anchor), anchor
 
 
 def alloc(size: int) -> memoryview:

@@ -17,14 +17,13 @@ what a crash leaves: the blob is not synced either way, and a torn one fails ver
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import fcntl
 import mmap
 import os
 import threading
 
-from faultfs.buffers import ALIGN, O_DIRECT
+from faultfs.buffers import ALIGN, O_DIRECT, address_of
 from faultfs.store.durable import write_parts
 
 _pages = threading.local()  # one aligned header page per I/O thread
@@ -35,11 +34,8 @@ def aligned(view: memoryview) -> bool:
     read), page-aligned, and whole pages long."""
     if not O_DIRECT or view.readonly or not view.contiguous or view.nbytes % ALIGN:
         return False
-    cell = ctypes.c_char.from_buffer(view)  # holds an export of the buffer: dropped at once
-    try:
-        return ctypes.addressof(cell) % ALIGN == 0
-    finally:
-        del cell
+    address, _ = address_of(view)  # the export it holds ends with this call
+    return address % ALIGN == 0
 
 
 def _header_page(header: bytes) -> memoryview:

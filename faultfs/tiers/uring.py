@@ -40,6 +40,8 @@ from typing import Any
 
 import trio
 
+from faultfs.buffers import address_of
+
 log = logging.getLogger("faultfs.tiers")
 
 # -- the kernel's interface (include/uapi/linux/io_uring.h) ------------------------------------
@@ -78,13 +80,6 @@ def _make_syscall() -> Any:
 
 
 _syscall: Any = None
-
-
-def address_of(buf: Any) -> tuple[int, Any]:
-    """The address of writable buffer ``buf``, and the object that keeps it exported (alive,
-    unmoved, not resizable) until it is dropped."""
-    anchor = ctypes.c_char.from_buffer(buf)
-    return ctypes.addressof(anchor), anchor
 
 
 class Ring:
