@@ -108,6 +108,9 @@ class Config:
     # FAULTFS_URING_PUNT=0: ring reads start their disk read on the serving thread, as a
     # blocking read would, instead of in the kernel's worker (IOSQE_ASYNC)
     uring_punt: bool = True
+    # FAULTFS_FUSE_FASTWAIT=0: every FUSE request waits through pyfuse3's own trio wait, even
+    # when the next one is already queued (faultfs/fuse/fastwait.py)
+    fuse_fastwait: bool = True
     # FAULTFS_SOURCE_DIRECT=0: large reads of uncached local sources take the page cache too
     source_direct: bool = True
     # FAULTFS_STORE_DIRECT=0: new blobs are written through the page cache too
@@ -154,7 +157,8 @@ class Config:
               shared_store: str | None = None,
               shared_store_endpoint_url: str | None = None,
               metrics_addr: str | None = None, uring: str | None = None,
-              uring_punt: bool | None = None, source_direct: bool | None = None,
+              uring_punt: bool | None = None, fuse_fastwait: bool | None = None,
+              source_direct: bool | None = None,
               store_direct: bool | None = None,
               env: Mapping[str, str] | None = None) -> Config:
         """Flags (non-None arguments) win over the environment, which wins over defaults."""
@@ -183,6 +187,8 @@ class Config:
             uring=uring if uring is not None else _uring_mode(env),
             uring_punt=(uring_punt if uring_punt is not None
                         else _env_flag("FAULTFS_URING_PUNT", True, env)),
+            fuse_fastwait=(fuse_fastwait if fuse_fastwait is not None
+                           else _env_flag("FAULTFS_FUSE_FASTWAIT", True, env)),
             source_direct=(source_direct if source_direct is not None
                            else _env_flag("FAULTFS_SOURCE_DIRECT", True, env)),
             store_direct=(store_direct if store_direct is not None

@@ -22,8 +22,10 @@ from faultfs.config import STATS_INTERVAL_S
 from faultfs.core.names import CTL_NAME
 from faultfs.engine import Engine
 from faultfs.errors import FaultfsError
+from faultfs.fuse import fastwait
 from faultfs.fuse.exporter import open_listeners, serve_metrics
 from faultfs.fuse.ops import FaultOperations
+from faultfs.tiers.uring import fuse_device_fds
 
 log = logging.getLogger("faultfs.mount")
 
@@ -43,12 +45,14 @@ def serve(engine: Engine, mountpoint: str, *, ready: Callable[[], None] | None =
         options.add("allow_other")
     if debug_fuse:
         options.add("debug")
+    devices = fuse_device_fds()
     try:
         pyfuse3.init(ops, mountpoint, options)
     except RuntimeError as exc:
         raise FaultfsError(f"mounting {mountpoint} failed: {exc}", errno.EIO) from None
+    fd = fastwait.session_fd(devices)
     try:
-        trio.run(_serve_async, engine, mountpoint, ready)
+        trio.run(_serve_async, engine, mountpoint, ready, fd)
     except BaseException:
         # never touch the mountpoint from this thread here: nothing answers it any more
         log.exception("the serving loop of %s stopped on an error; unmounting", mountpoint)
@@ -58,7 +62,8 @@ def serve(engine: Engine, mountpoint: str, *, ready: Callable[[], None] | None =
         engine.close()
 
 
-async def _serve_async(engine: Engine, mountpoint: str, ready: Callable[[], None] | None) -> None:
+async def _serve_async(engine: Engine, mountpoint: str, ready: Callable[[], None] | None,
+                       fd: int | None) -> None:
     listeners = (await open_listeners(engine.config.metrics_addr)
                  if engine.config.metrics_addr else [])
     async with trio.open_nursery() as nursery:
@@ -71,7 +76,9 @@ async def _serve_async(engine: Engine, mountpoint: str, ready: Callable[[], None
         nursery.start_soon(_announce_ready, mountpoint, ready, engine.config.readahead_kb)
         if engine.writes.needs_checkpoint():
             engine.writes.start_checkpoint()  # writes replayed from the journal: fold them
-        await pyfuse3.main()
+        with fastwait.installed(pyfuse3, fd, engine.stats,
+                                engine.config.fuse_fastwait):
+            await pyfuse3.main()
         with trio.move_on_after(DRAIN_TIMEOUT_S):
             await engine.drain()  # blobs faulted just before the unmount reach the store
         if engine.pending_stores:

@@ -449,20 +449,27 @@ class IdleProbe:
         return not self._poll.poll(0)
 
 
+def fuse_device_fds() -> list[int]:
+    """This process's open descriptors of ``/dev/fuse``, in order."""
+    found: list[int] = []
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return found
+    for name in names:
+        try:
+            if os.readlink(f"/proc/self/fd/{name}") == "/dev/fuse":
+                found.append(int(name))
+        except (OSError, ValueError):
+            continue
+    return sorted(found)
+
+
 def _fuse_device_poll() -> Any:
     """A ``select.poll`` over this process's ``/dev/fuse`` descriptors, or None."""
     import select
 
-    found = []
-    try:
-        for name in os.listdir("/proc/self/fd"):
-            try:
-                if os.readlink(f"/proc/self/fd/{name}") == "/dev/fuse":
-                    found.append(int(name))
-            except OSError:
-                continue
-    except OSError:
-        return None
+    found = fuse_device_fds()
     if not found:
         return None
     poll = select.poll()
