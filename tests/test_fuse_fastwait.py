@@ -187,14 +187,18 @@ def _drop(path: str) -> None:
         os.close(fd)
 
 
-def _read_randomly(path: str, data: bytes, count: int, seed: int) -> int:
+def _read_randomly(path: str, data: bytes, count: int, seed: int, lo: int = 0,
+                   hi: int | None = None) -> int:
+    """``count`` reads of 4 KiB, 64 KiB or 1000 bytes at random offsets in ``[lo, hi)``,
+    each dropped from the page cache first (so each is a request), checked against ``data``."""
     rng = random.Random(seed)
+    hi = len(data) if hi is None else hi
     fd = os.open(path, os.O_RDONLY)
     try:
         for _ in range(count):
             size = rng.choice((4 * KiB, 64 * KiB, 1000))
-            off = rng.randrange(len(data))
-            os.posix_fadvise(fd, off, size, os.POSIX_FADV_DONTNEED)  # each read a request
+            off = rng.randrange(lo, hi)
+            os.posix_fadvise(fd, off, size, os.POSIX_FADV_DONTNEED)
             assert os.pread(fd, size, off) == data[off:off + size], f"bytes at {off}"
     finally:
         os.close(fd)
@@ -251,7 +255,7 @@ def test_many_writers_and_readers_at_once_keep_every_byte(mounter, sample):
         jobs = [pool.submit(_write_randomly, view, model, k * span, (k + 1) * span, k)
                 for k in range(writers)]
         # two readers of the part nobody writes
-        jobs += [pool.submit(_read_randomly_in, view, bytes(model), writers * span, size, s)
+        jobs += [pool.submit(_read_randomly, view, bytes(model), 300, s, writers * span, size)
                  for s in (100, 101)]
         for job in jobs:
             job.result()
@@ -262,18 +266,6 @@ def test_many_writers_and_readers_at_once_keep_every_byte(mounter, sample):
     m2 = mounter(store=m.store)
     with open(os.path.join(m2.tag("field"), "field.bin"), "rb") as f:
         assert f.read() == bytes(model)
-
-
-def _read_randomly_in(path: str, data: bytes, lo: int, hi: int, seed: int) -> None:
-    rng = random.Random(seed)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        for _ in range(300):
-            off = rng.randrange(lo, hi - 4 * KiB)
-            os.posix_fadvise(fd, off, 4 * KiB, os.POSIX_FADV_DONTNEED)
-            assert os.pread(fd, 4 * KiB, off) == data[off:off + 4 * KiB]
-    finally:
-        os.close(fd)
 
 
 @pytest.mark.mount
