@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -75,6 +76,18 @@ class Mount(MountView):
     def umount(self) -> None:
         run_faultfs("umount", self.path, check=True)
         self.pid = None
+
+    def wait_gone(self, timeout: float = 30) -> bool:
+        """Wait for the daemon's process to end; True if it did (``pid`` is then None)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                os.kill(self.pid, 0)
+            except ProcessLookupError:
+                self.pid = None
+                return True
+            time.sleep(0.05)
+        return False
 
     def close(self) -> None:
         if os.path.ismount(self.path) or _dead(self.path):
