@@ -630,14 +630,24 @@ def test_block_hashes_are_the_xxh3_64_of_each_record(tmp_path, small_blocks, has
     assert seen == lines
 
 
+def _records_of(min_size: int, max_size: int) -> st.SearchStrategy[list[bytes]]:
+    return st.lists(st.binary(min_size=min_size, max_size=max_size)
+                    .filter(lambda b: b"\n" not in b), min_size=1, max_size=80)
+
+
 @settings(max_examples=80, deadline=None)
-@given(st.lists(st.binary(min_size=1, max_size=40).filter(lambda b: b"\n" not in b),
-                min_size=1, max_size=80))
+@given(st.one_of(_records_of(1, 40), _records_of(13, 60), _records_of(1, 12)))
 def test_bulk_hashes_are_per_record_hashes(records):
+    """Mixed lengths, and blocks whose records are all held in their views (up to 12
+    bytes) or none of them (the paths without the other kind); the views they are hashed
+    through are a valid Arrow array of exactly the records."""
     bulk = need_bulk()
     data = b"\n".join(records) + b"\n"
     stops = np.flatnonzero(np.frombuffer(data, dtype=np.uint8) == 10)
     starts = np.concatenate(([0], stops[:-1] + 1))
+    views = hashing.binary_views(bulk[0], data, starts, stops)
+    views.validate(full=True)
+    assert views.to_pylist() == records
     got = hashing.bulk_hashes(bulk, data, starts, stops)
     assert got.tolist() == hashing.per_record_hashes(records).tolist()
     assert got.tolist() == [xxhash.xxh3_64_intdigest(r) for r in records]

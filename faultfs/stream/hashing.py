@@ -81,28 +81,41 @@ def bulk_hashes(bulk: Any, data: bytes, starts: np.ndarray, stops: np.ndarray) -
     """xxh3_64 of ``data[starts[i]:stops[i]]`` for every ``i``, by polars-hash over one Arrow
     ``binary_view`` array whose views point into ``data``."""
     pa, pl, plh = bulk
-    n = int(starts.size)
-    lengths = (stops - starts).astype(np.int32)
-    views = np.zeros((n, 4), dtype=np.int32)  # length, prefix (or inline bytes), buffer, offset
-    views[:, 0] = lengths
-    raw = np.frombuffer(data, dtype=np.uint8)
-    short = lengths <= _INLINE
-    if short.any():  # inline: the value's bytes right after its length, zero padded
-        rows = np.flatnonzero(short)
-        col = np.arange(_INLINE)
-        take = np.minimum(starts[rows, None] + col, raw.size - 1)
-        inline = raw[take] * (col < lengths[rows, None])
-        views.view(np.uint8).reshape(n, 16)[rows, 4:] = inline
-    long = np.flatnonzero(~short)
-    if long.size:  # a view: its first 4 bytes (little-endian int32), buffer 0, the offset
-        at = starts[long]
-        views[long, 1] = (raw[at].astype(np.int32) | raw[at + 1].astype(np.int32) << 8
-                          | raw[at + 2].astype(np.int32) << 16
-                          | raw[at + 3].astype(np.int32) << 24)
-        views[long, 3] = at
-    array = pa.Array.from_buffers(pa.binary_view(), n,
-                                  [None, pa.py_buffer(views), pa.py_buffer(data)])
-    frame = pl.from_arrow(pa.table({"r": array}))
+    frame = pl.from_arrow(pa.table({"r": binary_views(pa, data, starts, stops)}))
     assert isinstance(frame, pl.DataFrame)
     hashes = frame.select(plh.col("r").nchash.xxh3_64()).to_series().to_numpy()
     return np.asarray(hashes, dtype=np.uint64)
+
+
+def binary_views(pa: Any, data: bytes, starts: np.ndarray, stops: np.ndarray) -> Any:
+    """The records ``data[starts[i]:stops[i]]`` as one Arrow ``binary_view`` array whose
+    views point into ``data`` (no copy)."""
+    n = int(starts.size)
+    lengths = stops - starts
+    # one 16-byte view per record, as two little-endian uint64 words: (length | first 4
+    # bytes << 32) and (buffer 0 | offset << 32); a value of up to 12 bytes is held inline
+    views = np.empty((n, 2), dtype=np.uint64)
+    short = lengths <= _INLINE
+    long = None if not short.any() else np.flatnonzero(~short)
+    at = starts if long is None else starts[long]
+    if at.size:  # every 4 bytes of data as an int, at each byte offset: one gather
+        words = np.ndarray((len(data) - 3,), dtype="<u4", buffer=data, strides=(1,))
+        prefix = words[at].astype(np.uint64) << np.uint64(32)
+        offsets = at.astype(np.uint64) << np.uint64(32)
+        if long is None:
+            np.bitwise_or(lengths.astype(np.uint64), prefix, out=views[:, 0])
+            views[:, 1] = offsets
+        else:
+            views[long, 0] = lengths[long].astype(np.uint64) | prefix
+            views[long, 1] = offsets
+    if long is not None:  # inline: the value's bytes right after its length, zero padded
+        raw = np.frombuffer(data, dtype=np.uint8)
+        rows = np.flatnonzero(short)
+        col = np.arange(_INLINE)
+        take = np.minimum(starts[rows, None] + col, max(raw.size - 1, 0))
+        inline = raw[take] * (col < lengths[rows, None]) if raw.size else 0
+        as_bytes = views.view(np.uint8).reshape(n, 16)
+        as_bytes[rows, :4] = lengths[rows, None].astype("<u4").view(np.uint8).reshape(-1, 4)
+        as_bytes[rows, 4:] = inline
+    return pa.Array.from_buffers(pa.binary_view(), n,
+                                 [None, pa.py_buffer(views), pa.py_buffer(data)])
