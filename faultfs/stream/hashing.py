@@ -112,8 +112,8 @@ def binary_views(pa: Any, data: bytes, starts: np.ndarray, stops: np.ndarray) ->
         raw = np.frombuffer(data, dtype=np.uint8)
         rows = np.flatnonzero(short)
         col = np.arange(_INLINE)
-        take = np.minimum(starts[rows, None] + col, max(raw.size - 1, 0))
-        inline = raw[take] * (col < lengths[rows, None]) if raw.size else 0
+        take = np.minimum(starts[rows, None] + col, raw.size - 1)  # a record has >= 1 byte
+        inline = raw[take] * (col < lengths[rows, None])
         as_bytes = views.view(np.uint8).reshape(n, 16)
         as_bytes[rows, :4] = lengths[rows, None].astype("<u4").view(np.uint8).reshape(-1, 4)
         as_bytes[rows, 4:] = inline
