@@ -749,3 +749,26 @@ def test_delivered_hashes_grow_past_merges_and_filter_rebuilds():
     others = rng.integers(0, 2**64 - 1, size=20000, dtype=np.uint64)
     assert not delivered.contains(others).any()  # 2**-64 per probe to be wrong
     assert delivered.nbytes < 16 * everything.size
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(1, 3000), st.data())
+def test_pick_is_the_records_at_the_indices(n, data):
+    """Every way ``pick`` may take (long runs as slices, a few records one by one, a mask
+    over all of them) gives the records at ``idx``, in order."""
+    items = [b"%d" % i for i in range(n)]
+    spread = data.draw(st.sampled_from(["all", "few-gaps", "few-kept", "random", "one"]))
+    if spread == "all":
+        idx = np.arange(n)
+    elif spread == "few-gaps":
+        gaps = data.draw(st.sets(st.integers(0, n - 1), max_size=max(1, n // 100)))
+        idx = np.array([i for i in range(n) if i not in gaps], dtype=np.intp)
+    elif spread == "few-kept":
+        idx = np.array(sorted(data.draw(st.sets(st.integers(0, n - 1), max_size=n // 4 + 1))),
+                       dtype=np.intp)
+    elif spread == "random":
+        keep = data.draw(st.lists(st.booleans(), min_size=n, max_size=n))
+        idx = np.flatnonzero(keep)
+    else:
+        idx = np.array([data.draw(st.integers(0, n - 1))], dtype=np.intp)
+    assert readers_mod.pick(items, idx) == [items[i] for i in idx]

