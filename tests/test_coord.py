@@ -87,3 +87,15 @@ def test_errors_carry_errno():
 def test_frozen():
     with pytest.raises(AttributeError):
         GOLDEN.shard_id = 4  # type: ignore[misc]
+
+
+def test_an_int_subclass_in_range_is_a_field():
+    """The fast check takes plain ints; an int subclass (an IntEnum, say) in range passes
+    the full one, as before it."""
+    import enum
+
+    class Shard(enum.IntEnum):
+        SECOND = 1
+
+    c = StreamCoordinate(shard_id=Shard.SECOND, byte_offset=7)
+    assert c.shard_id == 1 and StreamCoordinate.decode(c.encode()) == StreamCoordinate(1, 7)

@@ -31,6 +31,18 @@ _FIELD_MAX = {
 }
 
 
+_LIMITS = tuple(_FIELD_MAX.items())
+
+
+def _check_field(name: str, value: object, limit: int) -> None:
+    """Why ``value`` cannot be field ``name`` (an int subclass in range can)."""
+    # bool is an int subclass but never a meaningful coordinate field
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidInput(f"StreamCoordinate.{name} must be an int, got {type(value).__name__}")
+    if not 0 <= value <= limit:
+        raise InvalidInput(f"StreamCoordinate.{name}={value} out of range 0..{limit}")
+
+
 @dataclass(frozen=True)
 class StreamCoordinate:
     """Where the next record of a stream starts.
@@ -49,18 +61,10 @@ class StreamCoordinate:
     global_row_idx: int = 0
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            limit = _FIELD_MAX[f.name]
-            # bool is an int subclass but never a meaningful coordinate field
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise InvalidInput(
-                    f"StreamCoordinate.{f.name} must be an int, got {type(value).__name__}"
-                )
-            if not 0 <= value <= limit:
-                raise InvalidInput(
-                    f"StreamCoordinate.{f.name}={value} out of range 0..{limit}"
-                )
+        for name, limit in _LIMITS:  # a plain int in range passes at once (one per batch)
+            value = getattr(self, name)
+            if type(value) is not int or not 0 <= value <= limit:
+                _check_field(name, value, limit)
 
     def encode(self) -> bytes:
         """The 32-byte little-endian wire form."""
