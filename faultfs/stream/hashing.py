@@ -96,19 +96,13 @@ def binary_views(pa: Any, data: bytes, starts: np.ndarray, stops: np.ndarray) ->
     # bytes << 32) and (buffer 0 | offset << 32); a value of up to 12 bytes is held inline
     views = np.empty((n, 2), dtype=np.uint64)
     short = lengths <= _INLINE
-    long = None if not short.any() else np.flatnonzero(~short)
-    at = starts if long is None else starts[long]
+    long: Any = slice(None) if not short.any() else np.flatnonzero(~short)  # the viewed rows
+    at = starts[long]
     if at.size:  # every 4 bytes of data as an int, at each byte offset: one gather
         words = np.ndarray((len(data) - 3,), dtype="<u4", buffer=data, strides=(1,))
-        prefix = words[at].astype(np.uint64) << np.uint64(32)
-        offsets = at.astype(np.uint64) << np.uint64(32)
-        if long is None:
-            np.bitwise_or(lengths.astype(np.uint64), prefix, out=views[:, 0])
-            views[:, 1] = offsets
-        else:
-            views[long, 0] = lengths[long].astype(np.uint64) | prefix
-            views[long, 1] = offsets
-    if long is not None:  # inline: the value's bytes right after its length, zero padded
+        views[long, 0] = lengths[long].astype(np.uint64) | words[at].astype(np.uint64) << 32
+        views[long, 1] = at.astype(np.uint64) << np.uint64(32)
+    if not isinstance(long, slice):  # inline: the value's bytes after its length, zero padded
         raw = np.frombuffer(data, dtype=np.uint8)
         rows = np.flatnonzero(short)
         col = np.arange(_INLINE)
