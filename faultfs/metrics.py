@@ -29,6 +29,7 @@ _TAG_GAUGES = (
     ("tag_dirty_blobs", "dirty_blobs", "written blobs of the tag"),
     ("tag_dirty_bytes", "dirty_bytes", "bytes of written blobs of the tag"),
     ("tag_user_blobs", "user_blobs", "user blobs of the tag"),
+    ("tag_damaged_blobs", "damaged_blobs", "damaged dirty blobs of the tag (EIO until a reset)"),
 )
 
 
@@ -77,7 +78,9 @@ def render(snap: dict[str, Any]) -> str:
     for name, key, text in _TAG_GAUGES:
         family(name, "gauge", text)
         for tag, entry in sorted(tags.items()):
-            out.append(f'faultfs_{name}{{tag="{_label(tag)}"}} {_num(entry.get(key, 0))}')
+            value = entry.get(key, 0)
+            value = len(value) if isinstance(value, list) else value  # names: how many
+            out.append(f'faultfs_{name}{{tag="{_label(tag)}"}} {_num(value)}')
     hist = snap.get("fault_latency_histogram")
     if hist:
         family("fault_latency_seconds", "histogram", "time from a fault's start to its bytes")

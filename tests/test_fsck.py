@@ -479,6 +479,32 @@ def test_journal_damage_in_the_middle_is_not_a_torn_tail_and_what_follows_is_not
     assert "torn tail" in problem["reason"] and "after 3 good records" in problem["reason"]
 
 
+def test_a_journal_write_whose_data_does_not_verify_damages_its_blob_and_the_rest_verifies(
+        tmp_path):
+    """Its head verifies, so the records after it are checked too: the finding names the
+    blob a mount marks damaged, and the later segment is fine."""
+    root, _ = make_store(str(tmp_path / "store"))
+    directory = os.path.join(root, "writes", "journal")
+    journal = Journal(directory)
+    list(journal.replay())
+    for i in range(3):
+        journal.append(KIND_WRITE, "big", "chunk_0", i, 4, b"abcd")
+    journal.roll()
+    journal.append(KIND_WRITE, "big", "chunk_1", 0, 2, b"zz")
+    journal.sync()
+    journal.close()
+    first = os.path.join(directory, sorted(os.listdir(directory))[0])
+    record = len(encode(Record(1, KIND_WRITE, "big", "chunk_0", 0, 4, b"abcd")))
+    flip(first, 2 * record - 2)  # a byte of the second record's data
+    code, doc = fsck_json(root)
+    assert code == 1
+    [problem] = doc["problems"]
+    assert problem["path"] == os.path.relpath(first, root) and problem["keep"] == "the journal"
+    assert "record 2" in problem["reason"] and "blob chunk_0 of tag big" in problem["reason"]
+    assert "marks that blob damaged" in problem["reason"]
+    assert doc["areas"]["journal segments"]["ok"] == 1  # the later segment verifies
+
+
 def test_bad_store_arguments_cannot_run(tmp_path):
     for target in (tmp_path / "absent", tmp_path):
         for cmd in ("fsck", "gc"):

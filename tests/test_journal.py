@@ -25,6 +25,19 @@ from faultfs.store.journal import (
     segment_name,
 )
 
+
+@pytest.fixture
+def tmp_path(tmp_path):
+    """The journal's directory, as in a store: ``writes/damaged/`` lands beside it."""
+    journal = tmp_path / "writes" / "journal"
+    journal.mkdir(parents=True)
+    return journal
+
+
+def damaged_dir(journal) -> str:
+    return os.path.join(os.path.dirname(journal), "damaged")
+
+
 GOLDEN = bytes.fromhex(
     "46465357414c0001070000000000000001000100070000000010000000000000030000000000000050392f89"
     "945faf7895f45ac0fca74d6a746368756e6b5f30616263")
@@ -78,10 +91,11 @@ def test_whole_blob_records_replay_with_their_checksum(tmp_path):
         (3, KIND_ZERO, "chunk_1", 100, 0, b"")]
 
 
-def test_a_record_the_caller_refuses_ends_the_replay_and_is_cut_off(tmp_path):
+def test_a_record_the_caller_refuses_ends_the_replay_and_what_follows_is_set_aside(tmp_path):
     """``accept`` returning False (a whole-blob record whose file was lost) is a record that
-    does not verify: the replay stops there, the journal is cut before it and the next
-    append takes its seq (no record after it is ever replayed)."""
+    does not verify: the replay stops there and the journal is cut before it; the records
+    after it are kept in ``writes/damaged/`` (never deleted) and their seqs never handed out
+    again."""
     j = _fill(str(tmp_path), RECS[:1])
     j.append(KIND_BLOB, "t", "chunk_3", 0, 4096, digest=1)
     j.append(*RECS[1])
@@ -98,12 +112,17 @@ def test_a_record_the_caller_refuses_ends_the_replay_and_is_cut_off(tmp_path):
     j = Journal(str(tmp_path))
     assert [r.seq for r in j.replay(accept=accept)] == [1]
     assert seen == [1, 2]
-    assert sorted(os.listdir(tmp_path)) == [segment_name(1)]  # the later segment is gone
-    assert j.append(KIND_ZERO, "t", "chunk_0", 0, 1) == 2
+    assert sorted(os.listdir(tmp_path)) == [segment_name(1)]
+    aside = j.set_aside
+    assert aside is not None and aside.segment == segment_name(1) and aside.records == 3
+    assert aside.blobs == [("t", 2)] and "file" in aside.reason
+    assert sorted(os.listdir(damaged_dir(tmp_path))) == sorted(aside.files) == [
+        f"{segment_name(1)}.from-{aside.pos}", segment_name(4)]
+    assert j.append(KIND_ZERO, "t", "chunk_0", 0, 1) == 5
     j.sync()
     j.close()
     assert [(r.seq, r.kind) for r in Journal(str(tmp_path)).replay()] == [
-        (1, KIND_WRITE), (2, KIND_ZERO)]
+        (1, KIND_WRITE), (5, KIND_ZERO)]
 
 
 def test_a_large_write_is_appended_uncopied_and_replays_whole(tmp_path):
@@ -181,25 +200,65 @@ def test_a_torn_tail_is_cut_and_appends_go_on_after_the_last_good_record(tmp_pat
     assert [r.seq for r in Journal(str(tmp_path)).replay()] == [1, 2, 3, 4]
 
 
-def test_a_damaged_record_ends_the_replay_and_later_segments_are_not_trusted(tmp_path):
+def test_a_damaged_record_ends_the_replay_and_what_follows_is_kept_aside(tmp_path):
     j = _fill(str(tmp_path), RECS[:2])
     j.roll()
     j.append(*RECS[2])
     j.sync()
     j.close()
     seg = os.path.join(tmp_path, segment_name(1))
-    with open(seg, "r+b") as f:  # a bit of the second record's data checksum
-        f.seek(len(encode(Record(1, *RECS[0]))) + 40)
+    first_len = len(encode(Record(1, *RECS[0])))
+    with open(seg, "rb") as f:
+        second = f.read()[first_len:]
+    with open(seg, "r+b") as f:  # a bit of the second record's head
+        f.seek(first_len + 40)
         f.write(b"\xff")
-    assert [r.seq for r in Journal(str(tmp_path)).replay()] == [1]
+    j = Journal(str(tmp_path))
+    assert [r.seq for r in j.replay()] == [1]
     assert sorted(os.listdir(tmp_path)) == [segment_name(1)]
+    assert os.path.getsize(seg) == first_len
+    kept = damaged_dir(tmp_path)
+    assert sorted(os.listdir(kept)) == [f"{segment_name(1)}.from-{first_len}", segment_name(3)]
+    with open(os.path.join(kept, f"{segment_name(1)}.from-{first_len}"), "rb") as f:
+        assert f.read() == second[:40] + b"\xff" + second[41:]  # the bytes as they were
+    assert j.set_aside.records == 1 and "checksum" in j.set_aside.reason  # seq 3 verifies
+    assert j.append(*RECS[3]) == 4
+
+
+def test_a_write_whose_data_does_not_verify_is_damaged_and_the_replay_goes_on(tmp_path):
+    """Its head verifies, so the next record's place is known: that write (its blob) is
+    damaged, every other record replays."""
+    _fill(str(tmp_path), RECS).close()
+    seg = os.path.join(tmp_path, segment_name(1))
+    with open(seg, "r+b") as f:  # the first write's data: b"abc" -> b"abX"
+        f.seek(len(encode(Record(1, *RECS[0]))) - 1)
+        f.write(b"X")
+    j = Journal(str(tmp_path))
+    got = list(j.replay())
+    assert [r.seq for r in got] == [1, 2, 3, 4]
+    assert "does not verify" in got[0].damaged and got[0].data == b""
+    assert not any(r.damaged for r in got[1:]) and got[3].data == b"zz"
+    assert j.set_aside is None and not os.path.exists(damaged_dir(tmp_path))
+
+
+def test_a_last_write_whose_data_does_not_verify_is_a_torn_tail(tmp_path):
+    _fill(str(tmp_path), RECS).close()
+    seg = os.path.join(tmp_path, segment_name(1))
+    size = os.path.getsize(seg)
+    with open(seg, "r+b") as f:  # the last record's data (b"zz") lost to a crash
+        f.seek(size - 1)
+        f.write(b"\x00")
+    j = Journal(str(tmp_path))
+    assert [r.seq for r in j.replay()] == [1, 2, 3]
+    assert os.path.getsize(seg) == size - len(encode(Record(4, *RECS[3])))
+    assert j.set_aside is None and not os.path.exists(damaged_dir(tmp_path))
 
 
 @settings(max_examples=300, deadline=None)
 @given(junk=st.binary(max_size=4 * HEAD_LEN), cut=st.integers(0, 200),
        flip=st.integers(0, 1 << 12))
 def test_hostile_segments_replay_a_prefix_and_never_raise(tmp_path_factory, junk, cut, flip):
-    path = str(tmp_path_factory.mktemp("j"))
+    path = str(tmp_path_factory.mktemp("j") / "journal")
     _fill(path, RECS).close()
     seg = os.path.join(path, segment_name(1))
     with open(seg, "rb") as f:
@@ -212,7 +271,11 @@ def test_hostile_segments_replay_a_prefix_and_never_raise(tmp_path_factory, junk
     j.close()
     good = [encode(Record(i + 1, *r)) for i, r in enumerate(RECS)]
     for i, rec in enumerate(got):  # every record replayed is one that was written, in order
-        assert encode(rec) == good[i]
+        if rec.damaged:  # its head as written; its data not given out
+            assert rec.data == b"" and (rec.seq, rec.kind, rec.tag, rec.name, rec.off,
+                                        rec.length) == (i + 1, *RECS[i][:5])
+        else:
+            assert encode(rec) == good[i]
 
 
 def test_concurrent_syncs_while_appending_and_rolling_never_fail(tmp_path):

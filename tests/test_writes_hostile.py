@@ -8,10 +8,11 @@ import errno
 import json
 import mmap
 import os
+import signal
 import stat
 
 import pytest
-from conftest import run_faultfs
+from conftest import Mount, run_faultfs
 
 pytestmark = pytest.mark.mount
 MiB = 1 << 20
@@ -184,3 +185,155 @@ def test_a_spilled_write_whose_journal_bytes_changed_reads_eio_never_other_bytes
     with pytest.raises(OSError) as err:  # the blob is kept as it is: not written over
         write_at(view, 3 * MiB + 8192, b"over")
     assert err.value.errno == errno.EIO
+
+
+def _direct_read(path: str, off: int, size: int = 4096) -> bytes:
+    """``size`` bytes at ``off`` around the kernel's cache of the file (a fresh answer)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        buf = mmap.mmap(-1, size)
+        got = os.preadv(fd, [buf], off)
+        return bytes(buf[:got])
+    finally:
+        os.close(fd)
+
+
+def _corrupt_in_journal(store: str, needle: bytes) -> None:
+    journal = os.path.join(store, "writes", "journal")
+    for segment in sorted(os.listdir(journal)):
+        raw = read(os.path.join(journal, segment))
+        if needle in raw:
+            write_at(os.path.join(journal, segment), raw.index(needle) + 10, b"\x00")
+            return
+    raise AssertionError("the bytes are not in the journal")
+
+
+def test_a_blob_whose_spilled_write_is_damaged_stays_damaged_and_the_journal_lets_go(
+        mounter, sample):
+    """A damaged spilled write makes its blob damaged for good — EIO across remounts, never
+    its older bytes — without holding up the others: the unmount folds every other blob and
+    lets the journal go (the segments with the damaged blob's records are kept in
+    ``writes/damaged/``, which fsck lists), the writes after it read back, and ``faultfs
+    reset`` of that blob brings the source's bytes back."""
+    src = sample(4 * MiB)
+    source = read(src)
+    m = mounter(src, args=["--chunk-size", "1M", "--dirty-mb", "1"])
+    view = os.path.join(m.tag("field"), "field.bin")
+    want = bytearray(source)
+    marker = b"\xa5" * 4096
+    fd = os.open(view, os.O_WRONLY)
+    try:
+        os.pwrite(fd, marker, 3 * MiB)
+        for i in range(400):  # 1.6 MiB more: past the memory bound, the marker is spilled
+            data = bytes([i % 251 + 1]) * 4096
+            os.pwrite(fd, data, i * 4096)
+            want[i * 4096:(i + 1) * 4096] = data
+    finally:
+        os.close(fd)
+    assert m.counters()["spills"] >= 1
+    _corrupt_in_journal(m.store, marker)
+    with pytest.raises(OSError) as err:
+        _direct_read(view, 3 * MiB)
+    assert err.value.errno == errno.EIO
+    write_at(view, 2 * MiB + 5, b"after the damage")  # the others still take writes
+    want[2 * MiB + 5:2 * MiB + 21] = b"after the damage"
+    m.umount()  # every other blob folded, the journal let go
+    writes = os.path.join(m.store, "writes")
+    kept = os.listdir(os.path.join(writes, "damaged"))
+    assert kept and any(marker[:10] in read(os.path.join(writes, "damaged", k)) for k in kept)
+    assert sum(os.path.getsize(os.path.join(writes, "journal", s))
+               for s in os.listdir(os.path.join(writes, "journal"))) == 0
+    state = json.loads(read(os.path.join(writes, "t-field", "state.json")))
+    assert list(state["damaged_blobs"]) == ["chunk_3"]
+    doc = json.loads(run_faultfs("fsck", m.store, "--json").stdout)
+    said = [f["reason"] for f in doc["problems"]]
+    assert any("chunk_3" in d and "faultfs reset" in d for d in said), said
+    assert any("kept by a mount" in d for d in said), said
+
+    m2 = mounter(store=m.store, mountpoint=m.path)
+    tag = m2.tag("field")
+    view = os.path.join(tag, "field.bin")
+    with pytest.raises(OSError) as err:  # still damaged: never the chunk's older bytes
+        _direct_read(os.path.join(tag, "chunk_3"), 0)
+    assert err.value.errno == errno.EIO
+    assert m2.stats()["tags"]["field"]["damaged_blobs"] == ["chunk_3"]
+    shown = run_faultfs("stat", m2.path, check=True).stdout
+    assert "damaged (EIO until `faultfs reset`): chunk_3" in shown, shown
+    assert _direct_read(view, 0, 3 * MiB) == bytes(want[:3 * MiB])  # everyone else's writes
+    run_faultfs("reset", tag, "chunk_3", check=True)
+    assert _direct_read(view, 0, 4 * MiB) == bytes(want[:3 * MiB]) + source[3 * MiB:]
+    m2.umount()
+    assert "damaged_blobs" not in json.loads(read(os.path.join(writes, "t-field", "state.json")))
+    m3 = mounter(store=m.store, mountpoint=m.path)
+    assert read(os.path.join(m3.tag("field"), "field.bin")) == bytes(want[:3 * MiB]) + source[3 * MiB:]
+
+
+def _written_then_killed(mounter, sample, writes: list[tuple[int, bytes]]):
+    """A 4 MiB view in 1 MiB chunks, ``writes`` (offset, bytes) made and fsynced, then the
+    daemon killed -9: ``(mount, source bytes)``."""
+    src = sample(4 * MiB)
+    m = mounter(src, args=["--chunk-size", "1M"])
+    fd = os.open(os.path.join(m.tag("field"), "field.bin"), os.O_WRONLY)
+    try:
+        for off, data in writes:
+            os.pwrite(fd, data, off)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.kill(m.pid, signal.SIGKILL)
+    assert m.wait_gone()
+    return m, read(src)
+
+
+def _remount(m) -> tuple[str, Mount]:
+    """Mount ``m``'s store again where it was: what the mount said, and the mount."""
+    r = run_faultfs("mount", m.path, "--store", m.store, "--reserve-mb", "0")
+    assert r.returncode == 0, r.stderr
+    return r.stderr, Mount(m.path, m.store)
+
+
+def test_a_write_damaged_in_the_journal_after_a_kill_damages_its_blob_only(mounter, sample):
+    """The replay after a kill -9 meets a write whose data no longer verifies (its head
+    does): that blob is damaged (EIO, said at the mount), every record after it — of other
+    blobs — still replays."""
+    marker = b"\x5a" * 8192
+    m, source = _written_then_killed(mounter, sample, [
+        (MiB + 100, marker), (2 * MiB, b"written later"), (10, b"and last")])
+    _corrupt_in_journal(m.store, marker[:2000])  # (the kernel may cut the write by pages)
+    said, m2 = _remount(m)
+    try:
+        assert "chunk_1" in said and "damaged" in said, said
+        tag = m2.tag("field")
+        with pytest.raises(OSError) as err:
+            _direct_read(os.path.join(tag, "chunk_1"), 0)
+        assert err.value.errno == errno.EIO
+        assert _direct_read(os.path.join(tag, "chunk_2"), 0, 13) == b"written later"
+        assert _direct_read(os.path.join(tag, "chunk_0"), 0, 18) == source[:10] + b"and last"
+        kept = os.path.join(m.store, "writes", "damaged")  # the damaged blob's records, kept
+        assert any(marker[:2000] in read(os.path.join(kept, k)) for k in os.listdir(kept))
+    finally:
+        m2.close()
+
+
+def test_a_damaged_record_head_sets_the_rest_of_the_journal_aside_never_deletes_it(
+        mounter, sample):
+    """A record whose head no longer verifies ends the replay (where the next one starts is
+    not known): what follows it is moved to ``writes/damaged/`` — never deleted — and the
+    mount says so; the writes before it replay."""
+    m, source = _written_then_killed(mounter, sample, [
+        (0, b"first"), (MiB, b"second-write"), (2 * MiB, b"third")])
+    journal = os.path.join(m.store, "writes", "journal")
+    [segment] = [s for s in os.listdir(journal) if os.path.getsize(os.path.join(journal, s))]
+    raw = read(os.path.join(journal, segment))
+    head = raw.rindex(b"FFSWAL", 0, raw.index(b"second-write"))
+    write_at(os.path.join(journal, segment), head + 20, b"\xff")  # its name's length
+    said, m2 = _remount(m)
+    try:
+        assert "not replayed" in said and "writes/damaged" in said, said
+        tag = m2.tag("field")
+        assert _direct_read(os.path.join(tag, "chunk_0"), 0, 5) == b"first"
+        assert _direct_read(os.path.join(tag, "chunk_2"), 0, 5) == source[2 * MiB:2 * MiB + 5]
+        [kept] = os.listdir(os.path.join(m.store, "writes", "damaged"))
+        assert read(os.path.join(m.store, "writes", "damaged", kept)).count(b"third") == 1
+    finally:
+        m2.close()

@@ -150,6 +150,8 @@ def render_stats(snap: dict) -> str:
         if t.get("dirty_blobs") or t.get("user_blobs"):
             lines.append(f"  written: {t['dirty_blobs']} dirty blobs "
                          f"({format_size(t['dirty_bytes'])}), {t.get('user_blobs', 0)} user blobs")
+        if t.get("damaged_blobs"):
+            lines.append(f"  damaged (EIO until `faultfs reset`): {', '.join(t['damaged_blobs'])}")
         if t.get("stale_dropped_at_mount") or t.get("source_changed_at_mount"):
             lines.append(f"  source changed since the last mount: {t.get('stale_dropped_at_mount', 0)} "
                          "stale blobs dropped, re-faulting from the new version")

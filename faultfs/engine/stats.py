@@ -68,6 +68,7 @@ def _shared(tiers: TierStack) -> dict[str, Any]:
             "publish_bytes_waiting": shared.waiting}
 
 
-def _dirty(writes: Writes, tag: Tag) -> dict[str, int]:
+def _dirty(writes: Writes, tag: Tag) -> dict[str, Any]:
     blobs, size = writes.dirty_summary(tag)
-    return {"dirty_blobs": blobs, "dirty_bytes": size, "user_blobs": len(writes.user_names(tag))}
+    return {"dirty_blobs": blobs, "dirty_bytes": size, "user_blobs": len(writes.user_names(tag)),
+            "damaged_blobs": writes.damaged_names(tag)}

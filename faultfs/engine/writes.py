@@ -22,7 +22,11 @@ Invariants:
   not for the faulted chunk's store write, which runs behind it (the base is pinned, and
   one the store could not keep is clean bytes that a later read faults again).
 - Dirty data is never evicted, never replaced by a fault and never re-faulted: a damaged
-  dirty file is EIO and is kept.
+  dirty file is EIO and is kept. So is a blob whose writes in the journal do not verify
+  (found by the replay or by a read of a spilled write): its tag's write state names it
+  (durably, before any trim), folds skip it and the trim keeps the segments with its records
+  in ``writes/damaged/``, so every other blob is folded and the journal still lets go; a
+  reset drops it.
 - Writes and folds of one blob are serialised (its lock); a read takes the base and the
   writes it sees in one step, so it never mixes two states of a blob.
 - Bytes in memory are bounded: past ``fold_bytes`` of held writes, every write's bytes are
@@ -45,6 +49,7 @@ Invariants:
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 import time
@@ -166,6 +171,9 @@ class TagWrites:
     voided_blobs: dict[str, int] = field(default_factory=dict)  # a reset of single blobs
     mtime_ns: int = 0  # when it was last written
     damaged: str = ""  # why its write state could not be read: it takes no writes
+    # blobs whose writes were found damaged in the journal (name -> why): kept, EIO, until a
+    # reset drops them; their records were moved to writes/damaged/ when the journal let go
+    damaged_blobs: dict[str, str] = field(default_factory=dict)
 
 
 def _tag_writes(state: dict, source_size: int) -> TagWrites:
@@ -176,10 +184,12 @@ def _tag_writes(state: dict, source_size: int) -> TagWrites:
         voided = state.get("voided_blobs", {})
         ancestors = state.get("ancestors", ())
         parted = state.get("parted", [])
+        damaged = state.get("damaged_blobs", {})
         if not (isinstance(users, dict) and isinstance(voided, dict)
                 and isinstance(ancestors, (list, tuple)) and isinstance(parted, list)
-                and all(isinstance(a, str) for a in ancestors)):
-            raise TypeError("users, voided_blobs, ancestors or parted")
+                and all(isinstance(a, str) for a in ancestors) and isinstance(damaged, dict)
+                and all(isinstance(v, str) for v in damaged.values())):
+            raise TypeError("users, voided_blobs, ancestors, parted or damaged_blobs")
         return TagWrites(view_size=_uint(state.get("view_size", source_size)),
                          view_seq=_uint(state.get("view_seq", 0)),
                          users={str(k): _uint(v) for k, v in users.items()},
@@ -188,7 +198,8 @@ def _tag_writes(state: dict, source_size: int) -> TagWrites:
                          ancestors=tuple(ancestors),
                          voided=_uint(state.get("voided", 0)),
                          voided_blobs={str(k): _uint(v) for k, v in voided.items()},
-                         mtime_ns=_uint(state.get("mtime_ns", 0)))
+                         mtime_ns=_uint(state.get("mtime_ns", 0)),
+                         damaged_blobs={str(k): v for k, v in damaged.items()})
     except (TypeError, ValueError) as exc:
         raise CorruptionError(f"the write state has a field of the wrong type ({exc})") from None
 
@@ -232,6 +243,7 @@ class Writes:
         self._unsynced: list[tuple[str, int]] = []  # (tag, seq) of direct files not synced yet
         self._obsolete: list[tuple[str, int]] = []  # (tag, seq) of direct files to delete
         self._syncing = trio.Lock()  # fsyncs one at a time: each covers what came before it
+        self._damage_unkept = False  # a blob was found damaged: the next trim keeps segments
 
     # -- recovery (blocking, before the mount answers) ---------------------------------------
 
@@ -250,7 +262,16 @@ class Writes:
         if tw.view_size != tag.layout.size or tw.users:
             self.changed.add(tag.id)
         ids = set(tw.users.values())
+        for name, why in tw.damaged_blobs.items():
+            log.error("tag %s: dirty blob %s is damaged (%s): kept, reads of it fail with EIO "
+                      "until faultfs reset drops its writes", tag.name, name, why)
+            index = self._chunk_index(tag, name)
+            size = tag.layout.chunk_size if index is not None else 0
+            self._add(DirtyBlob(tag, name, index, size, FOLDED, 1 << 62, folded_size=size,
+                                damaged=why))
         for name in self.files.names(tag.name):
+            if name in tw.damaged_blobs:
+                continue
             try:
                 header = self.files.header(tag.name, name, tw.ancestors)
             except CorruptionError as exc:
@@ -292,6 +313,7 @@ class Writes:
                 return True
             return self.files.check_direct(tag.name, rec.name, rec.seq, rec.length, rec.digest)
 
+        damaged: set[int] = set()
         for rec in self.journal.replay(writable=self.writable, accept=accept):
             first = rec.seq if first is None else first
             found = self._replayed(tags, rec)
@@ -300,12 +322,50 @@ class Writes:
             tag, blob = found
             if blob is None:
                 self._set_view_size(tag, self.tags[tag.id], rec.length)
+            elif blob.damaged:
+                continue  # nothing more is laid over it: its bytes are not known
+            elif rec.damaged:
+                self._mark_damaged(blob, rec.damaged)
+                damaged.add(tag.id)
+                continue
             else:
                 self._apply(blob, rec)
             applied += 1
         self._kept_from = self.journal.next_seq if first is None else first
+        if self.writable:
+            for tag_id in damaged:  # before any trim can let their records go
+                if not self.tags[tag_id].damaged:
+                    self.files.write_state(self._names[tag_id], _state_doc(self.tags[tag_id]))
+        self._set_aside(tags)
         self._sort_direct_files(tags)
         return applied
+
+    def _set_aside(self, tags: dict[str, Tag]) -> None:
+        """Say what the replay kept in writes/damaged/, and move there the direct files its
+        whole-chunk records named (no record on disk names them now)."""
+        aside = self.journal.set_aside
+        if aside is None:
+            return
+        for tag_name, seq in aside.blobs:
+            if tag_name in tags:
+                self.files.set_aside_direct(tag_name, seq, self.journal.damaged_dir)
+        log.error("the write journal does not verify at byte %d of %s (%s): %d records after "
+                  "it were not replayed; they are kept in %s (faultfs fsck lists them)",
+                  aside.pos, aside.segment, aside.reason, aside.records,
+                  self.journal.damaged_dir)
+
+    def _mark_damaged(self, blob: DirtyBlob, why: str) -> None:
+        """``blob``'s writes cannot be read back: it reads and takes writes as EIO, is never
+        folded or written over, and stays so across mounts (its tag's write state names
+        it; the segments holding its records are kept when the journal lets them go) until
+        a reset drops it."""
+        blob.damaged = why
+        tw = self.tags[blob.tag.id]
+        tw.damaged_blobs[blob.name] = why
+        self.changed.add(blob.tag.id)
+        self._damage_unkept = True
+        log.error("dirty blob %s of tag %s is damaged (%s): kept, reads of it fail with EIO "
+                  "until faultfs reset drops its writes", blob.name, blob.tag.name, why)
 
     def _replayed(self, tags: dict[str, Tag], rec: Record) -> tuple[Tag, DirtyBlob | None] | None:
         """What record ``rec`` changes at a replay — its tag and blob (None: the view's size)
@@ -423,6 +483,11 @@ class Writes:
             self._user_sizes[key] = size
         return size
 
+    def damaged_names(self, tag: Tag) -> list[str]:
+        """The damaged dirty blobs of a tag (EIO until a reset drops them)."""
+        return sorted(b.name for (tag_id, _), b in self.blobs.items()
+                      if tag_id == tag.id and b.damaged)
+
     def dirty_summary(self, tag: Tag) -> tuple[int, int]:
         """``(dirty blobs, bytes)`` of a tag (bytes: sizes of its dirty blobs)."""
         count = size = 0
@@ -495,8 +560,7 @@ class Writes:
         try:
             await self.pool.run(lay, buf, off, parts, self._read_back)
         except CorruptionError as exc:  # kept, never written over: fsck reports it
-            blob.damaged = f"a write in the journal does not verify: {exc}"
-            log.error("dirty blob %s of tag %s: %s", blob.name, blob.tag.name, blob.damaged)
+            self._mark_damaged(blob, f"a write in the journal does not verify: {exc}")
             raise FaultfsError(f"dirty blob {blob.name} of tag {blob.tag.name} cannot be "
                                f"read: {exc}", errno.EIO) from None
 
@@ -993,7 +1057,12 @@ class Writes:
                 tw.view_seq = through
                 if tag_id in self.changed:  # a tag nothing was written to keeps no state
                     await self._save_state_id(tag_id)
-            await self.pool.run(self.journal.trim, through)
+            keep, self._damage_unkept = self._damage_unkept, False
+            try:  # a damaged blob's records (no fold took them) are kept, not deleted
+                await self.pool.run(functools.partial(self.journal.trim, through, keep=keep))
+            except BaseException:
+                self._damage_unkept = self._damage_unkept or keep
+                raise
             self._kept_from = max(self._kept_from, through + 1)
             # no record at or below ``through`` can be replayed now (trimmed, or its blob's
             # durable file names a later seq): direct files they named may go
@@ -1019,11 +1088,14 @@ class Writes:
         failures: list[FaultfsError] = []
 
         async def one(blob: DirtyBlob) -> None:
+            if blob.damaged:
+                return  # never written over (its tag's state names it: see _mark_damaged)
             async with limiter:
                 try:
                     await self.fold(blob, sync_dir=False)
                 except FaultfsError as exc:
-                    failures.append(exc)
+                    if not blob.damaged:  # found so now: kept like the others (above)
+                        failures.append(exc)
 
         async with trio.open_nursery() as nursery:
             for blob in blobs:
@@ -1113,6 +1185,7 @@ class Writes:
         if names is None:
             tw.voided = seq
             tw.view_size, tw.users, tw.parted = tag.layout.size, {}, set()
+            tw.damaged_blobs = {}
             self.changed.discard(tag.id)
             gone = [key for key in self.blobs if key[0] == tag.id]
         else:
@@ -1121,13 +1194,17 @@ class Writes:
                 uid = tw.users.get(name)
                 if uid is not None:  # every part of it: one void mark covers them all
                     tw.voided_blobs[part_name(uid, 0)] = seq
-                    gone += [(tag.id, b.name) for b in self._parts.get((tag.id, uid), {}).values()]
+                    parts = [b.name for b in self._parts.get((tag.id, uid), {}).values()]
+                    for part in parts:
+                        tw.damaged_blobs.pop(part, None)
+                    gone += [(tag.id, part) for part in parts]
                     continue
                 if (tag.id, name) not in self.blobs:
                     if self._chunk_index(tag, name) is None:
                         raise FaultfsError(f"tag {tag.name} has no blob {name}", errno.ENOENT)
                     continue  # a chunk that was never written: nothing to drop
                 tw.voided_blobs[name] = seq
+                tw.damaged_blobs.pop(name, None)
                 gone.append((tag.id, name))
         await self._save_state(tag)
         for key in gone:
@@ -1256,11 +1333,7 @@ class Writes:
         if tw.damaged:
             return  # never written over: fsck reports it, the user decides
         name = self._names[tag_id]
-        state = {"view_size": tw.view_size, "view_seq": tw.view_seq, "users": tw.users,
-                 "next_user": tw.next_user, "parted": sorted(tw.parted),
-                 "ancestors": list(tw.ancestors),
-                 "voided": tw.voided, "voided_blobs": tw.voided_blobs,
-                 "mtime_ns": tw.mtime_ns}
+        state = _state_doc(tw)
         try:
             await self.pool.run(self.files.write_state, name, state)
         except OSError as exc:
@@ -1268,6 +1341,17 @@ class Writes:
             raise FaultfsError(f"saving the writes of tag {name} failed: {exc.strerror}",
                                code) from None
 
+
+
+def _state_doc(tw: TagWrites) -> dict:
+    """A tag's write state as its JSON document (``_tag_writes`` reads it back)."""
+    state = {"view_size": tw.view_size, "view_seq": tw.view_seq, "users": tw.users,
+             "next_user": tw.next_user, "parted": sorted(tw.parted),
+             "ancestors": list(tw.ancestors), "voided": tw.voided,
+             "voided_blobs": tw.voided_blobs, "mtime_ns": tw.mtime_ns}
+    if tw.damaged_blobs:
+        state["damaged_blobs"] = tw.damaged_blobs
+    return state
 
 
 def _too_big(tag: Tag, name: str, size: int) -> FaultfsError:

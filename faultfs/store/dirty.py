@@ -236,6 +236,19 @@ class DirtyFiles:
         if self.ops.exists(path):
             self.ops.unlink(path)
 
+    def set_aside_direct(self, tag: str, seq: int, directory: str) -> str | None:
+        """Move the direct file of ``seq`` into ``directory`` (``writes/damaged/``: its record
+        was set aside by a replay, so no replay names it again); its new name."""
+        path = self.direct_path(tag, seq)
+        if not self.ops.exists(path):
+            return None
+        name = f"{os.path.basename(self.tag_dir(tag))}.{os.path.basename(path)}"
+        self.ops.makedirs(directory)
+        self.ops.rename(path, os.path.join(directory, name))
+        self.ops.fsync_dir(directory)
+        self.ops.fsync_dir(os.path.dirname(path))
+        return name
+
     def direct_seqs(self, tag: str) -> list[int]:
         """Seqs of the direct files of ``tag`` on disk."""
         directory = self._tag_dir_for_reading(tag)

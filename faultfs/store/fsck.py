@@ -62,6 +62,7 @@ from faultfs.store.blobstore import (
 from faultfs.store.dirty import DIRECT_PREFIX, WAL_PREFIX
 from faultfs.store.dirty import STATE as WRITE_STATE
 from faultfs.store.journal import (
+    DAMAGED_DIR,
     HEAD_LEN,
     KIND_WRITE,
     SEGMENT_PREFIX,
@@ -101,6 +102,7 @@ KEEP_RECOVERABLE = "a mount with its source recovers it"
 WRITE_STATE_FIELDS: dict[str, type | tuple[type, ...]] = {
     "view_size": int, "view_seq": int, "users": dict, "next_user": int, "ancestors": list,
     "voided": int, "voided_blobs": dict, "mtime_ns": int, "parted": list,
+    "damaged_blobs": dict,
 }
 
 
@@ -645,6 +647,14 @@ class StoreWalk:
                           KEEP_DIRTY)
             return
         for entry in _scan(self._writes):
+            if entry.name == DAMAGED_DIR and entry.is_dir(follow_symlinks=False):
+                for kept in _scan(entry.path):
+                    _, size = _lsize(kept.path)
+                    yield Finding(JOURNAL, DAMAGED, kept.path, size,
+                                  "kept by a mount: writes it could not replay or fold (see the "
+                                  "store's log); remove it by hand once not needed",
+                                  KEEP_JOURNAL)
+                continue
             if entry.name == "journal":
                 if entry.is_dir(follow_symlinks=False):
                     yield from self._journal(entry.path)
@@ -687,6 +697,11 @@ class StoreWalk:
                               KEEP_DIRTY)
             else:
                 yield Finding(WRITE_STATES, OK, state_path, size)
+            for name, why in ({} if problem or doc is None else
+                              doc.get("damaged_blobs", {})).items():
+                yield Finding(DIRTY, DAMAGED, state_path, 0,
+                              f"dirty blob {name} of tag {label}: {why}: it reads as EIO until "
+                              "faultfs reset drops its writes", KEEP_DIRTY)
 
         def owns(header_tag: str) -> bool:
             if header_tag in ancestors:
@@ -757,7 +772,7 @@ class StoreWalk:
             if stopped:
                 yield Finding(JOURNAL, DAMAGED, path, size,
                               f"journal segment {name}: follows {stopped}: not replayed (the "
-                              "next mount deletes it)", KEEP_JOURNAL)
+                              f"next mount moves it to writes/{DAMAGED_DIR})", KEEP_JOURNAL)
                 continue
             try:
                 fd = open_regular(path)
@@ -775,8 +790,15 @@ class StoreWalk:
             finally:
                 os.close(fd)
             expect = scan.expect
+            for n, (pos, seq, tag, blob) in enumerate(scan.damaged_writes):
+                yield Finding(JOURNAL, DAMAGED, path, 0 if n or scan.problem else size,
+                              f"journal segment {name}: the data of record {seq} at byte {pos} "
+                              f"(a write of blob {blob} of tag {tag}) does not verify: the next "
+                              "mount marks that blob damaged (EIO) and replays the rest",
+                              KEEP_JOURNAL)
             if not scan.problem:
-                yield Finding(JOURNAL, OK, path, size)
+                if not scan.damaged_writes:
+                    yield Finding(JOURNAL, OK, path, size)
                 continue
             after = f"after {scan.records} good records"
             if scan.torn:
@@ -788,7 +810,8 @@ class StoreWalk:
                 yield Finding(JOURNAL, DAMAGED, path, size,
                               f"journal segment {name}: the record at byte {scan.pos} {after} "
                               f"does not verify ({scan.problem}): the {size - scan.pos} bytes "
-                              "from there are not replayed", KEEP_JOURNAL)
+                              "from there are not replayed (the next mount moves them to "
+                              f"writes/{DAMAGED_DIR})", KEEP_JOURNAL)
             stopped = f"a record that does not verify in {name}"
 
     # -- small entries ------------------------------------------------------------------------
@@ -854,6 +877,7 @@ class _SegmentScan:
         self.records = 0
         self.problem = ""
         self.torn = False
+        self.damaged_writes: list[tuple[int, int, str, str]] = []  # (pos, seq, tag, blob)
 
     def _stop(self, problem: str, *, torn: bool) -> None:
         self.problem = problem
@@ -875,15 +899,18 @@ class _SegmentScan:
             names = os.pread(self.fd, tag_len + name_len, self.pos + HEAD_LEN)
             if xxhash.xxh3_64_intdigest(raw[:HEAD_LEN - 8] + names) != check:
                 return self._stop("record header checksum mismatch", torn=total == left)
-            if kind == KIND_WRITE and self._data_digest(self.pos + HEAD_LEN + len(names),
-                                                        length) != digest:
-                return self._stop("record data checksum mismatch", torn=total == left)
             try:
                 names.decode("utf-8")
             except UnicodeDecodeError:
                 return self._stop("record names are not UTF-8", torn=False)
             if seq < self.expect:
                 return self._stop(f"seq {seq} after {self.expect - 1}", torn=False)
+            if kind == KIND_WRITE and self._data_digest(self.pos + HEAD_LEN + len(names),
+                                                        length) != digest:
+                if self.last and total == left:
+                    return self._stop("record data checksum mismatch", torn=True)
+                self.damaged_writes.append((self.pos, seq, names[:tag_len].decode("utf-8"),
+                                            names[tag_len:].decode("utf-8")))
             self.expect = seq + 1
             self.records += 1
             self.pos += total
@@ -932,6 +959,8 @@ def _write_state_problem(doc: dict) -> str:
         table = doc.get(name, {})
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in table.values()):
             return f"field {name} maps names to something other than integers"
+    if not all(isinstance(v, str) for v in doc.get("damaged_blobs", {}).values()):
+        return "field damaged_blobs maps names to something other than reasons"
     if not all(isinstance(a, str) for a in doc.get("ancestors", ())):
         return "field ancestors names something other than tags"
     if not all(isinstance(u, int) and not isinstance(u, bool) and u >= 0

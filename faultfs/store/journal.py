@@ -29,6 +29,9 @@ Invariants:
   the daemon keeps them). ``sync`` makes every record appended before it durable.
 - Replay yields records in seq order and stops at the first record that does not verify
   (torn, truncated, foreign): what follows it is not trusted, so a crash leaves a prefix.
+  A write whose head verifies but whose data does not is not a stop: it is yielded as
+  damaged (its blob is, the others go on). What follows a stop is cut off only when it is a
+  crash's torn tail; anything else is moved or copied to ``writes/damaged/``, never deleted.
 - ``sync`` fsyncs older segments before the current one: a durable record in a later
   segment never follows a lost one that a sync vouched for (replay stops at the first
   record that does not verify, wherever it is).
@@ -42,6 +45,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 import struct
 import threading
 from collections.abc import Callable, Iterator
@@ -63,6 +67,8 @@ assert HEAD_LEN == 56
 SEGMENT_BYTES = 64 << 20  # a segment is closed (fsynced) and a new one started past this
 MAX_RECORD_DATA = 1 << 30  # a write record carries at most one blob's bytes
 MAX_SEQ = 1 << 62  # no journal gets near it; a record claiming more is not one of ours
+DAMAGED_DIR = "damaged"  # writes/damaged/: what a replay could not trust, kept, never read
+SCAN_STEP = 4 << 20  # what is set aside is scanned for record heads in pieces of this much
 SEGMENT_PREFIX, SEGMENT_SUFFIX = "w-", ".log"
 INLINE_DATA = 64 << 10  # data up to this is joined to its record's head: one pwrite
 
@@ -81,6 +87,21 @@ class Record:
     segment: int = 0
     data_pos: int = 0
     data_digest: int = 0
+    damaged: str = ""  # a write whose head verifies and whose data does not: why (no data)
+
+
+@dataclass
+class SetAside:
+    """What a replay set aside in ``writes/damaged/`` instead of deleting it: everything from
+    a record that does not verify on, when records that do verify may follow it (damage in
+    the middle of the journal, not a crash's torn tail)."""
+
+    segment: str  # the segment and byte where the replay stopped, and why
+    pos: int
+    reason: str
+    files: list[str]  # what was kept, in writes/damaged/
+    records: int  # records found with verifying heads in what was kept
+    blobs: list[tuple[str, int]]  # (tag, seq) of the whole-chunk records among them
 
 
 class SegmentGone(FaultfsError):
@@ -166,27 +187,33 @@ class Journal:
         self._lock = threading.Lock()  # appends and rolls on one thread, syncs on another
         self._sync_lock = threading.Lock()  # one sync at a time: a second waits, then syncs
         self.appended = 0  # bytes appended since open (stats)
+        self.set_aside: SetAside | None = None  # what the replay kept in writes/damaged/
 
     # -- replay ------------------------------------------------------------------------------
 
     def replay(self, *, writable: bool = True,
                accept: Callable[[Record], bool] | None = None) -> Iterator[Record]:
         """The records on disk, in order, up to the first one that does not verify. Leaves the
-        journal ready to append after the last good record (a torn tail is cut off).
-        ``writable=False`` (a store that cannot be written) only reads. ``accept``: asked
-        about each record just before it is yielded (after the ones before it were used);
-        False makes it count as one that does not verify (a KIND_BLOB record whose file was
-        lost): the replay stops there and the journal is cut before it."""
+        journal ready to append after the last good record. ``writable=False`` (a store that
+        cannot be written) only reads. ``accept``: asked about each record just before it is
+        yielded (after the ones before it were used); False makes it count as one that does
+        not verify (a KIND_BLOB record whose file was lost).
+
+        A write record whose head verifies but whose data does not is yielded with
+        ``damaged`` set and no data, and the replay goes on after it (its head says where the
+        next record starts): its blob is damaged, the others are not. Where the replay stops,
+        a torn tail (the last record of the last segment, partial or not verifying, or zeros
+        to the end) is cut off; anything else — records that may verify after the one that
+        does not — is set aside in ``writes/damaged/`` (``set_aside`` says what), never
+        deleted."""
         if writable:
             self.ops.makedirs(self.dir)
         firsts = sorted(s for s in (_segment_seq(n) for n in self.ops.listdir(self.dir))
                         if s is not None)
         good_end: tuple[int, int] | None = None  # (segment, offset) after the last good record
-        stopped = False
+        stop: tuple[int, int, str] | None = None  # (segment, offset, why) where it stopped
         expect = 1  # records only go up; ``next_seq`` may be ahead already (``advance``)
         for first in firsts:
-            if stopped:
-                break
             expect = max(expect, first)  # an empty segment still names its seq
             self.next_seq = max(self.next_seq, first)
             path = os.path.join(self.dir, segment_name(first))
@@ -195,10 +222,17 @@ class Journal:
                 size = self.ops.size(fd)
                 pos = 0
                 while pos < size:
-                    rec, length = self._read_record(fd, pos, size, first)
-                    if rec is None or rec.seq < expect or (
-                            accept is not None and not accept(rec)):
-                        stopped = True
+                    rec, length, why = self._read_record(fd, pos, size, first)
+                    if rec is not None and rec.seq < expect:
+                        why = f"seq {rec.seq} after {expect - 1}"
+                        rec = None
+                    elif rec is not None and rec.damaged and first == firsts[-1] and (
+                            pos + length == size):
+                        rec = None  # the last record of all: a torn tail, not damage
+                    elif rec is not None and accept is not None and not accept(rec):
+                        rec, why = None, "its file is missing or does not verify"
+                    if rec is None:
+                        stop = (first, pos, why)
                         break
                     expect = rec.seq + 1
                     self.next_seq = max(self.next_seq, expect)
@@ -207,11 +241,17 @@ class Journal:
             finally:
                 self.ops.close(fd)
             good_end = (first, pos)
+            if stop is not None:
+                break
         self._segments = [s for s in firsts if good_end is not None and s <= good_end[0]]
         if not writable:
             return
-        for first in firsts:  # segments past a torn record hold nothing trusted
-            if first not in self._segments:
+        later = [s for s in firsts if s not in self._segments]
+        heads = [] if stop is None else self._heads_from(stop, later)
+        if stop is not None and any(at != stop[:2] for at, _ in heads):
+            self.set_aside = self._set_aside(stop, later, [h for _, h in heads])
+        else:
+            for first in later:  # past a torn tail: nothing written after it was trusted
                 self.ops.unlink(os.path.join(self.dir, segment_name(first)))
         if good_end is not None:
             first, pos = good_end
@@ -227,31 +267,90 @@ class Journal:
         self._dir_dirty = bool(self._segments)
 
     def _read_record(self, fd: int, pos: int, size: int,
-                     segment: int) -> tuple[Record | None, int]:
+                     segment: int) -> tuple[Record | None, int, str]:
+        """The record at ``pos``, its length and, when it is None, why. A write whose head
+        verifies and whose data does not comes back with ``damaged`` set."""
         raw = self.ops.pread(fd, HEAD_LEN, pos)
         try:
             seq, kind, tag_len, name_len, off, length, digest, check = decode_head(raw)
-        except CorruptionError:
-            return None, 0
+        except CorruptionError as exc:
+            return None, 0, exc.message
         data_len = length if kind == KIND_WRITE else 0
         total = HEAD_LEN + tag_len + name_len + data_len
         if pos + total > size:
-            return None, 0
+            return None, 0, f"a record of {total} bytes, {size - pos} left"
         rest = self.ops.pread(fd, tag_len + name_len + data_len, pos + HEAD_LEN)
         names = rest[:tag_len + name_len]
         if xxhash.xxh3_64_intdigest(raw[:_HEAD.size] + names) != check:
-            return None, 0
-        data = rest[tag_len + name_len:]
-        if data_len and xxhash.xxh3_64_intdigest(data) != digest:
-            return None, 0
+            return None, 0, "record header checksum mismatch"
         try:
             tag = names[:tag_len].decode("utf-8")
             name = names[tag_len:].decode("utf-8")
         except UnicodeDecodeError:
-            return None, 0
+            return None, 0, "record names are not UTF-8"
+        data = rest[tag_len + name_len:]
+        damaged = ""
+        if data_len and xxhash.xxh3_64_intdigest(data) != digest:
+            damaged = (f"the data of journal record {seq} (byte {pos} of "
+                       f"{segment_name(segment)}) does not verify")
+            data = b""
         return Record(seq, kind, tag, name, off, length, bytes(data),
                       digest if kind == KIND_BLOB else 0, segment, pos + HEAD_LEN + tag_len
-                      + name_len, digest if kind == KIND_WRITE else 0), total
+                      + name_len, digest if kind == KIND_WRITE else 0, damaged), total, ""
+
+    def _heads_from(self, stop: tuple[int, int, str], later: list[int]
+                    ) -> list[tuple[tuple[int, int], tuple[int, int, str]]]:
+        """``((segment, pos), (seq, kind, tag))`` of the record heads that verify from the
+        stop on, in the rest of its segment and in the later segments. None past the
+        stopped record itself: a crash's torn tail (a partial record, zeros, a last record
+        that does not verify), cut off. Any: damage, whose tail is kept."""
+        found = []
+        for seg, start in [(stop[0], stop[1]), *((s, 0) for s in later)]:
+            fd = self.ops.open(os.path.join(self.dir, segment_name(seg)), os.O_RDONLY)
+            try:
+                found += [((seg, pos), head)
+                          for pos, head in _heads(self.ops, fd, start, self.ops.size(fd))]
+            finally:
+                self.ops.close(fd)
+        return found
+
+    def _set_aside(self, stop: tuple[int, int, str], later: list[int],
+                   heads: list[tuple[int, int, str]]) -> SetAside:
+        """Keep what follows a record that does not verify in ``writes/damaged/``: the rest
+        of its segment copied (then cut off), the later segments moved; the seqs found there
+        (``heads``) are never handed out again."""
+        first, pos, why = stop
+        dest = self._damaged_dir_ready()
+        kept: list[str] = []
+        src = self.ops.open(os.path.join(self.dir, segment_name(first)), os.O_RDONLY)
+        try:
+            size = self.ops.size(src)
+            name = _free_name(self.ops, dest, f"{segment_name(first)}.from-{pos}")
+            out = self.ops.open(os.path.join(dest, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+            try:
+                at = pos
+                for piece in _pieces(self.ops, src, pos, size):
+                    written = 0
+                    while written < len(piece):
+                        written += self.ops.pwrite(out, piece[written:], at - pos + written)
+                    at += len(piece)
+                self.ops.fsync(out)
+            finally:
+                self.ops.close(out)
+            kept.append(name)
+        finally:
+            self.ops.close(src)
+        for seg in later:
+            name = _free_name(self.ops, dest, segment_name(seg))
+            self.ops.rename(os.path.join(self.dir, segment_name(seg)), os.path.join(dest, name))
+            kept.append(name)
+            self.next_seq = max(self.next_seq, seg + 1)
+        self.ops.fsync_dir(dest)
+        self.ops.fsync_dir(self.dir)
+        for seq, _, _ in heads:
+            self.next_seq = max(self.next_seq, seq + 1)
+        return SetAside(segment_name(first), pos, why, kept, len(heads),
+                        [(tag, seq) for seq, kind, tag in heads if kind == KIND_BLOB])
 
     # -- appending ---------------------------------------------------------------------------
 
@@ -383,16 +482,24 @@ class Journal:
         except OSError as exc:
             raise _failure(exc) from None
 
-    def trim(self, through_seq: int) -> int:
+    def trim(self, through_seq: int, *, keep: bool = False) -> int:
         """Delete the segments whose records are all at or below ``through_seq``; how many.
-        They must be synced (``sync``) first: their records are folded into blob files."""
+        They must be synced (``sync``) first: their records are folded into blob files.
+        ``keep``: move them into ``writes/damaged/`` instead (they hold the records of a
+        damaged blob, which no fold took)."""
         with self._lock:
             segments, current = list(self._segments), self._first
         gone = []
         for i, first in enumerate(segments):
             nxt = segments[i + 1] if i + 1 < len(segments) else None
             if nxt is not None and nxt - 1 <= through_seq and first != current:
-                self.ops.unlink(os.path.join(self.dir, segment_name(first)))
+                path = os.path.join(self.dir, segment_name(first))
+                if keep:
+                    dest = self._damaged_dir_ready()
+                    self.ops.rename(path, os.path.join(
+                        dest, _free_name(self.ops, dest, segment_name(first))))
+                else:
+                    self.ops.unlink(path)
                 gone.append(first)
         if gone:
             with self._lock:
@@ -401,8 +508,28 @@ class Journal:
                     fd = self._readers.pop(first, None)
                     if fd is not None:
                         self.ops.close(fd)
+            if keep:
+                self.ops.fsync_dir(self.damaged_dir)
             self.ops.fsync_dir(self.dir)
         return len(gone)
+
+    @property
+    def damaged_dir(self) -> str:
+        """``writes/damaged/``: what a replay or a trim kept that no replay reads again."""
+        return os.path.join(os.path.dirname(self.dir), DAMAGED_DIR)
+
+    def _damaged_dir_ready(self) -> str:
+        """``damaged_dir``, made if missing; never through a link or over another entry."""
+        path = self.damaged_dir
+        try:
+            mode = os.lstat(path).st_mode
+        except FileNotFoundError:
+            self.ops.makedirs(path)
+            return path
+        if not stat.S_ISDIR(mode):
+            raise FaultfsError(f"{path} is not a directory (faultfs keeps journal records "
+                               "it could not use there): move it away", errno.EIO)
+        return path
 
     def close(self) -> None:
         with self._sync_lock, self._lock:
@@ -410,6 +537,59 @@ class Journal:
                 if fd >= 0:
                     self.ops.close(fd)
             self._unsynced, self._fd, self._readers = [], -1, {}
+
+
+def _pieces(ops: FileOps, fd: int, start: int, end: int) -> Iterator[bytes]:
+    at = start
+    while at < end:
+        piece = ops.pread(fd, min(SCAN_STEP, end - at), at)
+        if not piece:
+            return
+        yield piece
+        at += len(piece)
+
+
+def _heads(ops: FileOps, fd: int, start: int,
+           end: int) -> list[tuple[int, tuple[int, int, str]]]:
+    """``(pos, (seq, kind, tag))`` of every record head that verifies in bytes
+    ``[start, end)`` (found by their magic, wherever they lie), in order."""
+    found = []
+    at = start
+    while at < end:
+        piece = ops.pread(fd, min(SCAN_STEP + HEAD_LEN, end - at), at)
+        if not piece:
+            break
+        for magic in (MAGIC, MAGIC_V2):
+            i = piece.find(magic)
+            while 0 <= i < SCAN_STEP:
+                head = _verified_head(ops, fd, at + i)
+                if head is not None:
+                    found.append((at + i, head))
+                i = piece.find(magic, i + 1)
+        at += SCAN_STEP
+    return sorted(found)
+
+
+def _verified_head(ops: FileOps, fd: int, pos: int) -> tuple[int, int, str] | None:
+    raw = ops.pread(fd, HEAD_LEN, pos)
+    try:
+        seq, kind, tag_len, name_len, _, _, _, check = decode_head(raw)
+    except CorruptionError:
+        return None
+    names = ops.pread(fd, tag_len + name_len, pos + HEAD_LEN)
+    if len(names) != tag_len + name_len or xxhash.xxh3_64_intdigest(
+            raw[:_HEAD.size] + names) != check:
+        return None
+    return seq, kind, names[:tag_len].decode("utf-8", "replace")
+
+
+def _free_name(ops: FileOps, directory: str, name: str) -> str:
+    """``name``, or ``name.1``, ``name.2`` … when it is taken (an earlier set-aside)."""
+    candidate, n = name, 0
+    while ops.exists(os.path.join(directory, candidate)):
+        n += 1
+        candidate = f"{name}.{n}"
+    return candidate
 
 
 def _failure(exc: OSError) -> FaultfsError:
