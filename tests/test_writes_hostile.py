@@ -208,13 +208,15 @@ def _corrupt_in_journal(store: str, needle: bytes) -> None:
     raise AssertionError("the bytes are not in the journal")
 
 
+@pytest.mark.parametrize("end", ["umount", "kill"])
 def test_a_blob_whose_spilled_write_is_damaged_stays_damaged_and_the_journal_lets_go(
-        mounter, sample):
-    """A damaged spilled write makes its blob damaged for good — EIO across remounts, never
-    its older bytes — without holding up the others: the unmount folds every other blob and
-    lets the journal go (the segments with the damaged blob's records are kept in
-    ``writes/damaged/``, which fsck lists), the writes after it read back, and ``faultfs
-    reset`` of that blob brings the source's bytes back."""
+        mounter, sample, end):
+    """A damaged spilled write makes its blob damaged for good — EIO across remounts (also
+    when the daemon is killed right after: the damage is saved when found), never its older
+    bytes — without holding up the others: the unmount folds every other blob and lets the
+    journal go (the segments with the damaged blob's records are kept in
+    ``writes/damaged/``, which fsck lists), the writes after it read back, a clone of the
+    tag is refused, and ``faultfs reset`` of that blob brings the source's bytes back."""
     src = sample(4 * MiB)
     source = read(src)
     m = mounter(src, args=["--chunk-size", "1M", "--dirty-mb", "1"])
@@ -237,7 +239,23 @@ def test_a_blob_whose_spilled_write_is_damaged_stays_damaged_and_the_journal_let
     assert err.value.errno == errno.EIO
     write_at(view, 2 * MiB + 5, b"after the damage")  # the others still take writes
     want[2 * MiB + 5:2 * MiB + 21] = b"after the damage"
-    m.umount()  # every other blob folded, the journal let go
+    r = run_faultfs("clone", m.tag("field"), "snap")
+    assert r.returncode != 0 and "chunk_3" in r.stderr and len(r.stderr.splitlines()) == 1
+    assert not os.path.exists(m.tag("snap"))
+    if end == "kill":
+        with open(view, "r+b") as f:
+            os.fsync(f.fileno())
+        os.kill(m.pid, signal.SIGKILL)
+        assert m.wait_gone()
+        again = mounter(store=m.store, mountpoint=m.path)
+        with pytest.raises(OSError) as err:
+            _direct_read(os.path.join(again.tag("field"), "chunk_3"), 0)
+        assert err.value.errno == errno.EIO
+        assert _direct_read(os.path.join(again.tag("field"), "field.bin"), 0, 3 * MiB) == bytes(
+            want[:3 * MiB])
+        again.umount()
+    else:
+        m.umount()  # every other blob folded, the journal let go
     writes = os.path.join(m.store, "writes")
     kept = os.listdir(os.path.join(writes, "damaged"))
     assert kept and any(marker[:10] in read(os.path.join(writes, "damaged", k)) for k in kept)
@@ -292,27 +310,29 @@ def _remount(m) -> tuple[str, Mount]:
     return r.stderr, Mount(m.path, m.store)
 
 
-def test_a_write_damaged_in_the_journal_after_a_kill_damages_its_blob_only(mounter, sample):
-    """The replay after a kill -9 meets a write whose data no longer verifies (its head
-    does): that blob is damaged (EIO, said at the mount), every record after it — of other
-    blobs — still replays."""
+def test_a_write_damaged_in_the_journal_after_a_kill_ends_the_replay_and_keeps_the_rest(
+        mounter, sample):
+    """The replay after a kill -9 meets a write whose data no longer verifies: it cannot tell
+    that from a power loss's lost page, so it stops there as at a torn record — every blob at
+    a prefix of its writes, none made unreadable — but the records after it, which verify,
+    are kept in ``writes/damaged/`` and the mount says so, never deleted."""
     marker = b"\x5a" * 8192
     m, source = _written_then_killed(mounter, sample, [
         (MiB + 100, marker), (2 * MiB, b"written later"), (10, b"and last")])
     _corrupt_in_journal(m.store, marker[:2000])  # (the kernel may cut the write by pages)
     said, m2 = _remount(m)
     try:
-        assert "chunk_1" in said and "damaged" in said, said
+        assert "not replayed" in said and "writes/damaged" in said, said
         tag = m2.tag("field")
-        with pytest.raises(OSError) as err:
-            _direct_read(os.path.join(tag, "chunk_1"), 0)
-        assert err.value.errno == errno.EIO
-        assert _direct_read(os.path.join(tag, "chunk_2"), 0, 13) == b"written later"
-        assert _direct_read(os.path.join(tag, "chunk_0"), 0, 18) == source[:10] + b"and last"
-        kept = os.path.join(m.store, "writes", "damaged")  # the damaged blob's records, kept
-        assert any(marker[:2000] in read(os.path.join(kept, k)) for k in os.listdir(kept))
+        assert _direct_read(os.path.join(tag, "chunk_2"), 0, 13) == source[2 * MiB:2 * MiB + 13]
+        kept = os.path.join(m.store, "writes", "damaged")
+        held = b"".join(read(os.path.join(kept, k)) for k in os.listdir(kept))
+        assert b"written later" in held and b"and last" in held
+        write_at(os.path.join(tag, "field.bin"), 2 * MiB, b"new")  # seqs go on past the kept
     finally:
         m2.close()
+    m3 = mounter(store=m.store, mountpoint=m.path)
+    assert _direct_read(os.path.join(m3.tag("field"), "chunk_2"), 0, 3) == b"new"
 
 
 def test_a_damaged_record_head_sets_the_rest_of_the_journal_aside_never_deletes_it(

@@ -22,11 +22,11 @@ Invariants:
   not for the faulted chunk's store write, which runs behind it (the base is pinned, and
   one the store could not keep is clean bytes that a later read faults again).
 - Dirty data is never evicted, never replaced by a fault and never re-faulted: a damaged
-  dirty file is EIO and is kept. So is a blob whose writes in the journal do not verify
-  (found by the replay or by a read of a spilled write): its tag's write state names it
-  (durably, before any trim), folds skip it and the trim keeps the segments with its records
-  in ``writes/damaged/``, so every other blob is folded and the journal still lets go; a
-  reset drops it.
+  dirty file is EIO and is kept. So is a blob whose spilled write no longer verifies in the
+  journal: its tag's write state names it at once (durably), folds skip it, the segments
+  holding its records (and its direct file) go to ``writes/damaged/`` when the journal lets
+  go instead of being deleted, so every other blob is folded and the journal still trims;
+  a reset drops it. A replay that stops early keeps what follows (``journal.py``).
 - Writes and folds of one blob are serialised (its lock); a read takes the base and the
   writes it sees in one step, so it never mixes two states of a blob.
 - Bytes in memory are bounded: past ``fold_bytes`` of held writes, every write's bytes are
@@ -171,9 +171,9 @@ class TagWrites:
     voided_blobs: dict[str, int] = field(default_factory=dict)  # a reset of single blobs
     mtime_ns: int = 0  # when it was last written
     damaged: str = ""  # why its write state could not be read: it takes no writes
-    # blobs whose writes were found damaged in the journal (name -> why): kept, EIO, until a
-    # reset drops them; their records were moved to writes/damaged/ when the journal let go
-    damaged_blobs: dict[str, str] = field(default_factory=dict)
+    # blobs whose writes were found damaged in the journal: name -> {"reason", "size"}; kept,
+    # EIO, until a reset drops them (their records go to writes/damaged/, not away)
+    damaged_blobs: dict[str, dict] = field(default_factory=dict)
 
 
 def _tag_writes(state: dict, source_size: int) -> TagWrites:
@@ -188,7 +188,8 @@ def _tag_writes(state: dict, source_size: int) -> TagWrites:
         if not (isinstance(users, dict) and isinstance(voided, dict)
                 and isinstance(ancestors, (list, tuple)) and isinstance(parted, list)
                 and all(isinstance(a, str) for a in ancestors) and isinstance(damaged, dict)
-                and all(isinstance(v, str) for v in damaged.values())):
+                and all(isinstance(v, dict) and isinstance(v.get("reason"), str)
+                        for v in damaged.values())):
             raise TypeError("users, voided_blobs, ancestors, parted or damaged_blobs")
         return TagWrites(view_size=_uint(state.get("view_size", source_size)),
                          view_seq=_uint(state.get("view_seq", 0)),
@@ -199,7 +200,9 @@ def _tag_writes(state: dict, source_size: int) -> TagWrites:
                          voided=_uint(state.get("voided", 0)),
                          voided_blobs={str(k): _uint(v) for k, v in voided.items()},
                          mtime_ns=_uint(state.get("mtime_ns", 0)),
-                         damaged_blobs={str(k): v for k, v in damaged.items()})
+                         damaged_blobs={str(k): {"reason": v["reason"],
+                                                 "size": _uint(v.get("size", 0))}
+                                        for k, v in damaged.items()})
     except (TypeError, ValueError) as exc:
         raise CorruptionError(f"the write state has a field of the wrong type ({exc})") from None
 
@@ -243,7 +246,7 @@ class Writes:
         self._unsynced: list[tuple[str, int]] = []  # (tag, seq) of direct files not synced yet
         self._obsolete: list[tuple[str, int]] = []  # (tag, seq) of direct files to delete
         self._syncing = trio.Lock()  # fsyncs one at a time: each covers what came before it
-        self._damage_unkept = False  # a blob was found damaged: the next trim keeps segments
+        self._keep_segments: set[int] = set()  # hold a damaged blob's records: kept at a trim
 
     # -- recovery (blocking, before the mount answers) ---------------------------------------
 
@@ -262,13 +265,15 @@ class Writes:
         if tw.view_size != tag.layout.size or tw.users:
             self.changed.add(tag.id)
         ids = set(tw.users.values())
-        for name, why in tw.damaged_blobs.items():
+        for name, mark in list(tw.damaged_blobs.items()):
+            user = user_key(name)
+            if name.startswith(USER_PREFIX) and (user is None or user[0] not in ids):
+                del tw.damaged_blobs[name]  # unlinked since: nothing to keep
+                continue
             log.error("tag %s: dirty blob %s is damaged (%s): kept, reads of it fail with EIO "
-                      "until faultfs reset drops its writes", tag.name, name, why)
-            index = self._chunk_index(tag, name)
-            size = tag.layout.chunk_size if index is not None else 0
-            self._add(DirtyBlob(tag, name, index, size, FOLDED, 1 << 62, folded_size=size,
-                                damaged=why))
+                      "until faultfs reset drops its writes", tag.name, name, mark["reason"])
+            self._add(DirtyBlob(tag, name, self._chunk_index(tag, name), mark["size"], FOLDED,
+                                1 << 62, folded_size=mark["size"], damaged=mark["reason"]))
         for name in self.files.names(tag.name):
             if name in tw.damaged_blobs:
                 continue
@@ -313,59 +318,69 @@ class Writes:
                 return True
             return self.files.check_direct(tag.name, rec.name, rec.seq, rec.length, rec.digest)
 
-        damaged: set[int] = set()
-        for rec in self.journal.replay(writable=self.writable, accept=accept):
+        def set_aside(blobs: list[tuple[str, int]]) -> None:
+            """The whole-chunk records the replay keeps aside: their files go with them (no
+            record on disk names them now; a live blob's file stays)."""
+            used = {(b.tag.name, b.direct) for b in self.blobs.values() if b.base == DIRECT}
+            for tag_name, seq in blobs:
+                if tag_name in tags and (tag_name, seq) not in used:
+                    self.files.set_aside_direct(tag_name, seq, self.journal.damaged_dir)
+
+        for rec in self.journal.replay(
+                writable=self.writable, accept=accept, set_aside=set_aside,
+                damaged=lambda rec: self._damaged_blob(tags, rec) is not None):
             first = rec.seq if first is None else first
+            kept = self._damaged_blob(tags, rec)
+            if kept is not None:  # a damaged blob's record: kept with its segment, not used
+                self._keep_segments.add(rec.segment)
+                continue
             found = self._replayed(tags, rec)
             if found is None:
                 continue
             tag, blob = found
             if blob is None:
                 self._set_view_size(tag, self.tags[tag.id], rec.length)
-            elif blob.damaged:
-                continue  # nothing more is laid over it: its bytes are not known
-            elif rec.damaged:
-                self._mark_damaged(blob, rec.damaged)
-                damaged.add(tag.id)
-                continue
             else:
                 self._apply(blob, rec)
             applied += 1
         self._kept_from = self.journal.next_seq if first is None else first
-        if self.writable:
-            for tag_id in damaged:  # before any trim can let their records go
-                if not self.tags[tag_id].damaged:
-                    self.files.write_state(self._names[tag_id], _state_doc(self.tags[tag_id]))
-        self._set_aside(tags)
+        aside = self.journal.set_aside
+        if aside is not None:
+            log.error("the write journal does not verify at byte %d of %s (%s): the %d "
+                      "records after it that verify were not replayed; they are kept in %s "
+                      "(faultfs fsck lists them)", aside.pos, aside.segment, aside.reason,
+                      aside.records, self.journal.damaged_dir)
         self._sort_direct_files(tags)
         return applied
 
-    def _set_aside(self, tags: dict[str, Tag]) -> None:
-        """Say what the replay kept in writes/damaged/, and move there the direct files its
-        whole-chunk records named (no record on disk names them now)."""
-        aside = self.journal.set_aside
-        if aside is None:
-            return
-        for tag_name, seq in aside.blobs:
-            if tag_name in tags:
-                self.files.set_aside_direct(tag_name, seq, self.journal.damaged_dir)
-        log.error("the write journal does not verify at byte %d of %s (%s): %d records after "
-                  "it were not replayed; they are kept in %s (faultfs fsck lists them)",
-                  aside.pos, aside.segment, aside.reason, aside.records,
-                  self.journal.damaged_dir)
+    def _damaged_blob(self, tags: dict[str, Tag], rec: Record) -> DirtyBlob | None:
+        tag = tags.get(rec.tag)
+        blob = None if tag is None else self.blobs.get((tag.id, rec.name))
+        return blob if blob is not None and blob.damaged else None
 
-    def _mark_damaged(self, blob: DirtyBlob, why: str) -> None:
+    async def _mark_damaged(self, blob: DirtyBlob, why: str) -> None:
         """``blob``'s writes cannot be read back: it reads and takes writes as EIO, is never
-        folded or written over, and stays so across mounts (its tag's write state names
-        it; the segments holding its records are kept when the journal lets them go) until
-        a reset drops it."""
+        folded or written over, and stays so across mounts — its tag's write state names it
+        (saved now), the segments holding its records and its direct file are kept in
+        writes/damaged/ when the journal lets them go — until a reset drops it."""
+        if blob.damaged:
+            return
         blob.damaged = why
         tw = self.tags[blob.tag.id]
-        tw.damaged_blobs[blob.name] = why
+        tw.damaged_blobs[blob.name] = {"reason": why, "size": blob.size}
         self.changed.add(blob.tag.id)
-        self._damage_unkept = True
+        self._keep_segments.update(d.file for _, _, d in blob.pending.items() if isinstance(d, Ref))
         log.error("dirty blob %s of tag %s is damaged (%s): kept, reads of it fail with EIO "
                   "until faultfs reset drops its writes", blob.name, blob.tag.name, why)
+        try:
+            if blob.base == DIRECT:  # as a remount will see it: no direct file under it
+                self._direct_count -= 1
+                seq, blob.base, blob.direct = blob.direct, FOLDED, 0
+                await self.pool.run(self.files.set_aside_direct, blob.tag.name, seq,
+                                    self.journal.damaged_dir)
+            await self._save_state(blob.tag)
+        except (OSError, FaultfsError) as exc:  # the next checkpoint saves it again
+            log.error("keeping damaged blob %s of tag %s: %s", blob.name, blob.tag.name, exc)
 
     def _replayed(self, tags: dict[str, Tag], rec: Record) -> tuple[Tag, DirtyBlob | None] | None:
         """What record ``rec`` changes at a replay — its tag and blob (None: the view's size)
@@ -560,7 +575,7 @@ class Writes:
         try:
             await self.pool.run(lay, buf, off, parts, self._read_back)
         except CorruptionError as exc:  # kept, never written over: fsck reports it
-            self._mark_damaged(blob, f"a write in the journal does not verify: {exc}")
+            await self._mark_damaged(blob, f"a write in the journal does not verify: {exc}")
             raise FaultfsError(f"dirty blob {blob.name} of tag {blob.tag.name} cannot be "
                                f"read: {exc}", errno.EIO) from None
 
@@ -963,6 +978,8 @@ class Writes:
         and delete their files (the state saying it is gone is durable already)."""
         names = {self._forget((tag.id, b.name)).name
                  for b in list(self._parts.get((tag.id, uid), {}).values())}
+        for name in names:  # gone: nothing damaged is kept of it (its kept records stay)
+            self.tags[tag.id].damaged_blobs.pop(name, None)
         # and the first part's name in any case: an empty blob folded before any record was
         # appended names seq 0, which a mount does not load (its file is only deleted here)
         names.add(part_name(uid, 0))
@@ -1057,12 +1074,10 @@ class Writes:
                 tw.view_seq = through
                 if tag_id in self.changed:  # a tag nothing was written to keeps no state
                     await self._save_state_id(tag_id)
-            keep, self._damage_unkept = self._damage_unkept, False
-            try:  # a damaged blob's records (no fold took them) are kept, not deleted
-                await self.pool.run(functools.partial(self.journal.trim, through, keep=keep))
-            except BaseException:
-                self._damage_unkept = self._damage_unkept or keep
-                raise
+            # a damaged blob's records (no fold took them) are kept, not deleted
+            kept = await self.pool.run(functools.partial(
+                self.journal.trim, through, keep=frozenset(self._keep_segments)))
+            self._keep_segments -= kept
             self._kept_from = max(self._kept_from, through + 1)
             # no record at or below ``through`` can be replayed now (trimmed, or its blob's
             # durable file names a later seq): direct files they named may go
@@ -1249,7 +1264,12 @@ class Writes:
         """Give tag ``child`` (not registered yet) ``parent``'s writes as they are now: every
         dirty blob of the parent folded, its files linked (a fold replaces a file, never
         writes it in place, so a link keeps this moment), the parent's write state copied."""
-        for blob in [b for b in self.blobs.values() if b.tag.id == parent.id]:
+        mine = [b for b in self.blobs.values() if b.tag.id == parent.id]
+        damaged = sorted(b.name for b in mine if b.damaged)
+        if damaged:  # a clone would take its older file, or none: never a damaged blob's bytes
+            raise FaultfsError(f"tag {parent.name} has damaged dirty blobs "
+                               f"({', '.join(damaged)}): reset them first", errno.EIO)
+        for blob in mine:
             await self.fold(blob)
         ptw = self._tag(parent)
         state = {"view_size": ptw.view_size, "view_seq": self.journal.last_seq,

@@ -47,7 +47,7 @@ from faultfs.store.blobfile import (
 )
 from faultfs.store.blobstore import encode_component
 from faultfs.store.durable import write_parts
-from faultfs.store.fileops import FileOps, OsFileOps
+from faultfs.store.fileops import FileOps, OsFileOps, free_name, kept_dir
 
 WAL_PREFIX = "wal:"
 DIRECT_PREFIX = "d-"  # d-<seq, 16 hex>: a chunk written whole, not folded yet
@@ -240,10 +240,11 @@ class DirtyFiles:
         """Move the direct file of ``seq`` into ``directory`` (``writes/damaged/``: its record
         was set aside by a replay, so no replay names it again); its new name."""
         path = self.direct_path(tag, seq)
-        if not self.ops.exists(path):
-            return None
-        name = f"{os.path.basename(self.tag_dir(tag))}.{os.path.basename(path)}"
-        self.ops.makedirs(directory)
+        if self._foreign_file(path) or not self.ops.exists(path):
+            return None  # nothing, or not a file we wrote: left where it is
+        kept_dir(self.ops, directory)
+        name = free_name(self.ops, directory,
+                         f"{os.path.basename(self.tag_dir(tag))}.{os.path.basename(path)}")
         self.ops.rename(path, os.path.join(directory, name))
         self.ops.fsync_dir(directory)
         self.ops.fsync_dir(os.path.dirname(path))

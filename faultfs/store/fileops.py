@@ -13,7 +13,7 @@ import os
 import stat
 from typing import Protocol
 
-from faultfs.errors import InvalidInput
+from faultfs.errors import FaultfsError, InvalidInput
 
 
 class FileOps(Protocol):
@@ -103,3 +103,27 @@ class OsFileOps:
                 os.mkdir(directory, 0o700)
             except FileExistsError:
                 pass
+
+
+def free_name(ops: FileOps, directory: str, name: str) -> str:
+    """``name``, or ``name.1``, ``name.2`` … when something stands there already."""
+    candidate, n = name, 0
+    while ops.exists(os.path.join(directory, candidate)) or os.path.islink(
+            os.path.join(directory, candidate)):
+        n += 1
+        candidate = f"{name}.{n}"
+    return candidate
+
+
+def kept_dir(ops: FileOps, path: str) -> str:
+    """Directory ``path`` (``writes/damaged/``), made if missing; never through a link or
+    over another entry (a one-line error instead)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        ops.makedirs(path)
+        return path
+    if not stat.S_ISDIR(mode):
+        raise FaultfsError(f"{path} is not a directory (faultfs keeps the writes it could not "
+                           "use there): move it away", errno.EIO)
+    return path

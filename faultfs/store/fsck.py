@@ -697,11 +697,11 @@ class StoreWalk:
                               KEEP_DIRTY)
             else:
                 yield Finding(WRITE_STATES, OK, state_path, size)
-            for name, why in ({} if problem or doc is None else
-                              doc.get("damaged_blobs", {})).items():
+            for name, mark in ({} if problem or doc is None else
+                               doc.get("damaged_blobs", {})).items():
                 yield Finding(DIRTY, DAMAGED, state_path, 0,
-                              f"dirty blob {name} of tag {label}: {why}: it reads as EIO until "
-                              "faultfs reset drops its writes", KEEP_DIRTY)
+                              f"dirty blob {name} of tag {label}: {mark['reason']}: it reads as "
+                              "EIO until faultfs reset drops its writes", KEEP_DIRTY)
 
         def owns(header_tag: str) -> bool:
             if header_tag in ancestors:
@@ -772,7 +772,8 @@ class StoreWalk:
             if stopped:
                 yield Finding(JOURNAL, DAMAGED, path, size,
                               f"journal segment {name}: follows {stopped}: not replayed (the "
-                              f"next mount moves it to writes/{DAMAGED_DIR})", KEEP_JOURNAL)
+                              f"next mount keeps it in writes/{DAMAGED_DIR}/ if its records "
+                              "verify, else deletes it)", KEEP_JOURNAL)
                 continue
             try:
                 fd = open_regular(path)
@@ -790,15 +791,8 @@ class StoreWalk:
             finally:
                 os.close(fd)
             expect = scan.expect
-            for n, (pos, seq, tag, blob) in enumerate(scan.damaged_writes):
-                yield Finding(JOURNAL, DAMAGED, path, 0 if n or scan.problem else size,
-                              f"journal segment {name}: the data of record {seq} at byte {pos} "
-                              f"(a write of blob {blob} of tag {tag}) does not verify: the next "
-                              "mount marks that blob damaged (EIO) and replays the rest",
-                              KEEP_JOURNAL)
             if not scan.problem:
-                if not scan.damaged_writes:
-                    yield Finding(JOURNAL, OK, path, size)
+                yield Finding(JOURNAL, OK, path, size)
                 continue
             after = f"after {scan.records} good records"
             if scan.torn:
@@ -810,8 +804,9 @@ class StoreWalk:
                 yield Finding(JOURNAL, DAMAGED, path, size,
                               f"journal segment {name}: the record at byte {scan.pos} {after} "
                               f"does not verify ({scan.problem}): the {size - scan.pos} bytes "
-                              "from there are not replayed (the next mount moves them to "
-                              f"writes/{DAMAGED_DIR})", KEEP_JOURNAL)
+                              "from there are not replayed (the next mount keeps them in "
+                              f"writes/{DAMAGED_DIR}/ if records that verify follow, else cuts "
+                              "them off)", KEEP_JOURNAL)
             stopped = f"a record that does not verify in {name}"
 
     # -- small entries ------------------------------------------------------------------------
@@ -877,7 +872,6 @@ class _SegmentScan:
         self.records = 0
         self.problem = ""
         self.torn = False
-        self.damaged_writes: list[tuple[int, int, str, str]] = []  # (pos, seq, tag, blob)
 
     def _stop(self, problem: str, *, torn: bool) -> None:
         self.problem = problem
@@ -907,10 +901,7 @@ class _SegmentScan:
                 return self._stop(f"seq {seq} after {self.expect - 1}", torn=False)
             if kind == KIND_WRITE and self._data_digest(self.pos + HEAD_LEN + len(names),
                                                         length) != digest:
-                if self.last and total == left:
-                    return self._stop("record data checksum mismatch", torn=True)
-                self.damaged_writes.append((self.pos, seq, names[:tag_len].decode("utf-8"),
-                                            names[tag_len:].decode("utf-8")))
+                return self._stop("record data checksum mismatch", torn=total == left)
             self.expect = seq + 1
             self.records += 1
             self.pos += total
@@ -959,8 +950,9 @@ def _write_state_problem(doc: dict) -> str:
         table = doc.get(name, {})
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in table.values()):
             return f"field {name} maps names to something other than integers"
-    if not all(isinstance(v, str) for v in doc.get("damaged_blobs", {}).values()):
-        return "field damaged_blobs maps names to something other than reasons"
+    if not all(isinstance(v, dict) and isinstance(v.get("reason"), str)
+               and isinstance(v.get("size", 0), int) for v in doc.get("damaged_blobs", {}).values()):
+        return "field damaged_blobs maps names to something other than reasons and sizes"
     if not all(isinstance(a, str) for a in doc.get("ancestors", ())):
         return "field ancestors names something other than tags"
     if not all(isinstance(u, int) and not isinstance(u, bool) and u >= 0

@@ -29,9 +29,10 @@ Invariants:
   the daemon keeps them). ``sync`` makes every record appended before it durable.
 - Replay yields records in seq order and stops at the first record that does not verify
   (torn, truncated, foreign): what follows it is not trusted, so a crash leaves a prefix.
-  A write whose head verifies but whose data does not is not a stop: it is yielded as
-  damaged (its blob is, the others go on). What follows a stop is cut off only when it is a
-  crash's torn tail; anything else is moved or copied to ``writes/damaged/``, never deleted.
+  What follows the stop is cut off when it is a crash's torn tail (no whole, verifying run
+  of records after it); when records that verify follow (damage in the middle, or a power
+  loss that lost a middle page), they are moved or copied to ``writes/damaged/``, never
+  deleted, and their seqs are never handed out again (an empty segment names the next).
 - ``sync`` fsyncs older segments before the current one: a durable record in a later
   segment never follows a lost one that a sync vouched for (replay stops at the first
   record that does not verify, wherever it is).
@@ -45,7 +46,6 @@ from __future__ import annotations
 
 import errno
 import os
-import stat
 import struct
 import threading
 from collections.abc import Callable, Iterator
@@ -54,7 +54,7 @@ from dataclasses import dataclass
 import xxhash
 
 from faultfs.errors import CorruptionError, FaultfsError, StoreFull
-from faultfs.store.fileops import FileOps, OsFileOps
+from faultfs.store.fileops import FileOps, OsFileOps, free_name, kept_dir
 
 MAGIC = b"FFSWAL\x00\x01"
 MAGIC_V2 = b"FFSWAL\x00\x02"  # kind 4 (KIND_BLOB) only: see the module docstring
@@ -87,20 +87,19 @@ class Record:
     segment: int = 0
     data_pos: int = 0
     data_digest: int = 0
-    damaged: str = ""  # a write whose head verifies and whose data does not: why (no data)
+    bad_data: bool = False  # its head verifies, its data does not (given out as b"")
 
 
 @dataclass
 class SetAside:
     """What a replay set aside in ``writes/damaged/`` instead of deleting it: everything from
-    a record that does not verify on, when records that do verify may follow it (damage in
-    the middle of the journal, not a crash's torn tail)."""
+    a record that does not verify on, when whole runs of records that verify follow it."""
 
     segment: str  # the segment and byte where the replay stopped, and why
     pos: int
     reason: str
     files: list[str]  # what was kept, in writes/damaged/
-    records: int  # records found with verifying heads in what was kept
+    records: int  # verifying records found in what was kept
     blobs: list[tuple[str, int]]  # (tag, seq) of the whole-chunk records among them
 
 
@@ -192,20 +191,23 @@ class Journal:
     # -- replay ------------------------------------------------------------------------------
 
     def replay(self, *, writable: bool = True,
-               accept: Callable[[Record], bool] | None = None) -> Iterator[Record]:
+               accept: Callable[[Record], bool] | None = None,
+               set_aside: Callable[[list[tuple[str, int]]], None] | None = None,
+               damaged: Callable[[Record], bool] | None = None) -> Iterator[Record]:
         """The records on disk, in order, up to the first one that does not verify. Leaves the
         journal ready to append after the last good record. ``writable=False`` (a store that
         cannot be written) only reads. ``accept``: asked about each record just before it is
         yielded (after the ones before it were used); False makes it count as one that does
-        not verify (a KIND_BLOB record whose file was lost).
+        not verify (a KIND_BLOB record whose file was lost). ``damaged``: whether a write
+        whose head verifies but whose data does not belongs to a blob already known damaged;
+        then it is yielded (``bad_data``, no data) and the replay goes on.
 
-        A write record whose head verifies but whose data does not is yielded with
-        ``damaged`` set and no data, and the replay goes on after it (its head says where the
-        next record starts): its blob is damaged, the others are not. Where the replay stops,
-        a torn tail (the last record of the last segment, partial or not verifying, or zeros
-        to the end) is cut off; anything else — records that may verify after the one that
-        does not — is set aside in ``writes/damaged/`` (``set_aside`` says what), never
-        deleted."""
+        Where the replay stops, a crash's torn tail (nothing after it that verifies as a
+        whole run of records) is cut off. When such runs follow (damage in the middle, or a
+        power loss that kept later pages of an unsynced segment), everything from the stop is
+        kept in ``writes/damaged/`` instead — ``set_aside`` is first told the ``(tag, seq)``
+        of the whole-chunk records among it, so that their files can go there too — and
+        ``set_aside`` (the attribute) says what was kept."""
         if writable:
             self.ops.makedirs(self.dir)
         firsts = sorted(s for s in (_segment_seq(n) for n in self.ops.listdir(self.dir))
@@ -223,14 +225,16 @@ class Journal:
                 pos = 0
                 while pos < size:
                     rec, length, why = self._read_record(fd, pos, size, first)
-                    if rec is not None and rec.seq < expect:
+                    if rec is not None and rec.bad_data and (
+                            damaged is None or not damaged(rec)):
+                        why = "record data checksum mismatch"
+                        rec = None
+                    elif rec is not None and rec.seq < expect:
                         why = f"seq {rec.seq} after {expect - 1}"
                         rec = None
-                    elif rec is not None and rec.damaged and first == firsts[-1] and (
-                            pos + length == size):
-                        rec = None  # the last record of all: a torn tail, not damage
                     elif rec is not None and accept is not None and not accept(rec):
-                        rec, why = None, "its file is missing or does not verify"
+                        why = "its file is missing or does not verify"
+                        rec = None
                     if rec is None:
                         stop = (first, pos, why)
                         break
@@ -247,9 +251,11 @@ class Journal:
         if not writable:
             return
         later = [s for s in firsts if s not in self._segments]
-        heads = [] if stop is None else self._heads_from(stop, later)
-        if stop is not None and any(at != stop[:2] for at, _ in heads):
-            self.set_aside = self._set_aside(stop, later, [h for _, h in heads])
+        found = [] if stop is None else self._runs_after(stop, later, expect)
+        if stop is not None and found:
+            if set_aside is not None:
+                set_aside([(tag, seq) for seq, kind, tag in found if kind == KIND_BLOB])
+            self.set_aside = self._set_aside(stop, later, found)
         else:
             for first in later:  # past a torn tail: nothing written after it was trusted
                 self.ops.unlink(os.path.join(self.dir, segment_name(first)))
@@ -258,6 +264,10 @@ class Journal:
             self._fd = self.ops.open(os.path.join(self.dir, segment_name(first)), os.O_RDWR)
             self.ops.ftruncate(self._fd, pos)
             self._first, self._pos = first, pos
+            if self.set_aside is not None:  # the cut durable, then the seqs it kept named
+                self.ops.fsync(self._fd)
+                self._start_segment()
+                self.ops.fsync_dir(self.dir)
         # What a kill -9 left may be in the page cache only (the records, the segments'
         # names): the next sync makes all of it durable, as if appended in this mount.
         for first in self._segments:
@@ -268,8 +278,8 @@ class Journal:
 
     def _read_record(self, fd: int, pos: int, size: int,
                      segment: int) -> tuple[Record | None, int, str]:
-        """The record at ``pos``, its length and, when it is None, why. A write whose head
-        verifies and whose data does not comes back with ``damaged`` set."""
+        """The record at ``pos``, its length and, when it is None, why (``bad_data`` when
+        only its data does not verify)."""
         raw = self.ops.pread(fd, HEAD_LEN, pos)
         try:
             seq, kind, tag_len, name_len, off, length, digest, check = decode_head(raw)
@@ -289,30 +299,54 @@ class Journal:
         except UnicodeDecodeError:
             return None, 0, "record names are not UTF-8"
         data = rest[tag_len + name_len:]
-        damaged = ""
-        if data_len and xxhash.xxh3_64_intdigest(data) != digest:
-            damaged = (f"the data of journal record {seq} (byte {pos} of "
-                       f"{segment_name(segment)}) does not verify")
-            data = b""
-        return Record(seq, kind, tag, name, off, length, bytes(data),
+        bad = bool(data_len) and xxhash.xxh3_64_intdigest(data) != digest
+        return Record(seq, kind, tag, name, off, length, b"" if bad else bytes(data),
                       digest if kind == KIND_BLOB else 0, segment, pos + HEAD_LEN + tag_len
-                      + name_len, digest if kind == KIND_WRITE else 0, damaged), total, ""
+                      + name_len, digest if kind == KIND_WRITE else 0, bad), total, ""
 
-    def _heads_from(self, stop: tuple[int, int, str], later: list[int]
-                    ) -> list[tuple[tuple[int, int], tuple[int, int, str]]]:
-        """``((segment, pos), (seq, kind, tag))`` of the record heads that verify from the
-        stop on, in the rest of its segment and in the later segments. None past the
-        stopped record itself: a crash's torn tail (a partial record, zeros, a last record
-        that does not verify), cut off. Any: damage, whose tail is kept."""
-        found = []
-        for seg, start in [(stop[0], stop[1]), *((s, 0) for s in later)]:
+    def _runs_after(self, stop: tuple[int, int, str], later: list[int],
+                    expect: int) -> list[tuple[int, int, str]]:
+        """``(seq, kind, tag)`` of the records that verify after the stop: in the rest of its
+        segment, a run of whole verifying records (found by its magic) that reaches the
+        segment's end; in each later segment, the run from its start. Seqs must rise from
+        ``expect`` and stay far from ``MAX_SEQ``. None: a torn tail, cut off."""
+        first, pos, _ = stop
+        found: list[tuple[int, int, str]] = []
+        fd = self.ops.open(os.path.join(self.dir, segment_name(first)), os.O_RDONLY)
+        try:
+            size = self.ops.size(fd)
+            for at in _magic_positions(self.ops, fd, pos + 1, size):
+                run, end = self._run(fd, at, size, first, expect)
+                if run and end == size:
+                    found += run
+                    break
+            stopped, _, _ = self._read_record(fd, pos, size, first)
+        finally:
+            self.ops.close(fd)
+        for seg in later:
             fd = self.ops.open(os.path.join(self.dir, segment_name(seg)), os.O_RDONLY)
             try:
-                found += [((seg, pos), head)
-                          for pos, head in _heads(self.ops, fd, start, self.ops.size(fd))]
+                found += self._run(fd, 0, self.ops.size(fd), seg,
+                                   max(expect, seg, found[-1][0] + 1 if found else 0))[0]
             finally:
                 self.ops.close(fd)
+        if found and stopped is not None and expect <= stopped.seq <= MAX_SEQ // 2:
+            found.insert(0, (stopped.seq, stopped.kind, stopped.tag))  # its file goes too
         return found
+
+    def _run(self, fd: int, pos: int, size: int, segment: int,
+             expect: int) -> tuple[list[tuple[int, int, str]], int]:
+        """The whole records that verify one after another from ``pos``, seqs rising from
+        ``expect``: ``(seq, kind, tag)`` of each, and where the run ends."""
+        out = []
+        while pos < size:
+            rec, length, _ = self._read_record(fd, pos, size, segment)
+            if rec is None or rec.bad_data or rec.seq < expect or rec.seq > MAX_SEQ // 2:
+                break
+            out.append((rec.seq, rec.kind, rec.tag))
+            expect = rec.seq + 1
+            pos += length
+        return out, pos
 
     def _set_aside(self, stop: tuple[int, int, str], later: list[int],
                    heads: list[tuple[int, int, str]]) -> SetAside:
@@ -325,7 +359,7 @@ class Journal:
         src = self.ops.open(os.path.join(self.dir, segment_name(first)), os.O_RDONLY)
         try:
             size = self.ops.size(src)
-            name = _free_name(self.ops, dest, f"{segment_name(first)}.from-{pos}")
+            name = free_name(self.ops, dest, f"{segment_name(first)}.from-{pos}")
             out = self.ops.open(os.path.join(dest, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL)
             try:
                 at = pos
@@ -341,10 +375,14 @@ class Journal:
         finally:
             self.ops.close(src)
         for seg in later:
-            name = _free_name(self.ops, dest, segment_name(seg))
-            self.ops.rename(os.path.join(self.dir, segment_name(seg)), os.path.join(dest, name))
-            kept.append(name)
+            path = os.path.join(self.dir, segment_name(seg))
             self.next_seq = max(self.next_seq, seg + 1)
+            if not os.path.getsize(path):  # an empty one (a roll, or the seq mark below)
+                self.ops.unlink(path)
+                continue
+            name = free_name(self.ops, dest, segment_name(seg))
+            self.ops.rename(path, os.path.join(dest, name))
+            kept.append(name)
         self.ops.fsync_dir(dest)
         self.ops.fsync_dir(self.dir)
         for seq, _, _ in heads:
@@ -482,25 +520,26 @@ class Journal:
         except OSError as exc:
             raise _failure(exc) from None
 
-    def trim(self, through_seq: int, *, keep: bool = False) -> int:
-        """Delete the segments whose records are all at or below ``through_seq``; how many.
+    def trim(self, through_seq: int, *, keep: frozenset[int] = frozenset()) -> set[int]:
+        """Delete the segments whose records are all at or below ``through_seq``; which.
         They must be synced (``sync``) first: their records are folded into blob files.
-        ``keep``: move them into ``writes/damaged/`` instead (they hold the records of a
-        damaged blob, which no fold took)."""
+        Those in ``keep`` (they hold records of a damaged blob, which no fold took) are moved
+        into ``writes/damaged/`` instead."""
         with self._lock:
             segments, current = list(self._segments), self._first
-        gone = []
+        gone: set[int] = set()
         for i, first in enumerate(segments):
             nxt = segments[i + 1] if i + 1 < len(segments) else None
             if nxt is not None and nxt - 1 <= through_seq and first != current:
                 path = os.path.join(self.dir, segment_name(first))
-                if keep:
+                if first in keep:
                     dest = self._damaged_dir_ready()
                     self.ops.rename(path, os.path.join(
-                        dest, _free_name(self.ops, dest, segment_name(first))))
+                        dest, free_name(self.ops, dest, segment_name(first))))
+                    self.ops.fsync_dir(dest)
                 else:
                     self.ops.unlink(path)
-                gone.append(first)
+                gone.add(first)
         if gone:
             with self._lock:
                 self._segments = [s for s in self._segments if s not in gone]
@@ -508,10 +547,8 @@ class Journal:
                     fd = self._readers.pop(first, None)
                     if fd is not None:
                         self.ops.close(fd)
-            if keep:
-                self.ops.fsync_dir(self.damaged_dir)
             self.ops.fsync_dir(self.dir)
-        return len(gone)
+        return gone
 
     @property
     def damaged_dir(self) -> str:
@@ -519,17 +556,7 @@ class Journal:
         return os.path.join(os.path.dirname(self.dir), DAMAGED_DIR)
 
     def _damaged_dir_ready(self) -> str:
-        """``damaged_dir``, made if missing; never through a link or over another entry."""
-        path = self.damaged_dir
-        try:
-            mode = os.lstat(path).st_mode
-        except FileNotFoundError:
-            self.ops.makedirs(path)
-            return path
-        if not stat.S_ISDIR(mode):
-            raise FaultfsError(f"{path} is not a directory (faultfs keeps journal records "
-                               "it could not use there): move it away", errno.EIO)
-        return path
+        return kept_dir(self.ops, self.damaged_dir)
 
     def close(self) -> None:
         with self._sync_lock, self._lock:
@@ -549,47 +576,21 @@ def _pieces(ops: FileOps, fd: int, start: int, end: int) -> Iterator[bytes]:
         at += len(piece)
 
 
-def _heads(ops: FileOps, fd: int, start: int,
-           end: int) -> list[tuple[int, tuple[int, int, str]]]:
-    """``(pos, (seq, kind, tag))`` of every record head that verifies in bytes
-    ``[start, end)`` (found by their magic, wherever they lie), in order."""
-    found = []
+def _magic_positions(ops: FileOps, fd: int, start: int, end: int) -> Iterator[int]:
+    """Where a record's magic lies in bytes ``[start, end)``, in order."""
     at = start
     while at < end:
-        piece = ops.pread(fd, min(SCAN_STEP + HEAD_LEN, end - at), at)
+        piece = ops.pread(fd, min(SCAN_STEP + len(MAGIC) - 1, end - at), at)
         if not piece:
-            break
+            return
+        hits = set()
         for magic in (MAGIC, MAGIC_V2):
             i = piece.find(magic)
             while 0 <= i < SCAN_STEP:
-                head = _verified_head(ops, fd, at + i)
-                if head is not None:
-                    found.append((at + i, head))
+                hits.add(at + i)
                 i = piece.find(magic, i + 1)
+        yield from sorted(hits)
         at += SCAN_STEP
-    return sorted(found)
-
-
-def _verified_head(ops: FileOps, fd: int, pos: int) -> tuple[int, int, str] | None:
-    raw = ops.pread(fd, HEAD_LEN, pos)
-    try:
-        seq, kind, tag_len, name_len, _, _, _, check = decode_head(raw)
-    except CorruptionError:
-        return None
-    names = ops.pread(fd, tag_len + name_len, pos + HEAD_LEN)
-    if len(names) != tag_len + name_len or xxhash.xxh3_64_intdigest(
-            raw[:_HEAD.size] + names) != check:
-        return None
-    return seq, kind, names[:tag_len].decode("utf-8", "replace")
-
-
-def _free_name(ops: FileOps, directory: str, name: str) -> str:
-    """``name``, or ``name.1``, ``name.2`` … when it is taken (an earlier set-aside)."""
-    candidate, n = name, 0
-    while ops.exists(os.path.join(directory, candidate)):
-        n += 1
-        candidate = f"{name}.{n}"
-    return candidate
 
 
 def _failure(exc: OSError) -> FaultfsError:
