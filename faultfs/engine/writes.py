@@ -272,6 +272,12 @@ class Writes:
                 continue
             log.error("tag %s: dirty blob %s is damaged (%s): kept, reads of it fail with EIO "
                       "until faultfs reset drops its writes", tag.name, name, mark["reason"])
+            try:  # its older file (kept, unused) still names a seq: never handed out again
+                older = self.files.header(tag.name, name, tw.ancestors)
+            except CorruptionError:
+                older = None
+            if older is not None:
+                self.journal.advance(folded_seq(older))
             self._add(DirtyBlob(tag, name, self._chunk_index(tag, name), mark["size"], FOLDED,
                                 1 << 62, folded_size=mark["size"], damaged=mark["reason"]))
         for name in self.files.names(tag.name):

@@ -377,7 +377,12 @@ class Journal:
         for seg in later:
             path = os.path.join(self.dir, segment_name(seg))
             self.next_seq = max(self.next_seq, seg + 1)
-            if not os.path.getsize(path):  # an empty one (a roll, or the seq mark below)
+            fd = self.ops.open(path, os.O_RDONLY)
+            try:
+                empty = not self.ops.size(fd)
+            finally:
+                self.ops.close(fd)
+            if empty:  # an empty one (a roll, or the seq mark below)
                 self.ops.unlink(path)
                 continue
             name = free_name(self.ops, dest, segment_name(seg))
