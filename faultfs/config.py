@@ -23,6 +23,10 @@ INLINE_READ_KB = 64  # staged reads up to this size block the event loop's threa
 DIRTY_MB = 64  # written bytes held in memory before they are spilled (read back from the journal)
 JOURNAL_MB = 1024  # journal bytes on disk before a checkpoint folds them into dirty files
 URING_MODES = ("on", "always", "off")  # staged reads through io_uring (tiers/uring.py)
+# FUSE requests served at once, by as many pyfuse3 workers kept for the mount's life (0:
+# pyfuse3's own, 1 to 99 started and ended as the queue empties and fills)
+FUSE_WORKERS = 64
+MAX_FUSE_WORKERS = 1024
 
 # Upper bounds: beyond them a value is a typo, not a setting (an absurd reserve silently
 # turned every fault into a read-through).
@@ -111,6 +115,8 @@ class Config:
     # FAULTFS_FUSE_FASTWAIT=0: every FUSE request waits through pyfuse3's own trio wait, even
     # when the next one is already queued (faultfs/fuse/fastwait.py)
     fuse_fastwait: bool = True
+    # FAULTFS_FUSE_WORKERS=N: requests served at once (see FUSE_WORKERS)
+    fuse_workers: int = FUSE_WORKERS
     # FAULTFS_SOURCE_DIRECT=0: large reads of uncached local sources take the page cache too
     source_direct: bool = True
     # FAULTFS_STORE_DIRECT=0: new blobs are written through the page cache too
@@ -123,6 +129,9 @@ class Config:
             raise InvalidInput("--reserve-mb must not be negative")
         if self.cache_size < 0:
             raise InvalidInput("--cache-size must not be negative")
+        if not 0 <= self.fuse_workers <= MAX_FUSE_WORKERS:
+            raise InvalidInput(f"FAULTFS_FUSE_WORKERS must be 0 to {MAX_FUSE_WORKERS} "
+                               f"(it is {self.fuse_workers})")
         if self.uring not in URING_MODES:
             raise InvalidInput(f"FAULTFS_URING must be one of {', '.join(URING_MODES)} or 0 "
                                f"(it is {self.uring!r})")
@@ -158,7 +167,7 @@ class Config:
               shared_store_endpoint_url: str | None = None,
               metrics_addr: str | None = None, uring: str | None = None,
               uring_punt: bool | None = None, fuse_fastwait: bool | None = None,
-              source_direct: bool | None = None,
+              fuse_workers: int | None = None, source_direct: bool | None = None,
               store_direct: bool | None = None,
               env: Mapping[str, str] | None = None) -> Config:
         """Flags (non-None arguments) win over the environment, which wins over defaults."""
@@ -189,6 +198,8 @@ class Config:
                         else _env_flag("FAULTFS_URING_PUNT", True, env)),
             fuse_fastwait=(fuse_fastwait if fuse_fastwait is not None
                            else _env_flag("FAULTFS_FUSE_FASTWAIT", True, env)),
+            fuse_workers=(fuse_workers if fuse_workers is not None
+                          else _env_int("FAULTFS_FUSE_WORKERS", FUSE_WORKERS, env)),
             source_direct=(source_direct if source_direct is not None
                            else _env_flag("FAULTFS_SOURCE_DIRECT", True, env)),
             store_direct=(store_direct if store_direct is not None

@@ -18,6 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import trio
 
+from faultfs.config import FUSE_WORKERS, Config
+from faultfs.errors import InvalidInput
 from faultfs.fuse import fastwait
 from faultfs.stats import Stats
 
@@ -206,12 +208,19 @@ def _read_randomly(path: str, data: bytes, count: int, seed: int, lo: int = 0,
 
 
 @pytest.mark.mount
-@pytest.mark.parametrize("on", [True, False], ids=["fastwait", "stock"])
-def test_many_readers_get_the_right_bytes(mounter, sample, on):
+@pytest.mark.parametrize(("on", "workers"), [(True, ""), (False, ""), (True, "1"), (True, "0")],
+                         ids=["fastwait", "stock", "one-worker", "pyfuse3-workers"])
+def test_many_readers_get_the_right_bytes(mounter, sample, on, workers):
+    """With the fixed pool of workers (the default), with one worker (every request in turn:
+    a read that waits for the ring holds the only worker, and must still be woken) and with
+    pyfuse3's own pool."""
     src = sample(8 * MiB + 321)
     with open(src, "rb") as f:
         data = f.read()
-    m = mounter(src, env={"FAULTFS_FUSE_FASTWAIT": "1" if on else "0"})
+    env = {"FAULTFS_FUSE_FASTWAIT": "1" if on else "0"}
+    if workers:
+        env["FAULTFS_FUSE_WORKERS"] = workers
+    m = mounter(src, env=env)
     view = os.path.join(m.tag("field"), "field.bin")
     with ThreadPoolExecutor(8) as pool:
         done = sum(pool.map(lambda s: _read_randomly(view, data, 400, s), range(8)))
@@ -311,3 +320,12 @@ def test_sigterm_under_many_readers_ends_the_daemon(mounter, sample):
         t.join(timeout=30)
         assert not t.is_alive(), "a reader hung on the file system of a daemon that ended"
     assert not errors
+
+
+def test_the_pool_of_workers_comes_from_the_environment_within_bounds():
+    assert Config.build(env={}).fuse_workers == FUSE_WORKERS
+    assert Config.build(env={"FAULTFS_FUSE_WORKERS": "0"}).fuse_workers == 0  # pyfuse3's own
+    assert Config.build(env={"FAULTFS_FUSE_WORKERS": "8"}).fuse_workers == 8
+    for bad in ("-1", "100000"):
+        with pytest.raises(InvalidInput, match="FAULTFS_FUSE_WORKERS"):
+            Config.build(env={"FAULTFS_FUSE_WORKERS": bad})

@@ -78,7 +78,11 @@ async def _serve_async(engine: Engine, mountpoint: str, ready: Callable[[], None
             engine.writes.start_checkpoint()  # writes replayed from the journal: fold them
         with fastwait.installed(pyfuse3, fd, engine.stats,
                                 engine.config.fuse_fastwait):
-            await pyfuse3.main()
+            workers = engine.config.fuse_workers
+            # a fixed pool: pyfuse3 starts a worker whenever none waits in its own wait, which
+            # a fast wait never enters, and ends idle ones again — a task made and ended per
+            # request with several readers (config.FUSE_WORKERS)
+            await (pyfuse3.main(workers, workers) if workers else pyfuse3.main())
         with trio.move_on_after(DRAIN_TIMEOUT_S):
             await engine.drain()  # blobs faulted just before the unmount reach the store
         if engine.pending_stores:
