@@ -332,14 +332,23 @@ class Writes:
                 if tag_name in tags and (tag_name, seq) not in used:
                     self.files.set_aside_direct(tag_name, seq, self.journal.damaged_dir)
 
-        for rec in self.journal.replay(
-                writable=self.writable, accept=accept, set_aside=set_aside,
-                damaged=lambda rec: self._damaged_blob(tags, rec) is not None):
+        def unused(rec: Record) -> bool:
+            """A write whose data does not verify may be passed over when nothing would use
+            it: its blob is known damaged, reset since, or gone."""
+            return self._damaged_blob(tags, rec) is not None or self._void(tags, rec)
+
+        for rec in self.journal.replay(writable=self.writable, accept=accept,
+                                       set_aside=set_aside, damaged=unused):
             first = rec.seq if first is None else first
             kept = self._damaged_blob(tags, rec)
             if kept is not None:  # a damaged blob's record: kept with its segment, not used
                 self._keep_segments.add(rec.segment)
+                if rec.kind == KIND_BLOB and self.writable:  # and its file, with them
+                    self.files.set_aside_direct(kept.tag.name, rec.seq,
+                                                self.journal.damaged_dir)
                 continue
+            if rec.bad_data:
+                continue  # void (``unused``): nothing reads it
             found = self._replayed(tags, rec)
             if found is None:
                 continue
@@ -358,6 +367,23 @@ class Writes:
                       aside.records, self.journal.damaged_dir)
         self._sort_direct_files(tags)
         return applied
+
+    def _void(self, tags: dict[str, Tag], rec: Record) -> bool:
+        """Whether a replay would use nothing of ``rec`` (no side effects, unlike
+        ``_replayed``): its tag is not mounted, it was reset, folded already, or its user
+        blob was unlinked."""
+        tag = tags.get(rec.tag)
+        if tag is None or tag.id not in self.tags:
+            return True
+        tw = self.tags[tag.id]
+        if rec.seq <= max(tw.voided, tw.voided_blobs.get(void_key(rec.name), 0)):
+            return True
+        user = user_key(rec.name)
+        if rec.name.startswith(USER_PREFIX) and (user is None or
+                                                 user[0] not in set(tw.users.values())):
+            return True
+        blob = self.blobs.get((tag.id, rec.name))
+        return blob is not None and rec.seq <= blob.folded_seq
 
     def _damaged_blob(self, tags: dict[str, Tag], rec: Record) -> DirtyBlob | None:
         tag = tags.get(rec.tag)
@@ -379,12 +405,12 @@ class Writes:
         log.error("dirty blob %s of tag %s is damaged (%s): kept, reads of it fail with EIO "
                   "until faultfs reset drops its writes", blob.name, blob.tag.name, why)
         try:
+            await self._save_state(blob.tag)  # first: a kill after it knows the blob damaged
             if blob.base == DIRECT:  # as a remount will see it: no direct file under it
                 self._direct_count -= 1
                 seq, blob.base, blob.direct = blob.direct, FOLDED, 0
                 await self.pool.run(self.files.set_aside_direct, blob.tag.name, seq,
                                     self.journal.damaged_dir)
-            await self._save_state(blob.tag)
         except (OSError, FaultfsError) as exc:  # the next checkpoint saves it again
             log.error("keeping damaged blob %s of tag %s: %s", blob.name, blob.tag.name, exc)
 

@@ -806,7 +806,9 @@ class StoreWalk:
                               f"does not verify ({scan.problem}): the {size - scan.pos} bytes "
                               "from there are not replayed (the next mount keeps them in "
                               f"writes/{DAMAGED_DIR}/ if records that verify follow, else cuts "
-                              "them off)", KEEP_JOURNAL)
+                              "them off; a write's bad data is passed over instead when its "
+                              "blob is one its tag's write state names damaged, or was reset "
+                              "since)", KEEP_JOURNAL)
             stopped = f"a record that does not verify in {name}"
 
     # -- small entries ------------------------------------------------------------------------

@@ -251,23 +251,17 @@ class Journal:
         if not writable:
             return
         later = [s for s in firsts if s not in self._segments]
-        found = [] if stop is None else self._runs_after(stop, later, expect)
+        found = [] if stop is None else self._found_after(stop, later, damaged)
         if stop is not None and found:
-            if set_aside is not None:
-                set_aside([(tag, seq) for seq, kind, tag in found if kind == KIND_BLOB])
-            self.set_aside = self._set_aside(stop, later, found)
+            self.set_aside = self._set_aside(stop, later, found, set_aside)
         else:
             for first in later:  # past a torn tail: nothing written after it was trusted
                 self.ops.unlink(os.path.join(self.dir, segment_name(first)))
-        if good_end is not None:
-            first, pos = good_end
-            self._fd = self.ops.open(os.path.join(self.dir, segment_name(first)), os.O_RDWR)
-            self.ops.ftruncate(self._fd, pos)
-            self._first, self._pos = first, pos
-            if self.set_aside is not None:  # the cut durable, then the seqs it kept named
-                self.ops.fsync(self._fd)
-                self._start_segment()
-                self.ops.fsync_dir(self.dir)
+            if good_end is not None:
+                first, pos = good_end
+                self._fd = self.ops.open(os.path.join(self.dir, segment_name(first)), os.O_RDWR)
+                self.ops.ftruncate(self._fd, pos)
+                self._first, self._pos = first, pos
         # What a kill -9 left may be in the page cache only (the records, the segments'
         # names): the next sync makes all of it durable, as if appended in this mount.
         for first in self._segments:
@@ -304,59 +298,71 @@ class Journal:
                       digest if kind == KIND_BLOB else 0, segment, pos + HEAD_LEN + tag_len
                       + name_len, digest if kind == KIND_WRITE else 0, bad), total, ""
 
-    def _runs_after(self, stop: tuple[int, int, str], later: list[int],
-                    expect: int) -> list[tuple[int, int, str]]:
-        """``(seq, kind, tag)`` of the records that verify after the stop: in the rest of its
-        segment, a run of whole verifying records (found by its magic) that reaches the
-        segment's end; in each later segment, the run from its start. Seqs must rise from
-        ``expect`` and stay far from ``MAX_SEQ``. None: a torn tail, cut off."""
+    def _found_after(self, stop: tuple[int, int, str], later: list[int],
+                     damaged: Callable[[Record], bool] | None) -> list[tuple[int, int, str]]:
+        """``(seq, kind, tag)`` of every whole record that verifies after the stop (found by
+        its magic, in the rest of its segment and in the later segments; a write of a blob
+        ``damaged`` names counts too), led by the stopped record when its head verifies.
+        None: a torn tail, cut off. Any: kept — keeping too much costs disk, cutting a
+        record that verifies would lose it. Each is checked once and the scan goes on after
+        it (linear in the bytes)."""
         first, pos, _ = stop
-        found: list[tuple[int, int, str]] = []
-        fd = self.ops.open(os.path.join(self.dir, segment_name(first)), os.O_RDONLY)
-        try:
-            size = self.ops.size(fd)
-            for at in _magic_positions(self.ops, fd, pos + 1, size):
-                run, end = self._run(fd, at, size, first, expect)
-                if run and end == size:
-                    found += run
-                    break
-            stopped, _, _ = self._read_record(fd, pos, size, first)
-        finally:
-            self.ops.close(fd)
-        for seg in later:
+        stopped: list[tuple[int, int, str]] = []
+        after: list[tuple[int, int, str]] = []
+        for seg, start in [(first, pos + 1), *((s, 0) for s in later)]:
             fd = self.ops.open(os.path.join(self.dir, segment_name(seg)), os.O_RDONLY)
             try:
-                found += self._run(fd, 0, self.ops.size(fd), seg,
-                                   max(expect, seg, found[-1][0] + 1 if found else 0))[0]
+                size = self.ops.size(fd)
+                if seg == first:
+                    rec, _, _ = self._read_record(fd, pos, size, seg)
+                    if rec is not None:
+                        stopped.append((rec.seq, rec.kind, rec.tag))
+                resume = start
+                for at in _magic_positions(self.ops, fd, start, size):
+                    if at < resume:
+                        continue  # inside a record found whole
+                    rec, length, _ = self._read_record(fd, at, size, seg)
+                    if rec is None or (rec.bad_data and (damaged is None or not damaged(rec))):
+                        continue
+                    after.append((rec.seq, rec.kind, rec.tag))
+                    resume = at + length
             finally:
                 self.ops.close(fd)
-        if found and stopped is not None and expect <= stopped.seq <= MAX_SEQ // 2:
-            found.insert(0, (stopped.seq, stopped.kind, stopped.tag))  # its file goes too
-        return found
-
-    def _run(self, fd: int, pos: int, size: int, segment: int,
-             expect: int) -> tuple[list[tuple[int, int, str]], int]:
-        """The whole records that verify one after another from ``pos``, seqs rising from
-        ``expect``: ``(seq, kind, tag)`` of each, and where the run ends."""
-        out = []
-        while pos < size:
-            rec, length, _ = self._read_record(fd, pos, size, segment)
-            if rec is None or rec.bad_data or rec.seq < expect or rec.seq > MAX_SEQ // 2:
-                break
-            out.append((rec.seq, rec.kind, rec.tag))
-            expect = rec.seq + 1
-            pos += length
-        return out, pos
+        return stopped + after if after else []
 
     def _set_aside(self, stop: tuple[int, int, str], later: list[int],
-                   heads: list[tuple[int, int, str]]) -> SetAside:
-        """Keep what follows a record that does not verify in ``writes/damaged/``: the rest
-        of its segment copied (then cut off), the later segments moved; the seqs found there
-        (``heads``) are never handed out again."""
+                   found: list[tuple[int, int, str]],
+                   files: Callable[[list[tuple[str, int]]], None] | None) -> SetAside:
+        """Keep what follows a record that does not verify in ``writes/damaged/``, crash by
+        crash safe: first an empty segment names the next seq (so none that is kept is
+        handed out again, whatever happens after), then ``files`` moves the direct files of
+        the whole-chunk records among them, then the rest of the stopped segment is copied
+        and later segments are moved (empty ones stay: one may be that mark), and last the
+        stopped segment is cut. A crash on the way leaves the same stop for the next mount
+        to keep again (copies get free names). The mark is the segment appended to."""
         first, pos, why = stop
+        for seq, _, _ in found:
+            if seq <= MAX_SEQ // 2:  # (a seq near the limit is not one this journal gave)
+                self.next_seq = max(self.next_seq, seq + 1)
+        for seg in later:
+            self.next_seq = max(self.next_seq, seg + 1)
+        self.next_seq = max(self.next_seq, first + 1)  # the mark comes after the stopped one
+        mark = max([s for s in later if self._size(s) == 0], default=0)
+        if mark < self.next_seq:
+            mark = self.next_seq
+            while self.ops.exists(os.path.join(self.dir, segment_name(mark))):
+                mark += 1  # (a foreign entry by that name: the next free seq)
+            fd = self.ops.open(os.path.join(self.dir, segment_name(mark)),
+                               os.O_RDWR | os.O_CREAT | os.O_EXCL)
+            self.ops.fsync(fd)
+            self.ops.close(fd)
+            self.ops.fsync_dir(self.dir)
+        self.next_seq = max(self.next_seq, mark)
+        if files is not None:
+            files([(tag, seq) for seq, kind, tag in found if kind == KIND_BLOB])
         dest = self._damaged_dir_ready()
         kept: list[str] = []
-        src = self.ops.open(os.path.join(self.dir, segment_name(first)), os.O_RDONLY)
+        src = self.ops.open(os.path.join(self.dir, segment_name(first)), os.O_RDWR)
         try:
             size = self.ops.size(src)
             name = free_name(self.ops, dest, f"{segment_name(first)}.from-{pos}")
@@ -372,28 +378,32 @@ class Journal:
             finally:
                 self.ops.close(out)
             kept.append(name)
+            empty = [s for s in later if self._size(s) == 0]
+            for seg in later:
+                if seg in empty:
+                    continue
+                name = free_name(self.ops, dest, segment_name(seg))
+                self.ops.rename(os.path.join(self.dir, segment_name(seg)),
+                                os.path.join(dest, name))
+                kept.append(name)
+            self.ops.fsync_dir(dest)
+            self.ops.fsync_dir(self.dir)
+            self.ops.ftruncate(src, pos)
+            self.ops.fsync(src)
         finally:
             self.ops.close(src)
-        for seg in later:
-            path = os.path.join(self.dir, segment_name(seg))
-            self.next_seq = max(self.next_seq, seg + 1)
-            fd = self.ops.open(path, os.O_RDONLY)
-            try:
-                empty = not self.ops.size(fd)
-            finally:
-                self.ops.close(fd)
-            if empty:  # an empty one (a roll, or the seq mark below)
-                self.ops.unlink(path)
-                continue
-            name = free_name(self.ops, dest, segment_name(seg))
-            self.ops.rename(path, os.path.join(dest, name))
-            kept.append(name)
-        self.ops.fsync_dir(dest)
-        self.ops.fsync_dir(self.dir)
-        for seq, _, _ in heads:
-            self.next_seq = max(self.next_seq, seq + 1)
-        return SetAside(segment_name(first), pos, why, kept, len(heads),
-                        [(tag, seq) for seq, kind, tag in heads if kind == KIND_BLOB])
+        self._segments = [*self._segments, *sorted({*empty, mark} - set(self._segments))]
+        self._fd = self.ops.open(os.path.join(self.dir, segment_name(mark)), os.O_RDWR)
+        self._first, self._pos = mark, 0
+        return SetAside(segment_name(first), pos, why, kept, len(found),
+                        [(tag, seq) for seq, kind, tag in found if kind == KIND_BLOB])
+
+    def _size(self, segment: int) -> int:
+        fd = self.ops.open(os.path.join(self.dir, segment_name(segment)), os.O_RDONLY)
+        try:
+            return self.ops.size(fd)
+        finally:
+            self.ops.close(fd)
 
     # -- appending ---------------------------------------------------------------------------
 
