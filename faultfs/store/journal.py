@@ -58,6 +58,7 @@ from faultfs.store.fileops import FileOps, OsFileOps, free_name, kept_dir
 
 MAGIC = b"FFSWAL\x00\x01"
 MAGIC_V2 = b"FFSWAL\x00\x02"  # kind 4 (KIND_BLOB) only: see the module docstring
+MAGIC_PREFIX = MAGIC[:7]  # what both versions' records begin with
 KIND_WRITE, KIND_ZERO, KIND_SIZE, KIND_BLOB = 1, 2, 3, 4
 _HEAD = struct.Struct("<8sQBBHHHQQQ")
 _CHECK = struct.Struct("<Q")
@@ -347,7 +348,8 @@ class Journal:
         for seg in later:
             self.next_seq = max(self.next_seq, seg + 1)
         self.next_seq = max(self.next_seq, first + 1)  # the mark comes after the stopped one
-        mark = max([s for s in later if self._size(s) == 0], default=0)
+        empty = [s for s in later if self._size(s) == 0]
+        mark = max(empty, default=0)
         if mark < self.next_seq:
             mark = self.next_seq
             while self.ops.exists(os.path.join(self.dir, segment_name(mark))):
@@ -378,7 +380,6 @@ class Journal:
             finally:
                 self.ops.close(out)
             kept.append(name)
-            empty = [s for s in later if self._size(s) == 0]
             for seg in later:
                 if seg in empty:
                     continue
@@ -598,13 +599,10 @@ def _magic_positions(ops: FileOps, fd: int, start: int, end: int) -> Iterator[in
         piece = ops.pread(fd, min(SCAN_STEP + len(MAGIC) - 1, end - at), at)
         if not piece:
             return
-        hits = set()
-        for magic in (MAGIC, MAGIC_V2):
-            i = piece.find(magic)
-            while 0 <= i < SCAN_STEP:
-                hits.add(at + i)
-                i = piece.find(magic, i + 1)
-        yield from sorted(hits)
+        i = piece.find(MAGIC_PREFIX)
+        while 0 <= i < SCAN_STEP:
+            yield at + i
+            i = piece.find(MAGIC_PREFIX, i + 1)
         at += SCAN_STEP
 
 
