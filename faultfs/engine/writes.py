@@ -262,6 +262,9 @@ class Writes:
             tw = TagWrites(view_size=tag.layout.size, damaged=exc.message)
         self.tags[tag.id] = tw
         self._names[tag.id] = tag.name
+        # seqs the state names (a reset's void marks, the view's size) are never handed out
+        # again, also when a power loss took the journal's records up to them
+        self.journal.advance(max(tw.voided, tw.view_seq, *tw.voided_blobs.values()))
         if tw.view_size != tag.layout.size or tw.users:
             self.changed.add(tag.id)
         ids = set(tw.users.values())
