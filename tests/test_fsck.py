@@ -445,8 +445,9 @@ def test_a_tag_whose_directory_name_is_hashed_is_checked_through_its_registry_en
     assert doc["areas"]["blobs"]["ok"] == 4 and doc["areas"]["tag states"]["ok"] == 1
 
 
-def test_journal_damage_in_the_middle_is_not_a_torn_tail_and_what_follows_is_not_replayed(
-        tmp_path):
+def _journal_of_two_segments(tmp_path) -> tuple[str, str, str]:
+    """A store whose journal holds three writes in one segment and one in the next: the
+    store, then the two segments."""
     root, _ = make_store(str(tmp_path / "store"))
     directory = os.path.join(root, "writes", "journal")
     journal = Journal(directory)
@@ -458,6 +459,12 @@ def test_journal_damage_in_the_middle_is_not_a_torn_tail_and_what_follows_is_not
     journal.sync()
     journal.close()
     first, second = (os.path.join(directory, n) for n in sorted(os.listdir(directory)))
+    return root, first, second
+
+
+def test_journal_damage_in_the_middle_is_not_a_torn_tail_and_what_follows_is_not_replayed(
+        tmp_path):
+    root, first, second = _journal_of_two_segments(tmp_path)
     assert fsck_json(root)[0] == 0
     record = len(encode(Record(1, KIND_WRITE, "big", "chunk_0", 0, 4, b"abcd")))
     flip(first, record + 60)  # a byte of the second record's data
@@ -482,17 +489,7 @@ def test_journal_damage_in_the_middle_is_not_a_torn_tail_and_what_follows_is_not
 def test_a_journal_write_whose_data_does_not_verify_says_what_the_next_mount_keeps(tmp_path):
     """Its head verifies but its data does not: not a torn tail (records follow), so the
     finding says the next mount keeps what follows aside, and the later segment follows it."""
-    root, _ = make_store(str(tmp_path / "store"))
-    directory = os.path.join(root, "writes", "journal")
-    journal = Journal(directory)
-    list(journal.replay())
-    for i in range(3):
-        journal.append(KIND_WRITE, "big", "chunk_0", i, 4, b"abcd")
-    journal.roll()
-    journal.append(KIND_WRITE, "big", "chunk_1", 0, 2, b"zz")
-    journal.sync()
-    journal.close()
-    first, second = (os.path.join(directory, n) for n in sorted(os.listdir(directory)))
+    root, first, second = _journal_of_two_segments(tmp_path)
     record = len(encode(Record(1, KIND_WRITE, "big", "chunk_0", 0, 4, b"abcd")))
     flip(first, 2 * record - 2)  # a byte of the second record's data
     code, doc = fsck_json(root)
