@@ -245,6 +245,11 @@ class DirtyFiles:
         kept_dir(self.ops, directory)
         name = free_name(self.ops, directory,
                          f"{os.path.basename(self.tag_dir(tag))}.{os.path.basename(path)}")
+        fd = self.ops.open(path, os.O_RDONLY)  # written, maybe never synced: kept whole
+        try:
+            self.ops.fsync(fd)
+        finally:
+            self.ops.close(fd)
         self.ops.rename(path, os.path.join(directory, name))
         self.ops.fsync_dir(directory)
         self.ops.fsync_dir(os.path.dirname(path))
