@@ -27,6 +27,8 @@ URING_MODES = ("on", "always", "off")  # staged reads through io_uring (tiers/ur
 # pyfuse3's own, 1 to 99 started and ended as the queue empties and fills)
 FUSE_WORKERS = 64
 MAX_FUSE_WORKERS = 1024
+FAST_READ_THREADS = 8  # staged reads waiting for the disk at once in the fast read path
+MAX_FAST_READ_THREADS = 256
 
 # Upper bounds: beyond them a value is a typo, not a setting (an absurd reserve silently
 # turned every fault into a read-through).
@@ -117,6 +119,11 @@ class Config:
     fuse_fastwait: bool = True
     # FAULTFS_FUSE_WORKERS=N: requests served at once (see FUSE_WORKERS)
     fuse_workers: int = FUSE_WORKERS
+    # FAULTFS_FAST_READ=0: every read goes through pyfuse3 and the engine, none is answered
+    # by the compiled fast read path (faultfs/fuse/fastread.py)
+    fast_read: bool = True
+    # FAULTFS_FAST_READ_THREADS=N: its threads that wait for the disk
+    fast_read_threads: int = FAST_READ_THREADS
     # FAULTFS_SOURCE_DIRECT=0: large reads of uncached local sources take the page cache too
     source_direct: bool = True
     # FAULTFS_STORE_DIRECT=0: new blobs are written through the page cache too
@@ -132,6 +139,9 @@ class Config:
         if not 0 <= self.fuse_workers <= MAX_FUSE_WORKERS:
             raise InvalidInput(f"FAULTFS_FUSE_WORKERS must be 0 to {MAX_FUSE_WORKERS} "
                                f"(it is {self.fuse_workers})")
+        if not 1 <= self.fast_read_threads <= MAX_FAST_READ_THREADS:
+            raise InvalidInput(f"FAULTFS_FAST_READ_THREADS must be 1 to {MAX_FAST_READ_THREADS} "
+                               f"(it is {self.fast_read_threads})")
         if self.uring not in URING_MODES:
             raise InvalidInput(f"FAULTFS_URING must be one of {', '.join(URING_MODES)} or 0 "
                                f"(it is {self.uring!r})")
@@ -167,7 +177,8 @@ class Config:
               shared_store_endpoint_url: str | None = None,
               metrics_addr: str | None = None, uring: str | None = None,
               uring_punt: bool | None = None, fuse_fastwait: bool | None = None,
-              fuse_workers: int | None = None, source_direct: bool | None = None,
+              fuse_workers: int | None = None, fast_read: bool | None = None,
+              fast_read_threads: int | None = None, source_direct: bool | None = None,
               store_direct: bool | None = None,
               env: Mapping[str, str] | None = None) -> Config:
         """Flags (non-None arguments) win over the environment, which wins over defaults."""
@@ -200,6 +211,10 @@ class Config:
                            else _env_flag("FAULTFS_FUSE_FASTWAIT", True, env)),
             fuse_workers=(fuse_workers if fuse_workers is not None
                           else _env_int("FAULTFS_FUSE_WORKERS", FUSE_WORKERS, env)),
+            fast_read=(fast_read if fast_read is not None
+                       else _env_flag("FAULTFS_FAST_READ", True, env)),
+            fast_read_threads=(fast_read_threads if fast_read_threads is not None
+                               else _env_int("FAULTFS_FAST_READ_THREADS", FAST_READ_THREADS, env)),
             source_direct=(source_direct if source_direct is not None
                            else _env_flag("FAULTFS_SOURCE_DIRECT", True, env)),
             store_direct=(store_direct if store_direct is not None

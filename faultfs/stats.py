@@ -25,6 +25,7 @@ COUNTERS = (
     "prefetch_errors", "store_readahead", "ring_reads", "dirty_kept", "skipped_dirty", "skipped_degraded",
     "writes", "bytes_written", "fsyncs", "folds", "checkpoints", "spills", "spilled_bytes",
     "xattrs_refused", "fuse_fast_waits", "fuse_waits", "fuse_waits_lost",
+    "fast_reads", "fast_passed",
     "shared_hits", "shared_misses", "shared_damaged", "shared_errors", "shared_skipped",
     "shared_publishes", "shared_publish_failures", "shared_publish_skipped",
     "shared_publish_dropped", "shared_bytes_in", "shared_bytes_out",

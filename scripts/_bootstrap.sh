@@ -29,7 +29,8 @@ if [ ! -e /dev/fuse ]; then
 fi
 
 stamp=".venv/.faultfs-installed"
-want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+# the compiled fast read path (setup.py) is rebuilt when its source changes, too
+want="$(cat pyproject.toml setup.py faultfs/fuse/_fastread.c | sha256sum | cut -d' ' -f1)"
 if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
 fi
@@ -39,6 +40,8 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     .venv/bin/python -m pip install -q -e ".[test]" 2>&1 | grep -vE '^(WARNING: Location|\s*$)' >&2 || true
     .venv/bin/python -c 'import faultfs, pyfuse3, trio, fsspec, s3fs, xxhash' \
         || { echo "faultfs: installing into .venv failed" >&2; exit 1; }
+    .venv/bin/python -c 'import faultfs.fuse._fastread' 2>/dev/null \
+        || echo "faultfs: the fast read path did not build; mounts serve every read through pyfuse3" >&2
     echo "$want" > "$stamp"
 fi
 export PATH="$ROOT/.venv/bin:$PATH"

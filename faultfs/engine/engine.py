@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import logging
 import time
+from collections.abc import Callable
 
 import trio
 
@@ -60,6 +61,8 @@ class Engine:
                  ) -> None:
         self.store = store
         self.config = config
+        # run before each snapshot: counts kept elsewhere (the fast read path's) join the stats
+        self.before_snapshot: list[Callable[[], None]] = []
         self.stats = Stats()
         self.pool = IoPool(config.io_threads)
         self.sharing = sharing  # --shared-store: registrations of every node (DESIGN §13)
@@ -370,6 +373,8 @@ class Engine:
 
     async def snapshot(self) -> dict:
         """Everything ``faultfs stat`` shows, as plain JSON-able values."""
+        for hook in self.before_snapshot:
+            hook()
         free = await self.pool.run(self.store.free_bytes)  # statvfs: not on the trio thread
         return snapshot(self.config, self.store.root, free, self.stats, self.tiers,
                         self.tags.values(), self.writes, self.store.degraded)

@@ -53,6 +53,7 @@ import functools
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -235,6 +236,9 @@ class Writes:
         self.tags: dict[int, TagWrites] = {}
         self._names: dict[int, str] = {}  # tag id -> name, for the state files
         self.changed: set[int] = set()  # ids of tags with writes: their views take this path
+        # told (synchronously) each time a tag joins ``changed``, before the change is seen:
+        # a reader of its own that skips the engine stops serving the tag's clean bytes
+        self.on_change: Callable[[int], None] | None = None
         self.held = 0  # bytes of writes held in memory (ExtentMap.held summed)
         self._kept_from = 1  # the first seq the journal keeps (none trimmed up to it yet)
         self._retry_at = 0.0  # a checkpoint that failed is started again no sooner than this
@@ -266,7 +270,7 @@ class Writes:
         # again, also when a power loss took the journal's records up to them
         self.journal.advance(max(tw.voided, tw.view_seq, *tw.voided_blobs.values()))
         if tw.view_size != tag.layout.size or tw.users:
-            self.changed.add(tag.id)
+            self._mark_changed(tag.id)
         ids = set(tw.users.values())
         for name, mark in list(tw.damaged_blobs.items()):
             user = user_key(name)
@@ -403,7 +407,7 @@ class Writes:
         blob.damaged = why
         tw = self.tags[blob.tag.id]
         tw.damaged_blobs[blob.name] = {"reason": why, "size": blob.size}
-        self.changed.add(blob.tag.id)
+        self._mark_changed(blob.tag.id)
         self._keep_segments.update(d.file for _, _, d in blob.pending.items() if isinstance(d, Ref))
         log.error("dirty blob %s of tag %s is damaged (%s): kept, reads of it fail with EIO "
                   "until faultfs reset drops its writes", blob.name, blob.tag.name, why)
@@ -944,9 +948,14 @@ class Writes:
             blob.pending.zero(size, top - size)
         blob.size = size
 
+    def _mark_changed(self, tag_id: int) -> None:
+        self.changed.add(tag_id)
+        if self.on_change is not None:
+            self.on_change(tag_id)
+
     def _set_view_size(self, tag: Tag, tw: TagWrites, size: int) -> None:
         tw.view_size = size
-        self.changed.add(tag.id)
+        self._mark_changed(tag.id)
 
     def _add(self, blob: DirtyBlob) -> DirtyBlob:
         self.blobs[(blob.tag.id, blob.name)] = blob
@@ -954,7 +963,7 @@ class Writes:
         if user is not None:
             self._parts.setdefault((blob.tag.id, user[0]), {})[user[1]] = blob
             self._user_sizes.pop((blob.tag.id, user[0]), None)
-        self.changed.add(blob.tag.id)
+        self._mark_changed(blob.tag.id)
         return blob
 
     def _written(self, tag: Tag) -> None:

@@ -11,13 +11,13 @@ from __future__ import annotations
 import errno
 import logging
 
-import pyfuse3
 import trio
 
 from faultfs.core import inodes
 from faultfs.core.inodes import KIND_DIR, KIND_PAGE, KIND_PAGEMAP
 from faultfs.core.names import PAGE_PREFIX
 from faultfs.engine import Tag
+from faultfs.fuse.lowlevel import pyfuse3
 from faultfs.namespace import ATTR_TIMEOUT
 
 log = logging.getLogger("faultfs.fuse")

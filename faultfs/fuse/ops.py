@@ -12,14 +12,14 @@ import errno
 import functools
 import logging
 import os
-
-import pyfuse3
+from collections.abc import Callable
 
 from faultfs.core.names import XATTR_SOURCE, XATTR_STAGED, XATTR_TAG
 from faultfs.engine import Engine
 from faultfs.errors import FaultfsError
 from faultfs.fuse.handles import HandleTable
 from faultfs.fuse.invalidate import Invalidator
+from faultfs.fuse.lowlevel import pyfuse3
 from faultfs.namespace import BLOCK_SIZE, Attributes, Files, OpenFile, Tree
 
 log = logging.getLogger("faultfs.fuse")
@@ -80,6 +80,8 @@ class FaultOperations(pyfuse3.Operations):
         self.files.invalidate = self.invalidator.inodes
         self.files.invalidate_entry = self.invalidator.entry
         engine.pages.subscribe(self.invalidator.pages_changed)
+        # the fast read path (fastread.py), while serve runs it: told of chunk and view opens
+        self.file_opened: Callable[[OpenFile], None] | None = None
 
     @fuse_boundary
     async def lookup(self, parent_inode, name, ctx=None):
@@ -110,6 +112,8 @@ class FaultOperations(pyfuse3.Operations):
     @fuse_boundary
     async def open(self, inode, flags, ctx):
         handle = await self.files.open(inode, flags)
+        if self.file_opened is not None:
+            self.file_opened(handle)
         return file_info(self.handles.add(handle), handle)
 
     @fuse_boundary

@@ -15,7 +15,6 @@ import os
 import signal
 from collections.abc import Callable
 
-import pyfuse3
 import trio
 
 from faultfs.config import STATS_INTERVAL_S
@@ -24,6 +23,8 @@ from faultfs.engine import Engine
 from faultfs.errors import FaultfsError
 from faultfs.fuse import fastwait
 from faultfs.fuse.exporter import open_listeners, serve_metrics
+from faultfs.fuse.fastread import FastReads
+from faultfs.fuse.lowlevel import pyfuse3
 from faultfs.fuse.ops import FaultOperations
 from faultfs.tiers.uring import fuse_device_fds
 
@@ -46,13 +47,17 @@ def serve(engine: Engine, mountpoint: str, *, ready: Callable[[], None] | None =
     if debug_fuse:
         options.add("debug")
     devices = fuse_device_fds()
+    FastReads.prepare(engine.config)
     try:
         pyfuse3.init(ops, mountpoint, options)
     except RuntimeError as exc:
         raise FaultfsError(f"mounting {mountpoint} failed: {exc}", errno.EIO) from None
-    fd = fastwait.session_fd(devices)
+    # what pyfuse3 waits on: the fast read path's queue, else the session's device
+    fd = FastReads.queue_fd()
+    if fd is None:
+        fd = fastwait.session_fd(devices)
     try:
-        trio.run(_serve_async, engine, mountpoint, ready, fd)
+        trio.run(_serve_async, engine, ops, mountpoint, ready, fd)
     except BaseException:
         # never touch the mountpoint from this thread here: nothing answers it any more
         log.exception("the serving loop of %s stopped on an error; unmounting", mountpoint)
@@ -62,12 +67,27 @@ def serve(engine: Engine, mountpoint: str, *, ready: Callable[[], None] | None =
         engine.close()
 
 
-async def _serve_async(engine: Engine, mountpoint: str, ready: Callable[[], None] | None,
-                       fd: int | None) -> None:
+async def _serve_async(engine: Engine, ops: FaultOperations, mountpoint: str,
+                       ready: Callable[[], None] | None, fd: int | None) -> None:
     listeners = (await open_listeners(engine.config.metrics_addr)
                  if engine.config.metrics_addr else [])
+    fast = FastReads.start(engine)
+    try:
+        await _serve_with(engine, ops, mountpoint, ready, fd, listeners, fast)
+    finally:
+        if fast is not None:
+            ops.file_opened = None
+            fast.stop()  # before pyfuse3.close: its threads reply into the session
+
+
+async def _serve_with(engine: Engine, ops: FaultOperations, mountpoint: str,
+                      ready: Callable[[], None] | None, fd: int | None, listeners: list,
+                      fast: FastReads | None) -> None:
     async with trio.open_nursery() as nursery:
         engine.attach(nursery)
+        if fast is not None:
+            ops.file_opened = fast.file_opened
+            nursery.start_soon(fast.harvest_forever)
         if listeners:
             nursery.start_soon(serve_metrics, engine, listeners)
         nursery.start_soon(_watch_signals)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 Buffer = bytes | memoryview  # replies are slices of held buffers, not copies
 BlobKey = tuple[int, int]  # (tag id, blob index)
@@ -87,3 +87,20 @@ class Tier(Protocol):
         ...
 
     def capacity(self) -> Capacity: ...
+
+
+class OpenBlobWatcher(Protocol):
+    """Told which staged blob files the local tier holds open (``LocalTier.watch``): a reader
+    of its own may use a blob's file (a copy of its descriptor) from ``opened`` until
+    ``closed``, and never after — the tier says ``closed`` before it evicts, replaces or drops
+    the blob, so nothing stored later under that name is read through the old file."""
+
+    def opened(self, key: BlobKey, blob: Any) -> None:
+        """``blob`` (a ``store.blobstore.OpenBlob`` whose header the tier verified) is open."""
+        ...
+
+    def closed(self, key: BlobKey) -> None: ...
+
+    def forgot(self, tag_id: int) -> None:
+        """The tag is unregistered."""
+        ...

@@ -40,7 +40,7 @@ from faultfs.stats import Stats
 from faultfs.store.blobfile import FLAG_NO_FAULT, HEADER_LEN, block_size_for, block_span
 from faultfs.store.blobstore import FOREIGN_ERRNOS, OPEN_FLAGS, SMALL_READ, BlobStore, OpenBlob
 from faultfs.tiers import uring
-from faultfs.tiers.base import BlobKey, Buffer, Capacity, StoreOutcome, TierTag
+from faultfs.tiers.base import BlobKey, Buffer, Capacity, OpenBlobWatcher, StoreOutcome, TierTag
 from faultfs.tiers.policy import StorePolicy
 from faultfs.tiers.uring import RingReader
 
@@ -116,6 +116,20 @@ class LocalTier:
         self._in_use: dict[BlobKey, int] = {}
         self._pinned: set[BlobKey] = set()  # clean bases of dirty blobs: never evicted
         self._open_cap = open_cap()
+        self._watcher: OpenBlobWatcher | None = None
+
+    def requests_wait_in(self, fd: int) -> None:
+        """FUSE requests for this process wait in ``fd`` (not in its ``/dev/fuse``): the idle
+        probe of the blocking path polls that."""
+        self._idle.use(fd)
+
+    def watch(self, watcher: OpenBlobWatcher | None) -> None:
+        """Tell ``watcher`` of every blob file this tier holds open, from now on (those open
+        already first) until it lets each go; None stops telling."""
+        self._watcher = watcher
+        if watcher is not None:
+            for key, blob in self._open.items():
+                watcher.opened(key, blob)
 
     # -- tags --------------------------------------------------------------------------------
 
@@ -169,6 +183,8 @@ class LocalTier:
         for key in [k for k in self._open if k[0] == tag_id]:
             self._drop_open(key)
         self._pinned = {k for k in self._pinned if k[0] != tag_id}
+        if self._watcher is not None:
+            self._watcher.forgot(tag_id)
 
     def contains(self, key: BlobKey) -> bool:
         staged = self._staged.get(key[0])
@@ -227,6 +243,8 @@ class LocalTier:
                 blob = self._open[key]
             else:
                 self._open[key] = blob
+                if self._watcher is not None:
+                    self._watcher.opened(key, blob)
                 self._trim_open()
         else:
             self._open.move_to_end(key)
@@ -424,12 +442,18 @@ class LocalTier:
     def _trim_open(self) -> None:
         while len(self._open) > self._open_cap:
             key, blob = self._open.popitem(last=False)
-            if not self._in_use.get(key):
-                blob.close()
+            self._let_go(key, blob)
 
     def _drop_open(self, key: BlobKey) -> None:
         blob = self._open.pop(key, None)
-        if blob is not None and not self._in_use.get(key):
+        if blob is not None:
+            self._let_go(key, blob)
+
+    def _let_go(self, key: BlobKey, blob: OpenBlob) -> None:
+        """``blob`` left ``_open``: its watcher first, then the file (unless a read holds it)."""
+        if self._watcher is not None:
+            self._watcher.closed(key)
+        if not self._in_use.get(key):
             blob.close()
 
     # -- writes ------------------------------------------------------------------------------
@@ -537,7 +561,9 @@ class LocalTier:
         if self._reader is not None:
             self._reader.close()  # waits for reads in flight: their blobs are still open
             self._reader = None
-        for blob in self._open.values():
+        for key, blob in self._open.items():
+            if self._watcher is not None:
+                self._watcher.closed(key)
             blob.close()
         self._open.clear()
 

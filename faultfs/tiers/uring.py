@@ -437,6 +437,15 @@ class IdleProbe:
         self._poll: Any = None
         self._looked = False
 
+    def use(self, fd: int) -> None:
+        """Poll ``fd`` for waiting requests instead (the fast read path's queue of requests
+        for pyfuse3, when its threads read the device: ``fuse/fastread.py``)."""
+        import select
+
+        self._poll = select.poll()
+        self._poll.register(fd, select.POLLIN)
+        self._looked = True
+
     def idle(self) -> bool:
         if not self._looked:
             self._looked = True
