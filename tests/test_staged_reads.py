@@ -265,7 +265,8 @@ def flip_a_byte(store: str, blob: str, at: int) -> None:
 @pytest.mark.parametrize("ring", [True, False], ids=["ring", "ring-off"])
 def test_a_flipped_byte_in_a_staged_blob_is_refaulted_through_a_mount(
         mounter, sample, tmp_path, ring):
-    env = {"FAULTFS_URING": "always" if ring else "0"}
+    # the engine's staged reads: the fast read path (tests/test_fast_reads.py) kept out
+    env = {"FAULTFS_URING": "always" if ring else "0", "FAULTFS_FAST_READ": "0"}
     src, m = staged_mount(mounter, sample, tmp_path, 4 * MiB + 777, env)
     data = read(src)
     at = MiB + 3 * block_size_for(MiB) + 100  # inside blob chunk_1
@@ -307,7 +308,7 @@ def _random_reader(path: str, size: int, count: int, seed: int) -> list[tuple[in
 @pytest.mark.parametrize("ring", ["on", "always", "0"])
 def test_many_concurrent_readers_through_a_mount_read_the_right_bytes(
         mounter, sample, tmp_path, ring):
-    env = {"FAULTFS_URING": ring}
+    env = {"FAULTFS_URING": ring, "FAULTFS_FAST_READ": "0"}  # the engine's reads, not the C path
     size = 12 * MiB + 12345
     src, m = staged_mount(mounter, sample, tmp_path, size, env)
     data = read(src)

@@ -7,7 +7,8 @@
  *   requests queued for it.
  * - fuse_session_receive_buf(): pyfuse3's receive takes the next queued request (its buffer as
  *   read from the device) instead of reading the device itself.
- * - fuse_session_destroy(): the reader threads are stopped and joined first.
+ * - fuse_session_unmount() and fuse_session_destroy(): the reader threads are stopped and
+ *   joined first (libfuse's unmount closes the device descriptor they read).
  * A reader thread takes each request off the device. A READ of a chunk or view inode of a tag
  * the Python side has enabled, inside one staged blob it has published (a blob file the local
  * tier holds open, of a tag without writes), is answered right there: the blocks it covers read
@@ -561,6 +562,15 @@ int fuse_session_receive_buf(struct fuse_session *se, struct fuse_buf *buf) {
     int len = (int)q->len;
     free(q);
     return len;
+}
+
+void fuse_session_unmount(struct fuse_session *se) {
+    static void (*real)(struct fuse_session *);
+    if (!real && !(real = (void (*)(struct fuse_session *))libfuse("fuse_session_unmount")))
+        return;
+    if (se && se == session_)
+        stop_readers(); /* libfuse's unmount closes the device: no reader may poll it then */
+    real(se);
 }
 
 void fuse_session_destroy(struct fuse_session *se) {
