@@ -24,8 +24,9 @@ What it serves is exactly what the engine would serve from the local tier:
 
 The read's bookkeeping happens later, in bulk: ``harvest`` (before each stats snapshot, and
 every second) adds the served reads to the counters and touches the blobs read in the store's
-LRU. The prefetch window does not see reads served here (they are staged already); the first
-read of each blob after a mount is the engine's (it opens the file).
+LRU. The prefetch window does not see reads served here (they are staged already). When a tag
+is enabled, the local tier opens its staged blobs ahead, in the background and into the
+open-file cache's free room only, so that their first reads are served here too.
 
 ``FAULTFS_FAST_READ=0`` switches it off; so does a missing compiled piece.
 """
@@ -76,6 +77,12 @@ class FastReads:
         self.engine = engine
         self._stats = engine.stats
         self._enabled: set[int] = set()
+        self._nursery: trio.Nursery | None = None
+
+    def attach(self, nursery: trio.Nursery) -> None:
+        """Run the bookkeeping, and open ahead the staged blobs of tags as they are enabled."""
+        self._nursery = nursery
+        nursery.start_soon(self.harvest_forever)
 
     @staticmethod
     def prepare(config: Config) -> bool:
@@ -147,6 +154,14 @@ class FastReads:
         layout = tag.layout
         native.set_tag(tag.id, layout.chunk_size, layout.size, layout.num_blobs, True)
         self._enabled.add(tag.id)
+        if self._nursery is not None:  # first reads of its staged blobs go to C as well
+            self._nursery.start_soon(self._open_ahead, tag.id)
+
+    async def _open_ahead(self, tag_id: int) -> None:
+        opened = await self.engine.tiers.local.open_ahead(tag_id)
+        if opened:
+            log.debug("tag %d: %d staged blob(s) opened ahead for the fast read path",
+                      tag_id, opened)
 
     # -- the bookkeeping ---------------------------------------------------------------------
 

@@ -87,7 +87,7 @@ async def _serve_with(engine: Engine, ops: FaultOperations, mountpoint: str,
         engine.attach(nursery)
         if fast is not None:
             ops.file_opened = fast.file_opened
-            nursery.start_soon(fast.harvest_forever)
+            fast.attach(nursery)
         if listeners:
             nursery.start_soon(serve_metrics, engine, listeners)
         nursery.start_soon(_watch_signals)

@@ -31,6 +31,7 @@ import logging
 import os
 import resource
 import stat as stat_mod
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from faultfs.buffers import alloc
@@ -68,6 +69,14 @@ class StagedSet:
 
     def __contains__(self, index: int) -> bool:
         return bool(self.bits[index >> 3] & (1 << (index & 7)))
+
+    def indices(self) -> Iterator[int]:
+        """The staged blobs' indices, in order."""
+        for byte, bits in enumerate(self.bits):
+            if bits:
+                for bit in range(8):
+                    if bits & (1 << bit):
+                        yield byte * 8 + bit
 
     def mark(self, index: int, staged: bool) -> None:
         byte, bit = index >> 3, 1 << (index & 7)
@@ -176,10 +185,8 @@ class LocalTier:
         staged = self._staged.pop(tag_id, None)
         self._tags.pop(tag_id, None)
         if staged is not None:
-            for byte, bits in enumerate(staged.bits):
-                for bit in range(8) if bits else ():
-                    if bits & (1 << bit):
-                        self.policy.forget((tag_id, byte * 8 + bit))
+            for index in staged.indices():
+                self.policy.forget((tag_id, index))
         for key in [k for k in self._open if k[0] == tag_id]:
             self._drop_open(key)
         self._pinned = {k for k in self._pinned if k[0] != tag_id}
@@ -286,6 +293,54 @@ class LocalTier:
                 del in_use[key]
                 if key not in self._open:
                     blob.close()
+
+    async def open_ahead(self, tag_id: int, batch: int = 64) -> int:
+        """Open the tag's staged blobs that are not open yet, into the open-file cache's free
+        room only (nothing open is let go for them), a batch at a time on one pool thread: a
+        watcher's own reader (the fast read path) then serves their first reads too. Returns
+        how many it opened."""
+        tag, staged = self._tags.get(tag_id), self._staged.get(tag_id)
+        if tag is None or staged is None:
+            return 0
+        opened, todo = 0, []
+        for index in staged.indices():
+            if len(self._open) + len(todo) >= self._open_cap:
+                break
+            if (tag_id, index) not in self._open:
+                todo.append(index)
+            if len(todo) == batch:
+                opened += await self._open_batch(tag, todo)
+                todo = []
+        if todo:
+            opened += await self._open_batch(tag, todo)
+        return opened
+
+    async def _open_batch(self, tag: TierTag, indices: list[int]) -> int:
+        blobs = await self.pool.run(self._open_blocking, tag, indices)
+        opened = 0
+        for index, blob in zip(indices, blobs, strict=True):
+            if blob is None:
+                continue  # gone, torn or stale (dropped): the next read of it re-faults it
+            key = (tag.id, index)
+            if (key in self._open or not self.contains(key) or self._tags.get(tag.id) is not tag
+                    or len(self._open) >= self._open_cap):
+                blob.close()  # read, evicted or forgotten meanwhile, or no room left
+                continue
+            self._open[key] = blob
+            if self._watcher is not None:
+                self._watcher.opened(key, blob)
+            opened += 1
+        return opened
+
+    def _open_blocking(self, tag: TierTag, indices: list[int]) -> list[OpenBlob | None]:
+        out: list[OpenBlob | None] = []
+        for index in indices:
+            try:
+                out.append(self.store.open_blob(tag.name, tag.blob_name(index),
+                                                source_version=tag.version))
+            except CorruptionError:
+                out.append(None)  # a damaged dirty blob: its own read reports it
+        return out
 
     # -- reads through io_uring (tiers/uring.py) ---------------------------------------------
 
