@@ -1,10 +1,12 @@
 /* Staged reads answered in C, on threads of their own, before pyfuse3 and trio see them.
  *
  * faultfs/fuse/fastread.py says why and how it is used. In short: loaded (RTLD_GLOBAL) before
- * pyfuse3, this library stands in for three libfuse functions that only pyfuse3 calls.
- * - fuse_session_fd(): when prepare() was called, it starts a few reader threads on the
- *   session's /dev/fuse descriptor and hands pyfuse3 an eventfd instead, which counts the
- *   requests queued for it.
+ * pyfuse3, this library stands in for four libfuse functions that only pyfuse3 calls.
+ * - fuse_session_fd(): when prepare() was called, it starts a few reader threads on a copy of
+ *   the session's /dev/fuse descriptor and hands pyfuse3 an eventfd instead, which counts the
+ *   requests queued for it. The readers block in read() (the device wakes one per request);
+ *   a real-time signal sent to them alone (SIGRTMIN+5; they block every other signal, which
+ *   stay Python's) ends that read when they stop.
  * - fuse_session_receive_buf(): pyfuse3's receive takes the next queued request (its buffer as
  *   read from the device) instead of reading the device itself.
  * - fuse_session_unmount() and fuse_session_destroy(): the reader threads are stopped and
@@ -37,13 +39,14 @@
 #include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
-#include <poll.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
 #include <sys/uio.h>
+#include <time.h>
 #include <unistd.h>
 
 #define MAX_BLOCKS 255
@@ -51,6 +54,7 @@
 /* libfuse's own receive buffer: FUSE_MAX_MAX_PAGES pages and a page for the headers */
 #define REQ_BUF (256 * 4096 + 4096)
 #define ENDED_COUNT (1ULL << 62) /* the queue's count once the connection ended: always readable */
+#define WAKE_SIGNAL (SIGRTMIN + 5) /* ends a reader's blocking read when the readers stop */
 
 typedef uint64_t (*xxh3_fn)(const void *, size_t);
 
@@ -189,9 +193,9 @@ static int want_readers_;             /* prepare(n): start n readers with the ne
 static int nreaders_;
 static pthread_t readers_[MAX_READERS];
 static uint64_t serving_[MAX_READERS][2]; /* the READ each reader answers, and the one before */
-static int fuse_fd_ = -1;                 /* the session's /dev/fuse */
+static int fuse_fd_ = -1;                 /* the readers' copy of the session's /dev/fuse */
 static int queue_fd_ = -1;                /* eventfd, a semaphore: one count per queued request */
-static int stop_fd_ = -1;                 /* eventfd: the readers stop */
+static int stopping_;                     /* the readers stop (woken by WAKE_SIGNAL) */
 static queued_t *q_head_, *q_tail_;
 static char **spare_; /* request buffers not in use */
 static size_t nspare_, spare_cap_;
@@ -408,24 +412,24 @@ static void enqueue(char *mem, size_t len) {
     }
 }
 
+static void on_wake(int sig) { (void)sig; /* only to end a reader's blocking read (EINTR) */ }
+
 static void *reader(void *arg) {
     int me = (int)(intptr_t)arg;
+    sigset_t only_wake;
+    sigfillset(&only_wake);
+    sigdelset(&only_wake, WAKE_SIGNAL);
+    pthread_sigmask(SIG_SETMASK, &only_wake, NULL); /* the process's signals are Python's */
     char *buf = take_buffer();
     char *data = NULL;
     size_t cap = 0;
-    struct pollfd p[2] = {{fuse_fd_, POLLIN, 0}, {stop_fd_, POLLIN, 0}};
-    while (buf) {
-        if (poll(p, 2, -1) < 0) {
-            if (errno == EINTR)
-                continue;
-            break;
-        }
-        if (p[1].revents)
-            break;
+    /* a blocking read: the device wakes one waiting reader per request (an exclusive wait),
+       where a poll would wake every reader for each */
+    while (buf && !__atomic_load_n(&stopping_, __ATOMIC_ACQUIRE)) {
         ssize_t n = read(fuse_fd_, buf, REQ_BUF);
         if (n < 0) {
             if (errno == EINTR || errno == EAGAIN || errno == ENOENT)
-                continue; /* another reader took it, or it was interrupted before it was read */
+                continue; /* woken to stop, or the request was interrupted before it was read */
             end_queue();  /* ENODEV: unmounted; anything else: pyfuse3 sees the end too */
             break;
         }
@@ -446,12 +450,22 @@ static void *reader(void *arg) {
 }
 
 static void stop_readers(void) {
-    uint64_t one = 1;
-    if (stop_fd_ >= 0 && write(stop_fd_, &one, sizeof one) < 0) {
-    }
+    __atomic_store_n(&stopping_, 1, __ATOMIC_RELEASE);
     Py_BEGIN_ALLOW_THREADS
-    for (int i = 0; i < nreaders_; i++)
-        pthread_join(readers_[i], NULL);
+    for (int i = 0; i < nreaders_; i++) {
+        for (;;) { /* a reader between its look at stopping_ and its read: wake it again */
+            pthread_kill(readers_[i], WAKE_SIGNAL);
+            struct timespec until;
+            clock_gettime(CLOCK_REALTIME, &until);
+            until.tv_nsec += 20 * 1000 * 1000;
+            if (until.tv_nsec >= 1000000000L) {
+                until.tv_sec++;
+                until.tv_nsec -= 1000000000L;
+            }
+            if (pthread_timedjoin_np(readers_[i], NULL, &until) == 0)
+                break;
+        }
+    }
     Py_END_ALLOW_THREADS
     nreaders_ = 0;
     pthread_mutex_lock(&lock_);
@@ -469,35 +483,37 @@ static void stop_readers(void) {
     }
     if (queue_fd_ >= 0)
         close(queue_fd_);
-    if (stop_fd_ >= 0)
-        close(stop_fd_);
-    queue_fd_ = stop_fd_ = -1;
-    fuse_fd_ = -1;
+    if (fuse_fd_ >= 0)
+        close(fuse_fd_);
+    queue_fd_ = fuse_fd_ = -1;
     session_ = NULL;
     ended_ = 0;
 }
 
 static int start_readers(struct fuse_session *se, int fd) {
-    int flags = fcntl(fd, F_GETFL);
+    struct sigaction wake;
+    memset(&wake, 0, sizeof wake);
+    wake.sa_handler = on_wake; /* no SA_RESTART: the read returns EINTR */
+    sigemptyset(&wake.sa_mask);
     queue_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK | EFD_SEMAPHORE);
-    stop_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-    if (flags < 0 || queue_fd_ < 0 || stop_fd_ < 0 || fcntl(fd, F_SETFL, flags | O_NONBLOCK) < 0) {
+    /* the readers' own descriptor of the device: libfuse's unmount closes its own */
+    fuse_fd_ = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    if (queue_fd_ < 0 || fuse_fd_ < 0 || sigaction(WAKE_SIGNAL, &wake, NULL) < 0) {
         if (queue_fd_ >= 0)
             close(queue_fd_);
-        if (stop_fd_ >= 0)
-            close(stop_fd_);
-        queue_fd_ = stop_fd_ = -1;
+        if (fuse_fd_ >= 0)
+            close(fuse_fd_);
+        queue_fd_ = fuse_fd_ = -1;
         return -1;
     }
-    fuse_fd_ = fd;
     session_ = se;
     ended_ = 0;
+    stopping_ = 0;
     memset(serving_, 0, sizeof serving_);
     for (nreaders_ = 0; nreaders_ < want_readers_; nreaders_++)
         if (pthread_create(&readers_[nreaders_], NULL, reader, (void *)(intptr_t)nreaders_))
             break;
     if (!nreaders_) {
-        fcntl(fd, F_SETFL, flags);
         stop_readers();
         return -1;
     }
@@ -569,7 +585,7 @@ void fuse_session_unmount(struct fuse_session *se) {
     if (!real && !(real = (void (*)(struct fuse_session *))libfuse("fuse_session_unmount")))
         return;
     if (se && se == session_)
-        stop_readers(); /* libfuse's unmount closes the device: no reader may poll it then */
+        stop_readers(); /* before libfuse's unmount closes the device and the connection ends */
     real(se);
 }
 
