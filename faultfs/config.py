@@ -28,7 +28,7 @@ URING_MODES = ("on", "always", "off")  # staged reads through io_uring (tiers/ur
 FUSE_WORKERS = 64
 MAX_FUSE_WORKERS = 1024
 FAST_READ_THREADS = 8  # staged reads waiting for the disk at once in the fast read path
-MAX_FAST_READ_THREADS = 256
+MAX_FAST_READ_THREADS = 64  # _fastread.c MAX_READERS
 
 # Upper bounds: beyond them a value is a typo, not a setting (an absurd reserve silently
 # turned every fault into a read-through).

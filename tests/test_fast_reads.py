@@ -22,6 +22,7 @@ from faultfs.fuse.lowlevel import native
 from faultfs.store.blobfile import HEADER_LEN, block_size_for
 from faultfs.store.blobstore import BlobStore
 from tests.conftest import run_faultfs
+from tests.test_fuse_fastwait import _drop as drop_cache
 from tests.test_staged_reads import drop_store_cache, read, staged_mount
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -47,13 +48,20 @@ def random_reads(path: str, size: int, count: int, seed: int) -> list[tuple[int,
     return out
 
 
-def drop_cache(path: str) -> None:
-    """Drop the kernel's cached pages of a file of the mount: the next read asks the daemon."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+def read_rounds(view: str, size: int, data: bytes, rounds: int, count: int, *,
+                after=None) -> None:
+    """``rounds`` rounds of 8 threads' random reads of ``view``, each piece compared with
+    ``data``; the view's cached pages (and ``after()``) dropped after each round."""
+    for rnd in range(rounds):
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(lambda s: random_reads(view, size, count, s),
+                                    range(rnd * 8, rnd * 8 + 8)))
+        for got in results:
+            for off, piece in got:
+                assert piece == data[off:off + len(piece)], f"view bytes at {off}"
+        drop_cache(view)
+        if after is not None:
+            after()
 
 
 def test_staged_reads_through_the_view_and_the_chunks_are_the_sources_bytes(
@@ -63,14 +71,7 @@ def test_staged_reads_through_the_view_and_the_chunks_are_the_sources_bytes(
     data = read(src)
     tag = m.tag("field")
     view = os.path.join(tag, "field.bin")
-    for rnd in range(2):  # the first read of each blob opens it (the engine), then it is ours
-        with ThreadPoolExecutor(8) as pool:
-            results = list(pool.map(lambda s: random_reads(view, size, 120, s),
-                                    range(rnd * 8, rnd * 8 + 8)))
-        for got in results:
-            for off, piece in got:
-                assert piece == data[off:off + len(piece)], f"view bytes at {off}"
-        drop_cache(view)
+    read_rounds(view, size, data, 2, 120)
     for index in (0, 3, 10):
         chunk = os.path.join(tag, f"chunk_{index}")
         want = data[index * MiB:(index + 1) * MiB].ljust(MiB, b"\0")
@@ -169,15 +170,7 @@ def test_blobs_evicted_under_the_fast_path_are_read_again_from_the_source(
     m = mounter(src, store=store, args=["--cache-size", str(6 * MiB), "--memory-mb", "0",
                                         "--prefetch-mb", "0"])
     view = os.path.join(m.tag("field"), "field.bin")
-    for rnd in range(3):
-        with ThreadPoolExecutor(8) as pool:
-            results = list(pool.map(lambda s: random_reads(view, size, 60, s),
-                                    range(rnd * 8, rnd * 8 + 8)))
-        for got in results:
-            for off, piece in got:
-                assert piece == data[off:off + len(piece)], f"bytes at {off}"
-        drop_cache(view)
-        drop_store_cache(BlobStore(store))
+    read_rounds(view, size, data, 3, 60, after=lambda: drop_store_cache(BlobStore(store)))
     c = m.counters()
     assert c["evicted"] > 0 and c["fast_reads"] > 0, c
 

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import trio
 
-from faultfs.config import FUSE_WORKERS, Config
+from faultfs.config import FAST_READ_THREADS, FUSE_WORKERS, Config
 from faultfs.errors import InvalidInput
 from faultfs.fuse import fastwait
 from faultfs.stats import Stats
@@ -329,3 +329,12 @@ def test_the_pool_of_workers_comes_from_the_environment_within_bounds():
     for bad in ("-1", "100000"):
         with pytest.raises(InvalidInput, match="FAULTFS_FUSE_WORKERS"):
             Config.build(env={"FAULTFS_FUSE_WORKERS": bad})
+
+
+def test_the_fast_read_path_s_threads_come_from_the_environment_within_bounds():
+    assert Config.build(env={}).fast_read_threads == FAST_READ_THREADS
+    assert Config.build(env={"FAULTFS_FAST_READ_THREADS": "64"}).fast_read_threads == 64
+    assert not Config.build(env={"FAULTFS_FAST_READ": "0"}).fast_read
+    for bad in ("0", "65", "256"):  # 64 is what the compiled piece starts at most
+        with pytest.raises(InvalidInput, match="FAULTFS_FAST_READ_THREADS"):
+            Config.build(env={"FAULTFS_FAST_READ_THREADS": bad})

@@ -640,3 +640,35 @@ def test_without_xattrs_a_write_is_one_request_and_with_them_attributes_answer(m
         os.getxattr(os.path.join(tag, "chunk_0"), "security.capability")
     assert err.value.errno == errno.ENODATA
     assert on.stats()["xattrs"] is True
+
+
+@pytest.mark.mount
+def test_an_open_with_o_trunc_empties_the_view_and_a_user_blob_not_a_chunk(mounter, sample):
+    """The kernel hands O_TRUNC to the open (``atomic_o_trunc``): ``open(…, "wb")`` of the
+    view or a user blob starts it empty, as on a local file; a chunk keeps its fixed size."""
+    src = sample(3 * MiB)
+    before = sha(src)
+    m = mounter(src)
+    tag = m.tag("field")
+    view = os.path.join(tag, "field.bin")
+    with open(view, "wb") as f:
+        f.write(b"new start")
+    assert os.stat(view).st_size == 9 and read(view) == b"new start"
+    user = os.path.join(tag, "notes.txt")
+    with open(user, "wb") as f:
+        f.write(b"x" * 5000)
+    with open(user, "wb") as f:
+        f.write(b"short")
+    assert read(user) == b"short"
+    chunk = os.path.join(tag, "chunk_1")
+    fd = os.open(chunk, os.O_WRONLY | os.O_TRUNC)
+    try:
+        os.pwrite(fd, b"abc", 0)
+    finally:
+        os.close(fd)
+    assert os.stat(chunk).st_size == MiB and read(chunk)[:3] == b"abc"
+    m.umount()
+    m2 = mounter(store=m.store)
+    assert read(os.path.join(m2.tag("field"), "field.bin")) == b"new start"
+    assert read(os.path.join(m2.tag("field"), "notes.txt")) == b"short"
+    assert sha(src) == before, "the source is never written"

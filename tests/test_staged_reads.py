@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import trio
+import trio.lowlevel
 
 from faultfs.store.blobfile import HEADER_LEN, block_size_for
 from faultfs.store.blobstore import BlobStore
@@ -328,3 +329,37 @@ def test_many_concurrent_readers_through_a_mount_read_the_right_bytes(
         assert submitted and submitted >= 100
     else:
         assert not submitted
+
+
+def test_opening_ahead_a_large_mostly_unstaged_tag_never_holds_the_serving_thread(tmp_path):
+    """``LocalTier.open_ahead`` (the fast read path's, when a tag is enabled) scans the tag's
+    staged bitmap a piece at a time between checkpoints: other tasks run all along."""
+    store = BlobStore(str(tmp_path / "store"))
+    blobs = 1 << 27  # a 16 MiB bitmap
+    make_source(b"\x01", url="mem://sparse", size=blobs)
+    eng = engine_for(store)
+    tag = eng.register(ctx_for("mem://sparse", tag="sparse", chunk_size=1))
+    local = eng.tiers.local
+    local.mark((tag.id, blobs - 1), True)  # one staged blob, at the end (its file is missing)
+    ticks = 0
+
+    async def main() -> int:
+        nonlocal ticks
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await trio.lowlevel.checkpoint()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(tick)
+            opened = await local.open_ahead(tag.id)
+            nursery.cancel_scope.cancel()
+        return opened
+
+    try:
+        assert trio.run(main) == 0, "a missing file is not opened"
+        assert ticks >= 100, f"the scan let other tasks run only {ticks} times"
+    finally:
+        eng.close()

@@ -91,18 +91,24 @@ static uint64_t mix(uint64_t k) {
     return k;
 }
 
-static void *map_get(map_t *m, uint64_t key) {
+/* The position of key in m, or -1. */
+static ssize_t map_find(map_t *m, uint64_t key) {
     if (!m->cap)
-        return NULL;
+        return -1;
     size_t i = mix(key) & (m->cap - 1);
     for (;;) {
         void *v = m->vals[i];
         if (v == NULL)
-            return NULL;
+            return -1;
         if (v != TOMB && m->keys[i] == key)
-            return v;
+            return (ssize_t)i;
         i = (i + 1) & (m->cap - 1);
     }
+}
+
+static void *map_get(map_t *m, uint64_t key) {
+    ssize_t i = map_find(m, key);
+    return i < 0 ? NULL : m->vals[i];
 }
 
 static int map_put(map_t *m, uint64_t key, void *val);
@@ -156,20 +162,13 @@ static int map_put(map_t *m, uint64_t key, void *val) {
 }
 
 static void *map_pop(map_t *m, uint64_t key) {
-    if (!m->cap)
+    ssize_t i = map_find(m, key);
+    if (i < 0)
         return NULL;
-    size_t i = mix(key) & (m->cap - 1);
-    for (;;) {
-        void *v = m->vals[i];
-        if (v == NULL)
-            return NULL;
-        if (v != TOMB && m->keys[i] == key) {
-            m->vals[i] = TOMB;
-            m->live--;
-            return v;
-        }
-        i = (i + 1) & (m->cap - 1);
-    }
+    void *v = m->vals[i];
+    m->vals[i] = TOMB;
+    m->live--;
+    return v;
 }
 
 /* -- state ------------------------------------------------------------------------------- */
@@ -315,6 +314,8 @@ static int serve_read(int me, struct fuse_in_header *in, struct fuse_read_in *rd
         inner = o % t->chunk_size;
         len = end - o;
     }
+    if (index >> 32 || tag_id >> 31)
+        goto forward; /* past what a slot's key holds (publish refuses those too) */
     s = map_get(&slots_, tag_id << 32 | index);
     if (!s || inner >= s->payload_len)
         goto forward;
@@ -345,7 +346,7 @@ static int serve_read(int me, struct fuse_in_header *in, struct fuse_read_in *rd
             reply(in->unique, *data + at, len);
     }
     pthread_mutex_lock(&lock_);
-    serving_[me][1] = in->unique;
+    serving_[me][1] = ok ? in->unique : 0; /* a READ passed on keeps its INTERRUPT */
     serving_[me][0] = 0;
     if (ok) {
         s->hits++;

@@ -93,7 +93,11 @@ class FastReads:
         if xxh3_address() is None:
             log.warning("staged reads go through pyfuse3: python-xxhash's XXH3_64bits not found")
             return False
-        native.prepare(config.fast_read_threads)
+        try:
+            native.prepare(config.fast_read_threads)
+        except ValueError as exc:  # Config bounds it as the piece does; never fail a mount
+            log.warning("staged reads go through pyfuse3: %s", exc)
+            return False
         return True
 
     @classmethod
@@ -126,8 +130,11 @@ class FastReads:
             return
         sums = h.block_sums if isinstance(h.block_sums, array.array) else array.array(
             "Q", h.block_sums)
-        native.publish(key[0], key[1], blob.fd, HEADER_LEN, h.payload_len, h.stored_len,
-                       h.block_size, sums, h.all_zero)
+        try:
+            native.publish(key[0], key[1], blob.fd, HEADER_LEN, h.payload_len, h.stored_len,
+                           h.block_size, sums, h.all_zero)
+        except (OSError, MemoryError, ValueError) as exc:  # EMFILE for its descriptor, …
+            log.debug("blob %s not served by the fast read path: %s", key, exc)
 
     def closed(self, key: BlobKey) -> None:
         """The local tier let the file go: no read here may use it from now on."""
@@ -137,10 +144,11 @@ class FastReads:
         self.tag_changed(tag_id)
 
     def tag_changed(self, tag_id: int) -> None:
-        """The tag has (or may have) writes: its reads are the engine's from now on."""
-        if tag_id in self._enabled:
-            self._enabled.discard(tag_id)
-            native.disable_tag(tag_id)
+        """The tag has (or may have) writes: its reads are the engine's from now on. May be
+        called from a pool thread (a clone's write state is opened there): the C side takes
+        its own lock, and ``file_opened`` looks at ``writes.changed`` again after enabling."""
+        native.disable_tag(tag_id)
+        self._enabled.discard(tag_id)
 
     def file_opened(self, handle) -> None:
         """A chunk or the view of a tag was opened: serve it here while the tag is clean."""
@@ -152,7 +160,13 @@ class FastReads:
         if tag.id in self.engine.writes.changed:
             return
         layout = tag.layout
-        native.set_tag(tag.id, layout.chunk_size, layout.size, layout.num_blobs, True)
+        try:
+            native.set_tag(tag.id, layout.chunk_size, layout.size, layout.num_blobs, True)
+        except MemoryError:
+            return
+        if tag.id in self.engine.writes.changed:  # given writes meanwhile (a pool thread)
+            native.disable_tag(tag.id)
+            return
         self._enabled.add(tag.id)
         if self._nursery is not None:  # first reads of its staged blobs go to C as well
             self._nursery.start_soon(self._open_ahead, tag.id)

@@ -195,7 +195,16 @@ class Files:
             if writing and not self.engine.writes.writable:
                 raise read_only()
             self.opened.add(inode)
-            return BlobFile(self, node)
+            handle = BlobFile(self, node)
+            if writing and flags & os.O_TRUNC and node.kind in (KIND_VIEW, KIND_USER):
+                # the kernel hands O_TRUNC to the open (atomic_o_trunc): a view or a user blob
+                # is emptied as by ftruncate(0); chunks and pages have a fixed size and keep it
+                try:
+                    await handle.truncate(0)
+                except BaseException:
+                    await handle.release()
+                    raise
+            return handle
         raise FaultfsError("not a file", errno.EIO)
 
     async def create(self, parent: int, name: str, flags: int) -> tuple[OpenFile, Attributes]:

@@ -29,10 +29,13 @@ import errno
 import functools
 import logging
 import os
+import re
 import resource
 import stat as stat_mod
 from collections.abc import Iterator
 from dataclasses import dataclass
+
+import trio
 
 from faultfs.buffers import alloc
 from faultfs.errors import CorruptionError, FaultfsError, StoreFull
@@ -58,6 +61,10 @@ CACHED_MOSTLY = 0.5  # share of recent reads found in the page cache above which
 PROBE_EVERY = 16  # ... reads try RWF_NOWAIT first; below it, one read in this many does
 
 
+_SET_BYTE = re.compile(rb"[^\x00]")
+SCAN_PIECE = 64 << 10  # bitmap bytes open_ahead scans between checkpoints (512 Ki blobs)
+
+
 class StagedSet:
     """One bit per blob of a tag: which are staged in the local store."""
 
@@ -70,13 +77,15 @@ class StagedSet:
     def __contains__(self, index: int) -> bool:
         return bool(self.bits[index >> 3] & (1 << (index & 7)))
 
-    def indices(self) -> Iterator[int]:
-        """The staged blobs' indices, in order."""
-        for byte, bits in enumerate(self.bits):
-            if bits:
-                for bit in range(8):
-                    if bits & (1 << bit):
-                        yield byte * 8 + bit
+    def indices(self, first_byte: int = 0, end_byte: int | None = None) -> Iterator[int]:
+        """The staged blobs' indices, in order (of bitmap bytes ``[first_byte, end_byte)``)."""
+        view = memoryview(self.bits)[first_byte:end_byte]
+        for found in _SET_BYTE.finditer(view):  # skips runs of zero bytes at C speed
+            byte = first_byte + found.start()
+            bits = self.bits[byte]
+            for bit in range(8):
+                if bits & (1 << bit):
+                    yield byte * 8 + bit
 
     def mark(self, index: int, staged: bool) -> None:
         byte, bit = index >> 3, 1 << (index & 7)
@@ -300,17 +309,23 @@ class LocalTier:
         watcher's own reader (the fast read path) then serves their first reads too. Returns
         how many it opened."""
         tag, staged = self._tags.get(tag_id), self._staged.get(tag_id)
-        if tag is None or staged is None:
+        if tag is None or staged is None or not staged.count:
             return 0
         opened, todo = 0, []
-        for index in staged.indices():
-            if len(self._open) + len(todo) >= self._open_cap:
-                break
-            if (tag_id, index) not in self._open:
-                todo.append(index)
-            if len(todo) == batch:
-                opened += await self._open_batch(tag, todo)
-                todo = []
+        for start in range(0, len(staged.bits), SCAN_PIECE):
+            # a piece of the bitmap at a time, at C speed, between checkpoints: a tag of a
+            # billion blobs, mostly not staged, never holds the serving thread
+            await trio.lowlevel.checkpoint()
+            if self._staged.get(tag_id) is not staged:
+                return opened  # forgotten meanwhile
+            for index in staged.indices(start, start + SCAN_PIECE):
+                if len(self._open) + len(todo) >= self._open_cap:
+                    return opened + (await self._open_batch(tag, todo) if todo else 0)
+                if (tag_id, index) not in self._open:
+                    todo.append(index)
+                if len(todo) == batch:
+                    opened += await self._open_batch(tag, todo)
+                    todo = []
         if todo:
             opened += await self._open_batch(tag, todo)
         return opened
