@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import array
 import ctypes
+import functools
 import logging
 from typing import TYPE_CHECKING
 
@@ -56,6 +57,7 @@ log = logging.getLogger("faultfs.mount")
 HARVEST_S = 1.0  # the served reads reach the counters and the LRU this often at least
 
 
+@functools.cache
 def xxh3_address() -> int | None:
     """The address of python-xxhash's own ``XXH3_64bits`` (the vectorised one it was built
     with: the blocks then verify at the same speed as on the Python path), or None."""
@@ -126,14 +128,14 @@ class FastReads:
     def opened(self, key: BlobKey, blob: OpenBlob) -> None:
         """The local tier holds ``blob`` open: serve reads of it (a clean, verified file)."""
         h = blob.header
-        if blob.loaded is not None or h.dirty or key[0] >= 1 << 31 or key[1] >= 1 << 32:
+        if blob.loaded is not None or h.dirty:
             return
         sums = h.block_sums if isinstance(h.block_sums, array.array) else array.array(
             "Q", h.block_sums)
         try:
             native.publish(key[0], key[1], blob.fd, HEADER_LEN, h.payload_len, h.stored_len,
                            h.block_size, sums, h.all_zero)
-        except (OSError, MemoryError, ValueError) as exc:  # EMFILE for its descriptor, …
+        except (OSError, MemoryError, ValueError) as exc:  # EMFILE; a key past its bounds…
             log.debug("blob %s not served by the fast read path: %s", key, exc)
 
     def closed(self, key: BlobKey) -> None:
