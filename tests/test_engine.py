@@ -699,37 +699,151 @@ def _put_through(eng, before):
     eng.tiers.local.put = put
 
 
-def test_a_partial_write_of_an_unstaged_chunk_waits_for_the_fault_not_its_store_write(store):
-    """The size-0 request faults the chunk before the write is applied; its store write then
-    runs behind the writer (held at a gate here), and the base ends up staged and pinned."""
+def test_a_partial_write_of_an_unstaged_chunk_is_answered_before_its_fault(store):
+    """The size-0 request is issued behind the write: the write is journaled and answered
+    while the source read is held at a gate; a read meanwhile joins that fault (one source
+    read); the base ends up staged and pinned, beneath the written bytes."""
     data = payload(CS * 4)
     src = make_source(data)
     eng = engine_for(store, memory_mb=1, prefetch_mb=0)
     tag = eng.register(ctx_for())
-    gate = trio.Event()
-
-    async def held(key):
-        await gate.wait()
-
-    _put_through(eng, held)
+    src.gate = threading.Event()
     want = bytearray(data[CS:2 * CS])
     want[100:110] = b"x" * 10
+    got = []
+
+    async def reader():
+        got.append(bytes(await eng.read_blob(tag, 1, 0, CS)))
 
     async def main():
         async with trio.open_nursery() as nursery:
             eng.attach(nursery)
             with trio.fail_after(5):
                 await eng.writes.write_chunk(tag, 1, 100, b"x" * 10)
-                assert eng.pending_stores == 1, "the store write is still at the gate"
-                assert await eng.writes.read_chunk(tag, 1, 0, CS) == want
-            gate.set()
+                assert eng.writes.base_faults == 1 and eng.busy
+                nursery.start_soon(reader)
+                await trio.sleep(0.05)
+                assert not got, "the read waits for the base, at the gate"
+            src.gate.set()
             await settle(eng)
+            assert got == [want]
             assert eng.is_staged(tag, 1) and (tag.id, 1) in eng.tiers.local._pinned
-            assert await eng.writes.read_chunk(tag, 1, 0, CS) == want
+            assert await eng.read_blob(tag, 1, 0, CS) == want
             nursery.cancel_scope.cancel()
 
     trio.run(main)
     assert src.reads == 1 and eng.stats.counters["faults"] == 1
+
+
+def test_size_0_requests_behind_writes_are_bounded_past_that_the_write_waits(store):
+    """At most BASE_FAULTS base faults run behind writes; the next partial write of another
+    unstaged chunk faults its base itself before it is answered."""
+    from faultfs.engine.writes import BASE_FAULTS
+
+    n = BASE_FAULTS + 1
+    data = payload(CS * (n + 1))
+    src = make_source(data)
+    eng = engine_for(store, memory_mb=1, prefetch_mb=0)
+    tag = eng.register(ctx_for())
+    src.gate = threading.Event()
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            eng.attach(nursery)
+            with trio.fail_after(5):
+                for i in range(BASE_FAULTS):
+                    await eng.writes.write_chunk(tag, i, 7, b"w")
+                assert eng.writes.base_faults == BASE_FAULTS
+            done = trio.Event()
+
+            async def last():
+                await eng.writes.write_chunk(tag, BASE_FAULTS, 7, b"w")
+                done.set()
+
+            nursery.start_soon(last)
+            await trio.sleep(0.1)
+            assert not done.is_set(), "past the bound the write waits for its own fault"
+            src.gate.set()
+            with trio.fail_after(5):
+                await done.wait()
+            await settle(eng)
+            assert eng.writes.base_faults == 0
+            for i in range(n):
+                want = bytearray(data[i * CS:(i + 1) * CS])
+                want[7:8] = b"w"
+                assert await eng.read_blob(tag, i, 0, CS) == want
+                assert (tag.id, i) in eng.tiers.local._pinned
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert src.reads == n
+
+
+@pytest.mark.parametrize("then", ["reset", "whole", "fold"])
+def test_a_blob_reset_rewritten_or_folded_while_its_base_faults_leaves_no_pin(store, then):
+    """The base fault behind a write lands after the blob was reset, written whole or
+    folded: the staged copy it pinned is let go (evictable again), the bytes are right."""
+    data = payload(CS * 2)
+    src = make_source(data)
+    eng = engine_for(store, memory_mb=1, prefetch_mb=0)
+    tag = eng.register(ctx_for())
+    src.gate = threading.Event()
+    want = bytearray(data[:CS])
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            eng.attach(nursery)
+            with trio.fail_after(5):
+                await eng.writes.write_chunk(tag, 0, 5, b"abc")
+                if then == "reset":
+                    assert await eng.writes.reset(tag) == 1
+                elif then == "whole":
+                    want[:] = b"z" * CS
+                    await eng.writes.write_chunk(tag, 0, 0, b"z" * CS)
+                else:
+                    want[5:8] = b"abc"
+                    nursery.start_soon(eng.writes.checkpoint)  # its fold joins the fault
+                    await trio.sleep(0.05)
+            src.gate.set()
+            await settle(eng)
+            with trio.fail_after(5):
+                await eng.writes.checkpoint()
+            assert eng.writes.base_faults == 0
+            assert (tag.id, 0) not in eng.tiers.local._pinned
+            assert await eng.read_blob(tag, 0, 0, CS) == want
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert src.reads <= 2
+
+
+def test_a_base_fault_that_fails_behind_a_write_is_eio_to_reads_then_retried(store):
+    """The write is acknowledged (its bytes are journaled); its base fault fails: a read is
+    EIO, never zeros or the written bytes alone, and the next read faults it again."""
+    data = payload(CS * 2)
+    src = make_source(data)
+    src.fail_calls = {1, 2}
+    eng = engine_for(store, memory_mb=1, prefetch_mb=0)
+    tag = eng.register(ctx_for())
+    want = bytearray(data[CS:])
+    want[10:13] = b"abc"
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            eng.attach(nursery)
+            with trio.fail_after(5):
+                await eng.writes.write_chunk(tag, 1, 10, b"abc")
+                await settle(eng)
+                assert eng.stats.counters["base_fault_errors"] == 1
+                with pytest.raises(FaultfsError) as err:
+                    await eng.read_blob(tag, 1, 0, CS)
+                assert err.value.errno == errno.EIO
+                assert await eng.read_blob(tag, 1, 0, CS) == want
+                await eng.writes.checkpoint()
+            assert await eng.read_blob(tag, 1, 0, CS) == want
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
 
 
 @pytest.mark.parametrize("skips", [1, 1000], ids=["once", "always"])

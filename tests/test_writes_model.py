@@ -32,9 +32,37 @@ test_writes_match_the_chunk_model = SpillingWritesModel.TestCase
 test_writes_match_the_chunk_model.settings = SETTINGS
 
 
-def test_a_crash_at_every_write_and_fsync_point_keeps_a_synced_prefix():
-    points = crash_sweep(seeds=3)
+@pytest.mark.parametrize("behind", [False, True], ids=["faulted-first", "faulted-behind"])
+def test_a_crash_at_every_write_and_fsync_point_keeps_a_synced_prefix(behind):
+    """``faulted-behind``: a partial write's size-0 request runs behind it and each step's
+    end stops it, landed or not (a kill before the base was staged)."""
+    points = crash_sweep(seeds=3 if not behind else 2, behind=behind)
     assert points > 20  # the script reaches appends, syncs, folds and state files
+
+
+@pytest.mark.parametrize("then", ["kill", "power"])
+def test_a_write_acknowledged_before_its_base_faulted_survives_a_stop(then):
+    """The base fault behind a partial write never lands (the step ends first): after a kill
+    the write is there, over the source's bytes; after an fsync it survives a power loss."""
+    from faultfs.engine.writes import BASE_FAULTS
+
+    for seed in range(4):
+        world = WritesWorld(3 * CS, CS, behind=True)
+        try:
+            rng = random.Random(seed)
+            for index in range(3):
+                world.write_chunk(index, rng.randrange(CS - 64), rng.randbytes(64))
+            assert BASE_FAULTS >= 3
+            assert not any(world.engine.is_staged(world.tag, i) for i in range(3)), \
+                "the bases were never faulted"
+            if then == "power":
+                world.fsync()
+            world.remount(then, rng)
+            world.check_view(0, 3 * CS)
+            world.remount("clean")
+            world.check_view(0, 3 * CS)
+        finally:
+            world.close()
 
 
 @pytest.mark.parametrize("kind", ["nosync", "noreplay", "nofold", "nodirectsync",

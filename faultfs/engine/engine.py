@@ -276,7 +276,8 @@ class Engine:
     @property
     def busy(self) -> bool:
         """Background work (store writes, prefetches, read-aheads) is still under way."""
-        return bool(self.tiers.pending_stores or self.prefetch.in_flight or len(self.flights))
+        return bool(self.tiers.pending_stores or self.prefetch.in_flight or len(self.flights)
+                    or self.writes.base_faults)
 
     async def drain(self) -> bool:
         """Stop prefetching and wait for pending store writes, so an unmount keeps what was
@@ -409,6 +410,14 @@ class _CleanReads:
                 return bytes(data)  # the store could not keep it: the writes hold it
         local.pin(key)
         return None
+
+    def pin_staged(self, tag: Tag, index: int) -> bool:
+        local = self._engine.tiers.local
+        key = (tag.id, index)
+        if not local.contains(key):
+            return False
+        local.pin(key)
+        return True
 
     def unpin(self, tag: Tag, index: int) -> None:
         self._engine.tiers.local.unpin((tag.id, index))

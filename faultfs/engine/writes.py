@@ -17,10 +17,12 @@ Invariants:
   record it includes; a direct file that does not verify ends the replay at its record).
 - A direct file is deleted only once no record that names it can be replayed: after the
   checkpoint that trimmed the journal past it, or a reset of its blob (durable first).
-- The source is never written. A partial write of a chunk that is not staged faults it first
-  (the size-0 request); a write of a whole chunk does not. The write waits for the fault,
-  not for the faulted chunk's store write, which runs behind it (the base is pinned, and
-  one the store could not keep is clean bytes that a later read faults again).
+- The source is never written. A partial write of a chunk that is not staged issues its
+  fault (the size-0 request) before it is answered; a write of a whole chunk does not. The
+  write waits for neither the fault (it runs behind, ``BASE_FAULTS`` at once; past that the
+  write waits) nor the faulted chunk's store write: the base is the source's bytes either
+  way, read through the clean path until it is staged and pinned; one the store could not
+  keep is clean bytes that a later read faults again (docs/decisions.md).
 - Dirty data is never evicted, never replaced by a fault and never re-faulted: a damaged
   dirty file is EIO and is kept. So is a blob whose spilled write no longer verifies in the
   journal: its tag's write state names it at once (durably), folds skip it, the segments
@@ -101,6 +103,7 @@ FOLD_BLOBS = 8192
 CHECKPOINT_RETRY_S = 5.0  # after a failed checkpoint, writes start no other for this long
 FOLD_AT_ONCE = 4  # blobs a checkpoint folds in parallel (each one fsync on the I/O pool)
 SYNC_AT_ONCE = 8  # direct files an fsync syncs in parallel (the file system batches them)
+BASE_FAULTS = 16  # size-0 requests at once behind the writes that issued them
 DIRECT_FILES = 4096  # direct files not folded yet before a checkpoint renames them
 VIEW = ""  # the journal's name for a tag's whole-object view (its size records)
 
@@ -113,6 +116,10 @@ class CleanReads(Protocol):
     async def stage_clean(self, tag: Tag, index: int) -> Buffer | None:
         """Fault chunk ``index`` if needed and pin its staged copy; its bytes when it could
         not be kept in the store (the caller then holds them)."""
+        ...
+
+    def pin_staged(self, tag: Tag, index: int) -> bool:
+        """Pin chunk ``index``'s staged copy when there is one (nothing awaited)."""
         ...
 
     def unpin(self, tag: Tag, index: int) -> None: ...
@@ -245,6 +252,7 @@ class Writes:
         self._touched: set[tuple[int, str]] = set()  # blobs written since the last checkpoint
         self._fold_work = 0  # their sizes: what the next checkpoint rewrites, about
         self._nursery: trio.Nursery | None = None
+        self._base_faults = 0  # size-0 requests running behind the writes that issued them
         self._checkpointing: trio.Event | None = None
         self._direct_count = 0  # blobs whose base is a direct file
         self._unsynced: list[tuple[str, int]] = []  # (tag, seq) of direct files not synced yet
@@ -817,6 +825,9 @@ class Writes:
             return
         unstaged = blob.base == CLEAN and blob.base_bytes is None and not blob.pending
         lock = blob.lock
+        if unstaged and (lock is None or not lock.locked()) and self._base_behind(blob, off,
+                                                                               len(data)):
+            unstaged = False
         if not unstaged and (lock is None or not lock.locked()):
             # the common case: nothing to fault and nobody folding the blob. Nothing below
             # awaits, so no other task comes between (the lock would only cost its checkpoint)
@@ -839,6 +850,41 @@ class Writes:
             self.spill()
         if self._over(1):
             self.start_checkpoint()
+
+    def _base_behind(self, blob: DirtyBlob, off: int, size: int) -> bool:
+        """The size-0 request of a partial write, when the write need not wait for it: the
+        chunk's staged copy is pinned now, or its fault is started behind the write (at most
+        ``BASE_FAULTS`` at once; past that, and without a nursery, the write waits for it).
+        The write is journaled over a base that is the source's bytes either way: a read or a
+        fold meanwhile faults it through the same flight, and a fault that fails is EIO to
+        them (never zeros) while the write itself stays acknowledged."""
+        if off == 0 and size >= blob.size:
+            return False  # a whole blob: no base at all (set under the lock, below)
+        assert blob.index is not None
+        if self.clean.pin_staged(blob.tag, blob.index):
+            return True
+        if self._nursery is None or self._base_faults >= BASE_FAULTS:
+            return False
+        self._base_faults += 1
+        self._nursery.start_soon(self._fault_base, blob.tag, blob.index, blob.name)
+        return True
+
+    async def _fault_base(self, tag: Tag, index: int, name: str) -> None:
+        try:
+            kept = await self.clean.stage_clean(tag, index)
+        except Exception as exc:  # a background task must never take the mount down
+            self.stats.add("base_fault_errors")
+            log.warning("faulting chunk %d of tag %s beneath a write failed (a read of it "
+                        "faults it again): %s", index, tag.name, exc)
+            return
+        finally:
+            self._base_faults -= 1
+        # nothing awaited from the pin on: the blob is as it is now
+        blob = self.blobs.get((tag.id, name))
+        if blob is None or blob.base != CLEAN:  # reset, folded or rewritten whole meanwhile
+            self.clean.unpin(tag, index)
+        elif kept is not None and blob.base_bytes is None:
+            blob.base_bytes = kept
 
     def _over(self, times: int) -> bool:
         """Whether memory or the journal is past ``times`` its bound (a checkpoint is due)."""
@@ -1093,6 +1139,11 @@ class Writes:
 
     def attach(self, nursery: trio.Nursery) -> None:
         self._nursery = nursery
+
+    @property
+    def base_faults(self) -> int:
+        """Size-0 requests running behind the writes that issued them."""
+        return self._base_faults
 
     def start_checkpoint(self) -> None:
         if (self._checkpointing is None and self._nursery is not None

@@ -81,7 +81,10 @@ class History:
 class WritesWorld:
     """One engine over a store and a SimDisk, and the chunk model of its tag."""
 
-    def __init__(self, size: int, cs: int) -> None:
+    def __init__(self, size: int, cs: int, *, behind: bool = False) -> None:
+        # behind: each step runs in a nursery of its own, so a partial write's size-0 request
+        # runs behind it, and the step's end stops it wherever it is (a kill before it lands)
+        self.behind = behind
         self.tmp = tempfile.TemporaryDirectory()
         self.store = BlobStore(os.path.join(self.tmp.name, "store"))
         self.cs = cs
@@ -159,7 +162,19 @@ class WritesWorld:
 
     def run(self, fn, *args):
         async def step():
-            return await fn(*args)
+            if not self.behind:
+                return await fn(*args)
+            failed: Exception | None = None
+            async with trio.open_nursery() as nursery:
+                self.engine.writes.attach(nursery)
+                try:
+                    got = await fn(*args)
+                except Exception as exc:  # raised past the nursery, not in a group
+                    failed = exc
+                nursery.cancel_scope.cancel()
+            if failed is not None:
+                raise failed
+            return got
         return trio.run(step)
 
     # The model moves first: a crash inside an operation may leave any part of it on disk.
@@ -417,10 +432,10 @@ def _script(world: WritesWorld) -> None:
     world.sync_model()
 
 
-def crash_sweep(seeds: int = 3) -> int:
+def crash_sweep(seeds: int = 3, *, behind: bool = False) -> int:
     """Crash the script at each mutation point in turn (``seeds`` random reboots each); the
-    points covered."""
-    probe = WritesWorld(3 * CS + 500, CS)
+    points covered. ``behind``: the size-0 requests run behind the writes (see WritesWorld)."""
+    probe = WritesWorld(3 * CS + 500, CS, behind=behind)
     try:
         _script(probe)
         total = probe.ops.points
@@ -428,7 +443,7 @@ def crash_sweep(seeds: int = 3) -> int:
         probe.close()
     for crash_at in range(total + 1):
         for seed in range(seeds):
-            world = WritesWorld(3 * CS + 500, CS)
+            world = WritesWorld(3 * CS + 500, CS, behind=behind)
             try:
                 world.ops.crash_at = crash_at
                 try:
