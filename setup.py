@@ -1,6 +1,8 @@
-"""The one compiled piece: ``faultfs.fuse._fastread`` (staged reads answered in C, see
-faultfs/fuse/fastread.py). Optional: without a compiler or libfuse3's headers the install goes
-on and mounts serve every read through pyfuse3."""
+"""The compiled pieces, both optional (without a compiler the install goes on):
+``faultfs.fuse._fastread`` (staged reads answered in C, see faultfs/fuse/fastread.py; without
+it or libfuse3's headers mounts serve every read through pyfuse3) and ``faultfs.stream._cut``
+(a line block's records cut in one pass, see faultfs/stream/readers.py; without it they are
+split and picked in Python)."""
 
 import shutil
 import subprocess
@@ -26,4 +28,6 @@ includes, libraries = fuse3_flags()
 setup(ext_modules=[Extension(
     "faultfs.fuse._fastread", ["faultfs/fuse/_fastread.c"], include_dirs=includes,
     libraries=[*libraries, "pthread", "dl"], extra_compile_args=["-O2", "-Wall", "-Wextra"],
+    optional=True), Extension(
+    "faultfs.stream._cut", ["faultfs/stream/_cut.c"], extra_compile_args=["-O2", "-Wall", "-Wextra"],
     optional=True)])

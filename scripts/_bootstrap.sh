@@ -30,7 +30,7 @@ fi
 
 stamp=".venv/.faultfs-installed"
 # the compiled fast read path (setup.py) is rebuilt when its source changes, too
-want="$(cat pyproject.toml setup.py faultfs/fuse/_fastread.c | sha256sum | cut -d' ' -f1)"
+want="$(cat pyproject.toml setup.py faultfs/fuse/_fastread.c faultfs/stream/_cut.c | sha256sum | cut -d' ' -f1)"
 if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
 fi

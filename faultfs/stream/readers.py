@@ -48,6 +48,12 @@ PARQUET_BLOCK_ROWS = 65536  # rows decoded per block; bounds memory on huge row 
 _NL, _CR = 0x0A, 0x0D
 
 
+try:  # the compiled cut (setup.py); optional: the same records from a split and a pick
+    from faultfs.stream._cut import cut as _cut
+except ImportError:  # pragma: no cover - built wherever a compiler is
+    _cut = None
+
+
 class RecordBlock:
     """Consecutive records of one shard (one row group, or part of one, for Parquet)."""
 
@@ -115,6 +121,9 @@ class RecordBlock:
             return rows
         assert self.starts is not None and self.stops is not None
         data = self.data
+        if _cut is not None:  # one pass over the bounds the block already has
+            return _cut(data, self.starts.astype(np.int64, copy=False),
+                        self.stops.astype(np.int64, copy=False))
         if not self.terminated:  # one last line without "\n", maybe with a lone "\r"
             return [data[int(self.starts[0]) : int(self.stops[0])]]
         cut = int(self.ends[-1]) - self.data_offset
@@ -131,6 +140,16 @@ class RecordBlock:
         """Lines: the byte offset in the shard where record ``i`` starts."""
         assert self.starts is not None
         return self.data_offset + int(self.starts[i])
+
+
+def records_at(block: RecordBlock, idx: np.ndarray) -> list[Any]:
+    """``block.records`` at the sorted, distinct indices ``idx``. A line block not split yet
+    cuts just those records from its bytes (one C pass: no ``bytes`` made for the others)."""
+    if _cut is None or block.kind != "lines" or block._records is not None:
+        return pick(block.records, idx)
+    assert block.starts is not None and block.stops is not None
+    return _cut(block.data, block.starts[idx].astype(np.int64, copy=False),
+                block.stops[idx].astype(np.int64, copy=False))
 
 
 def pick(items: list[Any], idx: np.ndarray) -> list[Any]:

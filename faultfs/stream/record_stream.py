@@ -68,7 +68,7 @@ from faultfs.stream.readers import (
     ParquetShardReader,
     Piece,
     RecordBlock,
-    pick,
+    records_at,
 )
 from faultfs.stream.shards import Shard, expand_shards
 
@@ -461,7 +461,7 @@ class RecordStream:
         idx = fresh[0]
         if table is not None:
             return table if idx is None else take_rows(table, idx)
-        return block.records if idx is None else pick(block.records, idx)
+        return block.records if idx is None else records_at(block, idx)
 
     def _records(self, fmt: str, schema: Any) -> Any:
         """The block's fresh records in ``fmt``: a list (raw) or a table (parsed)."""
