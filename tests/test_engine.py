@@ -846,6 +846,132 @@ def test_a_base_fault_that_fails_behind_a_write_is_eio_to_reads_then_retried(sto
     trio.run(main)
 
 
+def test_a_source_changed_before_a_written_base_was_read_damages_that_blob_only(store):
+    """The write is acknowledged, then the source changes under the mount before its base
+    fault lands: the blob is damaged (EIO naming why, kept across the remount), never its
+    write laid over the new version; the other blobs' checkpoints go on; a reset recovers."""
+    data = payload(CS * 3)
+    src = make_source(data)
+    eng = engine_for(store, memory_mb=1, prefetch_mb=0)
+    tag = eng.register(ctx_for())
+    src.gate = threading.Event()
+    ok = bytearray(data[:CS])
+    ok[0:2] = b"ok"
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            eng.attach(nursery)
+            with trio.fail_after(5):
+                await eng.writes.write_chunk(tag, 1, 9, b"lost base")
+                src.changed = "rewritten in place"
+                src.gate.set()
+                await settle(eng)
+                await eng.writes.write_chunk(tag, 2, 0, b"z" * CS)  # whole: needs no base
+                await eng.writes.checkpoint()
+                assert eng.stats.counters["checkpoints"] == 1, "the others still fold"
+                with pytest.raises(FaultfsError) as err:
+                    await eng.read_blob(tag, 1, 0, CS)
+                assert err.value.errno == errno.EIO and "source changed" in str(err.value)
+                assert await eng.read_blob(tag, 2, 0, CS) == b"z" * CS
+                await eng.close_writes()
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    eng.close()
+    new = bytes(reversed(data))
+    src2 = make_source(new)
+    src2.token = "v2"
+    eng2 = engine_for(store, memory_mb=1, prefetch_mb=0)
+    [tag2] = eng2.recover()
+
+    async def after():
+        with pytest.raises(FaultfsError) as err:
+            await eng2.read_blob(tag2, 1, 0, CS)
+        assert err.value.errno == errno.EIO, "never the new version under the old write"
+        assert await eng2.read_blob(tag2, 2, 0, CS) == b"z" * CS
+        assert await eng2.writes.reset(tag2, ["chunk_1"]) == 1
+        assert await eng2.read_blob(tag2, 1, 0, CS) == new[CS:2 * CS]
+
+    trio.run(after)
+    eng2.close()
+
+
+@pytest.mark.parametrize("synced", [False, True], ids=["kill", "fsync-then-kill"])
+def test_writes_over_a_base_never_staged_are_damaged_when_the_source_changed_by_the_remount(
+        store, synced):
+    """A kill before the base fault landed, then the source changes before the remount: the
+    replayed writes would lie over the new version's bytes. The chunk is damaged instead
+    (EIO, kept), and stays so after a second remount (saved before the new version is
+    recorded); an untouched chunk reads the new version."""
+    data = payload(CS * 2)
+    src = make_source(data)
+    eng = engine_for(store, memory_mb=1, prefetch_mb=0)
+    tag = eng.register(ctx_for())
+    src.gate = threading.Event()
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            eng.attach(nursery)
+            await eng.writes.write_chunk(tag, 0, 3, b"old")
+            if synced:
+                await eng.writes.fsync()
+            assert not eng.is_staged(tag, 0)
+            nursery.cancel_scope.cancel()  # the kill: the fault never lands
+
+    trio.run(main)
+    src.gate.set()
+    eng.close()
+    new = bytes(reversed(data))
+    for _ in range(2):
+        src2 = make_source(new)
+        src2.token = "v2"
+        eng2 = engine_for(store, memory_mb=1, prefetch_mb=0)
+        [tag2] = eng2.recover()
+
+        async def after(eng2, tag2):
+            with pytest.raises(FaultfsError) as err:
+                await eng2.read_blob(tag2, 0, 0, CS)
+            assert err.value.errno == errno.EIO and "not staged before" in str(err.value)
+            assert await eng2.read_blob(tag2, 1, 0, CS) == new[CS:]
+
+        trio.run(after, eng2, tag2)
+        eng2.close()
+
+
+def test_a_base_that_cannot_be_read_holds_back_only_its_own_records(store):
+    """The base of one dirty blob cannot be faulted (the source fails for a while): the
+    checkpoint folds every other blob and lets the journal go up to that blob's records;
+    once the source reads again, the next checkpoint folds it too."""
+    data = payload(CS * 3)
+    src = make_source(data)
+    eng = engine_for(store, memory_mb=1, prefetch_mb=0)
+    tag = eng.register(ctx_for())
+    src.fail_calls = {1, 2}  # the base fault, and the first checkpoint's fold of it
+    want = bytearray(data[:CS])
+    want[5:8] = b"abc"
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            eng.attach(nursery)
+            with trio.fail_after(10):
+                await eng.writes.write_chunk(tag, 0, 5, b"abc")
+                await settle(eng)
+                for _ in range(50):
+                    await eng.writes.write_chunk(tag, 1, 0, b"q" * CS)
+                before = eng.writes.journal.bytes_on_disk
+                await eng.writes.checkpoint()
+                assert eng.stats.counters["checkpoints"] == 1 and src.failures == 2
+                assert eng.writes.blobs[(tag.id, "chunk_1")].base == "folded"
+                assert eng.writes.blobs[(tag.id, "chunk_0")].base == "clean"
+                await eng.writes.checkpoint()
+                assert eng.writes.blobs[(tag.id, "chunk_0")].base == "folded"
+                assert eng.writes.journal.bytes_on_disk < before
+                assert await eng.read_blob(tag, 0, 0, CS) == want
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
 @pytest.mark.parametrize("skips", [1, 1000], ids=["once", "always"])
 def test_a_written_base_the_store_did_not_keep_is_stored_again_or_faulted_again(store, skips):
     """The store write behind a partial write skipped the base once (then it is stored once

@@ -124,10 +124,17 @@ class Engine:
 
     def recover(self) -> list[Tag]:
         """Bring back every tag the store has registered, and their writes (blocking)."""
-        tags = self._tags.recover()
+        tags = self._tags.recover(record=False)
         for tag in tags:
             self.writes.open_tag(tag)
         self.open_writes()
+        # only now: a changed source's damage to the writes over it is durable first (a
+        # crash before this finds the old version recorded and looks again)
+        for tag in tags:
+            try:
+                self._tags.record_recovered(tag)
+            except (FaultfsError, OSError) as exc:  # the next mount records it
+                log.error("tag %s: recording its state failed: %s", tag.name, exc)
         return tags
 
     def open_writes(self) -> None:
@@ -137,6 +144,7 @@ class Engine:
             applied = self.writes.replay(self.tags)
             if applied:
                 log.info("replayed %d journal records of writes", applied)
+            self.writes.check_bases()
 
     async def clone_tag(self, parent: Tag, name: str) -> Tag:
         """``faultfs clone``: tag ``name``, a point-in-time copy of ``parent`` (§12)."""
@@ -418,6 +426,9 @@ class _CleanReads:
             return False
         local.pin(key)
         return True
+
+    def pin(self, tag: Tag, index: int) -> None:
+        self._engine.tiers.local.pin((tag.id, index))
 
     def unpin(self, tag: Tag, index: int) -> None:
         self._engine.tiers.local.unpin((tag.id, index))

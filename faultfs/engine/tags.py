@@ -242,8 +242,10 @@ class Tags:
 
     # -- recovery ----------------------------------------------------------------------------
 
-    def recover(self) -> list[Tag]:
-        """Bring back every tag whose context is in the registry (remount with no source)."""
+    def recover(self, *, record: bool = True) -> list[Tag]:
+        """Bring back every tag whose context is in the registry (remount with no source);
+        ``record``: write each one's state when it changed (else the caller does, through
+        ``record_recovered``)."""
         recovered = []
         for entry in self.registry_store.entries():
             if isinstance(entry, RegistryProblem):
@@ -253,18 +255,15 @@ class Tags:
             if ctx.dst in self.by_name:
                 continue
             try:
-                tag = self._recover(ctx)
+                tag = self.add_recovered(self.open_recovered(ctx))
+                if record:
+                    self.record_recovered(tag)
             except FaultfsError as exc:  # one tag that cannot come back never blocks the rest
                 log.error("tag %s cannot be recovered (not mounted): %s", ctx.dst, exc.message)
                 continue
             self.registry[key] = data
             recovered.append(tag)
         return recovered
-
-    def _recover(self, ctx: FaultContext) -> Tag:
-        tag = self.add_recovered(self.open_recovered(ctx))
-        self.record_recovered(tag)
-        return tag
 
     def open_recovered(self, ctx: FaultContext) -> Recovery:
         """The blocking half of recovering ``ctx``: its state, its source opened (or why

@@ -122,6 +122,10 @@ class CleanReads(Protocol):
         """Pin chunk ``index``'s staged copy when there is one (nothing awaited)."""
         ...
 
+    def pin(self, tag: Tag, index: int) -> None:
+        """Pin chunk ``index``'s staged copy, now or whenever a fault stores it."""
+        ...
+
     def unpin(self, tag: Tag, index: int) -> None: ...
 
 
@@ -405,13 +409,8 @@ class Writes:
         blob = None if tag is None else self.blobs.get((tag.id, rec.name))
         return blob if blob is not None and blob.damaged else None
 
-    async def _mark_damaged(self, blob: DirtyBlob, why: str) -> None:
-        """``blob``'s writes cannot be read back: it reads and takes writes as EIO, is never
-        folded or written over, and stays so across mounts — its tag's write state names it
-        (saved now), the segments holding its records and its direct file are kept in
-        writes/damaged/ when the journal lets them go — until a reset drops it."""
-        if blob.damaged:
-            return
+    def _note_damaged(self, blob: DirtyBlob, why: str) -> None:
+        """``_mark_damaged`` in memory; the caller saves the tag's write state."""
         blob.damaged = why
         tw = self.tags[blob.tag.id]
         tw.damaged_blobs[blob.name] = {"reason": why, "size": blob.size}
@@ -419,6 +418,41 @@ class Writes:
         self._keep_segments.update(d.file for _, _, d in blob.pending.items() if isinstance(d, Ref))
         log.error("dirty blob %s of tag %s is damaged (%s): kept, reads of it fail with EIO "
                   "until faultfs reset drops its writes", blob.name, blob.tag.name, why)
+
+    def check_bases(self) -> None:
+        """After the replay (blocking, before the tags' new source versions are recorded): a
+        chunk whose replayed writes lie over the source's bytes of the last mount, when the
+        source changed since, is damaged (kept, EIO; saved now) — never its writes laid over
+        the new version. The staged bases of the others are pinned again."""
+        hit: set[int] = set()
+        for blob in list(self.blobs.values()):
+            if blob.base != CLEAN or blob.index is None or blob.damaged:
+                continue
+            tag = blob.tag
+            why = self._lost_base(blob, f"{tag.name}'s source is not the version of the last "
+                                        "mount" if tag.source_changed else "")
+            if why:
+                self._note_damaged(blob, why)
+                hit.add(tag.id)
+            else:
+                self.clean.pin(tag, blob.index)
+        for tag_id in sorted(hit):
+            tw = self.tags[tag_id]
+            if not tw.damaged:
+                try:
+                    self.files.write_state(self._names[tag_id], _state_doc(tw))
+                except OSError as exc:  # the next checkpoint saves it again
+                    log.error("keeping the damaged blobs of tag %s: %s", self._names[tag_id],
+                              exc.strerror)
+
+    async def _mark_damaged(self, blob: DirtyBlob, why: str) -> None:
+        """``blob``'s writes cannot be read back: it reads and takes writes as EIO, is never
+        folded or written over, and stays so across mounts — its tag's write state names it
+        (saved now), the segments holding its records and its direct file are kept in
+        writes/damaged/ when the journal lets them go — until a reset drops it."""
+        if blob.damaged:
+            return
+        self._note_damaged(blob, why)
         try:
             await self._save_state(blob.tag)  # first: a kill after it knows the blob damaged
             if blob.base == DIRECT:  # as a remount will see it: no direct file under it
@@ -677,6 +711,8 @@ class Writes:
                 assert blob.index is not None
                 data = await self.clean.read_clean(blob.tag, blob.index, off, size)
                 buf[:len(data)] = data
+                if blob.base == CLEAN:  # (a fault behind a write that failed, a replay):
+                    self.clean.pin(blob.tag, blob.index)  # kept once the store has it
         await self._lay(blob, pending, buf, off)
         return buf if mutable else bytes(buf)
 
@@ -876,6 +912,9 @@ class Writes:
             self.stats.add("base_fault_errors")
             log.warning("faulting chunk %d of tag %s beneath a write failed (a read of it "
                         "faults it again): %s", index, tag.name, exc)
+            blob = self.blobs.get((tag.id, name))
+            if blob is not None:
+                await self._base_lost(blob)
             return
         finally:
             self._base_faults -= 1
@@ -885,6 +924,26 @@ class Writes:
             self.clean.unpin(tag, index)
         elif kept is not None and blob.base_bytes is None:
             blob.base_bytes = kept
+
+    async def _base_lost(self, blob: DirtyBlob) -> bool:
+        """Whether ``blob``'s writes lie over source bytes that cannot be read any more: the
+        source changed under the mount before its base was staged. Then it is damaged (kept,
+        EIO), never its writes laid over the new version's bytes."""
+        why = self._lost_base(blob, blob.tag.changed_under_mount)
+        if why:
+            await self._mark_damaged(blob, why)
+        return bool(why)
+
+    @staticmethod
+    def _lost_base(blob: DirtyBlob, change: str) -> str:
+        """Why ``blob``'s base is gone when the source changed (``change``: how); "" when
+        it is not (no change, no clean base under it, or written over whole)."""
+        if (not change or blob.damaged or blob.base != CLEAN or blob.base_bytes is not None
+                or blob.pending.covers(0, blob.size)):
+            return ""
+        return (f"its writes lie over the source's bytes of chunk {blob.index}, which were not "
+                f"staged before the source changed ({change}): kept, never laid over the new "
+                "version")
 
     def _over(self, times: int) -> bool:
         """Whether memory or the journal is past ``times`` its bound (a checkpoint is due)."""
@@ -1163,12 +1222,16 @@ class Writes:
             self._fold_work = 0
             await self._sync()  # folded or not, the records (and direct files) are durable
             through = self.journal.last_seq
-            await self._fold_all([b for b in self.blobs.values()
-                                  if b.pending or b.base != FOLDED or b.size != b.folded_size])
+            failed = await self._fold_all([b for b in self.blobs.values() if b.pending
+                                           or b.base != FOLDED or b.size != b.folded_size])
             for tag_id, tw in self.tags.items():
                 tw.view_seq = through
                 if tag_id in self.changed:  # a tag nothing was written to keeps no state
                     await self._save_state_id(tag_id)
+            # a blob that could not be folded keeps every record after its dirty file's (the
+            # others' folds, the states and the trim below them stand: one unreadable base
+            # never holds the whole journal)
+            through = min([through, *(blob.folded_seq for blob, _ in failed)])
             # a damaged blob's records (no fold took them) are kept, not deleted
             kept = await self.pool.run(functools.partial(
                 self.journal.trim, through, keep=frozenset(self._keep_segments)))
@@ -1180,6 +1243,11 @@ class Writes:
             self._obsolete = [(t, q) for t, q in self._obsolete if q > through]
             await self.pool.run(self._delete_direct, gone)
             self.stats.add("checkpoints")
+            if failed:
+                blob, exc = failed[0]
+                raise FaultfsError(f"{len(failed)} dirty blob(s) not folded, kept in the "
+                                   f"journal (first: {blob.name} of tag {blob.tag.name}: "
+                                   f"{exc.message})", exc.errno)
         except FaultfsError as exc:
             self._retry_at = time.monotonic() + CHECKPOINT_RETRY_S
             log.error("checkpoint of the writes failed (kept in the journal): %s", exc)
@@ -1190,12 +1258,14 @@ class Writes:
             self._checkpointing = None
             done.set()
 
-    async def _fold_all(self, blobs: list[DirtyBlob]) -> None:
+    async def _fold_all(self, blobs: list[DirtyBlob]) -> list[tuple[DirtyBlob, FaultfsError]]:
         """Fold ``blobs``, ``FOLD_AT_ONCE`` at a time, then sync each directory they were
         renamed into once (the journal is trimmed only after): a checkpoint of 64 blobs
-        costs 64 file fsyncs in parallel and one directory fsync, not 128 in a row."""
+        costs 64 file fsyncs in parallel and one directory fsync, not 128 in a row. The
+        blobs that could not be folded (their base could not be read, say), with why."""
         limiter = trio.CapacityLimiter(FOLD_AT_ONCE)
-        failures: list[FaultfsError] = []
+        failures: list[tuple[DirtyBlob, FaultfsError]] = []
+        folded: set[str] = set()
 
         async def one(blob: DirtyBlob) -> None:
             if blob.damaged:
@@ -1204,18 +1274,20 @@ class Writes:
                 try:
                     await self.fold(blob, sync_dir=False)
                 except FaultfsError as exc:
-                    if not blob.damaged:  # found so now: kept like the others (above)
-                        failures.append(exc)
+                    # found so now: kept like the others (above)
+                    if not blob.damaged and not await self._base_lost(blob):
+                        failures.append((blob, exc))
+                else:
+                    folded.add(blob.tag.name)
 
         async with trio.open_nursery() as nursery:
             for blob in blobs:
                 nursery.start_soon(one, blob)
         try:
-            await self.pool.run(self.files.sync_dirs, sorted({b.tag.name for b in blobs}))
+            await self.pool.run(self.files.sync_dirs, sorted(folded))
         except OSError as exc:
             raise FaultfsError(f"syncing the folded writes failed: {exc.strerror}") from None
-        if failures:
-            raise failures[0]
+        return failures
 
     def _delete_direct(self, gone: list[tuple[str, int]]) -> None:
         for tag, seq in gone:

@@ -1,7 +1,7 @@
 """In-memory sources and the assimilator over them: failure is a fixture, not a mock.
 
 ``MemorySource`` holds its bytes in memory, counts reads, fails chosen calls (an injected
-``SourceError``, counted in ``failures``) and can hold every read on a gate (to race readers).
+``SourceError``, counted in ``failures``), fails every read as changed (``changed``) and can hold every read on a gate (to race readers).
 ``MemoryAssimilator`` (format ``memtest``) cuts any registered ``MemorySource`` like the binary
 assimilator. ``engine_for`` and ``ctx_for`` build an engine and a context over them.
 """
@@ -16,7 +16,7 @@ from assimilators.binary import BinaryFileAssimilator
 from faultfs.config import Config
 from faultfs.core.context import FaultContext
 from faultfs.engine import Engine
-from faultfs.errors import InvalidInput, SourceError
+from faultfs.errors import InvalidInput, SourceChanged, SourceError
 from faultfs.sources import SourceVersion
 from faultfs.store.blobstore import BlobStore
 
@@ -38,6 +38,7 @@ class MemorySource:
         self.gate: threading.Event | None = None
         self.delay_s = 0.0  # each read takes at least this long (a slow source)
         self.token = "v1"
+        self.changed = ""  # set: every read fails as a source changed under the mount would
         self._lock = threading.Lock()
 
     def version(self) -> SourceVersion:
@@ -60,6 +61,8 @@ class MemorySource:
             time.sleep(self.delay_s)
         if failing:
             raise SourceError(f"{self.url}: injected failure on call {call}")
+        if self.changed:
+            raise SourceChanged(f"{self.url} changed under the mount ({self.changed})")
         return self.data[off:off + size]
 
     def close(self) -> None:

@@ -166,7 +166,7 @@ class WritesWorld:
                 return await fn(*args)
             failed: Exception | None = None
             async with trio.open_nursery() as nursery:
-                self.engine.writes.attach(nursery)
+                self.engine.attach(nursery)  # the base's store write behind it too
                 try:
                     got = await fn(*args)
                 except Exception as exc:  # raised past the nursery, not in a group

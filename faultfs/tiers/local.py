@@ -215,6 +215,8 @@ class LocalTier:
 
     def pin(self, key: BlobKey) -> None:
         """Keep a staged blob out of eviction (it is the base of a dirty blob)."""
+        if key in self._pinned:
+            return
         self._pinned.add(key)
         self.policy.forget(key)
 
