@@ -699,15 +699,22 @@ def _put_through(eng, before):
     eng.tiers.local.put = put
 
 
+def _writing_engine(store, chunks, *, gated=False):
+    """A source of ``chunks`` chunks and an engine over it for the write tests (``gated``:
+    every source read waits for ``src.gate``)."""
+    data = payload(CS * chunks)
+    src = make_source(data)
+    if gated:
+        src.gate = threading.Event()
+    eng = engine_for(store, memory_mb=1, prefetch_mb=0)
+    return data, src, eng, eng.register(ctx_for())
+
+
 def test_a_partial_write_of_an_unstaged_chunk_is_answered_before_its_fault(store):
     """The size-0 request is issued behind the write: the write is journaled and answered
     while the source read is held at a gate; a read meanwhile joins that fault (one source
     read); the base ends up staged and pinned, beneath the written bytes."""
-    data = payload(CS * 4)
-    src = make_source(data)
-    eng = engine_for(store, memory_mb=1, prefetch_mb=0)
-    tag = eng.register(ctx_for())
-    src.gate = threading.Event()
+    data, src, eng, tag = _writing_engine(store, 4, gated=True)
     want = bytearray(data[CS:2 * CS])
     want[100:110] = b"x" * 10
     got = []
@@ -741,11 +748,7 @@ def test_size_0_requests_behind_writes_are_bounded_past_that_the_write_waits(sto
     from faultfs.engine.writes import BASE_FAULTS
 
     n = BASE_FAULTS + 1
-    data = payload(CS * (n + 1))
-    src = make_source(data)
-    eng = engine_for(store, memory_mb=1, prefetch_mb=0)
-    tag = eng.register(ctx_for())
-    src.gate = threading.Event()
+    data, src, eng, tag = _writing_engine(store, n + 1, gated=True)
 
     async def main():
         async with trio.open_nursery() as nursery:
@@ -783,11 +786,7 @@ def test_size_0_requests_behind_writes_are_bounded_past_that_the_write_waits(sto
 def test_a_blob_reset_rewritten_or_folded_while_its_base_faults_leaves_no_pin(store, then):
     """The base fault behind a write lands after the blob was reset, written whole or
     folded: the staged copy it pinned is let go (evictable again), the bytes are right."""
-    data = payload(CS * 2)
-    src = make_source(data)
-    eng = engine_for(store, memory_mb=1, prefetch_mb=0)
-    tag = eng.register(ctx_for())
-    src.gate = threading.Event()
+    data, src, eng, tag = _writing_engine(store, 2, gated=True)
     want = bytearray(data[:CS])
 
     async def main():
@@ -820,11 +819,8 @@ def test_a_blob_reset_rewritten_or_folded_while_its_base_faults_leaves_no_pin(st
 def test_a_base_fault_that_fails_behind_a_write_is_eio_to_reads_then_retried(store):
     """The write is acknowledged (its bytes are journaled); its base fault fails: a read is
     EIO, never zeros or the written bytes alone, and the next read faults it again."""
-    data = payload(CS * 2)
-    src = make_source(data)
+    data, src, eng, tag = _writing_engine(store, 2)
     src.fail_calls = {1, 2}
-    eng = engine_for(store, memory_mb=1, prefetch_mb=0)
-    tag = eng.register(ctx_for())
     want = bytearray(data[CS:])
     want[10:13] = b"abc"
 
@@ -850,11 +846,7 @@ def test_a_source_changed_before_a_written_base_was_read_damages_that_blob_only(
     """The write is acknowledged, then the source changes under the mount before its base
     fault lands: the blob is damaged (EIO naming why, kept across the remount), never its
     write laid over the new version; the other blobs' checkpoints go on; a reset recovers."""
-    data = payload(CS * 3)
-    src = make_source(data)
-    eng = engine_for(store, memory_mb=1, prefetch_mb=0)
-    tag = eng.register(ctx_for())
-    src.gate = threading.Event()
+    data, src, eng, tag = _writing_engine(store, 3, gated=True)
     ok = bytearray(data[:CS])
     ok[0:2] = b"ok"
 
@@ -903,11 +895,7 @@ def test_writes_over_a_base_never_staged_are_damaged_when_the_source_changed_by_
     replayed writes would lie over the new version's bytes. The chunk is damaged instead
     (EIO, kept), and stays so after a second remount (saved before the new version is
     recorded); an untouched chunk reads the new version."""
-    data = payload(CS * 2)
-    src = make_source(data)
-    eng = engine_for(store, memory_mb=1, prefetch_mb=0)
-    tag = eng.register(ctx_for())
-    src.gate = threading.Event()
+    data, src, eng, tag = _writing_engine(store, 2, gated=True)
 
     async def main():
         async with trio.open_nursery() as nursery:
@@ -942,10 +930,7 @@ def test_a_base_that_cannot_be_read_holds_back_only_its_own_records(store):
     """The base of one dirty blob cannot be faulted (the source fails for a while): the
     checkpoint folds every other blob and lets the journal go up to that blob's records;
     once the source reads again, the next checkpoint folds it too."""
-    data = payload(CS * 3)
-    src = make_source(data)
-    eng = engine_for(store, memory_mb=1, prefetch_mb=0)
-    tag = eng.register(ctx_for())
+    data, src, eng, tag = _writing_engine(store, 3)
     src.fail_calls = {1, 2}  # the base fault, and the first checkpoint's fold of it
     want = bytearray(data[:CS])
     want[5:8] = b"abc"
