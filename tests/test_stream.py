@@ -105,7 +105,8 @@ def _reference_records(data: bytes, start: int, stop: int | None) -> list:
     """The records a line reader must give for the lines that start in ``[start, stop)``:
     each non-empty one, its "\\r\\n" or "\\n" cut off (and a last lone "\\r")."""
     out, pos = [], 0
-    for line in data.splitlines(keepends=True):
+    pieces = data.split(b"\n")  # only "\n" ends a line (bytes.splitlines would cut at "\r")
+    for line in [p + b"\n" for p in pieces[:-1]] + ([pieces[-1]] if pieces[-1] else []):
         begin, pos = pos, pos + len(line)
         if begin < start or (stop is not None and begin >= stop):
             continue
@@ -119,7 +120,8 @@ def _reference_records(data: bytes, start: int, stop: int | None) -> list:
 
 @settings(max_examples=150, deadline=None)
 @given(
-    st.lists(st.tuples(st.integers(0, 90), st.sampled_from(["\n", "\r\n"])), max_size=25),
+    st.lists(st.tuples(st.integers(0, 90), st.sampled_from(["\n", "\r\n"]),
+                       st.sampled_from(["line", "blank", "cr"])), max_size=25),
     st.booleans(),
     st.integers(1, 64),
     st.integers(1, 64),
@@ -132,7 +134,11 @@ def test_line_reader_gives_every_line_of_its_range_once(lines, final, block, fir
     """The line reader against a plain split, for any read sizes: lines longer than a read,
     blank lines, CRLF, no final newline, and ranges starting and ending anywhere; its records
     cut in C (``compiled``) or split in Python, whole or picked (dedup's fresh records)."""
-    text = b"".join(b"%d" % i + b"x" * n + nl.encode() for i, (n, nl) in enumerate(lines))
+    # a line, a blank line (no record), or a line with a lone "\r" in it (part of the record)
+    shapes = {"line": b"%d", "blank": b"", "cr": b"%d\r"}
+    text = b"".join((shapes[kind] % i if kind != "blank" else b"")
+                    + (b"x" * n if kind != "blank" else b"") + nl.encode()
+                    for i, (n, nl, kind) in enumerate(lines))
     if not final and text:
         text = text.rstrip(b"\r\n")
     with tempfile.TemporaryDirectory() as d:
@@ -640,3 +646,30 @@ def test_exactly_once_across_kill_9_of_a_consumer(tmp_path):
     assert kills >= 3, "the consumer was killed mid-stream several times"
     assert len(committed_records) == len(set(committed_records)), "no record twice"
     assert committed_records == expected, "every unique record exactly once, in order"
+
+
+def test_the_compiled_cut_takes_only_native_int64_bounds_inside_the_data():
+    """``_cut.cut``: wrong dtypes or shapes are a TypeError (never read as int64), bounds
+    outside the data a ValueError; unaligned bounds and any bytes-like data work, and the
+    records are bytes of their own."""
+    if readers_mod._cut is None:
+        pytest.skip("faultfs.stream._cut is not built (no C compiler at install)")
+    cut = readers_mod._cut
+    data = bytearray(b"hello world")
+    assert cut(data, np.array([0, 6]), np.array([5, 11])) == [b"hello", b"world"]
+    raw = np.zeros(17, dtype=np.uint8)
+    unaligned = raw[1:17].view(np.int64)
+    unaligned[:] = [0, 6]
+    got = cut(memoryview(bytes(data)), unaligned, np.array([5, 11], dtype=np.int64))
+    data[0:5] = b"HELLO"
+    assert got == [b"hello", b"world"] and all(type(r) is bytes for r in got)
+    for bad in (np.array([0, 0], dtype=np.int32), np.zeros(8, dtype=np.uint8),
+                np.array([0], dtype=">i8"), np.zeros((1, 1), dtype=np.int64)):
+        with pytest.raises(TypeError):
+            cut(data, bad, bad)
+    for lo, hi in ((-1, 2), (3, 2), (0, 12), (0, 1 << 62)):
+        with pytest.raises(ValueError):
+            cut(data, np.array([lo]), np.array([hi]))
+    with pytest.raises(ValueError):
+        cut(data, np.array([0, 1]), np.array([1]))
+    assert cut(b"", np.array([], dtype=np.int64), np.array([], dtype=np.int64)) == []

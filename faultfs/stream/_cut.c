@@ -10,32 +10,61 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <string.h>
+
+/* A one-dimensional, C-contiguous buffer of native int64 (numpy's int64/intp here). */
+static int int64_buffer(PyObject *obj, Py_buffer *view, const char *what) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return -1;
+    const char *f = view->format ? view->format : "B";
+    if (*f == '@' || *f == '=' || (*f == '<' && PY_LITTLE_ENDIAN) || (*f == '>' && !PY_LITTLE_ENDIAN))
+        f++;
+    if (view->ndim != 1 || view->itemsize != 8 || (strcmp(f, "q") != 0 && strcmp(f, "l") != 0)) {
+        PyErr_Format(PyExc_TypeError, "%s must be a one-dimensional array of native int64", what);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
 
 static PyObject *cut(PyObject *self, PyObject *args) {
     (void)self;
+    PyObject *starts_obj, *stops_obj;
     Py_buffer data, starts, stops;
-    if (!PyArg_ParseTuple(args, "y*y*y*", &data, &starts, &stops))
+    if (!PyArg_ParseTuple(args, "y*OO", &data, &starts_obj, &stops_obj))
         return NULL;
     PyObject *out = NULL;
-    if (starts.len != stops.len || starts.len % (Py_ssize_t)sizeof(int64_t) != 0) {
-        PyErr_SetString(PyExc_ValueError, "starts and stops must be int64 arrays of one length");
+    if (int64_buffer(starts_obj, &starts, "starts") < 0) {
+        PyBuffer_Release(&data);
+        return NULL;
+    }
+    if (int64_buffer(stops_obj, &stops, "stops") < 0) {
+        PyBuffer_Release(&starts);
+        PyBuffer_Release(&data);
+        return NULL;
+    }
+    if (starts.len != stops.len) {
+        PyErr_SetString(PyExc_ValueError, "starts and stops must be of one length");
         goto done;
     }
-    Py_ssize_t n = starts.len / (Py_ssize_t)sizeof(int64_t);
-    const int64_t *lo = (const int64_t *)starts.buf, *hi = (const int64_t *)stops.buf;
-    const char *base = (const char *)data.buf;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (lo[i] < 0 || lo[i] > hi[i] || hi[i] > (int64_t)data.len) {
-            PyErr_Format(PyExc_ValueError, "record %zd [%lld, %lld) is not inside %zd bytes",
-                         i, (long long)lo[i], (long long)hi[i], data.len);
-            goto done;
-        }
-    }
+    Py_ssize_t n = starts.len / 8;
+    /* The list first: its allocation may run a collection (other Python code), so each
+       bound is read once, into locals, after it and checked right where it is used. */
     out = PyList_New(n);
     if (out == NULL)
         goto done;
+    const char *base = (const char *)data.buf;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *rec = PyBytes_FromStringAndSize(base + lo[i], (Py_ssize_t)(hi[i] - lo[i]));
+        int64_t lo, hi;
+        memcpy(&lo, (const char *)starts.buf + 8 * i, 8);  /* no alignment assumed */
+        memcpy(&hi, (const char *)stops.buf + 8 * i, 8);
+        if (lo < 0 || lo > hi || hi > (int64_t)data.len) {
+            PyErr_Format(PyExc_ValueError, "record %zd [%lld, %lld) is not inside %zd bytes",
+                         i, (long long)lo, (long long)hi, data.len);
+            Py_CLEAR(out);
+            goto done;
+        }
+        PyObject *rec = PyBytes_FromStringAndSize(base + lo, (Py_ssize_t)(hi - lo));
         if (rec == NULL) {
             Py_CLEAR(out);
             goto done;

@@ -126,9 +126,8 @@ class RecordBlock:
                         self.stops.astype(np.int64, copy=False))
         if not self.terminated:  # one last line without "\n", maybe with a lone "\r"
             return [data[int(self.starts[0]) : int(self.stops[0])]]
-        cut = int(self.ends[-1]) - self.data_offset
-        if data.find(b"\r", 0, cut) >= 0:  # every "\r\n" in data ends a line
-            data = data[:cut].replace(b"\r\n", b"\n")
+        if data.find(b"\r") >= 0:  # every "\r\n" in data ends a line (blank ones too)
+            data = data.replace(b"\r\n", b"\n")
         lines = data.split(b"\n")
         lines.pop()  # what follows the last terminator (carried to the next block)
         if len(lines) != self.count:  # empty lines are not records
