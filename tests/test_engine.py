@@ -957,6 +957,27 @@ def test_a_base_that_cannot_be_read_holds_back_only_its_own_records(store):
     trio.run(main)
 
 
+def test_a_read_then_a_partial_write_of_the_chunk_reads_the_source_once(store):
+    """Read-modify-write (numpy.memmap r+): the write's base is the read's fault, held in
+    memory while its store write is pending, not a second source read; it ends up pinned."""
+    data, src, eng, tag = _writing_engine(store, 4)
+    want = bytearray(data[CS:2 * CS])
+    want[10:11] = b"x"
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            eng.attach(nursery)
+            await eng.read_blob(tag, 1, 0, CS)
+            await eng.writes.write_chunk(tag, 1, 10, b"x")
+            await settle(eng)
+            assert (tag.id, 1) in eng.tiers.local._pinned and eng.is_staged(tag, 1)
+            assert await eng.read_blob(tag, 1, 0, CS) == want
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert src.reads == 1
+
+
 @pytest.mark.parametrize("skips", [1, 1000], ids=["once", "always"])
 def test_a_written_base_the_store_did_not_keep_is_stored_again_or_faulted_again(store, skips):
     """The store write behind a partial write skipped the base once (then it is stored once

@@ -404,7 +404,11 @@ class _CleanReads:
         key = (tag.id, index)
         local = engine.tiers.local
         if not local.contains(key):
-            data = await engine.faults.fault(tag, index)
+            # a fault's copy in memory (or awaiting its store write) is the base already: a
+            # read-modify-write (numpy.memmap r+) reads the source once, not twice
+            data = engine.tiers.held(key)
+            if data is None:
+                data = await engine.faults.fault(tag, index)
             if engine.tiers.stage_behind(key, data):
                 # The write goes on now: its base is held until stored, and a base the store
                 # could not keep is clean bytes a later read faults again (never dirty data)
