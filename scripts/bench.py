@@ -193,6 +193,22 @@ def machine_description() -> dict:
     }
 
 
+def compiled_into(snap: Path) -> None:
+    """The compiled pieces (the fast read path, the record cut) into an export, which ``git
+    archive`` leaves without them (every staged read would then go through pyfuse3): the
+    working tree's builds, which ``_bootstrap.sh`` keeps in step with its C sources, when
+    those sources are HEAD's."""
+    for built in sorted((ROOT / "faultfs").rglob("_*.so")):
+        rel = built.relative_to(ROOT)
+        source = rel.parent / (built.name.split(".")[0] + ".c")
+        head = subprocess.run(["git", "show", f"HEAD:{source}"], cwd=ROOT, capture_output=True,
+                              timeout=60).stdout
+        if not head or head != (ROOT / source).read_bytes():
+            raise SystemExit(f"bench: --faultfs-head: {source} differs from HEAD's: commit it "
+                             "(or run without --faultfs-head)")
+        shutil.copy2(built, snap / rel)
+
+
 def use_head_export(snap: Path, machine: dict) -> None:
     """Export HEAD's packages into ``snap``, put it first on PYTHONPATH and make its parent the
     working directory: every faultfs command the run starts (``.venv/bin/faultfs``, a script,
@@ -203,6 +219,7 @@ def use_head_export(snap: Path, machine: dict) -> None:
     archive = subprocess.run(["git", "archive", "HEAD", "faultfs", "assimilators"], cwd=ROOT,
                              capture_output=True, check=True, timeout=60).stdout
     subprocess.run(["tar", "-x", "-C", str(snap)], input=archive, check=True, timeout=60)
+    compiled_into(snap)
     old = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = str(snap) + (os.pathsep + old if old else "")
     os.chdir(snap.parent)  # every path of the run is absolute
