@@ -124,7 +124,7 @@ class Engine:
 
     def recover(self) -> list[Tag]:
         """Bring back every tag the store has registered, and their writes (blocking)."""
-        tags = self._tags.recover(record=False)
+        tags = self._tags.recover()
         for tag in tags:
             self.writes.open_tag(tag)
         self.open_writes()
@@ -424,11 +424,9 @@ class _CleanReads:
         return None
 
     def pin_staged(self, tag: Tag, index: int) -> bool:
-        local = self._engine.tiers.local
-        key = (tag.id, index)
-        if not local.contains(key):
+        if not self._engine.tiers.local.contains((tag.id, index)):
             return False
-        local.pin(key)
+        self.pin(tag, index)
         return True
 
     def pin(self, tag: Tag, index: int) -> None:

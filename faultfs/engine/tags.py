@@ -242,10 +242,10 @@ class Tags:
 
     # -- recovery ----------------------------------------------------------------------------
 
-    def recover(self, *, record: bool = True) -> list[Tag]:
-        """Bring back every tag whose context is in the registry (remount with no source);
-        ``record``: write each one's state when it changed (else the caller does, through
-        ``record_recovered``)."""
+    def recover(self) -> list[Tag]:
+        """Bring back every tag whose context is in the registry (remount with no source).
+        Their states are not written here: the caller does, through ``record_recovered``,
+        once what depends on the version they recorded (the writes over it) is settled."""
         recovered = []
         for entry in self.registry_store.entries():
             if isinstance(entry, RegistryProblem):
@@ -256,8 +256,6 @@ class Tags:
                 continue
             try:
                 tag = self.add_recovered(self.open_recovered(ctx))
-                if record:
-                    self.record_recovered(tag)
             except FaultfsError as exc:  # one tag that cannot come back never blocks the rest
                 log.error("tag %s cannot be recovered (not mounted): %s", ctx.dst, exc.message)
                 continue

@@ -122,8 +122,7 @@ class RecordBlock:
         assert self.starts is not None and self.stops is not None
         data = self.data
         if _cut is not None:  # one pass over the bounds the block already has
-            return _cut(data, self.starts.astype(np.int64, copy=False),
-                        self.stops.astype(np.int64, copy=False))
+            return self._cut(self.starts, self.stops)
         if not self.terminated:  # one last line without "\n", maybe with a lone "\r"
             return [data[int(self.starts[0]) : int(self.stops[0])]]
         if data.find(b"\r") >= 0:  # every "\r\n" in data ends a line (blank ones too)
@@ -134,6 +133,12 @@ class RecordBlock:
             lengths = np.fromiter(map(len, lines), dtype=np.int64, count=len(lines))
             lines = pick(lines, np.flatnonzero(lengths))
         return lines
+
+    def _cut(self, starts: np.ndarray, stops: np.ndarray) -> list[bytes]:
+        """The records ``data[starts[i]:stops[i]]``, cut in C (``_cut`` takes int64 only)."""
+        assert _cut is not None
+        return _cut(self.data, starts.astype(np.int64, copy=False),
+                    stops.astype(np.int64, copy=False))
 
     def line_offset(self, i: int) -> int:
         """Lines: the byte offset in the shard where record ``i`` starts."""
@@ -147,8 +152,7 @@ def records_at(block: RecordBlock, idx: np.ndarray) -> list[Any]:
     if _cut is None or block.kind != "lines" or block._records is not None:
         return pick(block.records, idx)
     assert block.starts is not None and block.stops is not None
-    return _cut(block.data, block.starts[idx].astype(np.int64, copy=False),
-                block.stops[idx].astype(np.int64, copy=False))
+    return block._cut(block.starts[idx], block.stops[idx])
 
 
 def pick(items: list[Any], idx: np.ndarray) -> list[Any]:
