@@ -816,6 +816,56 @@ def test_a_blob_reset_rewritten_or_folded_while_its_base_faults_leaves_no_pin(st
     assert src.reads <= 2
 
 
+@pytest.mark.parametrize("staged", [True, False])
+def test_a_refused_write_leaves_its_chunk_unpinned_and_the_source_bytes_in_place(store,
+                                                                                  staged):
+    """A partial write the store has no room for (ENOSPC from the journal): the pin its
+    size-0 request took of the staged chunk (or the one its base fault takes when it lands)
+    is let go, so the chunk stays evictable; it reads the source's bytes; the next write
+    pins it again."""
+    from faultfs.errors import StoreFull
+
+    data, src, eng, tag = _writing_engine(store, 2, gated=not staged)
+    real = eng.writes.journal.append
+    refuse = {"on": True}
+
+    def append(*args, **kwargs):
+        if refuse["on"]:
+            raise StoreFull("no room")
+        return real(*args, **kwargs)
+
+    eng.writes.journal.append = append
+    key = (tag.id, 0)
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            eng.attach(nursery)
+            with trio.fail_after(5):
+                if staged:
+                    assert await eng.read_blob(tag, 0, 0, CS) == data[:CS]
+                    await settle(eng)
+                    assert eng.is_staged(tag, 0)
+                with pytest.raises(FaultfsError) as err:
+                    await eng.writes.write_chunk(tag, 0, 5, b"abc")
+                assert err.value.errno == errno.ENOSPC
+                if not staged:
+                    assert eng.writes.base_faults == 1
+                    src.gate.set()
+                await settle(eng)
+                assert key not in eng.tiers.local._pinned
+                assert await eng.read_blob(tag, 0, 0, CS) == data[:CS]
+                refuse["on"] = False
+                await eng.writes.write_chunk(tag, 0, 5, b"abc")
+                await settle(eng)
+                assert key in eng.tiers.local._pinned
+                want = bytearray(data[:CS])
+                want[5:8] = b"abc"
+                assert await eng.read_blob(tag, 0, 0, CS) == want
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
 def test_a_base_fault_that_fails_behind_a_write_is_eio_to_reads_then_retried(store):
     """The write is acknowledged (its bytes are journaled); its base fault fails: a read is
     EIO, never zeros or the written bytes alone, and the next read faults it again."""

@@ -867,7 +867,7 @@ class Writes:
         if not unstaged and (lock is None or not lock.locked()):
             # the common case: nothing to fault and nobody folding the blob. Nothing below
             # awaits, so no other task comes between (the lock would only cost its checkpoint)
-            self._put(blob, off, data)
+            self._put_first(blob, off, data)
         else:
             async with blob.locked():
                 whole = False
@@ -877,15 +877,40 @@ class Writes:
                     else:
                         assert blob.index is not None
                         blob.base_bytes = await self.clean.stage_clean(blob.tag, blob.index)
-                self._put(blob, off, data)
+                self._put_first(blob, off, data)
                 if whole:  # only once the write is journaled: a refused one changes nothing
-                    blob.base = NEW
+                    self._renew(blob)
         self.stats.add("writes")
         self.stats.add("bytes_written", len(data))
         if self.held > self.fold_bytes:
             self.spill()
         if self._over(1):
             self.start_checkpoint()
+
+    def _put_first(self, blob: DirtyBlob, off: int, data: bytes) -> None:
+        """``_put`` after this write pinned ``blob``'s staged base (or started its fault): a
+        refused write (ENOSPC) lets the pin go again when nothing lies over that base, so a
+        chunk no write changed stays evictable."""
+        try:
+            self._put(blob, off, data)
+        except BaseException:
+            if blob.index is not None and self._bare(blob):
+                blob.base_bytes = None
+                self.clean.unpin(blob.tag, blob.index)
+            raise
+
+    @staticmethod
+    def _bare(blob: DirtyBlob) -> bool:
+        """Whether ``blob`` lies over its source chunk with nothing written over it (a
+        pin of that chunk would only keep it from eviction)."""
+        return blob.base == CLEAN and blob.index is not None and not blob.pending
+
+    def _renew(self, blob: DirtyBlob) -> None:
+        """``blob`` no longer lies over its source chunk (written or zeroed whole): the
+        staged copy is evictable again."""
+        if blob.base == CLEAN and blob.index is not None:
+            self.clean.unpin(blob.tag, blob.index)
+        blob.base = NEW
 
     def _base_behind(self, blob: DirtyBlob, off: int, size: int) -> bool:
         """The size-0 request of a partial write, when the write need not wait for it: the
@@ -920,7 +945,8 @@ class Writes:
             self._base_faults -= 1
         # nothing awaited from the pin on: the blob is as it is now
         blob = self.blobs.get((tag.id, name))
-        if blob is None or blob.base != CLEAN:  # reset, folded or rewritten whole meanwhile
+        if blob is None or blob.base != CLEAN or self._bare(blob):
+            # reset, folded or rewritten whole meanwhile, or its write refused (ENOSPC)
             self.clean.unpin(tag, index)
         elif kept is not None and blob.base_bytes is None:
             blob.base_bytes = kept
@@ -1038,7 +1064,7 @@ class Writes:
         before = blob.pending.held
         if blob.base == CLEAN and blob.base_bytes is None and not blob.pending and (
                 off == 0 and length >= blob.size):
-            blob.base = NEW
+            self._renew(blob)
         blob.pending.zero(off, length)
         self.held += blob.pending.held - before
         self._touch(blob)
