@@ -456,6 +456,65 @@ def test_chunks_have_a_fixed_size(mounter, sample):
         os.close(fd)
 
 
+def test_a_view_grown_far_out_shrinks_in_time_and_memory_and_stops_at_16_tib(mounter, sample):
+    """Writes 1 and 16 TiB out make a sparse view; shrinking it back zeroes only the chunks that
+    hold bytes (the source's and the written ones), not one per MiB of the range (which took
+    the daemon past all memory); growth past 16 TiB is EFBIG for the view and a user blob,
+    nothing changed; the daemon still serves and the bytes survive a remount."""
+    from faultfs.engine.writes import MAX_GROWN
+
+    src = sample(3 * MiB)
+    m = mounter(src, args=["--chunk-size", "1M"])
+    view = os.path.join(m.tag("field"), "field.bin")
+    fd = os.open(view, os.O_RDWR)
+    try:
+        assert os.pwrite(fd, b"far", 1 << 40) == 3
+        assert os.fstat(fd).st_size == (1 << 40) + 3
+        assert os.pread(fd, 3, 1 << 40) == b"far"
+        assert os.pread(fd, 8, 1 << 39) == bytes(8)  # the gap reads zeros
+        for off in (MAX_GROWN, MAX_GROWN + 5, (1 << 63) - 10):
+            with pytest.raises(OSError) as info:
+                os.pwrite(fd, b"xyz", off)
+            assert info.value.errno == errno.EFBIG
+        with pytest.raises(OSError) as info:
+            os.ftruncate(fd, MAX_GROWN + 1)
+        assert info.value.errno == errno.EFBIG
+        assert os.fstat(fd).st_size == (1 << 40) + 3
+        # like a file size limit: what fits is written (a short count), then EFBIG
+        assert os.pwrite(fd, b"xyz", MAX_GROWN - 2) == 2
+        assert os.fstat(fd).st_size == MAX_GROWN
+        assert os.pread(fd, 8, MAX_GROWN - 4) == b"\0\0xy"
+        from faultfs.warm import staged_chunks  # every chunk past the source is the writes'
+
+        started = time.monotonic()
+        answer = staged_chunks(m.tag("field"))
+        assert answer is not None and answer[1] == MAX_GROWN // MiB
+        assert answer[2][-1] == 0xFF and answer[2][0] == 0xF8  # the source's 3: not staged
+        assert time.monotonic() - started < 10
+        started = time.monotonic()
+        os.ftruncate(fd, 2 * MiB + 5)
+        assert time.monotonic() - started < 10
+        assert os.fstat(fd).st_size == 2 * MiB + 5
+        os.ftruncate(fd, 4 * MiB)  # regrown: zeros past the cut, in the source's last chunk too
+        assert os.pread(fd, 4 * MiB, 0) == read(src)[:2 * MiB + 5] + bytes(2 * MiB - 5)
+    finally:
+        os.close(fd)
+    user = os.path.join(m.tag("field"), "notes.bin")
+    with open(user, "wb") as f:
+        f.write(b"n")
+    with pytest.raises(OSError) as info:
+        os.truncate(user, MAX_GROWN + 1)
+    assert info.value.errno == errno.EFBIG
+    assert os.stat(user).st_size == 1
+    stats = json.loads(read(os.path.join(m.path, ".faultfs", "stats")))
+    assert stats["pid"]
+    m.umount()
+    m2 = mounter(store=m.store)
+    view = os.path.join(m2.tag("field"), "field.bin")
+    assert read(view) == read(src)[:2 * MiB + 5] + bytes(2 * MiB - 5)
+    assert len(os.listdir(m2.tag("field"))) < 16
+
+
 def test_clones_are_point_in_time_snapshots_both_ways_across_remounts(mounter, sample, tmp_path):
     src = sample(2 * MiB)
     original = read(src)

@@ -255,9 +255,17 @@ class Engine:
         least significant first, of byte ``i // 8``)."""
         chunks = self.writes.num_chunks(tag)
         bits = bytearray((chunks + 7) // 8)
-        for index in range(chunks):
+        source = min(chunks, tag.layout.num_blobs)
+        for index in range(source):
             if self.chunk_here(tag, index):
                 bits[index >> 3] |= 1 << (index & 7)
+        # past the source every chunk is the writes' (however far the view grew): all here,
+        # whole bytes at once
+        lo, hi = -(-source // 8), chunks // 8
+        if hi > lo:
+            bits[lo:hi] = b"\xff" * (hi - lo)
+        for index in (*range(source, min(chunks, lo * 8)), *range(max(hi * 8, source), chunks)):
+            bits[index >> 3] |= 1 << (index & 7)
         return bytes(bits)
 
     def write_identity_pagemap(self, tag: Tag, page_size: int) -> None:

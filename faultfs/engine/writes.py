@@ -88,6 +88,7 @@ USER_BLOB_MAX = MAX_PAYLOAD  # a user blob is one dirty file: no longer than any
 CLEAN, FOLDED, NEW, DIRECT = "clean", "folded", "new", "direct"  # what a dirty blob's base is
 USER_PREFIX = "u:"  # dirty files of user blobs are named by id: a rename is a table update
 USER_PART = 1 << 20  # a user blob is cut into dirty blobs of this size: u:<id>, u:<id>.1, ...
+MAX_GROWN = 1 << 44  # a view or user blob grows to 16 TiB at most (ext4's largest file)
 GAP_PREFIX = ".pagegap."  # bytes written into the gaps of page N (hidden, never listed)
 FOLD_BYTES = 64 << 20  # written bytes held in memory before they are spilled
 JOURNAL_BYTES = 1 << 30  # journal bytes on disk before a checkpoint folds them
@@ -745,6 +746,8 @@ class Writes:
         tw = self._tag(tag)
         cs = tag.layout.chunk_size
         end = off + len(data)
+        if end > tw.view_size:
+            self._check_growth(tag, "the view", end)
         index, inner = divmod(off, cs)
         if data and inner + len(data) <= cs:  # one chunk (most writes): no slice, no generator
             await self._write(self._chunk_blob(tag, index), inner, data)
@@ -764,15 +767,17 @@ class Writes:
         zeros there); growing reads zeros past the old end."""
         self._check_writable(tag)
         tw = self._tag(tag)
-        cs = tag.layout.chunk_size
         old = tw.view_size
+        if size > old:
+            self._check_growth(tag, "the view", size)
         if size < old:
-            for index, _, _ in pieces(size, old - size, old, cs):
+            cut = self._cut_pieces(tag, size, old)
+            for index, _, _ in cut:
                 blob = self.blobs.get((tag.id, tag.layout.blob_name(index)))
                 if blob is not None and blob.damaged:  # refused before anything changes
                     raise FaultfsError(f"dirty blob {blob.name} of tag {tag.name} is damaged "
                                        f"({blob.damaged}): run faultfs fsck", errno.EIO)
-            for index, inner, length in pieces(size, old - size, old, cs):
+            for index, inner, length in cut:
                 blob = self._chunk_blob(tag, index)
                 async with blob.locked():
                     self._append(KIND_ZERO, tag.name, blob.name, inner, length)
@@ -780,6 +785,30 @@ class Writes:
         self._append(KIND_SIZE, tag.name, VIEW, 0, size)
         self._set_view_size(tag, tw, size)
         self._written(tag)
+
+    def _cut_pieces(self, tag: Tag, size: int, old: int) -> list[tuple[int, int, int]]:
+        """The pieces of view bytes ``[size, old)`` that a shrink must zero: in the
+        source's chunks and in chunks written since, never one per chunk of the range (past
+        both, a chunk holds no bytes and reads zeros already, however far the view grew)."""
+        cs = tag.layout.chunk_size
+        first, end = size // cs, -(-old // cs)
+        indexes = set(range(first, min(end, tag.layout.num_blobs)))
+        indexes.update(blob.index for (tag_id, _), blob in self.blobs.items()
+                       if tag_id == tag.id and blob.index is not None
+                       and first <= blob.index < end)
+        out = []
+        for index in sorted(indexes):
+            lo, hi = max(size, index * cs), min(old, (index + 1) * cs)
+            out.append((index, lo - index * cs, hi - lo))
+        return out
+
+    @staticmethod
+    def _check_growth(tag: Tag, name: str, size: int) -> None:
+        """A view or user blob grows to ``MAX_GROWN`` at most (or its source's size, when
+        larger): EFBIG past it, nothing changed."""
+        if size > max(MAX_GROWN, tag.layout.size):
+            raise FaultfsError(f"{name} of tag {tag.name} cannot grow to {size} bytes: a file "
+                               f"of the mount holds at most {MAX_GROWN >> 40} TiB", errno.EFBIG)
 
     async def write_user(self, tag: Tag, name: str, off: int, data: bytes) -> int:
         """A user blob made before parts is one dirty file, at most ``USER_BLOB_MAX`` bytes
@@ -795,6 +824,8 @@ class Writes:
                 data = data[:USER_BLOB_MAX - off]  # what fits: a short count
             await self._write(self._user_part(tag, uid, 0), off, data)
         else:
+            if data:
+                self._check_growth(tag, f"user blob {name}", off + len(data))
             view = memoryview(data)
             at = 0
             try:
@@ -818,6 +849,7 @@ class Writes:
                 raise _too_big(tag, name, size)
             await self._truncate_part(self._user_part(tag, uid, 0), size)
         else:
+            self._check_growth(tag, f"user blob {name}", size)
             part = self.user_part
             last, inner = divmod(size, part)
             if inner == 0 and last:  # the part that holds the last byte is the whole one
