@@ -38,6 +38,7 @@ from faultfs.core.names import CTL_NAME
 from faultfs.errors import FaultfsError, InvalidInput, SourceError
 from faultfs.progress import ProgressBar
 from faultfs.sources import SourceOptions, local_path
+from faultfs.store.blobfile import is_all_zero
 from faultfs.store.durable import write_atomic, write_parts
 
 BLOCK = 8 << 20  # bytes read from the view and written per step
@@ -123,6 +124,9 @@ def _export_local(src, dest: str, size: int, mark: int, report: ExportReport, ba
         report.resumed_from = start
         fd = os.open(dest, os.O_WRONLY | os.O_CREAT | (0 if start else os.O_TRUNC), 0o644)
         try:
+            # past the vouched bytes the file holds nothing: a block of zeros is left a hole
+            # (a view grown far out exports as a sparse file, as cp --sparse=auto makes it)
+            os.ftruncate(fd, start)
             batch = meta.committed_batch_id
             last = start
 
@@ -135,8 +139,11 @@ def _export_local(src, dest: str, size: int, mark: int, report: ExportReport, ba
                                                         global_row_idx=size))
                     last = pos
 
-            _copy(src, size, start, lambda off, data: write_parts(fd, [data], at=off), report,
-                  bar, checkpoint)
+            def write(off: int, data: bytes) -> None:
+                if not is_all_zero(data):
+                    write_parts(fd, [data], at=off)
+
+            _copy(src, size, start, write, report, bar, checkpoint)
             os.ftruncate(fd, size)
             os.fsync(fd)
         finally:

@@ -617,6 +617,26 @@ def test_an_interrupted_export_resumes_where_its_checkpoint_vouched(mounter, sam
     assert not os.path.exists(str(out) + exp.STATE_SUFFIX)
 
 
+def test_a_view_grown_far_out_exports_as_a_sparse_file(mounter, sample, tmp_path):
+    """The zeros of a grown view are holes in the export (cp --sparse=auto does the same),
+    its bytes equal to the view's, over an older file in the way."""
+    from faultfs import export as exp
+
+    src = sample(2 * MiB)
+    m = mounter(src, args=["--chunk-size", "1M"])
+    tag = m.tag("field")
+    view = os.path.join(tag, "field.bin")
+    with open(view, "r+b") as f:
+        f.seek(60 * MiB)
+        f.write(b"far out")
+    out = tmp_path / "out.bin"
+    out.write_bytes(b"\xff" * (64 * MiB))  # an older file in the way: replaced, holes and all
+    report = exp.export(tag, str(out), progress=False, force=True)
+    assert report.written == 60 * MiB + 7
+    assert read(out) == read(src) + bytes(58 * MiB) + b"far out"
+    assert os.stat(out).st_blocks * 512 < 16 * MiB, "the zeros are holes"
+
+
 def test_flock_and_fcntl_locks_work_on_the_view(mounter, sample):
     import fcntl
 
