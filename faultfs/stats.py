@@ -23,7 +23,7 @@ COUNTERS = (
     "zero_filled_bytes", "bytes_served", "page_reads", "page_slices", "page_errors",
     "stale_blobs_dropped", "corrupt_blobs_dropped", "memory_hits", "prefetches",
     "prefetch_errors", "store_readahead", "ring_reads", "dirty_kept", "skipped_dirty", "skipped_degraded",
-    "writes", "bytes_written", "fsyncs", "folds", "checkpoints", "spills", "spilled_bytes",
+    "writes", "bytes_written", "fsyncs", "fsyncs_joined", "folds", "checkpoints", "spills", "spilled_bytes",
     "base_fault_errors",
     "xattrs_refused", "fuse_fast_waits", "fuse_waits", "fuse_waits_lost",
     "fast_reads", "fast_passed",

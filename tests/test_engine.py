@@ -10,6 +10,7 @@ import contextlib
 import errno
 import os
 import threading
+import time
 
 import pytest
 import trio
@@ -814,6 +815,80 @@ def test_a_blob_reset_rewritten_or_folded_while_its_base_faults_leaves_no_pin(st
 
     trio.run(main)
     assert src.reads <= 2
+
+
+def _slow_journal_syncs(eng):
+    """Make the journal's syncs slow (so fsyncs queue behind one) and note, for each, the
+    journal's next seq when it began."""
+    began = []
+    sync = eng.writes.journal.sync
+
+    def slow():
+        began.append(eng.writes.journal.next_seq)
+        time.sleep(0.05)
+        sync()
+
+    eng.writes.journal.sync = slow
+    return began
+
+
+def test_fsyncs_queued_behind_a_sync_are_answered_by_it(store):
+    """Group commit: eight writers fsyncing at once after their writes cost one journal sync
+    (it began after every write), and the other seven are answered by it."""
+    _, _, eng, tag = _writing_engine(store, 8)
+    began = _slow_journal_syncs(eng)
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            eng.attach(nursery)
+            for i in range(8):
+                await eng.writes.write_chunk(tag, i, 0, b"w" * CS)  # whole: no base fault
+                await eng.writes.write_chunk(tag, i, 7, b"x")
+            last = eng.writes.journal.next_seq
+            with trio.fail_after(5):
+                async with trio.open_nursery() as writers:
+                    for _ in range(8):
+                        writers.start_soon(eng.writes.fsync)
+            assert began == [last]
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    c = eng.stats.counters
+    assert c["fsyncs"] == 8 and c["fsyncs_joined"] == 7
+    eng.close()
+
+
+def test_an_fsync_after_a_write_made_during_a_sync_syncs_again(store):
+    """A sync under way began before this write: an fsync after the write waits for it and
+    then syncs again, never answered by the older sync."""
+    _, _, eng, tag = _writing_engine(store, 2)
+    began = _slow_journal_syncs(eng)
+    order = []
+
+    async def first():
+        await eng.writes.fsync()
+        order.append("first")
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            eng.attach(nursery)
+            await eng.writes.write_chunk(tag, 0, 0, b"a" * CS)
+            with trio.fail_after(5):
+                async with trio.open_nursery() as writers:
+                    writers.start_soon(first)
+                    await trio.sleep(0.01)  # the first sync is under way (50 ms)
+                    assert began and not order
+                    await eng.writes.write_chunk(tag, 1, 0, b"b" * CS)
+                    written = eng.writes.journal.next_seq
+                    await eng.writes.fsync()
+                    order.append("second")
+            assert len(began) == 2 and began[1] >= written
+            assert order == ["first", "second"]
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert eng.stats.counters["fsyncs_joined"] == 0
+    eng.close()
 
 
 @pytest.mark.parametrize("staged", [True, False])

@@ -263,6 +263,9 @@ class Writes:
         self._unsynced: list[tuple[str, int]] = []  # (tag, seq) of direct files not synced yet
         self._obsolete: list[tuple[str, int]] = []  # (tag, seq) of direct files to delete
         self._syncing = trio.Lock()  # fsyncs one at a time: each covers what came before it
+        # every record below this seq (and every direct file it names) was made durable by
+        # a sync that succeeded: an fsync that waited behind that sync has nothing left to do
+        self._synced_below = 0
         self._keep_segments: set[int] = set()  # hold a damaged blob's records: kept at a trim
 
     # -- recovery (blocking, before the mount answers) ---------------------------------------
@@ -1215,13 +1218,23 @@ class Writes:
     async def fsync(self) -> None:
         """Every write acknowledged so far survives a power loss once this returns."""
         self.stats.add("fsyncs")
-        await self._sync()
+        if not await self._sync():
+            self.stats.add("fsyncs_joined")
 
-    async def _sync(self) -> None:
+    async def _sync(self) -> bool:
         """Make every write acknowledged so far durable: the direct files written since the
         last sync (``SYNC_AT_ONCE`` at a time, then their directories), then the journal.
-        One at a time: a sync that returns covers the files another one took before it."""
+        One at a time: a sync that returns covers the files another one took before it.
+        Group commit: callers that queue behind a sync are all covered by the next one, so
+        N writers fsyncing at once cost two syncs, not N. False when an earlier caller's sync
+        already covered this one (nothing was synced for it)."""
+        want = self.journal.next_seq  # every change acknowledged before this call lies below
         async with self._syncing:
+            if self._synced_below >= want:
+                return False
+            # no await from here to the take: every direct file named below ``start`` is
+            # in ``taken`` (written, recorded and listed with no await between) or synced
+            start = self.journal.next_seq
             taken, self._unsynced = self._unsynced, []
             try:
                 await self._sync_files(taken)
@@ -1229,6 +1242,8 @@ class Writes:
                 self._unsynced[:0] = taken  # the next sync tries them again
                 raise
             await self.pool.run(self.journal.sync)
+            self._synced_below = max(self._synced_below, start)
+            return True
 
     async def _sync_files(self, taken: list[tuple[str, int]]) -> None:
         if not taken:
