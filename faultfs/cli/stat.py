@@ -135,6 +135,7 @@ def render_stats(snap: dict) -> str:
         f"{'writes':<22}{c.get('writes', 0):>12}    {'bytes written':<22}{format_size(c.get('bytes_written', 0)):>12}",
         f"{'fsyncs':<22}{c.get('fsyncs', 0):>12}    {'folds':<22}{c.get('folds', 0):>12}",
         f"{'checkpoints':<22}{c.get('checkpoints', 0):>12}    {'bytes spilled':<22}{format_size(c.get('spilled_bytes', 0)):>12}",
+        f"{'fsyncs joined':<22}{c.get('fsyncs_joined', 0):>12}    {'spills':<22}{c.get('spills', 0):>12}",
         f"{'writes held':<22}{format_size(w.get('held_bytes', 0)):>12}    {'journal':<22}{format_size(w.get('journal_bytes', 0)):>12}",
         f"{'base faults failed':<22}{c.get('base_fault_errors', 0):>12}    {'dirty blobs kept':<22}{c.get('dirty_kept', 0):>12}",
         f"{'requests taken queued':<22}{c.get('fuse_fast_waits', 0):>12}    {'request waits':<22}{c.get('fuse_waits', 0):>12}",
