@@ -941,6 +941,61 @@ def test_a_refused_write_leaves_its_chunk_unpinned_and_the_source_bytes_in_place
     trio.run(main)
 
 
+@pytest.mark.parametrize("size", ["partial", "whole"])
+def test_a_refused_write_leaves_no_dirty_blob_behind(store, size):
+    """A write the store has no room for (ENOSPC) changed nothing: the chunk is not dirty,
+    a read does not pin it again, a checkpoint writes no dirty copy of the source's bytes,
+    and after a remount over a new version of the source the chunk reads the new version
+    (not the old one frozen in a dirty file); nor does the tag count as written."""
+    from faultfs.errors import StoreFull
+
+    data, _, eng, tag = _writing_engine(store, 2)
+    real = eng.writes.journal.append
+    refuse = {"on": False}
+
+    def append(*args, **kwargs):
+        if refuse["on"]:
+            raise StoreFull("no room")
+        return real(*args, **kwargs)
+
+    eng.writes.journal.append = append
+    key = (tag.id, 0)
+    written = b"x" * 10 if size == "partial" else b"x" * CS
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            eng.attach(nursery)
+            with trio.fail_after(5):
+                assert await eng.read_blob(tag, 0, 0, CS) == data[:CS]
+                await settle(eng)
+                await eng.writes.write_chunk(tag, 1, 0, b"w" * 10)  # the journal is not empty
+                refuse["on"] = True
+                with pytest.raises(FaultfsError) as err:
+                    await eng.writes.write_chunk(tag, 0, 0, written)
+                assert err.value.errno == errno.ENOSPC
+                refuse["on"] = False
+                await settle(eng)
+                assert not eng.writes.is_dirty(tag, 0)
+                assert eng.writes.dirty_summary(tag)[0] == 1, "chunk_1 only"
+                assert await eng.read_blob(tag, 0, 0, CS) == data[:CS]
+                await settle(eng)
+                assert key not in eng.tiers.local._pinned, "a read pins no chunk nobody wrote"
+                await eng.writes.checkpoint()
+                assert "chunk_0" not in eng.writes.files.names(tag.name)
+                await eng.close_writes()
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    eng.close()
+    new = bytes(reversed(data))
+    src2 = make_source(new)
+    src2.token = "v2"
+    eng2 = engine_for(store, memory_mb=1, prefetch_mb=0)
+    [tag2] = eng2.recover()
+    assert trio.run(eng2.read_blob, tag2, 0, 0, CS) == new[:CS], "never the old version"
+    eng2.close()
+
+
 def test_a_base_fault_that_fails_behind_a_write_is_eio_to_reads_then_retried(store):
     """The write is acknowledged (its bytes are journaled); its base fault fails: a read is
     EIO, never zeros or the written bytes alone, and the next read faults it again."""

@@ -144,6 +144,7 @@ class DirtyBlob:
     base_bytes: Buffer | None = None  # a clean base the store could not keep
     lock: trio.Lock | None = None
     damaged: str = ""  # its dirty file cannot be read: reads and writes of it fail (EIO)
+    writers: int = 0  # writes of it under way (a refused one lets go of a blob none holds)
 
     def locked(self) -> _Holding:
         if self.lock is None:
@@ -715,8 +716,10 @@ class Writes:
                 assert blob.index is not None
                 data = await self.clean.read_clean(blob.tag, blob.index, off, size)
                 buf[:len(data)] = data
-                if blob.base == CLEAN:  # (a fault behind a write that failed, a replay):
-                    self.clean.pin(blob.tag, blob.index)  # kept once the store has it
+                if blob.base == CLEAN and blob.pending:  # (a fault behind a write that
+                    # failed, a replay): kept once the store has it; a chunk nothing was
+                    # written over (a refused write's) stays evictable
+                    self.clean.pin(blob.tag, blob.index)
         await self._lay(blob, pending, buf, off)
         return buf if mutable else bytes(buf)
 
@@ -889,38 +892,48 @@ class Writes:
         if blob.damaged:  # never written over: the user's data may still be recovered
             raise FaultfsError(f"dirty blob {blob.name} of tag {blob.tag.name} is damaged "
                                f"({blob.damaged}): run faultfs fsck", errno.EIO)
-        if self._checkpointing is not None and self._over(2):
-            await self._checkpointing.wait()  # back-pressure: memory and journal stay bounded
-        if off == 0 and blob.index is not None and len(data) == blob.size:
-            await self._write_whole(blob, data)
-            return
-        unstaged = blob.base == CLEAN and blob.base_bytes is None and not blob.pending
-        lock = blob.lock
-        if unstaged and (lock is None or not lock.locked()) and self._base_behind(blob, off,
-                                                                               len(data)):
-            unstaged = False
-        if not unstaged and (lock is None or not lock.locked()):
-            # the common case: nothing to fault and nobody folding the blob. Nothing below
-            # awaits, so no other task comes between (the lock would only cost its checkpoint)
-            self._put_first(blob, off, data)
-        else:
-            async with blob.locked():
-                whole = False
-                if blob.base == CLEAN and blob.base_bytes is None and not blob.pending:
-                    if off == 0 and len(data) >= blob.size:
-                        whole = True  # a whole blob: no fault needed
-                    else:
-                        assert blob.index is not None
-                        blob.base_bytes = await self.clean.stage_clean(blob.tag, blob.index)
+        blob.writers += 1
+        try:
+            if self._checkpointing is not None and self._over(2):
+                # back-pressure: memory and journal stay bounded
+                await self._checkpointing.wait()
+            if off == 0 and blob.index is not None and len(data) == blob.size:
+                await self._write_whole(blob, data)
+                return
+            unstaged = blob.base == CLEAN and blob.base_bytes is None and not blob.pending
+            lock = blob.lock
+            if unstaged and (lock is None or not lock.locked()) and self._base_behind(
+                    blob, off, len(data)):
+                unstaged = False
+            if not unstaged and (lock is None or not lock.locked()):
+                # the common case: nothing to fault and nobody folding the blob. Nothing
+                # below awaits, so no other task comes between (the lock would only cost its
+                # checkpoint)
                 self._put_first(blob, off, data)
-                if whole:  # only once the write is journaled: a refused one changes nothing
-                    self._renew(blob)
-        self.stats.add("writes")
-        self.stats.add("bytes_written", len(data))
-        if self.held > self.fold_bytes:
-            self.spill()
-        if self._over(1):
-            self.start_checkpoint()
+            else:
+                async with blob.locked():
+                    whole = False
+                    if blob.base == CLEAN and blob.base_bytes is None and not blob.pending:
+                        if off == 0 and len(data) >= blob.size:
+                            whole = True  # a whole blob: no fault needed
+                        else:
+                            assert blob.index is not None
+                            blob.base_bytes = await self.clean.stage_clean(blob.tag,
+                                                                           blob.index)
+                    self._put_first(blob, off, data)
+                    if whole:  # only once the write is journaled: a refused one changes
+                        self._renew(blob)  # nothing
+            self.stats.add("writes")
+            self.stats.add("bytes_written", len(data))
+            if self.held > self.fold_bytes:
+                self.spill()
+            if self._over(1):
+                self.start_checkpoint()
+        except BaseException:
+            self._drop_unwritten(blob)
+            raise
+        finally:
+            blob.writers -= 1
 
     def _put_first(self, blob: DirtyBlob, off: int, data: bytes) -> None:
         """``_put`` after this write pinned ``blob``'s staged base (or started its fault): a
@@ -939,6 +952,28 @@ class Writes:
         """Whether ``blob`` lies over its source chunk with nothing written over it (a
         pin of that chunk would only keep it from eviction)."""
         return blob.base == CLEAN and blob.index is not None and not blob.pending
+
+    @classmethod
+    def _unwritten(cls, blob: DirtyBlob) -> bool:
+        """Whether ``blob`` is a chunk nothing was written to: its source chunk bare, or a
+        chunk past the source with nothing in it (it reads as if it were not dirty)."""
+        return cls._bare(blob) or (blob.base == NEW and blob.index is not None
+                                   and blob.index >= blob.tag.layout.num_blobs
+                                   and not blob.pending)
+
+    def _drop_unwritten(self, blob: DirtyBlob) -> None:
+        """A write of ``blob`` was refused: a chunk it left with nothing written to (it
+        brought it into the tables) is taken out again unless another write, a truncate or
+        a fold holds it, so the chunk is clean again — never pinned, never folded into a
+        dirty copy of the source's bytes that a new version of the source would not
+        replace."""
+        key = (blob.tag.id, blob.name)
+        lock = blob.lock
+        if (blob.writers == 1 and self.blobs.get(key) is blob and self._unwritten(blob)
+                and (lock is None or not (lock.locked() or lock.statistics().tasks_waiting))):
+            self._forget(key)
+            if blob.base == CLEAN:
+                self.clean.unpin(blob.tag, blob.index)
 
     def _renew(self, blob: DirtyBlob) -> None:
         """``blob`` no longer lies over its source chunk (written or zeroed whole): the
@@ -1000,7 +1035,7 @@ class Writes:
         """Why ``blob``'s base is gone when the source changed (``change``: how); "" when
         it is not (no change, no clean base under it, or written over whole)."""
         if (not change or blob.damaged or blob.base != CLEAN or blob.base_bytes is not None
-                or blob.pending.covers(0, blob.size)):
+                or not blob.pending or blob.pending.covers(0, blob.size)):
             return ""
         return (f"its writes lie over the source's bytes of chunk {blob.index}, which were not "
                 f"staged before the source changed ({change}): kept, never laid over the new "
@@ -1374,6 +1409,8 @@ class Writes:
         async with blob.locked():
             if not blob.pending and blob.base == FOLDED and blob.size == blob.folded_size:
                 return
+            if self._unwritten(blob):
+                return  # nothing was written to it: no dirty copy of its source chunk
             if not blob.pending and blob.base == DIRECT:
                 await self._adopt(blob, sync_dir=sync_dir)
                 return
