@@ -995,6 +995,45 @@ def test_a_refused_write_leaves_no_dirty_blob_behind(store, size):
     assert trio.run(eng2.read_blob, tag2, 0, 0, CS) == new[:CS], "never the old version"
     eng2.close()
 
+@pytest.mark.parametrize("name", ["view", "user"])
+def test_a_write_across_the_growth_limit_writes_what_fits(store, name):
+    """Like a file size limit: a write that starts below 16 TiB and ends past it writes the
+    bytes up to the limit and returns that short count (one FUSE request can carry a whole
+    `dd bs=1M` block, not only the page the kernel splits off); a write at the limit is
+    EFBIG and changes nothing."""
+    from faultfs.engine.writes import MAX_GROWN
+
+    _, _, eng, tag = _writing_engine(store, 2)
+    w = eng.writes
+
+    async def main():
+        if name == "view":
+            write, size = w.write_view, w.view_size
+
+            async def read(off, n):
+                return await eng.read_view(tag, off, n)
+        else:
+            await w.create_user(tag, "notes.bin")
+
+            async def write(tag, off, data):
+                return await w.write_user(tag, "notes.bin", off, data)
+
+            def size(tag):
+                return w.user_size(tag, "notes.bin")
+
+            async def read(off, n):
+                return await w.read_user(tag, "notes.bin", off, n)
+        assert await write(tag, MAX_GROWN - 10, b"y" * 8192) == 10
+        assert size(tag) == MAX_GROWN
+        assert await read(MAX_GROWN - 12, 12) == b"\0\0" + b"y" * 10
+        with pytest.raises(FaultfsError) as err:
+            await write(tag, MAX_GROWN, b"z")
+        assert err.value.errno == errno.EFBIG
+        assert size(tag) == MAX_GROWN
+
+    trio.run(main)
+
+
 
 def test_a_base_fault_that_fails_behind_a_write_is_eio_to_reads_then_retried(store):
     """The write is acknowledged (its bytes are journaled); its base fault fails: a read is

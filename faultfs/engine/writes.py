@@ -753,7 +753,8 @@ class Writes:
         cs = tag.layout.chunk_size
         end = off + len(data)
         if end > tw.view_size:
-            self._check_growth(tag, "the view", end)
+            data = self._fit(tag, "the view", off, data)
+            end = off + len(data)
         index, inner = divmod(off, cs)
         if data and inner + len(data) <= cs:  # one chunk (most writes): no slice, no generator
             await self._write(self._chunk_blob(tag, index), inner, data)
@@ -816,6 +817,17 @@ class Writes:
             raise FaultfsError(f"{name} of tag {tag.name} cannot grow to {size} bytes: a file "
                                f"of the mount holds at most {MAX_GROWN >> 40} TiB", errno.EFBIG)
 
+    @classmethod
+    def _fit(cls, tag: Tag, name: str, off: int, data: bytes) -> bytes:
+        """What of a write of ``data`` at ``off`` fits under the growth limit
+        (``_check_growth``): a write that crosses it writes what fits, a short count, as a
+        file size limit does; one that starts at or past it is EFBIG."""
+        limit = max(MAX_GROWN, tag.layout.size)
+        if off + len(data) > limit and off < limit:
+            return data[:limit - off]
+        cls._check_growth(tag, name, off + len(data))
+        return data
+
     async def write_user(self, tag: Tag, name: str, off: int, data: bytes) -> int:
         """A user blob made before parts is one dirty file, at most ``USER_BLOB_MAX`` bytes
         (what fits is written, a short count; a write wholly past it is EFBIG); one made
@@ -831,7 +843,7 @@ class Writes:
             await self._write(self._user_part(tag, uid, 0), off, data)
         else:
             if data:
-                self._check_growth(tag, f"user blob {name}", off + len(data))
+                data = self._fit(tag, f"user blob {name}", off, data)
             view = memoryview(data)
             at = 0
             try:
