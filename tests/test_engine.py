@@ -817,6 +817,67 @@ def test_a_blob_reset_rewritten_or_folded_while_its_base_faults_leaves_no_pin(st
     assert src.reads <= 2
 
 
+@pytest.mark.parametrize("name", ["view", "user"])
+def test_a_write_refused_for_room_partway_returns_the_bytes_that_landed(store, name):
+    """A write across chunks (or user blob parts) whose second piece the store has no room
+    for (ENOSPC) returns a short count, as a full disk's write does: the first piece is
+    written and the file's size is what landed, never ENOSPC over bytes that did land; a
+    write refused at its first piece is refused whole."""
+    from faultfs.errors import StoreFull
+
+    _, _, eng, tag = _writing_engine(store, 4)
+    real = eng.writes.journal.append
+    appended = {"left": None}
+
+    def append(*args, **kwargs):
+        if appended["left"] is not None:
+            if appended["left"] == 0:
+                raise StoreFull("no room")
+            appended["left"] -= 1
+        return real(*args, **kwargs)
+
+    eng.writes.journal.append = append
+    eng.writes.user_part = CS
+
+    async def write(off, payload):
+        if name == "view":
+            return await eng.writes.write_view(tag, off, payload)
+        return await eng.writes.write_user(tag, "notes", off, payload)
+
+    async def size():
+        if name == "view":
+            return eng.writes.view_size(tag)
+        return eng.writes.user_size(tag, "notes")
+
+    async def read(off, n):
+        if name == "view":
+            return bytes(await eng.read_view(tag, off, n))
+        return bytes(await eng.writes.read_user(tag, "notes", off, n))
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            eng.attach(nursery)
+            with trio.fail_after(5):
+                if name == "user":
+                    await eng.writes.create_user(tag, "notes")
+                start = 4 * CS - 100 if name == "view" else CS - 100
+                appended["left"] = 1  # the first piece's record, then no room
+                assert await write(start, b"y" * 300) == 100
+                appended["left"] = None
+                assert await size() == start + 100
+                assert await read(start, 100) == b"y" * 100
+                appended["left"] = 0
+                with pytest.raises(FaultfsError) as err:
+                    await write(start + 100, b"z" * 50)
+                assert err.value.errno == errno.ENOSPC
+                appended["left"] = None
+                assert await size() == start + 100
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    eng.close()
+
+
 def _slow_journal_syncs(eng):
     """Make the journal's syncs slow (so fsyncs queue behind one) and note, for each, the
     journal's next seq when it began."""

@@ -55,7 +55,7 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -756,18 +756,37 @@ class Writes:
             data = self._fit(tag, "the view", off, data)
             end = off + len(data)
         index, inner = divmod(off, cs)
+        done = len(data)
         if data and inner + len(data) <= cs:  # one chunk (most writes): no slice, no generator
             await self._write(self._chunk_blob(tag, index), inner, data)
         else:
-            pos = 0
-            for index, inner, length in pieces(off, len(data), end, cs):
-                await self._write(self._chunk_blob(tag, index), inner, data[pos:pos + length])
-                pos += length
+            done = await self._write_run(data, (
+                (self._chunk_blob(tag, index), inner, length)
+                for index, inner, length in pieces(off, len(data), end, cs)))
+            end = off + done
         if end > tw.view_size:
             self._append(KIND_SIZE, tag.name, VIEW, 0, end)
             self._set_view_size(tag, tw, end)
         self._written(tag)
-        return len(data)
+        return done
+
+    async def _write_run(self, data: bytes,
+                         run: Iterable[tuple[DirtyBlob, int, int]]) -> int:
+        """Write ``data`` in the pieces ``run`` names, in order: the bytes written. A piece
+        refused for want of room (ENOSPC) after others landed ends the run with a short
+        count, as a full disk's write does (what landed stays, acknowledged; the caller
+        sizes the file by it); refused at the first piece, the write is refused whole."""
+        view = memoryview(data)
+        at = 0
+        for blob, inner, length in run:
+            try:
+                await self._write(blob, inner, view[at:at + length])
+            except FaultfsError as exc:
+                if exc.errno != errno.ENOSPC or at == 0:
+                    raise
+                break
+            at += length
+        return at
 
     async def truncate_view(self, tag: Tag, size: int) -> None:
         """``ftruncate`` of the view: bytes past ``size`` are gone (a later growth reads
@@ -844,12 +863,10 @@ class Writes:
         else:
             if data:
                 data = self._fit(tag, f"user blob {name}", off, data)
-            view = memoryview(data)
-            at = 0
             try:
-                for k, inner, length in pieces(off, len(data), off + len(data), self.user_part):
-                    await self._write(self._user_part(tag, uid, k), inner, view[at:at + length])
-                    at += length
+                data = data[:await self._write_run(data, (
+                    (self._user_part(tag, uid, k), inner, length) for k, inner, length
+                    in pieces(off, len(data), off + len(data), self.user_part)))]
             except BaseException:  # some parts may have grown: work the size out again
                 self._user_sizes.pop((tag.id, uid), None)
                 raise
