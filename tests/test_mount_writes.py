@@ -584,6 +584,33 @@ def test_bad_requests_are_one_line_and_change_nothing(mounter, sample, tmp_path,
     assert not (tmp_path / "out").exists()
 
 
+
+def test_a_reset_refused_for_one_bad_name_drops_no_write_of_the_others(mounter, sample):
+    """``faultfs reset TAG chunk_1 nope`` is refused as a whole: chunk_1's write is kept in
+    this mount and after later state saves and remounts; a chunk the tag does not have is
+    refused as a name it does not have."""
+    src = sample(3 * MiB)
+    original = read(src)
+    m = mounter(src, args=["--chunk-size", "1M"])
+    tag = m.tag("field")
+    with open(os.path.join(tag, "chunk_1"), "r+b") as f:
+        f.write(b"KEEP ME")
+    m.umount()  # folded: its dirty file names a seq older than the journal's next
+    m = mounter(store=m.store)
+    tag = m.tag("field")
+    for names in (["chunk_1", "nope"], ["chunk_1", "chunk_99"]):
+        r = run_faultfs("reset", tag, *names)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 1 and len(lines) == 1 and "has no blob" in lines[0], lines
+    assert read(os.path.join(tag, "chunk_1"))[:7] == b"KEEP ME"
+    with open(os.path.join(tag, "notes.txt"), "wb") as f:  # saves the tag's write state
+        f.write(b"n")
+    m.umount()
+    m = mounter(store=m.store)
+    got = read(os.path.join(m.tag("field"), "field.bin"))
+    assert got[MiB:MiB + 7] == b"KEEP ME", "a refused reset dropped nothing"
+    assert got[:MiB] == original[:MiB] and got[MiB + 7:] == original[MiB + 7:]
+
 def test_an_interrupted_export_resumes_where_its_checkpoint_vouched(mounter, sample, tmp_path,
                                                                      monkeypatch):
     from faultfs import export as exp

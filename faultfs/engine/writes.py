@@ -1510,6 +1510,15 @@ class Writes:
             self.changed.discard(tag.id)
             gone = [key for key in self.blobs if key[0] == tag.id]
         else:
+            # every name is checked before anything changes: a refused reset drops nothing
+            # (a void mark left in memory would be saved by the next state save, and its
+            # blob's writes would be gone at the next mount)
+            for name in names:
+                if name in tw.users or (tag.id, name) in self.blobs:
+                    continue
+                index = self._chunk_index(tag, name)
+                if index is None or index >= self.num_chunks(tag):
+                    raise FaultfsError(f"tag {tag.name} has no blob {name}", errno.ENOENT)
             gone = []
             for name in names:
                 uid = tw.users.get(name)
@@ -1521,8 +1530,6 @@ class Writes:
                     gone += [(tag.id, part) for part in parts]
                     continue
                 if (tag.id, name) not in self.blobs:
-                    if self._chunk_index(tag, name) is None:
-                        raise FaultfsError(f"tag {tag.name} has no blob {name}", errno.ENOENT)
                     continue  # a chunk that was never written: nothing to drop
                 tw.voided_blobs[name] = seq
                 tw.damaged_blobs.pop(name, None)
