@@ -76,6 +76,20 @@ def test_forget_keeps_blobs_and_refuses_tags_with_writes_or_clones(mounter, samp
         "tags"]["field"]["dirty_blobs"] == 0
 
 
+def test_forgetting_a_clone_leaves_its_parent_reading_its_source(mounter, sample):
+    """A clone reads the parent's source: forgetting the clone must not close it under the
+    parent (its chunks not staged yet read EIO until a remount, before)."""
+    src = sample(3 * MiB)
+    m = mounter(src, args=["--chunk-size", "1M"])
+    run_faultfs("clone", m.tag("field"), "snap", check=True)
+    run_faultfs("clone", m.tag("snap"), "snap2", check=True)
+    assert read(os.path.join(m.tag("snap2"), "chunk_0")) == read(src)[:MiB]
+    run_faultfs("forget", m.tag("snap2"), check=True)
+    run_faultfs("forget", m.tag("snap"), check=True)
+    assert read(os.path.join(m.tag("field"), "field.bin")) == read(src)
+    assert m.counters()["fault_errors"] == 0
+
+
 # -- metrics ----------------------------------------------------------------------------------
 
 def _families(text: str) -> dict:

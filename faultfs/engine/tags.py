@@ -210,8 +210,14 @@ class Tags:
         self.by_name.pop(tag.name, None)
         self.by_id.pop(tag.id, None)
         self.registry.pop(tag.key, None)
-        if tag.source is not None:
+        if tag.source is not None and not self._shares_source(tag):
             tag.source.close()
+
+    def _shares_source(self, tag: Tag) -> bool:
+        """Whether another registered tag reads through ``tag``'s open source (a clone and
+        its parent share one until a remount opens each its own): it stays open for them."""
+        return any(other.source is tag.source for other in self.by_id.values()
+                   if other is not tag)
 
     def remove(self, tag: Tag, *, keep_blobs: bool) -> int:
         """Delete a detached tag's registry entry, and its blobs and state unless
@@ -312,9 +318,9 @@ class Tags:
             tag.state_stale = False
 
     def close(self) -> None:
-        for tag in self.by_name.values():
-            if tag.source is not None:
-                tag.source.close()
+        for source in {id(t.source): t.source for t in self.by_name.values()}.values():
+            if source is not None:
+                source.close()  # once each, also when clones share it
 
 
 def remote_settings(src: str, options: SourceOptions) -> dict:
