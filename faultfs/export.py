@@ -6,8 +6,9 @@ Invariants:
   reader of the view sees now.
 - A local export checkpoints its position (``<DEST>.faultfs-export.meta``, the ping-pong
   format) only after the bytes before it were fsynced to DEST, and names what it exported
-  (tag, size, mtime): a resume of another state of the tag starts over. A finished export
-  removes its checkpoint.
+  (tag, size, mtime): a resume of another state of the tag starts over, and so does one
+  whose DEST is shorter than the checkpoint (deleted or cut since; a checkpoint extends
+  DEST to its position first). A finished export removes its checkpoint.
 - An existing DEST is never overwritten unless it is the export being resumed, or
   ``force`` is given.
 - An S3 DEST (``s3://``) is a multipart upload: its upload id, the tag's mark and the part
@@ -121,6 +122,8 @@ def _export_local(src, dest: str, size: int, mark: int, report: ExportReport, ba
         coord = meta.coord
         if not meta.is_fresh and coord.page_idx == mark and coord.global_row_idx == size:
             start = min(coord.byte_offset, size)
+        if start and _length(dest) < start:
+            start = 0  # DEST was deleted or cut since: the checkpoint vouches for nothing
         report.resumed_from = start
         fd = os.open(dest, os.O_WRONLY | os.O_CREAT | (0 if start else os.O_TRUNC), 0o644)
         try:
@@ -133,6 +136,9 @@ def _export_local(src, dest: str, size: int, mark: int, report: ExportReport, ba
             def checkpoint(pos: int) -> None:
                 nonlocal batch, last
                 if pos - last >= CHECKPOINT_BYTES or pos == size:
+                    # DEST reaches the position (a hole past the last bytes written, when the
+                    # view had zeros there), so a resume tells a DEST cut since by its length
+                    os.ftruncate(fd, pos)
                     os.fsync(fd)  # the bytes first, then the position that vouches for them
                     batch += 1
                     meta.commit(batch, StreamCoordinate(byte_offset=pos, page_idx=mark,
@@ -151,6 +157,14 @@ def _export_local(src, dest: str, size: int, mark: int, report: ExportReport, ba
     for leftover in (state, state + ".dedup"):
         if os.path.exists(leftover):
             os.unlink(leftover)
+
+
+def _length(path: str) -> int:
+    """The size of the file at ``path``; -1 when there is none."""
+    try:
+        return os.stat(path).st_size
+    except FileNotFoundError:
+        return -1
 
 
 def _export_remote(src, dest: str, size: int, report: ExportReport, bar, options: dict,

@@ -644,6 +644,47 @@ def test_an_interrupted_export_resumes_where_its_checkpoint_vouched(mounter, sam
     assert not os.path.exists(str(out) + exp.STATE_SUFFIX)
 
 
+def _interrupted_export(monkeypatch, tag: str, out) -> None:
+    """An export of ``tag`` to ``out`` stopped by Ctrl-C after its checkpoint at 4 MiB."""
+    from faultfs import export as exp
+
+    monkeypatch.setattr(exp, "BLOCK", 1 * MiB)
+    monkeypatch.setattr(exp, "CHECKPOINT_BYTES", 2 * MiB)
+    real, calls = exp.write_parts, []
+
+    def dies_at_the_fifth(fd, parts, *args, at=0):
+        calls.append(at)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        real(fd, parts, *args, at=at)
+
+    monkeypatch.setattr(exp, "write_parts", dies_at_the_fifth)
+    with pytest.raises(KeyboardInterrupt):
+        exp.export(tag, str(out), progress=False)
+    monkeypatch.setattr(exp, "write_parts", real)
+
+
+def test_a_resumed_export_whose_destination_vanished_starts_over(mounter, sample, tmp_path,
+                                                                  monkeypatch):
+    """The checkpoint vouches for bytes of DEST: with DEST deleted (or cut shorter) since,
+    nothing is vouched for, and the export starts over rather than leave zeros there."""
+    from faultfs import export as exp
+
+    src = sample(6 * MiB + 123)
+    m = mounter(src, args=["--chunk-size", "1M"])
+    tag = m.tag("field")
+    current = read(os.path.join(tag, "field.bin"))
+    for vanish in (os.unlink, lambda p: os.truncate(p, MiB)):
+        out = tmp_path / "out.bin"
+        _interrupted_export(monkeypatch, tag, out)
+        assert os.path.exists(str(out) + exp.STATE_SUFFIX)
+        vanish(out)
+        report = exp.export(tag, str(out), progress=False)
+        assert report.resumed_from == 0 and report.written == len(current)
+        assert read(out) == current
+        os.unlink(out)
+
+
 def test_a_view_grown_far_out_exports_as_a_sparse_file(mounter, sample, tmp_path):
     """The zeros of a grown view are holes in the export (cp --sparse=auto does the same),
     its bytes equal to the view's, over an older file in the way."""
