@@ -685,6 +685,32 @@ def test_a_resumed_export_whose_destination_vanished_starts_over(mounter, sample
         os.unlink(out)
 
 
+def test_a_reset_between_an_export_and_its_resume_starts_it_over(mounter, sample, tmp_path,
+                                                                   monkeypatch):
+    """A reset changes the tag's bytes, so it is another state of the tag: the resumed
+    export must not join the bytes from before it to the bytes after it."""
+    from faultfs import export as exp
+
+    src = sample(6 * MiB + 123)
+    original = read(src)
+    m = mounter(src, args=["--chunk-size", "1M"])
+    tag = m.tag("field")
+    view = os.path.join(tag, "field.bin")
+    with open(view, "r+b") as f:
+        for at in (MiB, 5 * MiB):
+            f.seek(at)
+            f.write(b"written")
+    before = os.stat(view).st_mtime_ns
+    out = tmp_path / "out.bin"
+    _interrupted_export(monkeypatch, tag, out)
+    run_faultfs("reset", tag, check=True)
+    assert read(view) == original
+    assert os.stat(view).st_mtime_ns > before, "a reset is a change of the view"
+    report = exp.export(tag, str(out), progress=False)
+    assert report.resumed_from == 0
+    assert read(out) == original
+
+
 def test_a_view_grown_far_out_exports_as_a_sparse_file(mounter, sample, tmp_path):
     """The zeros of a grown view are holes in the export (cp --sparse=auto does the same),
     its bytes equal to the view's, over an older file in the way."""

@@ -1503,6 +1503,7 @@ class Writes:
         self._check_writable(tag)
         tw = self._tag(tag)
         seq = self.journal.last_seq
+        grown_or_users = tw.view_size != tag.layout.size or bool(tw.users)
         if names is None:
             tw.voided = seq
             tw.view_size, tw.users, tw.parted = tag.layout.size, {}, set()
@@ -1534,6 +1535,10 @@ class Writes:
                 tw.voided_blobs[name] = seq
                 tw.damaged_blobs.pop(name, None)
                 gone.append((tag.id, name))
+        if gone or (names is None and grown_or_users):
+            # the bytes changed: so does the mtime (an export's resume, make and rsync
+            # tell a changed file by it), durably with the reset
+            tw.mtime_ns = max(time.time_ns(), tw.mtime_ns + 1)
         await self._save_state(tag)
         for key in gone:
             if key not in self.blobs:
