@@ -1293,3 +1293,35 @@ def test_a_written_base_the_store_did_not_keep_is_stored_again_or_faulted_again(
     trio.run(main)
     # always: the write's fault, then the read's and the fold's (read-through, like --no-store)
     assert eng.stats.counters["faults"] == (1 if skips == 1 else 3)
+
+
+def test_a_write_that_lands_while_a_reset_saves_its_state_is_the_same_live_and_replayed(store):
+    """A write answered while ``faultfs reset`` of its tag is saving the state: what the
+    mount shows of it afterwards is what a replay after a kill -9 shows."""
+    data, _src, eng, tag = _writing_engine(store, 2)
+    real = eng.writes.files.write_state
+
+    async def main():
+        await eng.writes.write_chunk(tag, 0, 0, b"before")
+        gate = threading.Event()
+
+        def slow_state(name, state):
+            gate.wait(5)
+            real(name, state)
+
+        eng.writes.files.write_state = slow_state
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(eng.writes.reset, tag)
+            await trio.sleep(0.05)  # the reset is saving its state
+            await eng.writes.write_chunk(tag, 0, 10, b"during")  # answered
+            gate.set()
+        eng.writes.files.write_state = real
+        return bytes(await eng.read_blob(tag, 0, 0, 16))
+
+    live = trio.run(main)
+    eng.writes.journal.sync()
+    eng2 = engine_for(store, memory_mb=1, prefetch_mb=0)  # as after a kill -9: a replay
+    [tag2] = eng2.recover()
+    replayed = bytes(trio.run(eng2.read_blob, tag2, 0, 0, 16))
+    assert live == replayed, (live, replayed)
+    assert live == data[:10] + b"during", "it lies over the reset: the source's bytes beneath"

@@ -1539,17 +1539,22 @@ class Writes:
             # the bytes changed: so does the mtime (an export's resume, make and rsync
             # tell a changed file by it), durably with the reset
             tw.mtime_ns = max(time.time_ns(), tw.mtime_ns + 1)
-        await self._save_state(tag)
-        for key in gone:
-            if key not in self.blobs:
-                continue
-            blob = self._forget(key)
+        # out of the tables with the void mark, before anything awaits: a write answered
+        # from here on lies over the reset (a blob of its own, its record past the mark), in
+        # this mount as at a replay (dropped after the state save, it was read by no one
+        # here and replayed after a kill -9)
+        dropped = [self._forget(key) for key in gone if key in self.blobs]
+        for blob in dropped:
             if blob.base == CLEAN and blob.index is not None:
                 self.clean.unpin(tag, blob.index)
-            if blob.base == DIRECT:  # void now (the state says so, durably): no replay needs it
+            if blob.base == DIRECT:
                 self._direct_count -= 1
+        await self._save_state(tag)
+        for blob in dropped:
+            if blob.base == DIRECT:  # void now (the state says so, durably): no replay needs it
                 await self.pool.run(self._delete_direct, [(tag.name, blob.direct)])
-            await self.pool.run(self.files.delete, tag.name, blob.name)
+            if (tag.id, blob.name) not in self.blobs:  # a write since owns the name's file
+                await self.pool.run(self.files.delete, tag.name, blob.name)
         return len(gone)
 
     def has_writes(self, tag: Tag) -> bool:
