@@ -198,6 +198,28 @@ def test_prefetched_batches_commit_in_one_checkpoint(tmp_path):
         assert m.epoch == 1
 
 
+def test_a_state_open_in_another_stream_is_refused_and_left_alone(tmp_path):
+    # Two writers of one checkpoint overwrite each other's slots and WAL: the second one's
+    # epoch 2 replaced the first one's, and records the first had committed came again.
+    write_lines(tmp_path / "a.txt", [str(i) for i in range(10)])
+    src, state = str(tmp_path / "a.txt"), tmp_path / "s.meta"
+    with RecordStream(src, state) as first:
+        it = first.batches(3)
+        first.commit(next(it)[0])
+        before = (state.read_bytes(), (tmp_path / "s.meta.dedup").read_bytes())
+        with pytest.raises(InvalidInput, match=r"s\.meta: .*open in another stream"):
+            RecordStream(src, state)
+        child = subprocess.run(
+            [PYTHON, "-c", "import sys; from faultfs.stream import RecordStream; "
+             "RecordStream(sys.argv[1], sys.argv[2])", src, str(state)],
+            env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True)
+        assert child.returncode != 0 and "open in another stream" in child.stderr
+        assert (state.read_bytes(), (tmp_path / "s.meta.dedup").read_bytes()) == before
+        first.commit(next(it)[0])
+    with RecordStream(src, state) as again:  # closed: the state is free again
+        assert drain(again, 3) == [str(i).encode() for i in range(6, 10)]
+
+
 def test_duplicate_of_a_batch_committed_after_lookahead_is_still_skipped(tmp_path):
     write_lines(tmp_path / "a.txt", ["a", "b", "c", "d", "a", "b"])
     with RecordStream(str(tmp_path / "a.txt"), tmp_path / "s.meta") as s:

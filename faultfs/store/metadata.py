@@ -13,11 +13,16 @@ Invariants (DESIGN §9, docs/FORMAT-cursors.md):
   new one, never anything else.
 - All file access goes through a ``FileOps`` seam (``os.pread``/``os.pwrite`` by default), so
   tests can replace it with a disk that forgets or tears unsynced writes at a "crash".
+- An ``exclusive`` opener (a RecordStream) holds an exclusive ``flock`` on ``X.meta`` until it
+  closes, taken before anything is read or the WAL cut: a second exclusive opener, in this
+  process or another, is refused and changes nothing. Two writers of one checkpoint would
+  overwrite each other's slots and WAL entries, and records one had committed would come again.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -108,6 +113,22 @@ def read_meta(meta_path: str, ops: FileOps | None = None) -> tuple[SlotReading, 
     return decode_slot(data[:SLOT_SIZE]), decode_slot(data[SLOT_SIZE:])
 
 
+def _hold_exclusive(fd: int, path: str) -> None:
+    """Take the exclusive ``flock`` of an opened ``.meta`` (see the module doc), or refuse. A
+    file system without ``flock`` gives no such guard, as before."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise InvalidInput(
+            f"{path}: checkpoint is open in another stream (this process or another); two "
+            "writers would overwrite each other's commits: close the other one first",
+            errno.EBUSY,
+        ) from None
+    except OSError as err:
+        if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            raise
+
+
 class DualMetadataManager:
     """An open checkpoint: the active slot's fields, and ``commit`` to write the next one."""
 
@@ -125,8 +146,16 @@ class DualMetadataManager:
     # -- recovery --------------------------------------------------------------------------
 
     @classmethod
-    def open(cls, meta_path: str | os.PathLike[str], *, ops: FileOps | None = None) -> DualMetadataManager:
-        """Open or create ``meta_path`` (and its WAL) and recover the last commit."""
+    def open(
+        cls,
+        meta_path: str | os.PathLike[str],
+        *,
+        ops: FileOps | None = None,
+        exclusive: bool = False,
+    ) -> DualMetadataManager:
+        """Open or create ``meta_path`` (and its WAL) and recover the last commit.
+        ``exclusive``: hold ``meta_path`` against every other exclusive opener until
+        ``close`` (real files only: the lock is a ``flock`` on the descriptor)."""
         path = os.fspath(meta_path)
         ops = ops or OsFileOps()
         directory = os.path.dirname(os.path.abspath(path))
@@ -144,6 +173,8 @@ class DualMetadataManager:
         meta_fd = -1
         try:
             meta_fd = ops.open(path, os.O_RDWR)
+            if exclusive:
+                _hold_exclusive(meta_fd, path)
             size = ops.size(meta_fd)
             if size != META_SIZE:
                 raise CorruptionError(f"{path}: .meta must be {META_SIZE} bytes, is {size}")

@@ -32,6 +32,8 @@ Invariants:
   only its records in them, in the same order, and keeps its own state file; with dedup it
   also skips the hashes carried from before the last repartition. Everything above holds per
   reader; dedup is per reader (two readers both deliver a record that is in both parts).
+- One stream at a time has a state file open (``DualMetadataManager.open(exclusive=True)``):
+  a second stream over it, in any process, is refused until the first is closed.
 - An error while reading a block (a failed read, a malformed record) ends the stream object:
   records already taken for the unfinished batch would otherwise be lost, so later calls
   refuse; reopening from the checkpoint continues from the last commit.
@@ -232,7 +234,7 @@ class RecordStream:
         part = self.plan.partition
         self._pieces = shard_pieces(self.plan.intervals, len(self.shards)) if part else None
         self._own_shards = sorted(self._pieces) if self._pieces is not None else []
-        self._meta = DualMetadataManager.open(self.plan.state_path)
+        self._meta = DualMetadataManager.open(self.plan.state_path, exclusive=True)
         try:
             coord = self._meta.coord
             if coord.shard_id > len(self.shards):
