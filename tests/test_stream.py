@@ -432,6 +432,46 @@ def test_parquet_resume_opens_row_group_and_skips_rows(memfs, tmp_path):
             assert offset >= first_needed, (offset, n)
 
 
+def test_a_resume_past_the_end_of_a_shrunk_shard_is_refused(tmp_path):
+    # The checkpoint points past what the shard now holds: the resume moved on to the next
+    # shard, as if the rest of this one had been read.
+    write_lines(tmp_path / "a.jsonl", [json.dumps({"a": i}) for i in range(10)])
+    write_lines(tmp_path / "b.jsonl", [json.dumps({"b": i}) for i in range(3)])
+    src, state = str(tmp_path / "*.jsonl"), tmp_path / "s.meta"
+    with RecordStream(src, state) as s:
+        s.commit(next(s.batches(8))[0])
+    write_lines(tmp_path / "a.jsonl", [json.dumps({"a": i}) for i in range(5)])
+    before = state.read_bytes()
+    with RecordStream(src, state) as s:
+        with pytest.raises(SourceError, match=r"a\.jsonl: the checkpoint resumes at byte 72 "
+                           r"but the shard is 45 bytes"):
+            next(s.batches(3))
+    assert state.read_bytes() == before
+
+
+def test_a_resume_past_the_row_groups_of_a_rewritten_parquet_shard_is_refused(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def shard(name, n, groups):
+        rows = pa.Table.from_pylist([{name: i} for i in range(n)])
+        pq.write_table(rows, tmp_path / f"{name}.parquet", row_group_size=n // groups)
+
+    shard("a", 40, 4)
+    shard("b", 4, 1)
+    src, state = str(tmp_path / "*.parquet"), tmp_path / "s.meta"
+    with RecordStream(src, state) as s:
+        s.commit(next(s.batches(35))[0])
+    assert (s.committed_coord.row_group_idx, s.committed_coord.row_offset_in_page) == (3, 5)
+    for n, groups, what in ((20, 2, "row group 3 .* has 2 row groups"),
+                            (16, 4, "row 5 of row group 3 .* has 4 rows")):
+        shard("a", n, groups)
+        with RecordStream(src, state) as s:
+            with pytest.raises(SourceError, match=r"a\.parquet: the checkpoint resumes at "
+                               + what):
+                next(s.batches(3))
+
+
 def test_parquet_dedup_and_types(tmp_path):
     import datetime
     import decimal

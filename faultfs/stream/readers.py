@@ -259,6 +259,12 @@ class LineShardReader:
         if not self._ranges:
             return False
         start, stop, exact = self._ranges.popleft()
+        if exact and start > self._file.size:  # a resume point (lines start at or before EOF)
+            raise SourceError(
+                f"{self._shard.url}: the checkpoint resumes at byte {start} but the shard is "
+                f"{self._file.size} bytes (the sources changed; a stream must resume over "
+                "the same bytes)"
+            )
         self._skip = not exact and start > 0
         pos = start - 1 if self._skip else start  # where _read begins
         self._offset, self._need, self._stop = pos, 0, stop
@@ -437,6 +443,21 @@ class ParquetShardReader:
     def _plan(self) -> deque[tuple[int, int, int | None]]:
         meta = self._pf.metadata
         g0, r0 = self._start
+        if (g0, r0) != (0, 0):  # a resume point: inside a row group the footer must have
+            groups = meta.num_row_groups
+            if g0 >= groups:
+                raise SourceError(
+                    f"{self._shard.url}: the checkpoint resumes at row group {g0} but the "
+                    f"shard has {groups} row groups (the sources changed; a stream must "
+                    "resume over the same bytes)"
+                )
+            rows = meta.row_group(g0).num_rows
+            if r0 > rows:
+                raise SourceError(
+                    f"{self._shard.url}: the checkpoint resumes at row {r0} of row group {g0} "
+                    f"but that group has {rows} rows (the sources changed; a stream must "
+                    "resume over the same bytes)"
+                )
         if self._pieces is None:
             return deque((g, r0 if g == g0 else 0, None) for g in range(g0, meta.num_row_groups))
         segments: deque[tuple[int, int, int | None]] = deque()
