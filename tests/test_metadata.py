@@ -240,6 +240,35 @@ def test_wal_shorter_than_dedup_count_is_corruption(tmp_path):
     assert (tmp_path / "s.meta.dedup").stat().st_size == 24, "nothing changed"
 
 
+def test_a_wal_with_hashes_but_no_meta_is_refused_and_kept(tmp_path):
+    # The .meta is gone (deleted, not copied along): opening made a fresh one and cut the
+    # WAL's committed hashes to nothing, so every record would come again.
+    wal = tmp_path / "s.meta.dedup"
+    wal.write_bytes(bytes(range(80)))
+    with pytest.raises(CorruptionError, match=r"s\.meta\.dedup: dedup WAL holds 80 bytes "
+                       r"but its checkpoint .*s\.meta is missing"):
+        DualMetadataManager.open(tmp_path / "s.meta")
+    assert wal.read_bytes() == bytes(range(80)), "nothing changed"
+    assert sorted(os.listdir(tmp_path)) == ["s.meta.dedup"]
+    wal.write_bytes(b"")  # an empty WAL commits nothing: a fresh start
+    with DualMetadataManager.open(tmp_path / "s.meta") as m:
+        assert m.is_fresh
+
+
+def test_a_refused_open_creates_nothing(tmp_path):
+    meta = tmp_path / "s.meta"
+    write_meta(meta, b"\xff" * 64, b"\xff" * 64)
+    with pytest.raises(CorruptionError, match="no valid slot"):
+        DualMetadataManager.open(meta)
+    assert sorted(os.listdir(tmp_path)) == ["s.meta"], "no WAL made for a corrupt checkpoint"
+    other = tmp_path / "o"
+    other.mkdir()
+    (other / "s.meta.dedup").mkdir()
+    with pytest.raises(InvalidInput, match=r"s\.meta\.dedup is a directory"):
+        DualMetadataManager.open(other / "s.meta")
+    assert sorted(os.listdir(other)) == ["s.meta.dedup"], "no .meta made beside a bad WAL"
+
+
 def test_dedup_count_overwritten_with_u32_max_is_detected(tmp_path):
     meta = tmp_path / "s.meta"
     raw = bytearray(slot_bytes(1, 1, C1, 2))

@@ -160,17 +160,12 @@ class DualMetadataManager:
         ops = ops or OsFileOps()
         directory = os.path.dirname(os.path.abspath(path))
         wal_path = path + WAL_SUFFIX
-        created = False
-        if not ops.exists(path):
-            cls._create_meta(path, ops)
-            created = True
-        if not ops.exists(wal_path):
-            created = True
-        wal_fd = ops.open(wal_path, os.O_RDWR | os.O_CREAT)
+        # what exists is judged before anything is made: a refused open changes nothing
+        created = not ops.exists(path)
         if created:
-            # the new names must survive a crash before the first commit relies on them
-            ops.fsync_dir(directory)
-        meta_fd = -1
+            cls._check_orphan_wal(path, wal_path, ops)
+            cls._create_meta(path, ops)
+        meta_fd = wal_fd = -1
         try:
             meta_fd = ops.open(path, os.O_RDWR)
             if exclusive:
@@ -183,6 +178,12 @@ class DualMetadataManager:
                 recovery = choose_active(decode_slot(data[:SLOT_SIZE]), decode_slot(data[SLOT_SIZE:]))
             except CorruptionError as err:
                 raise CorruptionError(f"{path}: {err.message}") from None
+            if not ops.exists(wal_path):
+                created = True
+            wal_fd = ops.open(wal_path, os.O_RDWR | os.O_CREAT)
+            if created:
+                # the new names must survive a crash before the first commit relies on them
+                ops.fsync_dir(directory)
             committed_bytes = recovery.slot.dedup_count * HASH_SIZE
             wal_size = ops.size(wal_fd)
             if wal_size < committed_bytes:
@@ -197,9 +198,29 @@ class DualMetadataManager:
         except BaseException:
             if meta_fd >= 0:
                 ops.close(meta_fd)
-            ops.close(wal_fd)
+            if wal_fd >= 0:
+                ops.close(wal_fd)
             raise
         return cls(path, ops, meta_fd, wal_fd, recovery)
+
+    @staticmethod
+    def _check_orphan_wal(path: str, wal_path: str, ops: FileOps) -> None:
+        """Before a fresh ``.meta`` is made: a WAL already there must commit nothing (empty).
+        A commit fsyncs the ``.meta``'s name before its first hash, so hashes without a
+        ``.meta`` are a checkpoint that lost its ``.meta``, never a crash's leftover: a fresh
+        start would cut them and deliver their records again."""
+        if not ops.exists(wal_path):
+            return
+        fd = ops.open(wal_path, os.O_RDONLY)
+        try:
+            size = ops.size(fd)
+        finally:
+            ops.close(fd)
+        if size:
+            raise CorruptionError(
+                f"{wal_path}: dedup WAL holds {size} bytes but its checkpoint {path} is "
+                "missing; restore the checkpoint, or remove the WAL to start over"
+            )
 
     @staticmethod
     def _create_meta(path: str, ops: FileOps) -> None:
