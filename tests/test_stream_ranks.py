@@ -521,6 +521,29 @@ def test_repartition_from_an_unpartitioned_run(tmp_path):
     assert not state.exists(), "the unpartitioned state is superseded"
 
 
+def test_a_repartition_while_the_unpartitioned_reader_is_open_is_refused(tmp_path):
+    """An unpartitioned stream holds no readers' lock: a repartition went ahead under it,
+    removed its state, and what it committed afterwards (into the removed file) was
+    delivered again by the new readers."""
+    records = make_jsonl_shards(tmp_path, [200, 40, 600])
+    src, state = str(tmp_path / "part-*.jsonl"), tmp_path / "run.meta"
+    running = RecordStream(src, state)
+    batches = running.batches(50)
+    running.commit(next(batches)[0])
+    before = sorted((p.name, p.read_bytes()) for p in tmp_path.iterdir())
+    with pytest.raises(InvalidInput, match=r"run\.meta: .*open in a stream; close it before "
+                       "repartitioning"):
+        open_reader(src, state, 0, 0, 2, 1, repartition=True)
+    assert sorted((p.name, p.read_bytes()) for p in tmp_path.iterdir()
+                  if not p.name.startswith("run.meta.partition.")) == before, "nothing changed"
+    assert not (tmp_path / "run.meta.partition").exists()
+    batch_id, _ = next(batches)
+    running.commit(batch_id)
+    running.close()
+    after = read_partition(src, state, 2, 1, repartition=True)
+    assert records[:100] + after[(0, 0)] + after[(1, 0)] == records
+
+
 @pytest.mark.parametrize("crash", ["before the sidecar", "after the sidecar"])
 def test_a_repartition_interrupted_by_a_crash(tmp_path, monkeypatch, crash):
     records = make_jsonl_shards(tmp_path, [300, 50, 700, 90])

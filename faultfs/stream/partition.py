@@ -36,8 +36,10 @@ Invariants:
 - Every open reader of a partition holds a shared ``flock`` on ``<state>.partition.readers``
   (taken while holding the partition lock, released by ``close`` or its process's end); a
   repartition needs it exclusively and is refused while one is held: a reader still running
-  would deliver its uncommitted records while a new reader delivers them too. (The
-  unpartitioned stream of before holds no such lock.)
+  would deliver its uncommitted records while a new reader delivers them too. The unpartitioned
+  stream of before holds no such lock, so a repartition also takes the exclusive ``flock`` every
+  open stream holds on its ``.meta`` (``DualMetadataManager.open(exclusive=True)``) of each old
+  state, for as long as it runs, and is refused while one is held.
 - Hashes committed by old readers are carried, sorted and unique, into one file
   (``<state>.partition.g<G>.dedup``) whose count and xxh3_64 the sidecar records; every reader
   of generation G with dedup loads it beside its own WAL.
@@ -737,6 +739,47 @@ def _repartition(
     shards: Sequence[Shard], state: str, old: Partition, world_size: int, num_workers: int
 ) -> Partition:
     """Replace ``old`` by a partition of what no old reader committed (holding the lock)."""
+    claims = _claim_states(reader_paths(state, old.reader_state, old.world_size, old.num_workers))
+    try:
+        return _replace_partition(shards, state, old, world_size, num_workers)
+    finally:
+        for fd in claims:
+            os.close(fd)
+
+
+def _claim_states(paths: Sequence[str]) -> list[int]:
+    """Descriptors of the existing state files ``paths``, each holding the exclusive flock an
+    open stream holds on its ``.meta`` (see the module doc); InvalidInput if a stream has one
+    open: it would go on committing into a state the repartition supersedes."""
+    claims: list[int] = []
+    try:
+        for path in paths:
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+            except FileNotFoundError:
+                continue
+            claims.append(fd)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise InvalidInput(
+                    f"{path}: this reader's state is open in a stream; close it before "
+                    "repartitioning"
+                ) from None
+            except OSError as err:  # no flock here: no guard, as for the stream itself
+                if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                    raise
+    except BaseException:
+        for fd in claims:
+            os.close(fd)
+        raise
+    return claims
+
+
+def _replace_partition(
+    shards: Sequence[Shard], state: str, old: Partition, world_size: int, num_workers: int
+) -> Partition:
+    """The work of ``_repartition``, with every old state claimed."""
     sizes = old.shard_sizes
     keys: list[Key] = []
     hashes = [load_base(state, old)] if old.generation else []
