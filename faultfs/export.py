@@ -114,6 +114,12 @@ def _export_local(src, dest: str, size: int, mark: int, report: ExportReport, ba
     from faultfs.store.metadata import DualMetadataManager  # numpy: only when exporting
 
     state = dest + STATE_SUFFIX
+    parent = os.path.dirname(dest)
+    if not os.path.isdir(parent):  # said of DEST, not of the checkpoint made beside it
+        raise InvalidInput(f"{dest}: the directory {parent} does not exist", errno.ENOENT)
+    if os.path.isdir(dest):
+        raise InvalidInput(f"{dest} is a directory: give the path of the file to write",
+                           errno.EISDIR)
     resuming = os.path.exists(state)
     if os.path.exists(dest) and not resuming and not force:
         raise InvalidInput(f"{dest} exists: give --force to replace it", errno.EEXIST)

@@ -571,6 +571,8 @@ def test_reset_drops_writes_and_export_writes_the_current_bytes(mounter, sample,
     (["clone", "{mnt}/field", "field"], "tag 'field' exists"),
     (["clone", "{mnt}/field", "a/b"], "contains '/'"),
     (["export", "{mnt}/nope", "{tmp}/out"], "has no tag 'nope'"),
+    (["export", "{mnt}/field", "{tmp}/no/such/dir/out"], "the directory"),
+    (["export", "{mnt}/field", "{tmp}"], "is a directory"),
     (["reset", "{tmp}", ], "is not a tag directory of a faultfs mount"),
 ])
 def test_bad_requests_are_one_line_and_change_nothing(mounter, sample, tmp_path, cmd, message):
@@ -582,6 +584,7 @@ def test_bad_requests_are_one_line_and_change_nothing(mounter, sample, tmp_path,
     assert result.returncode == 1 and len(lines) == 1 and message in lines[0], lines
     assert sorted(os.listdir(m.path)) == before
     assert not (tmp_path / "out").exists()
+    assert not any(p.name.endswith(".faultfs-export.meta") for p in tmp_path.parent.iterdir())
 
 
 
