@@ -18,7 +18,7 @@ import trio
 from faultfs.config import Config
 from faultfs.core.context import REGISTRY_TAG, FaultContext
 from faultfs.engine import Engine
-from faultfs.errors import FaultfsError, InvalidInput
+from faultfs.errors import FaultfsError, InvalidInput, StoreFull
 from faultfs.sources import SourceOptions
 from faultfs.store.blobfile import FLAG_DIRTY, FLAG_NO_FAULT
 from faultfs.store.blobstore import BlobStore
@@ -823,20 +823,8 @@ def test_a_write_refused_for_room_partway_returns_the_bytes_that_landed(store, n
     for (ENOSPC) returns a short count, as a full disk's write does: the first piece is
     written and the file's size is what landed, never ENOSPC over bytes that did land; a
     write refused at its first piece is refused whole."""
-    from faultfs.errors import StoreFull
-
     _, _, eng, tag = _writing_engine(store, 4)
-    real = eng.writes.journal.append
-    appended = {"left": None}
-
-    def append(*args, **kwargs):
-        if appended["left"] is not None:
-            if appended["left"] == 0:
-                raise StoreFull("no room")
-            appended["left"] -= 1
-        return real(*args, **kwargs)
-
-    eng.writes.journal.append = append
+    room = _NoRoom(eng)
     eng.writes.user_part = CS
 
     async def write(off, payload):
@@ -861,16 +849,16 @@ def test_a_write_refused_for_room_partway_returns_the_bytes_that_landed(store, n
                 if name == "user":
                     await eng.writes.create_user(tag, "notes")
                 start = 4 * CS - 100 if name == "view" else CS - 100
-                appended["left"] = 1  # the first piece's record, then no room
+                room.left = 1  # the first piece's record, then no room
                 assert await write(start, b"y" * 300) == 100
-                appended["left"] = None
+                room.left = None
                 assert await size() == start + 100
                 assert await read(start, 100) == b"y" * 100
-                appended["left"] = 0
+                room.left = 0
                 with pytest.raises(FaultfsError) as err:
                     await write(start + 100, b"z" * 50)
                 assert err.value.errno == errno.ENOSPC
-                appended["left"] = None
+                room.left = None
                 assert await size() == start + 100
             nursery.cancel_scope.cancel()
 
@@ -952,6 +940,37 @@ def test_an_fsync_after_a_write_made_during_a_sync_syncs_again(store):
     eng.close()
 
 
+def _recovered_over_a_new_version(store, data):
+    """The source changed (its bytes reversed, a new version token) and the store remounted
+    over it: (the engine, its recovered tag, the new bytes)."""
+    new = bytes(reversed(data))
+    src = make_source(new)
+    src.token = "v2"
+    eng = engine_for(store, memory_mb=1, prefetch_mb=0)
+    [tag] = eng.recover()
+    return eng, tag, new
+
+
+class _NoRoom:
+    """The engine's journal as a full store sees it: appends fail with StoreFull (ENOSPC)
+    while ``full``, or, with ``left`` a count, once that many more went through."""
+
+    def __init__(self, eng, *, full=False):
+        self.full = full
+        self.left = None
+        self._append = eng.writes.journal.append
+        eng.writes.journal.append = self.append
+
+    def append(self, *args, **kwargs):
+        if self.left is not None:
+            if self.left <= 0:
+                raise StoreFull("no room")
+            self.left -= 1
+        elif self.full:
+            raise StoreFull("no room")
+        return self._append(*args, **kwargs)
+
+
 @pytest.mark.parametrize("staged", [True, False])
 def test_a_refused_write_leaves_its_chunk_unpinned_and_the_source_bytes_in_place(store,
                                                                                   staged):
@@ -959,18 +978,8 @@ def test_a_refused_write_leaves_its_chunk_unpinned_and_the_source_bytes_in_place
     size-0 request took of the staged chunk (or the one its base fault takes when it lands)
     is let go, so the chunk stays evictable; it reads the source's bytes; the next write
     pins it again."""
-    from faultfs.errors import StoreFull
-
     data, src, eng, tag = _writing_engine(store, 2, gated=not staged)
-    real = eng.writes.journal.append
-    refuse = {"on": True}
-
-    def append(*args, **kwargs):
-        if refuse["on"]:
-            raise StoreFull("no room")
-        return real(*args, **kwargs)
-
-    eng.writes.journal.append = append
+    room = _NoRoom(eng, full=True)
     key = (tag.id, 0)
 
     async def main():
@@ -990,7 +999,7 @@ def test_a_refused_write_leaves_its_chunk_unpinned_and_the_source_bytes_in_place
                 await settle(eng)
                 assert key not in eng.tiers.local._pinned
                 assert await eng.read_blob(tag, 0, 0, CS) == data[:CS]
-                refuse["on"] = False
+                room.full = False
                 await eng.writes.write_chunk(tag, 0, 5, b"abc")
                 await settle(eng)
                 assert key in eng.tiers.local._pinned
@@ -1008,18 +1017,8 @@ def test_a_refused_write_leaves_no_dirty_blob_behind(store, size):
     a read does not pin it again, a checkpoint writes no dirty copy of the source's bytes,
     and after a remount over a new version of the source the chunk reads the new version
     (not the old one frozen in a dirty file); nor does the tag count as written."""
-    from faultfs.errors import StoreFull
-
     data, _, eng, tag = _writing_engine(store, 2)
-    real = eng.writes.journal.append
-    refuse = {"on": False}
-
-    def append(*args, **kwargs):
-        if refuse["on"]:
-            raise StoreFull("no room")
-        return real(*args, **kwargs)
-
-    eng.writes.journal.append = append
+    room = _NoRoom(eng)
     key = (tag.id, 0)
     written = b"x" * 10 if size == "partial" else b"x" * CS
 
@@ -1030,11 +1029,11 @@ def test_a_refused_write_leaves_no_dirty_blob_behind(store, size):
                 assert await eng.read_blob(tag, 0, 0, CS) == data[:CS]
                 await settle(eng)
                 await eng.writes.write_chunk(tag, 1, 0, b"w" * 10)  # the journal is not empty
-                refuse["on"] = True
+                room.full = True
                 with pytest.raises(FaultfsError) as err:
                     await eng.writes.write_chunk(tag, 0, 0, written)
                 assert err.value.errno == errno.ENOSPC
-                refuse["on"] = False
+                room.full = False
                 await settle(eng)
                 assert not eng.writes.is_dirty(tag, 0)
                 assert eng.writes.dirty_summary(tag)[0] == 1, "chunk_1 only"
@@ -1048,11 +1047,7 @@ def test_a_refused_write_leaves_no_dirty_blob_behind(store, size):
 
     trio.run(main)
     eng.close()
-    new = bytes(reversed(data))
-    src2 = make_source(new)
-    src2.token = "v2"
-    eng2 = engine_for(store, memory_mb=1, prefetch_mb=0)
-    [tag2] = eng2.recover()
+    eng2, tag2, new = _recovered_over_a_new_version(store, data)
     assert trio.run(eng2.read_blob, tag2, 0, 0, CS) == new[:CS], "never the old version"
     eng2.close()
 
@@ -1150,11 +1145,7 @@ def test_a_source_changed_before_a_written_base_was_read_damages_that_blob_only(
 
     trio.run(main)
     eng.close()
-    new = bytes(reversed(data))
-    src2 = make_source(new)
-    src2.token = "v2"
-    eng2 = engine_for(store, memory_mb=1, prefetch_mb=0)
-    [tag2] = eng2.recover()
+    eng2, tag2, new = _recovered_over_a_new_version(store, data)
 
     async def after():
         with pytest.raises(FaultfsError) as err:

@@ -625,21 +625,8 @@ def test_an_interrupted_export_resumes_where_its_checkpoint_vouched(mounter, sam
         f.seek(4 * MiB)
         f.write(b"written")
     current = read(os.path.join(tag, "field.bin"))
-    monkeypatch.setattr(exp, "BLOCK", 1 * MiB)
-    monkeypatch.setattr(exp, "CHECKPOINT_BYTES", 2 * MiB)
-    real, calls = exp.write_parts, []
-
-    def dies_at_the_fifth(fd, parts, *args, at=0):
-        calls.append(at)
-        if len(calls) == 5:
-            raise KeyboardInterrupt  # Ctrl-C in the middle of the export
-        real(fd, parts, *args, at=at)
-
-    monkeypatch.setattr(exp, "write_parts", dies_at_the_fifth)
     out = tmp_path / "out.bin"
-    with pytest.raises(KeyboardInterrupt):
-        exp.export(tag, str(out), progress=False)
-    monkeypatch.setattr(exp, "write_parts", real)
+    _interrupted_export(monkeypatch, tag, out)  # Ctrl-C in the middle of the export
     report = exp.export(tag, str(out), progress=False)
     assert report.resumed_from == 4 * MiB  # the last checkpoint before the interrupt
     assert report.written == len(current) - 4 * MiB
