@@ -613,6 +613,139 @@ def test_a_changed_shard_is_refused_when_its_reader_opens_it(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
+# a state of another reader
+
+
+def swap_states(a: Path, b: Path) -> None:
+    """Swap two readers' state files (the .meta and its WAL)."""
+    for x, y in ((a, b), (Path(f"{a}.dedup"), Path(f"{b}.dedup"))):
+        data = x.read_bytes()
+        x.write_bytes(y.read_bytes())
+        y.write_bytes(data)
+
+
+def put_checkpoint(path: Path, coord: StreamCoordinate) -> None:
+    """Make ``path`` a fresh state whose one commit is at ``coord``."""
+    for name in (path, Path(f"{path}.dedup")):
+        name.unlink(missing_ok=True)
+    with DualMetadataManager.open(path) as m:
+        m.commit(1, coord, [])
+
+
+def refusal(src, state, rank, **kw) -> str:
+    """The message a reader's resume is refused with (on opening, or at its first batch)."""
+    with pytest.raises(InvalidInput) as err, open_reader(src, state, rank, 0, 2, 1, **kw) as s:
+        list(s.batches(7))
+    return str(err.value)
+
+
+@pytest.mark.parametrize("names", ["default", "template"])
+def test_a_state_of_another_reader_is_refused_and_nothing_changes(tmp_path, names):
+    """Two readers' states swapped (by hand, or by a reader_state template naming each rank's
+    file as the other's): rank 0 resumed past its whole part and delivered nothing, rank 1
+    restarted its part and repeated the records it had committed."""
+    records = make_jsonl_shards(tmp_path, [400])
+    src, state = str(tmp_path / "part-*.jsonl"), tmp_path / "run.meta"
+    kw = {"reader_state": str(tmp_path / "ck-r{rank}-w{worker}.meta")} if names == "template" else {}
+    committed, paths = {}, {}
+    for r in range(2):
+        with open_reader(src, state, r, 0, 2, 1, **kw) as s:
+            committed[r] = drain(s, 25, stop_after=3)
+            paths[r] = Path(s.state_path)
+    assert len(committed[0]) == len(committed[1]) == 75
+    swap_states(paths[0], paths[1])
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    for r in range(2):
+        message = refusal(src, state, r, **kw)
+        assert message.startswith(f"{paths[r]}: checkpoint is at byte "), message
+        assert message.endswith(
+            f" of shard 0, outside the records of reader rank {r}, worker 0 (a state of "
+            "another reader or partition?)"
+        ), message
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before, "nothing changed"
+    swap_states(paths[0], paths[1])  # put back: each reader resumes exactly
+    rest = read_partition(src, state, 2, 1, batch=25, **kw)
+    assert committed[0] + rest[(0, 0)] + committed[1] + rest[(1, 0)] == records
+
+
+def test_a_resume_past_a_range_end_by_more_than_its_crossing_line_is_refused(
+    tmp_path, monkeypatch
+):
+    """A reader reads the line that crosses its range's end whole, so its checkpoint may lie
+    past the end, at that line's end, and no further; a checkpoint before or at a range's start
+    is no commit of the range's either."""
+    monkeypatch.setattr(readers_mod, "TAIL_READ", 16)  # the crossing line is read in pieces
+    records = make_jsonl_shards(tmp_path, [300])
+    text = (tmp_path / "part-0.jsonl").read_bytes()
+    src, state = str(tmp_path / "part-*.jsonl"), tmp_path / "run.meta"
+    with open_reader(src, state, 0, 0, 2, 1) as s:
+        end = s.plan.intervals[0][1][1]
+    assert text[end - 1 : end] != b"\n", "a line crosses the end of rank 0's range"
+    crossing_start = text.rindex(b"\n", 0, end) + 1
+    crossing_end = text.index(b"\n", end) + 1  # rank 1's first record starts here
+    next_end = text.index(b"\n", crossing_end) + 1
+    assert crossing_end - crossing_start > 16
+    first_of_rank_1 = text[:crossing_end].count(b"\n")
+
+    def resume(rank: int, offset: int) -> list[bytes]:
+        put_checkpoint(Path(f"{state}.rank-{rank}.worker-0.meta"),
+                       StreamCoordinate(0, offset, 0, 0, 0, 1))
+        with open_reader(src, state, rank, 0, 2, 1, dedup=False) as s:
+            return drain(s, 50)
+
+    assert resume(0, crossing_end) == [], "rank 0 is done after the line crossing its end"
+    assert resume(0, crossing_start) == [records[first_of_rank_1 - 1]]
+    assert resume(1, next_end) == records[first_of_rank_1 + 1 :]
+    for rank, offset in ((0, next_end), (1, crossing_start), (1, 1)):
+        with pytest.raises(InvalidInput) as err:
+            resume(rank, offset)
+        assert str(err.value) == (
+            f"{state}.rank-{rank}.worker-0.meta: checkpoint is at byte {offset} of shard 0, "
+            f"outside the records of reader rank {rank}, worker 0 (a state of another reader "
+            "or partition?)"
+        )
+    # a range that ends at a line start: the reader that ends there has all its records, the
+    # next one none of them yet, so its checkpoint cannot be there
+    (tmp_path / "even").mkdir()
+    write = [b"%09d\n" % i for i in range(100)]
+    (tmp_path / "even" / "e.txt").write_bytes(b"".join(write))
+    src, state = str(tmp_path / "even" / "e.txt"), tmp_path / "even" / "run.meta"
+    with open_reader(src, state, 0, 0, 2, 1) as s:
+        assert s.plan.intervals == (((0, 0, 0), (0, 500, 0)),)
+    assert resume(0, 500) == []
+    assert resume(1, 510) == [w[:-1] for w in write[51:]]
+    with pytest.raises(InvalidInput, match=r"checkpoint is at byte 500 of shard 0, outside the "
+                       r"records of reader rank 1, worker 0"):
+        resume(1, 500)
+
+
+def test_a_parquet_state_of_another_reader_is_refused(tmp_path):
+    rows = [{"i": i, "pad": "x" * (i % 17)} for i in range(400)]
+    pq.write_table(
+        pa.Table.from_pylist(rows), tmp_path / "p-0.parquet", row_group_size=20, compression="none"
+    )
+    src, state = str(tmp_path / "p-*.parquet"), tmp_path / "run.meta"
+    committed, paths = {}, {}
+    for r in range(2):
+        with open_reader(src, state, r, 0, 2, 1) as s:
+            committed[r] = drain(s, 7, stop_after=4)
+            paths[r] = Path(s.state_path)
+    swap_states(paths[0], paths[1])
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    for r in range(2):
+        message = refusal(src, state, r)
+        assert message.startswith(f"{paths[r]}: checkpoint is at row 8 of row group "), message
+        assert message.endswith(
+            f" of shard 0, outside the records of reader rank {r}, worker 0 (a state of "
+            "another reader or partition?)"
+        ), message
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before, "nothing changed"
+    swap_states(paths[0], paths[1])
+    rest = read_partition(src, state, 2, 1, batch=7)
+    assert committed[0] + rest[(0, 0)] + committed[1] + rest[(1, 0)] == rows
+
+
+# ---------------------------------------------------------------------------------------------
 # the model: random shards, partitions, crashes and repartitions
 
 

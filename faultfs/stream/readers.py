@@ -371,6 +371,37 @@ class LineShardReader:
         self._global += block.count
         return block
 
+    def line_start(self, end: int) -> int | None:
+        """Where the line that ends at ``end`` starts, or None if no line ends there (a line
+        ends just past its ``\\n``, or at the shard's end). Reads that line backwards from
+        ``end``, ``TAIL_READ`` bytes at a time, and nothing before it: a resume point's last
+        record is checked at the cost of that record."""
+        size = self._file.size
+        if not 0 < end <= size:
+            return None
+        hi = end
+        while hi > 0:
+            lo = max(0, hi - TAIL_READ)
+            try:
+                self._file.seek(lo)
+                buf = self._file.read(hi - lo)
+            except OSError as err:
+                raise SourceError(f"{self._shard.url}: read failed at {lo}: {err}") from err
+            if len(buf) != hi - lo:
+                raise SourceError(
+                    f"{self._shard.url}: read at {lo} returned {len(buf)} of {hi - lo} bytes"
+                )
+            if hi == end:
+                if buf[-1] != _NL and end != size:
+                    return None
+                if buf[-1] == _NL:  # its own terminator
+                    buf = buf[:-1]
+            nl = buf.rfind(b"\n")
+            if nl >= 0:
+                return lo + nl + 1
+            hi = lo
+        return 0
+
     def close(self) -> None:
         self._file.close()
 
@@ -439,6 +470,16 @@ class ParquetShardReader:
         self._batches: Any = None
         self._skip = 0  # rows still to skip at the start of the open row group
         self._global = global_start
+
+    def resume_key(self) -> tuple[int, int] | None:
+        """The resume point as a partition key, ``(position of its row group, rows of it
+        consumed)`` (from the footer read on opening); None at the shard's start or past its
+        row groups (``next_block`` refuses that)."""
+        g0, r0 = self._start
+        meta = self._pf.metadata
+        if (g0, r0) == (0, 0) or g0 >= meta.num_row_groups:
+            return None
+        return row_group_positions(meta)[g0], r0
 
     def _plan(self) -> deque[tuple[int, int, int | None]]:
         meta = self._pf.metadata

@@ -32,6 +32,12 @@ Invariants:
   only its records in them, in the same order, and keeps its own state file; with dedup it
   also skips the hashes carried from before the last repartition. Everything above holds per
   reader; dedup is per reader (two readers both deliver a record that is in both parts).
+- A partitioned reader resumes only from a checkpoint that can be one of its own commits
+  (``resumes_in``): one inside its part, or past the end of one of its ranges by no more than
+  the line that crosses that end (that line is read from its end back, only then). Anything
+  else (the state of another reader) is refused, naming the state and the reader, before a
+  record is delivered: on opening, or when the checkpoint's shard is opened (a Parquet
+  checkpoint needs its footer, a line past a range's end its bytes).
 - One stream at a time has a state file open (``DualMetadataManager.open(exclusive=True)``):
   a second stream over it, in any process, is refused until the first is closed.
 - An error while reading a block (a failed read, a malformed record) ends the stream object:
@@ -87,6 +93,22 @@ class _HandedOut:
     batch_id: int
     coord: StreamCoordinate  # just after its last record
     hashes: list[np.ndarray]  # of its records, in order (empty without dedup)
+
+
+def resumes_in(pieces: list[Piece], key: tuple[int, int]) -> bool:
+    """Whether a checkpoint at ``key`` (``(byte offset, 0)`` in a line shard, ``(position of
+    the row group, rows of it consumed)`` in a Parquet shard) lies in one of ``pieces``: after
+    its start, at or before its end. A commit is just after a record the reader owns, whose
+    key is at or after its piece's start and before its end, so every checkpoint of a reader
+    lies in one of its pieces but one: the line that crosses a piece's end is read whole, and
+    the checkpoint after it lies past that end (there ``owns`` of the line ending at the
+    checkpoint decides)."""
+    return any(a < key and (b is None or key <= b) for a, b in pieces)
+
+
+def owns(pieces: list[Piece], key: tuple[int, int]) -> bool:
+    """Whether the record whose key is ``key`` is in one of ``pieces``."""
+    return any(a <= key and (b is None or key < b) for a, b in pieces)
 
 
 def line_ranges(pieces: list[Piece], resume: int | None) -> list[LineRange]:
@@ -242,17 +264,27 @@ class RecordStream:
                     f"{self._meta.meta_path}: checkpoint is at shard {coord.shard_id} but the "
                     f"sources expand to {len(self.shards)} shards (different sources?)"
                 )
+            # a line checkpoint past the end of one of this reader's ranges: its last line is
+            # checked when its shard is opened (``_open_reader``)
+            self._past_end = False
             if (
                 self._pieces is not None
                 and coord != StreamCoordinate()
                 and coord.shard_id < len(self.shards)
-                and coord.shard_id not in self._pieces
             ):
-                raise InvalidInput(
-                    f"{self._meta.meta_path}: checkpoint is at shard {coord.shard_id}, which "
-                    f"holds no records of reader rank {rank}, worker {worker} "
-                    "(a state of another reader or partition?)"
-                )
+                pieces = self._pieces.get(coord.shard_id)
+                if pieces is None:
+                    raise InvalidInput(
+                        f"{self._meta.meta_path}: checkpoint is at shard {coord.shard_id}, which "
+                        f"holds no records of reader rank {rank}, worker {worker} "
+                        "(a state of another reader or partition?)"
+                    )
+                if self.shards[coord.shard_id].format == "lines":  # Parquet: when opened
+                    key = (coord.byte_offset, 0)
+                    if not resumes_in(pieces, key):
+                        self._past_end = any(b is not None and b < key for _, b in pieces)
+                        if not self._past_end:
+                            raise self._not_mine(coord)
             self.dedup = dedup
             committed = None
             if dedup and self._meta.dedup_count:
@@ -324,9 +356,22 @@ class RecordStream:
         i = bisect_left(self._own_shards, shard_id)
         return self._own_shards[i] if i < len(self._own_shards) else len(self.shards)
 
+    def _not_mine(self, coord: StreamCoordinate) -> InvalidInput:
+        """The refusal of a checkpoint that cannot be one of this reader's commits."""
+        if self.shards[coord.shard_id].format == "lines":
+            where = f"byte {coord.byte_offset}"
+        else:
+            where = f"row {coord.row_offset_in_page} of row group {coord.row_group_idx}"
+        return InvalidInput(
+            f"{self._meta.meta_path}: checkpoint is at {where} of shard {coord.shard_id}, "
+            f"outside the records of reader rank {self.plan.rank}, worker {self.plan.worker} "
+            "(a state of another reader or partition?)"
+        )
+
     def _open_reader(self) -> LineShardReader | ParquetShardReader | None:
         """A reader of the current shard from where this stream resumes in it (None: nothing
-        of this shard is left for this reader, known without opening it)."""
+        of this shard is left for this reader, known without opening it). A partitioned
+        reader's checkpoint is checked here against what opening learns (``resumes_in``)."""
         shard = self.shards[self._shard_id]
         resume = self._resume if self._shard_id == self._resume.shard_id else None
         global_start = self._scanned
@@ -345,22 +390,39 @@ class RecordStream:
         assert self.plan.partition is not None
         pieces = self._pieces[self._shard_id]
         size = self.plan.partition.shard_sizes[self._shard_id]
+        past_end = resume is not None and self._past_end
+        reader: LineShardReader | ParquetShardReader
         if shard.format == "lines":
             ranges = line_ranges(pieces, resume.byte_offset if resume else None)
-            if not ranges:
+            if not ranges and not past_end:
                 return None
-            return LineShardReader(
+            reader = LineShardReader(
                 shard, self._shard_id, 0, global_start, ranges=ranges, expected_size=size
             )
-        return ParquetShardReader(
-            shard,
-            self._shard_id,
-            resume.row_group_idx if resume else 0,
-            resume.row_offset_in_page if resume else 0,
-            global_start,
-            pieces=pieces,
-            expected_size=size,
-        )
+        else:
+            reader = ParquetShardReader(
+                shard,
+                self._shard_id,
+                resume.row_group_idx if resume else 0,
+                resume.row_offset_in_page if resume else 0,
+                global_start,
+                pieces=pieces,
+                expected_size=size,
+            )
+        try:
+            if past_end:  # only the line that crosses a range's end may lead past it
+                assert resume is not None and isinstance(reader, LineShardReader)
+                start = reader.line_start(resume.byte_offset)
+                if start is None or not owns(pieces, (start, 0)):
+                    raise self._not_mine(resume)
+            elif isinstance(reader, ParquetShardReader) and resume is not None:
+                key = reader.resume_key()  # None: at the start, or refused when read
+                if key is not None and not resumes_in(pieces, key):
+                    raise self._not_mine(resume)
+        except BaseException:
+            reader.close()
+            raise
+        return reader
 
     def _next_block(self, view: _View) -> bool:
         """Load the next non-empty block into the lookahead buffer; False at the end.
