@@ -118,6 +118,51 @@ def _reference_records(data: bytes, start: int, stop: int | None) -> list:
     return out
 
 
+def _shard_text(lines, final: bool) -> bytes:
+    """Lines, blank lines (no record) and lines with a lone "\\r" in them (part of the
+    record), each ended by "\\n" or "\\r\\n"; ``final``: the last one too."""
+    shapes = {"line": b"%d", "blank": b"", "cr": b"%d\r"}
+    text = b"".join((shapes[kind] % i if kind != "blank" else b"")
+                    + (b"x" * n if kind != "blank" else b"") + nl.encode()
+                    for i, (n, nl, kind) in enumerate(lines))
+    return text if final or not text else text.rstrip(b"\r\n")
+
+
+_LINES = st.lists(st.tuples(st.integers(0, 90), st.sampled_from(["\n", "\r\n"]),
+                            st.sampled_from(["line", "blank", "cr"])), max_size=25)
+
+
+@settings(max_examples=100, deadline=None)
+@given(_LINES, st.booleans(), st.integers(1, 64), st.data())
+def test_a_line_reader_resumes_only_at_a_line_start(lines, final, first, data):
+    """A resume point anywhere in a shard: the records after it when it is 0, just past a
+    "\\n" or the shard's end (where every record ends, so every commit); refused anywhere
+    else, before a record is given."""
+    text = _shard_text(lines, final)
+    offset = data.draw(st.integers(0, len(text)))
+    old = readers_mod.FIRST_READ
+    readers_mod.FIRST_READ = first
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            path = Path(d) / "a.jsonl"
+            path.write_bytes(text)
+            reader = readers_mod.LineShardReader(Shard(str(path), "lines"), 0, offset, 0)
+            try:
+                if offset in (0, len(text)) or text[offset - 1 : offset] == b"\n":
+                    got = []
+                    while (b := reader.next_block()) is not None:
+                        got += b.records
+                    assert got == _reference_records(text, offset, None)
+                else:
+                    with pytest.raises(SourceError, match=f"resumes at byte {offset}, which "
+                                       "does not start a line"):
+                        reader.next_block()
+            finally:
+                reader.close()
+    finally:
+        readers_mod.FIRST_READ = old
+
+
 @settings(max_examples=150, deadline=None)
 @given(
     st.lists(st.tuples(st.integers(0, 90), st.sampled_from(["\n", "\r\n"]),
@@ -134,13 +179,7 @@ def test_line_reader_gives_every_line_of_its_range_once(lines, final, block, fir
     """The line reader against a plain split, for any read sizes: lines longer than a read,
     blank lines, CRLF, no final newline, and ranges starting and ending anywhere; its records
     cut in C (``compiled``) or split in Python, whole or picked (dedup's fresh records)."""
-    # a line, a blank line (no record), or a line with a lone "\r" in it (part of the record)
-    shapes = {"line": b"%d", "blank": b"", "cr": b"%d\r"}
-    text = b"".join((shapes[kind] % i if kind != "blank" else b"")
-                    + (b"x" * n if kind != "blank" else b"") + nl.encode()
-                    for i, (n, nl, kind) in enumerate(lines))
-    if not final and text:
-        text = text.rstrip(b"\r\n")
+    text = _shard_text(lines, final)
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "a.jsonl"
         path.write_bytes(text)
@@ -337,8 +376,10 @@ def test_jsonl_resume_opens_only_the_resume_shard_and_reads_from_its_offset(memf
     opens = [e for e in CountingMemoryFS.log if e[0] == "open"]
     reads = [e for e in CountingMemoryFS.log if e[0] == "read"]
     assert set(opens) <= {("open", f"{root}/s2.jsonl")}, "no earlier shard is opened"
-    assert reads[0][2] == coord.byte_offset, "the first read starts at the checkpoint offset"
-    assert all(r[1] == f"{root}/s2.jsonl" and r[2] >= coord.byte_offset for r in reads)
+    # the first read starts at the checkpoint offset, but for the byte before it (checked to
+    # end a line, never a record); nothing else before the offset is read
+    assert reads[0][2] == coord.byte_offset - 1, "the first read starts just before the offset"
+    assert all(r[1] == f"{root}/s2.jsonl" and r[2] >= coord.byte_offset for r in reads[1:])
 
 
 def test_txt_resume_locally_counts_opens_and_bytes(tmp_path, monkeypatch):
@@ -375,7 +416,8 @@ def test_txt_resume_locally_counts_opens_and_bytes(tmp_path, monkeypatch):
     assert opened == ["1.txt", "2.txt"]
     size1 = (tmp_path / "1.txt").stat().st_size
     size2 = (tmp_path / "2.txt").stat().st_size
-    assert sum(read_bytes) == (size1 - offset) + size2, "nothing before the offset is read"
+    # nothing before the offset is read but the byte before it (checked to end a line)
+    assert sum(read_bytes) == (size1 - offset + 1) + size2, "nothing before the offset is read"
 
 
 def test_parquet_resume_opens_row_group_and_skips_rows(memfs, tmp_path):
@@ -447,6 +489,46 @@ def test_a_resume_past_the_end_of_a_shrunk_shard_is_refused(tmp_path):
                            r"but the shard is 45 bytes"):
             next(s.batches(3))
     assert state.read_bytes() == before
+
+
+@pytest.mark.parametrize("suffix", ["jsonl", "txt"])
+def test_a_resume_inside_a_line_of_a_shard_rewritten_to_the_same_size_is_refused(
+    tmp_path, suffix
+):
+    # A committed byte offset is 0, just past a "\n", or the shard's end (a last line without
+    # one). The shard was rewritten in place, same size, its lines shifted: the resume started
+    # inside a line and delivered the fragment '"ii":7}' as a record.
+    write_lines(tmp_path / f"a.{suffix}", [json.dumps({"i": i}) for i in range(10)])
+    write_lines(tmp_path / f"b.{suffix}", [json.dumps({"b": i}) for i in range(3)])
+    src, state = str(tmp_path / f"*.{suffix}"), tmp_path / "s.meta"
+    with RecordStream(src, state) as s:
+        s.commit(next(s.batches(4))[0])
+    offset = s.committed_coord.byte_offset
+    assert (s.committed_coord.shard_id, offset) == (0, 36)
+    rewritten = [json.dumps({"i": i}) for i in range(10)]
+    rewritten[0], rewritten[9] = '{"i":0}', '{"i":  9}'  # one byte less before the offset
+    size = (tmp_path / f"a.{suffix}").stat().st_size
+    write_lines(tmp_path / f"a.{suffix}", rewritten)
+    assert (tmp_path / f"a.{suffix}").stat().st_size == size
+    assert (tmp_path / f"a.{suffix}").read_bytes()[offset - 1 : offset + 7] == b'{"i": 4}'
+    before = (state.read_bytes(), (tmp_path / "s.meta.dedup").read_bytes())
+    with RecordStream(src, state) as s:
+        with pytest.raises(SourceError) as err:
+            next(s.batches(3))
+    assert str(err.value) == (
+        f"{tmp_path / f'a.{suffix}'}: the checkpoint resumes at byte 36, which does not start a "
+        "line (the byte before it is not a line end: the shard changed; a stream must resume "
+        "over the same bytes)"
+    )
+    assert (state.read_bytes(), (tmp_path / "s.meta.dedup").read_bytes()) == before
+    # a resume at the end of a shard whose last line has no "\n" is not inside a line
+    write_lines(tmp_path / f"a.{suffix}", ["x", "y\r\n", "", "z"], newline="\r\n",
+                final_newline=False)
+    with RecordStream(src, tmp_path / "t.meta") as s:
+        s.commit(next(s.batches(3))[0])
+        assert s.committed_coord.byte_offset == (tmp_path / f"a.{suffix}").stat().st_size
+    with RecordStream(src, tmp_path / "t.meta") as s:
+        assert drain(s, 2) == [json.dumps({"b": i}).encode() for i in range(3)]
 
 
 def test_a_resume_past_the_row_groups_of_a_rewritten_parquet_shard_is_refused(tmp_path):
@@ -588,7 +670,8 @@ def test_http_resume_uses_a_range_read_and_skips_earlier_shards(http_root, tmp_p
     assert len(rest) == 450
     assert not [e for e in log if e[1] == "/0.jsonl"], "shard 0 is never requested"
     gets = [e for e in log if e[0] == "GET" and e[1] == "/1.jsonl"]
-    assert gets[0][2].startswith(f"bytes={coord.byte_offset}-")
+    assert gets[0][2].startswith(f"bytes={coord.byte_offset - 1}-")  # and the byte before it
+    assert all(int(g[2][6:].split("-")[0]) >= coord.byte_offset for g in gets[1:])
     assert all(g[2] is not None for g in gets), "every GET is a range read"
 
 

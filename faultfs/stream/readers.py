@@ -7,6 +7,9 @@ Invariants:
   ``FIRST_READ``), never line by line. A record is a line without its
   terminator (``\\n`` or ``\\r\\n``); empty lines are not records. ``ends[i]`` is the byte offset
   just past record ``i``'s terminator, so resuming at it with ``seek`` starts at the next line.
+  A resume point is therefore 0, just past a ``\\n``, or the shard's end (a last line without
+  one); a resume anywhere else inside the shard is refused (``SourceError``: the shard changed),
+  seen in the byte before it, which the first read takes too (no read is added).
   A block keeps the bytes it was cut from (``data``) and where each record lies in them
   (``starts``/``stops``), so a parser can work on the whole block at once; the records as
   ``bytes`` objects are only made when asked for (``records``).
@@ -223,8 +226,10 @@ class LineShardReader:
     (a partitioned reader's part of the shard): the records that *start* in each
     ``[start, stop)``, in order. A range that is not ``exact`` (``start`` not known to be a
     line start) begins at the first line start at or after ``start``: one byte before it is
-    read, and everything up to the next ``\\n``. Reads stop at ``stop``, then only the line
-    that straddles it is read to its end (``TAIL_READ`` at a time)."""
+    read, and everything up to the next ``\\n``. An ``exact`` start inside the shard (a resume
+    point) must follow a ``\\n``: the byte before it is read with it and checked. Reads stop at
+    ``stop``, then only the line that straddles it is read to its end (``TAIL_READ`` at a
+    time)."""
 
     def __init__(
         self,
@@ -245,6 +250,7 @@ class LineShardReader:
         self._need = 0  # the next read's least size (a line longer than the last read)
         self._stop: int | None = None  # records must start before it
         self._skip = False  # drop bytes through the next "\n" first (a range's inexact start)
+        self._after_nl = False  # the first byte read must be "\n" and is dropped (a resume point)
         self._eof = False
         self._done = True  # the current range has no more records
         self._read_size = min(FIRST_READ, LINE_BLOCK)
@@ -266,7 +272,10 @@ class LineShardReader:
                 "the same bytes)"
             )
         self._skip = not exact and start > 0
-        pos = start - 1 if self._skip else start  # where _read begins
+        # a resume point inside the shard was committed just past a "\n" (a last line without
+        # one ends at the shard's end): anything else means the bytes under it changed
+        self._after_nl = exact and 0 < start < self._file.size
+        pos = start - 1 if self._skip or self._after_nl else start  # where _read begins
         self._offset, self._need, self._stop = pos, 0, stop
         self._eof = self._done = False
         self._read_size = min(FIRST_READ, LINE_BLOCK)
@@ -305,6 +314,19 @@ class LineShardReader:
                 self._eof = True
                 continue
             at_eof = self._file.tell() >= self._file.size
+            if self._after_nl:
+                if buf[0] != _NL:
+                    raise SourceError(
+                        f"{self._shard.url}: the checkpoint resumes at byte {self._offset + 1}, "
+                        "which does not start a line (the byte before it is not a line end: the "
+                        "shard changed; a stream must resume over the same bytes)"
+                    )
+                self._after_nl = False
+                self._offset += 1
+                if len(buf) == 1:
+                    self._eof = at_eof
+                    continue
+                buf = buf[1:]
             if self._skip:
                 nl = buf.find(b"\n")
                 self._offset += len(buf) if nl < 0 else nl + 1
