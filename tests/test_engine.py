@@ -1316,3 +1316,188 @@ def test_a_write_that_lands_while_a_reset_saves_its_state_is_the_same_live_and_r
     replayed = bytes(trio.run(eng2.read_blob, tag2, 0, 0, 16))
     assert live == replayed, (live, replayed)
     assert live == data[:10] + b"during", "it lies over the reset: the source's bytes beneath"
+
+
+def _state_saves_fail(eng, gate=None):
+    """Make the next state save of the engine's writes fail (EIO; after ``gate`` is set,
+    when given); later ones write as before. The list of the states it refused."""
+    real = eng.writes.files.write_state
+    refused = []
+
+    def write_state(name, state):
+        if refused:
+            return real(name, state)
+        refused.append(state)
+        if gate is not None:
+            gate.wait(5)
+        raise OSError(errno.EIO, "Input/output error")
+
+    eng.writes.files.write_state = write_state
+    return refused
+
+
+async def _tag_as_shown(eng, tag):
+    """What a tag shows: its view (bytes and size), its user blobs (names and bytes), its
+    mtime."""
+    w = eng.writes
+    size = w.view_size(tag)
+    users = {name: bytes(await w.read_user(tag, name, 0, 1 << 20)) for name in w.user_names(tag)}
+    return bytes(await eng.read_view(tag, 0, size)), size, users, w.mtime_ns(tag)
+
+
+def _shown_after_a_kill_and_after_an_unmount(store, eng):
+    """What the engine's one tag shows at a remount after a kill -9 (the journal replayed),
+    then at one after a clean unmount of that."""
+    eng.writes.journal.sync()
+    eng.close()  # no close_writes: as after a kill -9
+    shown = []
+    for _ in range(2):
+        again = engine_for(store, memory_mb=1, prefetch_mb=0)
+        again.writes.user_part = eng.writes.user_part
+        [tag] = again.recover()
+
+        async def show(e=again, t=tag):
+            got = await _tag_as_shown(e, t)
+            await e.close_writes()
+            return got
+
+        shown.append(trio.run(show))
+        again.close()
+    return shown
+
+
+async def _written_every_way(eng, tag):
+    """Writes of every kind a reset drops: a partial write over the source (chunk 0), one
+    over a folded file (chunk 1), a whole chunk (chunk 2), the view grown (chunk 4), and a
+    user blob "f" of two parts."""
+    w = eng.writes
+    await w.write_chunk(tag, 1, 7, b"folded")
+    await w.checkpoint()
+    await w.write_chunk(tag, 1, 100, b"over the fold")
+    await w.write_chunk(tag, 0, 5, b"partial")
+    await w.write_chunk(tag, 2, 0, bytes(reversed(payload(CS))))
+    await w.write_view(tag, 4 * CS + 50, b"g" * 50)
+    await w.create_user(tag, "f")
+    await w.write_user(tag, "f", 10, b"u" * (w.user_part + 20))
+    await settle(eng)
+
+
+RESET_ALL = ["chunk_0", "chunk_1", "chunk_2", "chunk_4", "f"]
+
+
+@pytest.mark.parametrize("which", ["tag", "blobs"])
+def test_a_reset_whose_state_save_fails_changes_nothing(store, which):
+    """``faultfs reset`` whose state save fails changed nothing: the mount shows every write
+    it would have dropped (over the source, over a fold, whole chunks, the grown view, user
+    blobs), with the same pins and counters, and a later state save of the tag, a remount
+    after a kill -9 and one after an unmount show the same (never the reset's void marks)."""
+    _data, _src, eng, tag = _writing_engine(store, 4)
+    w = eng.writes
+    w.user_part = CS
+
+    def counters():
+        tw = w.tags[tag.id]
+        return (w.held, w._direct_count, w.dirty_summary(tag), set(eng.tiers.local._pinned),
+                tag.id in w.changed, tw.voided, dict(tw.voided_blobs), w.has_writes(tag))
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            eng.attach(nursery)
+            with trio.fail_after(10):
+                await _written_every_way(eng, tag)
+                before, kept = await _tag_as_shown(eng, tag), counters()
+                assert (tag.id, 0) in eng.tiers.local._pinned
+                refused = _state_saves_fail(eng)
+                with pytest.raises(FaultfsError) as err:
+                    await w.reset(tag, None if which == "tag" else RESET_ALL)
+                assert err.value.errno == errno.EIO and refused
+                assert await _tag_as_shown(eng, tag) == before
+                assert counters() == kept
+                await w.create_user(tag, "g")  # a later state save of the tag
+                assert w.files.read_state(tag.name)["voided"] == 0
+                assert w.files.read_state(tag.name)["voided_blobs"] == {}
+                shown = await _tag_as_shown(eng, tag)
+                assert shown[0] == before[0] and set(shown[2]) == {"f", "g"}
+            nursery.cancel_scope.cancel()
+        return shown
+
+    shown = trio.run(main)
+    assert _shown_after_a_kill_and_after_an_unmount(store, eng) == [shown, shown]
+
+
+@pytest.mark.parametrize("checkpoint", [False, True], ids=["", "checkpoint"])
+@pytest.mark.parametrize("which", ["tag", "blobs"])
+def test_writes_answered_while_a_reset_fails_to_save_lie_over_the_writes_it_kept(
+        store, which, checkpoint):
+    """Writes answered while a reset saves the state that then fails went to blobs of their
+    own (the reset's, then): they end up over the writes the failed reset kept, as a replay
+    applies the old records and then theirs — a partial write over a partial one, a whole
+    chunk over a partial write, a partial write over a whole chunk, the view grown again, a
+    user blob written, cut and written again. A checkpoint and a user blob made meanwhile
+    wait for the reset. The mount, a remount after a kill -9 and one after an unmount agree."""
+    data, _src, eng, tag = _writing_engine(store, 4)
+    w = eng.writes
+    w.user_part = CS
+    whole = bytes(reversed(payload(CS)))
+    new_whole = b"W" * CS
+    gate = threading.Event()
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            eng.attach(nursery)
+            with trio.fail_after(10):
+                await _written_every_way(eng, tag)
+                refused = _state_saves_fail(eng, gate)
+                failed = trio.Event()
+
+                async def reset():
+                    with pytest.raises(FaultfsError):
+                        await w.reset(tag, None if which == "tag" else RESET_ALL)
+                    failed.set()
+
+                nursery.start_soon(reset)
+                await trio.sleep(0.05)
+                assert refused, "the reset is saving its state"
+                await w.write_chunk(tag, 0, 8, b"NEW")
+                await w.write_chunk(tag, 1, 0, new_whole)
+                await w.write_chunk(tag, 2, 3, b"over the whole")
+                await w.write_view(tag, 4 * CS + 10, b"v" * 5)
+                if which == "blobs":  # (a reset of the tag unlinked it meanwhile)
+                    await w.write_user(tag, "f", 30, b"F" * 20)
+                    await w.truncate_user(tag, "f", 35)
+                    await w.write_user(tag, "f", 45, b"T" * 5)
+                if checkpoint:
+                    nursery.start_soon(w.checkpoint)
+                nursery.start_soon(w.create_user, tag, "g")
+                await trio.sleep(0.05)
+                assert "g" not in w.user_names(tag), "table changes wait for the reset"
+                gate.set()
+                await failed.wait()
+                await settle(eng)
+                await trio.sleep(0.05)
+                await w.checkpoint()  # (after the one started meanwhile)
+            shown = await _tag_as_shown(eng, tag)
+            nursery.cancel_scope.cancel()
+        return shown
+
+    shown = trio.run(main)
+    want = bytearray(data)
+    want[5:12] = b"partial"
+    want[8:11] = b"NEW"
+    want[CS:2 * CS] = new_whole
+    want[2 * CS:3 * CS] = whole
+    want[2 * CS + 3:2 * CS + 17] = b"over the whole"
+    grown = bytearray(100)
+    grown[50:100] = b"g" * 50
+    grown[10:15] = b"v" * 5
+    if which == "tag":  # the view grew again from the reset's size: its last size
+        want += grown[:15]
+    else:
+        want += grown
+    user = bytearray(10) + b"u" * (CS + 20)
+    if which == "blobs":  # cut at 35: in its first part (the reset had dropped the second)
+        user[30:CS] = b"F" * 5 + bytes(10) + b"T" * 5 + bytes(CS - 50)
+    assert shown[0] == bytes(want)
+    assert shown[1] == len(want)
+    assert shown[2] == {"f": bytes(user), "g": b""}
+    assert _shown_after_a_kill_and_after_an_unmount(store, eng) == [shown, shown]

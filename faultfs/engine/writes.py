@@ -46,6 +46,11 @@ Invariants:
   again by writes no sooner than ``CHECKPOINT_RETRY_S`` later.
 - A spilled extent is read back only from a segment that is still there: a read that finds
   its segment trimmed (the blob folded meanwhile) takes the blob's new state.
+- A reset takes its blobs out of the tables with its void mark, before anything awaits; while
+  it saves its tag's state, the tag's other state saves and user blob table changes wait, and
+  no checkpoint runs. One whose save fails changes nothing: what it changed is put back, and
+  its blobs return with what was written to their names meanwhile laid over them, as a
+  replay applies their records (``_undo_reset``).
 """
 
 from __future__ import annotations
@@ -56,7 +61,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import trio
@@ -145,6 +150,8 @@ class DirtyBlob:
     lock: trio.Lock | None = None
     damaged: str = ""  # its dirty file cannot be read: reads and writes of it fail (EIO)
     writers: int = 0  # writes of it under way (a refused one lets go of a blob none holds)
+    cut: int = -1  # the smallest size a resize gave it, -1: none (``_merged``: what shows of
+    # the blob a failed reset put back beneath it)
 
     def locked(self) -> _Holding:
         if self.lock is None:
@@ -188,6 +195,7 @@ class TagWrites:
     # blobs whose writes were found damaged in the journal: name -> {"reason", "size"}; kept,
     # EIO, until a reset drops them (their records go to writes/damaged/, not away)
     damaged_blobs: dict[str, dict] = field(default_factory=dict)
+    view_changes: int = 0  # (in memory) sizes set since the mount: a failed reset keeps a new one
 
 
 def _tag_writes(state: dict, source_size: int) -> TagWrites:
@@ -268,6 +276,12 @@ class Writes:
         # a sync that succeeded: an fsync that waited behind that sync has nothing left to do
         self._synced_below = 0
         self._keep_segments: set[int] = set()  # hold a damaged blob's records: kept at a trim
+        # a tag's state saves one at a time, and a reset and the user blob table's changes
+        # hold it for the whole change (a save made meanwhile would write a reset's void
+        # marks, durably, while the reset could still fail and put its blobs back)
+        self._state_locks: dict[int, trio.Lock] = {}
+        self._resets = 0  # resets under way: a checkpoint waits for them (``reset``)
+        self._resets_over: trio.Event | None = None
 
     # -- recovery (blocking, before the mount answers) ---------------------------------------
 
@@ -1177,6 +1191,7 @@ class Writes:
             blob.pending.cut(size)
             blob.pending.zero(size, top - size)
         blob.size = size
+        blob.cut = size if blob.cut < 0 else min(blob.cut, size)
 
     def _mark_changed(self, tag_id: int) -> None:
         self.changed.add(tag_id)
@@ -1185,6 +1200,7 @@ class Writes:
 
     def _set_view_size(self, tag: Tag, tw: TagWrites, size: int) -> None:
         tw.view_size = size
+        tw.view_changes += 1
         self._mark_changed(tag.id)
 
     def _add(self, blob: DirtyBlob) -> DirtyBlob:
@@ -1209,41 +1225,47 @@ class Writes:
                 or self._chunk_index(tag, name) is not None):
             raise FaultfsError(f"{name} names an entry of tag {tag.name}", errno.EPERM)
 
+    # the user blob table changes with its tag's state lock held, from the check to the
+    # save: a reset under way (which may fail and put the table back) is done first
+
     async def create_user(self, tag: Tag, name: str) -> None:
         self._check_writable(tag)
         self.check_user_name(tag, name)
-        tw = self._tag(tag)
-        if name in tw.users:
-            raise FaultfsError(f"blob {name} of tag {tag.name} exists", errno.EEXIST)
-        uid = tw.next_user
-        tw.next_user += 1
-        tw.users[name] = uid
-        tw.parted.add(uid)
-        await self._save_state(tag)
-        self._add(DirtyBlob(tag, part_name(uid, 0), None, 0, NEW))
+        async with _Holding(self._state_lock(tag.id)):
+            tw = self._tag(tag)
+            if name in tw.users:
+                raise FaultfsError(f"blob {name} of tag {tag.name} exists", errno.EEXIST)
+            uid = tw.next_user
+            tw.next_user += 1
+            tw.users[name] = uid
+            tw.parted.add(uid)
+            await self._write_state(tag.id)
+            self._add(DirtyBlob(tag, part_name(uid, 0), None, 0, NEW))
 
     async def unlink_user(self, tag: Tag, name: str) -> None:
         self._check_writable(tag)
-        tw = self._tag(tag)
-        uid = tw.users.pop(name, None)
-        if uid is None:
-            raise FaultfsError(f"tag {tag.name} has no blob {name}", errno.ENOENT)
-        tw.parted.discard(uid)
-        await self._save_state(tag)
+        async with _Holding(self._state_lock(tag.id)):
+            tw = self._tag(tag)
+            uid = tw.users.pop(name, None)
+            if uid is None:
+                raise FaultfsError(f"tag {tag.name} has no blob {name}", errno.ENOENT)
+            tw.parted.discard(uid)
+            await self._write_state(tag.id)
         await self._drop_user(tag, uid)
 
     async def rename_user(self, tag: Tag, old: str, new: str) -> None:
         """Rename a user blob (replacing a user blob named ``new``): one table update."""
         self._check_writable(tag)
         self.check_user_name(tag, new)
-        tw = self._tag(tag)
-        if old not in tw.users:
-            raise FaultfsError(f"tag {tag.name} has no blob {old}", errno.ENOENT)
-        replaced = tw.users.pop(new, None)
-        tw.users[new] = tw.users.pop(old)
-        if replaced is not None:
-            tw.parted.discard(replaced)
-        await self._save_state(tag)
+        async with _Holding(self._state_lock(tag.id)):
+            tw = self._tag(tag)
+            if old not in tw.users:
+                raise FaultfsError(f"tag {tag.name} has no blob {old}", errno.ENOENT)
+            replaced = tw.users.pop(new, None)
+            tw.users[new] = tw.users.pop(old)
+            if replaced is not None:
+                tw.parted.discard(replaced)
+            await self._write_state(tag.id)
         if replaced is not None:
             await self._drop_user(tag, replaced)
 
@@ -1354,6 +1376,10 @@ class Writes:
             return
         done = self._checkpointing = trio.Event()
         try:
+            while self._resets:  # one may still fail and put its blobs back (``reset``)
+                if self._resets_over is None:
+                    self._resets_over = trio.Event()
+                await self._resets_over.wait()
             self.journal.roll()  # here, where appends happen: records after go to the next
             self._touched.clear()  # written from here on: the next checkpoint's work
             self._fold_work = 0
@@ -1499,10 +1525,39 @@ class Writes:
 
     async def reset(self, tag: Tag, names: list[str] | None = None) -> int:
         """Drop the writes of ``tag`` (of its blobs ``names``: chunks or user blobs): back to
-        the source's bytes (a user blob back to empty). The dirty blobs dropped."""
+        the source's bytes (a user blob back to empty). The dirty blobs dropped. A reset whose
+        state save fails changes nothing (``_undo_reset``)."""
         self._check_writable(tag)
+        # never beside a checkpoint: its folds could write a blob the reset drops, or one a
+        # write makes meanwhile, over the file the dropped blob's records need (and trim
+        # them) while the reset may still fail and put the dropped blob back
+        while self._checkpointing is not None:
+            await self._checkpointing.wait()
+        self._resets += 1
+        try:
+            async with _Holding(self._state_lock(tag.id)):
+                count, dropped = await self._reset(tag, names)
+            for blob in dropped:
+                if blob.base == DIRECT:  # void now (the state says so, durably): no replay needs it
+                    await self.pool.run(self._delete_direct, [(tag.name, blob.direct)])
+                if (tag.id, blob.name) not in self.blobs:  # a write since owns the name's file
+                    await self.pool.run(self.files.delete, tag.name, blob.name)
+            return count
+        finally:
+            self._resets -= 1
+            if not self._resets and self._resets_over is not None:
+                self._resets_over.set()
+                self._resets_over = None
+
+    async def _reset(self, tag: Tag, names: list[str] | None) -> tuple[int, list[DirtyBlob]]:
+        """``reset`` with its tag's state lock held: the count and the blobs dropped."""
         tw = self._tag(tag)
         seq = self.journal.last_seq
+        # what the reset changes, put back if its save fails (the dicts it changes in place
+        # are copied; the others it replaces)
+        old = replace(tw, voided_blobs=dict(tw.voided_blobs),
+                      damaged_blobs=dict(tw.damaged_blobs))
+        was_changed = tag.id in self.changed
         grown_or_users = tw.view_size != tag.layout.size or bool(tw.users)
         if names is None:
             tw.voided = seq
@@ -1539,6 +1594,7 @@ class Writes:
             # the bytes changed: so does the mtime (an export's resume, make and rsync
             # tell a changed file by it), durably with the reset
             tw.mtime_ns = max(time.time_ns(), tw.mtime_ns + 1)
+        marks = (tw.view_changes, tw.mtime_ns)  # a write since changes them: then they stay
         # out of the tables with the void mark, before anything awaits: a write answered
         # from here on lies over the reset (a blob of its own, its record past the mark), in
         # this mount as at a replay (dropped after the state save, it was read by no one
@@ -1549,13 +1605,105 @@ class Writes:
                 self.clean.unpin(tag, blob.index)
             if blob.base == DIRECT:
                 self._direct_count -= 1
-        await self._save_state(tag)
+        try:
+            await self._write_state(tag.id)
+        except BaseException as exc:
+            aside = self._undo_reset(tag, old, was_changed, marks, dropped)
+            if isinstance(exc, FaultfsError):  # (cancelled: the save never started)
+                await self._after_undo(tag, aside)
+            raise
+        return len(gone), dropped
+
+    def _undo_reset(self, tag: Tag, old: TagWrites, was_changed: bool,
+                    marks: tuple[int, int], dropped: list[DirtyBlob]) -> list[tuple[str, int]]:
+        """Put back what a reset whose state save failed changed — the disk still replays
+        every write it dropped, and the next state save would write its void marks — and
+        only that: a view size or mtime a write set since stays (a replay applies the old
+        size records, then the new one), and user blob tables waited for the reset. The
+        dropped blobs go back into the tables, pinned and counted as before, with what was
+        written to their names since laid over them (``_merged``). The direct files of
+        writes whose blob is damaged, to be set aside."""
+        tw = self.tags[tag.id]
+        tw.voided, tw.voided_blobs = old.voided, old.voided_blobs
+        tw.users, tw.parted = old.users, old.parted
+        tw.damaged_blobs.update(old.damaged_blobs)
+        if tw.view_changes == marks[0]:
+            tw.view_size = old.view_size
+        if tw.mtime_ns == marks[1]:
+            tw.mtime_ns = old.mtime_ns
+        if was_changed and tag.id not in self.changed:
+            self._mark_changed(tag.id)
+        aside: list[tuple[str, int]] = []
         for blob in dropped:
-            if blob.base == DIRECT:  # void now (the state says so, durably): no replay needs it
-                await self.pool.run(self._delete_direct, [(tag.name, blob.direct)])
-            if (tag.id, blob.name) not in self.blobs:  # a write since owns the name's file
-                await self.pool.run(self.files.delete, tag.name, blob.name)
-        return len(gone)
+            key = (tag.id, blob.name)
+            new = self.blobs.get(key)
+            if new is not None:
+                self._forget(key)
+                if new.base == DIRECT:
+                    self._direct_count -= 1  # (counted again below when it stays)
+            blob = blob if new is None else self._merged(blob, new, aside)
+            self._add(blob)
+            self.held += blob.pending.held
+            if blob.base == DIRECT:
+                self._direct_count += 1
+            if blob.index is not None:  # its source chunk is kept while writes lie over it
+                if blob.base != CLEAN or blob.damaged:
+                    self.clean.unpin(tag, blob.index)
+                elif blob.pending:
+                    self.clean.pin(tag, blob.index)
+        return aside
+
+    def _merged(self, old: DirtyBlob, new: DirtyBlob, aside: list[tuple[str, int]]) -> DirtyBlob:
+        """Blob ``old``, dropped by a reset whose save failed, and blob ``new``, made by
+        writes to its name since (their records lie after ``old``'s), as one — what a replay
+        makes of the old records and then the new ones: ``new`` when nothing beneath it shows
+        (a whole-chunk file, a chunk written over whole), else ``old`` with ``new``'s extents
+        laid over it; a user blob's part cut since is cut first where its smallest cut was
+        (past it, a replay shows nothing of ``old`` either). A damaged ``old`` stays damaged,
+        as a replay keeps every record of its name aside: ``new``'s records (and its direct
+        file, in ``aside``) are kept with them."""
+        if old.damaged:
+            self._keep_segments.update(d.file for _, _, d in new.pending.items()
+                                       if isinstance(d, Ref))
+            if new.base == DIRECT:
+                aside.append((new.tag.name, new.direct))
+            return old
+        if new.index is not None and (new.base == DIRECT or new.pending.covers(0, new.size)):
+            if old.base == DIRECT:  # a replay still reads it (its record is kept): until a trim
+                self._obsolete.append((old.tag.name, old.direct))
+            return new
+        if new.cut >= 0:
+            self._resize(old, new.cut)
+        for start, length, data in new.pending.items():
+            if data is None:
+                old.pending.zero(start, length)
+            else:
+                old.pending.write(start, data)
+        if old.index is None:  # (a chunk's size is fixed)
+            old.size = new.size if new.cut >= 0 else max(old.size, new.size)
+        if old.base == CLEAN and old.base_bytes is None:
+            old.base_bytes = new.base_bytes
+        if new.damaged:
+            self._note_damaged(old, new.damaged)
+        return old
+
+    async def _after_undo(self, tag: Tag, aside: list[tuple[str, int]]) -> None:
+        """After ``_undo_reset``: the state as it is now is saved over the one that failed,
+        which may have replaced the file before it failed (its directory not synced) — so
+        a kill -9 never replays the reset — and the direct files in ``aside`` are set aside
+        with their damaged blob's records. Both best effort: a save that fails before its
+        rename changes nothing."""
+        try:
+            await self._write_state(tag.id)
+        except FaultfsError as exc:
+            log.error("tag %s: the state before the failed reset was not saved again: %s",
+                      tag.name, exc.message)
+        for tag_name, seq in aside:
+            try:
+                await self.pool.run(self.files.set_aside_direct, tag_name, seq,
+                                    self.journal.damaged_dir)
+            except OSError as exc:
+                log.error("keeping direct file %d of tag %s: %s", seq, tag_name, exc.strerror)
 
     def has_writes(self, tag: Tag) -> bool:
         tw = self.tags.get(tag.id)
@@ -1671,7 +1819,18 @@ class Writes:
     async def _save_state(self, tag: Tag) -> None:
         await self._save_state_id(tag.id)
 
+    def _state_lock(self, tag_id: int) -> trio.Lock:
+        lock = self._state_locks.get(tag_id)
+        if lock is None:
+            lock = self._state_locks[tag_id] = trio.Lock()
+        return lock
+
     async def _save_state_id(self, tag_id: int) -> None:
+        async with _Holding(self._state_lock(tag_id)):
+            await self._write_state(tag_id)
+
+    async def _write_state(self, tag_id: int) -> None:
+        """Save a tag's write state as it is now (its state lock held)."""
         tw = self.tags[tag_id]
         if tw.damaged:
             return  # never written over: fsck reports it, the user decides
@@ -1688,12 +1847,13 @@ class Writes:
 
 def _state_doc(tw: TagWrites) -> dict:
     """A tag's write state as its JSON document (``_tag_writes`` reads it back)."""
-    state = {"view_size": tw.view_size, "view_seq": tw.view_seq, "users": tw.users,
+    # (copies: a save writes it on the I/O pool, while the tables change)
+    state = {"view_size": tw.view_size, "view_seq": tw.view_seq, "users": dict(tw.users),
              "next_user": tw.next_user, "parted": sorted(tw.parted),
              "ancestors": list(tw.ancestors), "voided": tw.voided,
-             "voided_blobs": tw.voided_blobs, "mtime_ns": tw.mtime_ns}
+             "voided_blobs": dict(tw.voided_blobs), "mtime_ns": tw.mtime_ns}
     if tw.damaged_blobs:
-        state["damaged_blobs"] = tw.damaged_blobs
+        state["damaged_blobs"] = dict(tw.damaged_blobs)
     return state
 
 
