@@ -1501,3 +1501,85 @@ def test_writes_answered_while_a_reset_fails_to_save_lie_over_the_writes_it_kept
     assert shown[1] == len(want)
     assert shown[2] == {"f": bytes(user), "g": b""}
     assert _shown_after_a_kill_and_after_an_unmount(store, eng) == [shown, shown]
+
+
+@pytest.mark.parametrize("waits", ["fault", "lock", "whole", "truncate"])
+def test_a_write_that_waits_while_a_reset_drops_its_blob_lands_where_a_replay_puts_it(store,
+                                                                                      waits):
+    """A write that awaits after it was handed its blob — its base's fault (no nursery: the
+    write faults it itself), the blob's lock (held by that write), for a partial or a whole
+    chunk, or a shrink of the view — while a reset of the tag drops the blob: its record
+    comes after the reset's void mark, so it lands in the blob the tables have for the name
+    now (made as a replay makes it), over the source's bytes; the mount, a remount after a
+    kill -9 and one after an unmount agree, and the chunk stays pinned under it."""
+    data, src, eng, tag = _writing_engine(store, 2, gated=True)
+    w = eng.writes
+    whole = b"W" * CS
+
+    async def main():
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(w.write_chunk, tag, 0, 5, b"abc")
+                await trio.sleep(0.05)
+                assert w.is_dirty(tag, 0), "waiting for its base, chunk 0's lock held"
+                if waits == "lock":
+                    nursery.start_soon(w.write_chunk, tag, 0, 20, b"xyz")
+                elif waits == "whole":
+                    nursery.start_soon(w.write_chunk, tag, 0, 0, whole)
+                elif waits == "truncate":
+                    nursery.start_soon(w.truncate_view, tag, 10)
+                await trio.sleep(0.05)
+                assert await w.reset(tag) == 1
+                src.gate.set()
+            if waits == "truncate":  # grown again: zeros past the cut, never the old bytes
+                await w.truncate_view(tag, CS)
+            blob = w.blobs.get((tag.id, "chunk_0"))
+            assert blob is not None, "the write is in the tables (not in the dropped blob)"
+            assert blob.writers == 0
+            # pinned under the writes; a whole chunk written last has no clean base
+            assert ((tag.id, 0) in eng.tiers.local._pinned) == (blob.base == "clean")
+            return await _tag_as_shown(eng, tag)
+
+    shown = trio.run(main)
+    want = bytearray(data[:CS])
+    want[5:8] = b"abc"
+    if waits == "lock":
+        want[20:23] = b"xyz"
+    got = shown[0][:CS]
+    if waits == "whole":  # (either may take the lock first)
+        assert got in (whole, whole[:5] + b"abc" + whole[8:])
+    elif waits == "truncate":
+        assert shown[:2] == (bytes(want[:10]) + bytes(CS - 10), CS)
+    else:
+        assert got == bytes(want)
+        assert shown[0][CS:] == data[CS:]
+    # (the mtime a write sets is saved with the next state, not journaled: a kill's is older)
+    again = _shown_after_a_kill_and_after_an_unmount(store, eng)
+    assert [got[:3] for got in again] == [shown[:3], shown[:3]]
+
+
+def test_a_user_blob_cut_that_waits_while_a_reset_drops_its_part_lands_where_a_replay_puts_it(
+        store):
+    """A truncate of a user blob that waits for its part's lock (a fold holds it) while a
+    reset of the blob drops that part: the cut is journaled after the void mark, so it sizes
+    the part the tables have now, as a replay does — the blob is that long, in zeros, also
+    once a write made it work its size out again."""
+    _data, _src, eng, tag = _writing_engine(store, 2)
+    w = eng.writes
+
+    async def main():
+        with trio.fail_after(10):
+            await w.create_user(tag, "f")
+            await w.write_user(tag, "f", 0, b"u" * 100)
+            async with trio.open_nursery() as nursery:
+                async with w.blobs[(tag.id, "u:1")].locked():  # as a fold holds it
+                    nursery.start_soon(w.truncate_user, tag, "f", 50)
+                    await trio.sleep(0.05)
+                    assert await w.reset(tag, ["f"]) == 1
+            await w.write_user(tag, "f", 10, b"x")
+            return await _tag_as_shown(eng, tag)
+
+    shown = trio.run(main)
+    assert shown[2] == {"f": bytes(10) + b"x" + bytes(39)}
+    again = _shown_after_a_kill_and_after_an_unmount(store, eng)
+    assert [got[:3] for got in again] == [shown[:3], shown[:3]]

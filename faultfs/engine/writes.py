@@ -30,7 +30,10 @@ Invariants:
   go instead of being deleted, so every other blob is folded and the journal still trims;
   a reset drops it. A replay that stops early keeps what follows (``journal.py``).
 - Writes and folds of one blob are serialised (its lock); a read takes the base and the
-  writes it sees in one step, so it never mixes two states of a blob.
+  writes it sees in one step, so it never mixes two states of a blob. A write or truncate
+  that awaited (back-pressure, the lock, the base's fault) goes on with the blob the tables
+  have for its name then (``_now``): a reset may have dropped the one it was handed, and
+  its record, past the void mark, is laid over the reset at a replay.
 - Bytes in memory are bounded: past ``fold_bytes`` of held writes, every write's bytes are
   let go (*spilled*: the extent keeps where its record's data lies in the journal, and reads
   read them back from there, verified). What a spill cannot let go of (the data of records
@@ -819,9 +822,14 @@ class Writes:
                                        f"({blob.damaged}): run faultfs fsck", errno.EIO)
             for index, inner, length in cut:
                 blob = self._chunk_blob(tag, index)
-                async with blob.locked():
-                    self._append(KIND_ZERO, tag.name, blob.name, inner, length)
-                    self._apply_zero(blob, inner, length)
+                while True:
+                    async with blob.locked():
+                        now = self._now(blob)  # a reset may have dropped it meanwhile
+                        if now is blob:
+                            self._append(KIND_ZERO, tag.name, blob.name, inner, length)
+                            self._apply_zero(blob, inner, length)
+                            break
+                    blob = now
         self._append(KIND_SIZE, tag.name, VIEW, 0, size)
         self._set_view_size(tag, tw, size)
         self._written(tag)
@@ -915,11 +923,16 @@ class Writes:
         self._written(tag)
 
     async def _truncate_part(self, blob: DirtyBlob, size: int) -> None:
-        async with blob.locked():
-            self._append(KIND_SIZE, blob.tag.name, blob.name, 0, size)
-            before = blob.pending.held
-            self._resize(blob, size)
-            self.held += blob.pending.held - before
+        while True:
+            async with blob.locked():
+                now = self._now(blob)  # a reset may have dropped it meanwhile
+                if now is blob:
+                    self._append(KIND_SIZE, blob.tag.name, blob.name, 0, size)
+                    before = blob.pending.held
+                    self._resize(blob, size)
+                    self.held += blob.pending.held - before
+                    break
+            blob = now
         self._user_changed(blob)
 
     async def write_gap(self, tag: Tag, page: int, off: int, data: bytes) -> None:
@@ -932,40 +945,40 @@ class Writes:
         await self._write(blob, off, data)
 
     async def _write(self, blob: DirtyBlob, off: int, data: bytes) -> None:
+        """Write ``data`` at ``off`` of ``blob``, or — when a reset drops ``blob`` while the
+        write awaits — of the blob its name has then (``_now``)."""
         if blob.damaged:  # never written over: the user's data may still be recovered
-            raise FaultfsError(f"dirty blob {blob.name} of tag {blob.tag.name} is damaged "
-                               f"({blob.damaged}): run faultfs fsck", errno.EIO)
+            raise _damaged(blob)
         blob.writers += 1
         try:
             if self._checkpointing is not None and self._over(2):
                 # back-pressure: memory and journal stay bounded
                 await self._checkpointing.wait()
-            if off == 0 and blob.index is not None and len(data) == blob.size:
-                await self._write_whole(blob, data)
-                return
-            unstaged = blob.base == CLEAN and blob.base_bytes is None and not blob.pending
-            lock = blob.lock
-            if unstaged and (lock is None or not lock.locked()) and self._base_behind(
-                    blob, off, len(data)):
-                unstaged = False
-            if not unstaged and (lock is None or not lock.locked()):
-                # the common case: nothing to fault and nobody folding the blob. Nothing
-                # below awaits, so no other task comes between (the lock would only cost its
-                # checkpoint)
-                self._put_first(blob, off, data)
-            else:
-                async with blob.locked():
-                    whole = False
-                    if blob.base == CLEAN and blob.base_bytes is None and not blob.pending:
-                        if off == 0 and len(data) >= blob.size:
-                            whole = True  # a whole blob: no fault needed
-                        else:
-                            assert blob.index is not None
-                            blob.base_bytes = await self.clean.stage_clean(blob.tag,
-                                                                           blob.index)
-                    self._put_first(blob, off, data)
-                    if whole:  # only once the write is journaled: a refused one changes
-                        self._renew(blob)  # nothing
+                blob = self._moved(blob)
+                if blob.damaged:
+                    raise _damaged(blob)
+            while True:
+                if off == 0 and blob.index is not None and len(data) == blob.size:
+                    if await self._write_whole(blob, data):
+                        return
+                else:
+                    unstaged = (blob.base == CLEAN and blob.base_bytes is None
+                                and not blob.pending)
+                    lock = blob.lock
+                    if unstaged and (lock is None or not lock.locked()) and self._base_behind(
+                            blob, off, len(data)):
+                        unstaged = False
+                    if not unstaged and (lock is None or not lock.locked()):
+                        # the common case: nothing to fault and nobody folding the blob.
+                        # Nothing below awaits, so no other task comes between (the lock
+                        # would only cost its checkpoint)
+                        self._put_first(blob, off, data)
+                        break
+                    if await self._write_locked(blob, off, data):
+                        break
+                blob = self._moved(blob)  # dropped by a reset while the write awaited
+                if blob.damaged:
+                    raise _damaged(blob)
             self.stats.add("writes")
             self.stats.add("bytes_written", len(data))
             if self.held > self.fold_bytes:
@@ -977,6 +990,55 @@ class Writes:
             raise
         finally:
             blob.writers -= 1
+
+    async def _write_locked(self, blob: DirtyBlob, off: int, data: bytes) -> bool:
+        """The write of ``_write`` under ``blob``'s lock (a fold or another write holds it, or
+        its base is faulted first); False, nothing written, when a reset dropped ``blob``
+        while the write awaited (``_now``)."""
+        async with blob.locked():
+            if self._now(blob) is not blob:
+                return False
+            whole = False
+            if blob.base == CLEAN and blob.base_bytes is None and not blob.pending:
+                if off == 0 and len(data) >= blob.size:
+                    whole = True  # a whole blob: no fault needed
+                else:
+                    assert blob.index is not None
+                    kept = await self.clean.stage_clean(blob.tag, blob.index)
+                    now = self._now(blob)
+                    if now is not blob:  # the fault pinned the chunk: the base of the new one
+                        if now.base == CLEAN and not now.damaged:
+                            if now.base_bytes is None:
+                                now.base_bytes = kept
+                        else:
+                            self.clean.unpin(blob.tag, blob.index)
+                        return False
+                    blob.base_bytes = kept
+            self._put_first(blob, off, data)
+            if whole:  # only once the write is journaled: a refused one changes nothing
+                self._renew(blob)
+        return True
+
+    def _now(self, blob: DirtyBlob) -> DirtyBlob:
+        """The blob a write or truncate handed ``blob`` goes to after an await: ``blob``, or,
+        when a reset dropped it meanwhile, the one the tables have for its name now, made as
+        a replay makes it (the change is journaled after the reset's void mark: a replay
+        lays it over the reset). A part of a user blob unlinked meanwhile stays ``blob``:
+        nothing reads it, and a replay applies none of its records."""
+        now = self.blobs.get((blob.tag.id, blob.name))
+        if now is blob or blob.tag.id not in self.tags:
+            return blob
+        if now is None:
+            now = self._blob_for(blob.tag, blob.name, create=True)
+        return blob if now is None else now
+
+    def _moved(self, blob: DirtyBlob) -> DirtyBlob:
+        """``_now`` for a write counted as ``blob``'s writer: it is the new one's instead."""
+        now = self._now(blob)
+        if now is not blob:
+            blob.writers -= 1
+            now.writers += 1
+        return now
 
     def _put_first(self, blob: DirtyBlob, off: int, data: bytes) -> None:
         """``_put`` after this write pinned ``blob``'s staged base (or started its fault): a
@@ -1123,11 +1185,15 @@ class Writes:
             blob.size = max(blob.size, off + len(data))
         self.held += pending.held - before
 
-    async def _write_whole(self, blob: DirtyBlob, data: bytes) -> None:
+    async def _write_whole(self, blob: DirtyBlob, data: bytes) -> bool:
         """A write of a whole chunk: its bytes become a direct file (no fault, nothing held
         in memory, no fold to copy them again), journaled by one small record naming it.
-        Both are written inline, like an append (a pwrite into the page cache, in order)."""
+        Both are written inline, like an append (a pwrite into the page cache, in order).
+        False, nothing written, when a reset dropped ``blob`` while the write waited for its
+        lock (``_now``)."""
         async with blob.locked():
+            if self._now(blob) is not blob:
+                return False
             tag, seq = blob.tag.name, self.journal.next_seq
             try:
                 digest = self.files.write_direct(tag, blob.name, data, seq)
@@ -1151,6 +1217,7 @@ class Writes:
         self.stats.add("bytes_written", len(data))
         if self._direct_count > DIRECT_FILES:
             self.start_checkpoint()
+        return True
 
     def _set_direct(self, blob: DirtyBlob, seq: int) -> None:
         """Blob ``blob`` is now direct file ``seq`` whole: nothing under it or over it (the
@@ -1855,6 +1922,11 @@ def _state_doc(tw: TagWrites) -> dict:
     if tw.damaged_blobs:
         state["damaged_blobs"] = dict(tw.damaged_blobs)
     return state
+
+
+def _damaged(blob: DirtyBlob) -> FaultfsError:
+    return FaultfsError(f"dirty blob {blob.name} of tag {blob.tag.name} is damaged "
+                        f"({blob.damaged}): run faultfs fsck", errno.EIO)
 
 
 def _too_big(tag: Tag, name: str, size: int) -> FaultfsError:
