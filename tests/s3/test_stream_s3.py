@@ -50,4 +50,7 @@ def test_s3_glob_stream_and_resume(s3_env, s3_client, make_bucket, tmp_path, mon
     assert rest[0] == {"shard": 1, "i": 50}
     assert len(rest) == 350
     assert opened == [f"{bucket}/data/1.jsonl", f"{bucket}/data/2.jsonl"]
-    assert reads[0] == (f"{bucket}/data/1.jsonl", coord.byte_offset)
+    # the first read starts at the byte before the offset (a line end: the shard unchanged),
+    # every later one at or after it: nothing before the offset is read as records
+    assert reads[0] == (f"{bucket}/data/1.jsonl", coord.byte_offset - 1)
+    assert all(pos >= coord.byte_offset for path, pos in reads[1:] if path.endswith("/1.jsonl"))
