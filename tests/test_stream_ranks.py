@@ -639,6 +639,30 @@ def refusal(src, state, rank, **kw) -> str:
     return str(err.value)
 
 
+def swapped_states_refused(tmp_path, src, state, batch, stops, where, **kw):
+    """Two readers of one partition commit ``stops`` batches each, then their state files are
+    swapped: each reader refuses the other's checkpoint in one line naming its state, the
+    checkpoint's place (``where`` begins it) and itself, and nothing changes; swapped back,
+    each resumes exactly. The records each committed, and the rest each read then."""
+    committed, paths = {}, {}
+    for r in range(2):
+        with open_reader(src, state, r, 0, 2, 1, **kw) as s:
+            committed[r] = drain(s, batch, stop_after=stops)
+            paths[r] = Path(s.state_path)
+    swap_states(paths[0], paths[1])
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    for r in range(2):
+        message = refusal(src, state, r, **kw)
+        assert message.startswith(f"{paths[r]}: checkpoint is at {where}"), message
+        assert message.endswith(
+            f" of shard 0, outside the records of reader rank {r}, worker 0 (a state of "
+            "another reader or partition?)"
+        ), message
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before, "nothing changed"
+    swap_states(paths[0], paths[1])  # put back: each reader resumes exactly
+    return committed, read_partition(src, state, 2, 1, batch=batch, **kw)
+
+
 @pytest.mark.parametrize("names", ["default", "template"])
 def test_a_state_of_another_reader_is_refused_and_nothing_changes(tmp_path, names):
     """Two readers' states swapped (by hand, or by a reader_state template naming each rank's
@@ -647,24 +671,8 @@ def test_a_state_of_another_reader_is_refused_and_nothing_changes(tmp_path, name
     records = make_jsonl_shards(tmp_path, [400])
     src, state = str(tmp_path / "part-*.jsonl"), tmp_path / "run.meta"
     kw = {"reader_state": str(tmp_path / "ck-r{rank}-w{worker}.meta")} if names == "template" else {}
-    committed, paths = {}, {}
-    for r in range(2):
-        with open_reader(src, state, r, 0, 2, 1, **kw) as s:
-            committed[r] = drain(s, 25, stop_after=3)
-            paths[r] = Path(s.state_path)
+    committed, rest = swapped_states_refused(tmp_path, src, state, 25, 3, "byte ", **kw)
     assert len(committed[0]) == len(committed[1]) == 75
-    swap_states(paths[0], paths[1])
-    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
-    for r in range(2):
-        message = refusal(src, state, r, **kw)
-        assert message.startswith(f"{paths[r]}: checkpoint is at byte "), message
-        assert message.endswith(
-            f" of shard 0, outside the records of reader rank {r}, worker 0 (a state of "
-            "another reader or partition?)"
-        ), message
-    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before, "nothing changed"
-    swap_states(paths[0], paths[1])  # put back: each reader resumes exactly
-    rest = read_partition(src, state, 2, 1, batch=25, **kw)
     assert committed[0] + rest[(0, 0)] + committed[1] + rest[(1, 0)] == records
 
 
@@ -725,23 +733,7 @@ def test_a_parquet_state_of_another_reader_is_refused(tmp_path):
         pa.Table.from_pylist(rows), tmp_path / "p-0.parquet", row_group_size=20, compression="none"
     )
     src, state = str(tmp_path / "p-*.parquet"), tmp_path / "run.meta"
-    committed, paths = {}, {}
-    for r in range(2):
-        with open_reader(src, state, r, 0, 2, 1) as s:
-            committed[r] = drain(s, 7, stop_after=4)
-            paths[r] = Path(s.state_path)
-    swap_states(paths[0], paths[1])
-    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
-    for r in range(2):
-        message = refusal(src, state, r)
-        assert message.startswith(f"{paths[r]}: checkpoint is at row 8 of row group "), message
-        assert message.endswith(
-            f" of shard 0, outside the records of reader rank {r}, worker 0 (a state of "
-            "another reader or partition?)"
-        ), message
-    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before, "nothing changed"
-    swap_states(paths[0], paths[1])
-    rest = read_partition(src, state, 2, 1, batch=7)
+    committed, rest = swapped_states_refused(tmp_path, src, state, 7, 4, "row 8 of row group ")
     assert committed[0] + rest[(0, 0)] + committed[1] + rest[(1, 0)] == rows
 
 
