@@ -1336,6 +1336,43 @@ def _state_saves_fail(eng, gate=None):
     return refused
 
 
+@pytest.mark.parametrize("change", ["create", "unlink", "rename"])
+def test_a_user_blob_table_change_whose_save_fails_changes_nothing(store, change):
+    """Creating, unlinking or renaming a user blob whose state save fails (EIO) is refused
+    and changes nothing: not in this mount, not at the tag's next state save, not after a
+    remount."""
+    _, _, eng, tag = _writing_engine(store, 1)
+    w = eng.writes
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            eng.attach(nursery)
+            with trio.fail_after(5):
+                await w.create_user(tag, "a.txt")
+                await w.write_user(tag, "a.txt", 0, b"kept")
+                _state_saves_fail(eng)
+                attempt = {"create": lambda: w.create_user(tag, "b.txt"),
+                           "unlink": lambda: w.unlink_user(tag, "a.txt"),
+                           "rename": lambda: w.rename_user(tag, "a.txt", "b.txt")}[change]
+                with pytest.raises(FaultfsError) as err:
+                    await attempt()
+                assert err.value.errno == errno.EIO
+                assert w.user_names(tag) == ["a.txt"]
+                await w.create_user(tag, "c.txt")  # the tag's next state save
+                assert sorted(w.user_names(tag)) == ["a.txt", "c.txt"]
+                assert bytes(await w.read_user(tag, "a.txt", 0, 10)) == b"kept"
+                await eng.close_writes()
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    eng.close()
+    eng2 = engine_for(store, memory_mb=1, prefetch_mb=0)
+    [tag2] = eng2.recover()
+    assert sorted(eng2.writes.user_names(tag2)) == ["a.txt", "c.txt"]
+    assert bytes(trio.run(eng2.writes.read_user, tag2, "a.txt", 0, 10)) == b"kept"
+    eng2.close()
+
+
 async def _tag_as_shown(eng, tag):
     """What a tag shows: its view (bytes and size), its user blobs (names and bytes), its
     mtime."""

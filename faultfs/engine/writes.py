@@ -1302,22 +1302,24 @@ class Writes:
             tw = self._tag(tag)
             if name in tw.users:
                 raise FaultfsError(f"blob {name} of tag {tag.name} exists", errno.EEXIST)
+            before = dict(tw.users), set(tw.parted)
             uid = tw.next_user
-            tw.next_user += 1
+            tw.next_user += 1  # (kept past a failed save: an id is never handed out twice)
             tw.users[name] = uid
             tw.parted.add(uid)
-            await self._write_state(tag.id)
+            await self._save_users(tag, tw, *before)
             self._add(DirtyBlob(tag, part_name(uid, 0), None, 0, NEW))
 
     async def unlink_user(self, tag: Tag, name: str) -> None:
         self._check_writable(tag)
         async with _Holding(self._state_lock(tag.id)):
             tw = self._tag(tag)
+            before = dict(tw.users), set(tw.parted)
             uid = tw.users.pop(name, None)
             if uid is None:
                 raise FaultfsError(f"tag {tag.name} has no blob {name}", errno.ENOENT)
             tw.parted.discard(uid)
-            await self._write_state(tag.id)
+            await self._save_users(tag, tw, *before)
         await self._drop_user(tag, uid)
 
     async def rename_user(self, tag: Tag, old: str, new: str) -> None:
@@ -1328,13 +1330,33 @@ class Writes:
             tw = self._tag(tag)
             if old not in tw.users:
                 raise FaultfsError(f"tag {tag.name} has no blob {old}", errno.ENOENT)
+            before = dict(tw.users), set(tw.parted)
             replaced = tw.users.pop(new, None)
             tw.users[new] = tw.users.pop(old)
             if replaced is not None:
                 tw.parted.discard(replaced)
-            await self._write_state(tag.id)
+            await self._save_users(tag, tw, *before)
         if replaced is not None:
             await self._drop_user(tag, replaced)
+
+    async def _save_users(self, tag: Tag, tw: TagWrites, users: dict[str, int],
+                          parted: set[int]) -> None:
+        """Save a change of ``tag``'s user blob table (its state lock held), or, when the
+        save fails, put the table back as it was (``users``, ``parted``: copies from before
+        the change) and save that once more, best effort (a save whose directory fsync
+        failed may have replaced the file): a change the caller was told failed is not kept
+        in memory, where the tag's next state save would write it."""
+        try:
+            await self._write_state(tag.id)
+        except BaseException as exc:
+            tw.users, tw.parted = users, parted
+            if isinstance(exc, FaultfsError):  # (cancelled: the save never started)
+                try:
+                    await self._write_state(tag.id)
+                except FaultfsError as again:
+                    log.error("tag %s: the user blob table before the failed change was not "
+                              "saved again: %s", tag.name, again.message)
+            raise
 
     async def _drop_user(self, tag: Tag, uid: int) -> None:
         """Forget the dirty blobs of user blob ``uid`` (unlinked, or replaced by a rename)
