@@ -1351,12 +1351,17 @@ class Writes:
         except BaseException as exc:
             tw.users, tw.parted = users, parted
             if isinstance(exc, FaultfsError):  # (cancelled: the save never started)
-                try:
-                    await self._write_state(tag.id)
-                except FaultfsError as again:
-                    log.error("tag %s: the user blob table before the failed change was not "
-                              "saved again: %s", tag.name, again.message)
+                await self._save_again(tag, "the user blob table before the failed change")
             raise
+
+    async def _save_again(self, tag: Tag, what: str) -> None:
+        """Save ``tag``'s state as it is now over one whose save failed, which may have
+        replaced the file before it failed (its directory not synced). Best effort: a save
+        that fails before its rename changes nothing; a failure is logged, naming ``what``."""
+        try:
+            await self._write_state(tag.id)
+        except FaultfsError as exc:
+            log.error("tag %s: %s was not saved again: %s", tag.name, what, exc.message)
 
     async def _drop_user(self, tag: Tag, uid: int) -> None:
         """Forget the dirty blobs of user blob ``uid`` (unlinked, or replaced by a rename)
@@ -1782,11 +1787,7 @@ class Writes:
         a kill -9 never replays the reset — and the direct files in ``aside`` are set aside
         with their damaged blob's records. Both best effort: a save that fails before its
         rename changes nothing."""
-        try:
-            await self._write_state(tag.id)
-        except FaultfsError as exc:
-            log.error("tag %s: the state before the failed reset was not saved again: %s",
-                      tag.name, exc.message)
+        await self._save_again(tag, "the state before the failed reset")
         for tag_name, seq in aside:
             try:
                 await self.pool.run(self.files.set_aside_direct, tag_name, seq,
