@@ -138,6 +138,7 @@ def render_stats(snap: dict) -> str:
         f"{'fsyncs joined':<22}{c.get('fsyncs_joined', 0):>12}    {'spills':<22}{c.get('spills', 0):>12}",
         f"{'writes held':<22}{format_size(w.get('held_bytes', 0)):>12}    {'journal':<22}{format_size(w.get('journal_bytes', 0)):>12}",
         f"{'base faults failed':<22}{c.get('base_fault_errors', 0):>12}    {'dirty blobs kept':<22}{c.get('dirty_kept', 0):>12}",
+        f"{'other names dropped':<22}{c.get('coherence_drops', 0):>12}    {'drops cut short':<22}{c.get('coherence_held_pages', 0) + c.get('coherence_waits_cut', 0):>12}",
         f"{'requests taken queued':<22}{c.get('fuse_fast_waits', 0):>12}    {'request waits':<22}{c.get('fuse_waits', 0):>12}",
         f"{'fast reads (C)':<22}{c.get('fast_reads', 0):>12}    {'reads passed on':<22}{c.get('fast_passed', 0):>12}",
         f"fault latency  p50 {lat.get('p50_ms', 0)} ms, p90 {lat.get('p90_ms', 0)} ms, "

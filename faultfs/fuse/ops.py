@@ -77,7 +77,7 @@ class FaultOperations(pyfuse3.Operations):
         self.files = Files(self.tree)
         self.handles = HandleTable()
         self.invalidator = Invalidator()
-        self.files.invalidate = self.invalidator.inodes
+        self.files.coherence.drop = self.invalidator.drop
         self.files.invalidate_entry = self.invalidator.entry
         engine.pages.subscribe(self.invalidator.pages_changed)
         # the fast read path (fastread.py), while serve runs it: told of chunk and view opens

@@ -56,6 +56,9 @@ def serve(engine: Engine, mountpoint: str, *, ready: Callable[[], None] | None =
     fd = FastReads.queue_fd()
     if fd is None:
         fd = fastwait.session_fd(devices)
+    # the session's device (libfuse's own descriptor: opened first), for range invalidations
+    opened = sorted(set(fuse_device_fds()) - set(devices))
+    ops.invalidator.device_fd = opened[0] if opened else None
     try:
         trio.run(_serve_async, engine, ops, mountpoint, ready, fd)
     except BaseException:
@@ -63,6 +66,8 @@ def serve(engine: Engine, mountpoint: str, *, ready: Callable[[], None] | None =
         log.exception("the serving loop of %s stopped on an error; unmounting", mountpoint)
         raise
     finally:
+        ops.invalidator.device_fd = None
+        ops.files.coherence.close()
         pyfuse3.close(unmount=True)
         engine.close()
 

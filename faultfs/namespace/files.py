@@ -9,8 +9,8 @@ one snapshot per open; ``.pagemap`` buffers its text and installs it on flush
 
 Invariants:
 - A write through one name is seen through every other name of the same bytes: the kernel's
-  cached pages of the other inodes that were opened are invalidated before the write is
-  answered (never those of the inode written: the kernel holds its pages during the write).
+  cached pages of those bytes in the other inodes that were opened are dropped before the
+  write is answered (``namespace/coherence.py`` says how, and how long a write waits).
 - Writes are refused with EROFS on a read-only, read-through or degraded mount; a chunk's
   size is fixed (EFBIG past its end); what the mount shows cannot be removed or renamed
   (EPERM); only user blobs can.
@@ -41,19 +41,25 @@ from faultfs.core.inodes import (
 from faultfs.core.names import PAGEMAP_NAME
 from faultfs.engine import Engine, Tag
 from faultfs.errors import FaultfsError
+from faultfs.namespace.coherence import Coherence, Range
 from faultfs.namespace.control import ControlFile
 from faultfs.namespace.handle import OpenFile, PlainFile, read_only
 from faultfs.namespace.tree import Attributes, Node, Tree
 from faultfs.tiers.base import Buffer
 
-Invalidate = Callable[[list[int]], Awaitable[None]]
-INVALIDATE_MAX = 4096  # inodes invalidated after one write at most (pages past it: mtime)
+INVALIDATE_MAX = 4096  # ranges of other names dropped after one write at most (past it: mtime)
+
+
+def _let_go(counts: collections.Counter[int], inode: int) -> None:
+    counts[inode] -= 1
+    if not counts[inode]:
+        del counts[inode]
 
 
 class BlobFile(PlainFile):
     """A chunk, the whole-object view, a page or a user blob."""
 
-    def __init__(self, files: Files, node: Node) -> None:
+    def __init__(self, files: Files, node: Node, *, writing: bool) -> None:
         assert node.tag is not None
         self.files = files
         self.engine = files.engine
@@ -61,17 +67,20 @@ class BlobFile(PlainFile):
         self.kind = node.kind
         self.index = node.index
         self.inode = node.inode
+        self.writing = writing  # opened for writing (a shared writable mmap may dirty it)
         files.live[self.tag.id] += 1
         files.open_count[self.inode] += 1
+        if writing:
+            files.writers[self.inode] += 1
         self._released = False
 
     async def release(self) -> None:
         if not self._released:
             self._released = True
             self.files.live[self.tag.id] -= 1
-            self.files.open_count[self.inode] -= 1
-            if not self.files.open_count[self.inode]:
-                del self.files.open_count[self.inode]
+            _let_go(self.files.open_count, self.inode)
+            if self.writing:
+                _let_go(self.files.writers, self.inode)
 
     def _user(self) -> str:
         name = self.engine.writes.user_name(self.tag, self.index)
@@ -89,29 +98,32 @@ class BlobFile(PlainFile):
         return await self.engine.pages.read_page(self.tag, self.index, off, size)
 
     async def write(self, off: int, data: bytes) -> int:
+        return await self.files.write(self, off, data, lambda: self._write(off, data))
+
+    async def _write(self, off: int, data: bytes) -> int:
         writes = self.engine.writes
         if self.kind == KIND_CHUNK:
-            n = await writes.write_chunk(self.tag, self.index, off, data)
-        elif self.kind == KIND_VIEW:
-            n = await writes.write_view(self.tag, off, data)
-        elif self.kind == KIND_USER:
-            n = await writes.write_user(self.tag, self._user(), off, data)
-        else:
-            n = await self.engine.pages.write_page(self.tag, self.index, off, data)
-        await self.files.written(self, off, len(data))
-        return n
+            return await writes.write_chunk(self.tag, self.index, off, data)
+        if self.kind == KIND_VIEW:
+            return await writes.write_view(self.tag, off, data)
+        if self.kind == KIND_USER:
+            return await writes.write_user(self.tag, self._user(), off, data)
+        return await self.engine.pages.write_page(self.tag, self.index, off, data)
 
     async def truncate(self, size: int) -> None:
         writes = self.engine.writes
         if self.kind == KIND_VIEW:
+            old = writes.view_size(self.tag)
             await writes.truncate_view(self.tag, size)
         elif self.kind == KIND_USER:
-            await writes.truncate_user(self.tag, self._user(), size)
+            name = self._user()
+            old = writes.user_size(self.tag, name)
+            await writes.truncate_user(self.tag, name, size)
         elif self.kind == KIND_CHUNK and size == self.tag.layout.chunk_size:
             return
         else:
             raise FaultfsError("chunks and pages have a fixed size", errno.EPERM)
-        await self.files.written(self, 0, size)
+        await self.files.resized(self, old, size)
 
     async def fsync(self) -> None:
         await self.engine.writes.fsync()
@@ -158,15 +170,16 @@ class PagemapFile(PlainFile):
 class Files:
     """Opens entries of a ``Tree``, and creates, removes and renames them."""
 
-    def __init__(self, tree: Tree, invalidate: Invalidate | None = None) -> None:
+    def __init__(self, tree: Tree) -> None:
         self.tree = tree
         self.engine = tree.engine
-        self.invalidate = invalidate
         self.invalidate_entry: Callable[[int, str], Awaitable[None]] | None = None
         # inodes whose pages the kernel may cache: opened since they were last invalidated
         # (a closed file's cache, once invalidated, stays empty until it is opened again)
         self.opened: set[int] = set()
         self.open_count: collections.Counter[int] = collections.Counter()  # inode -> handles
+        self.writers: collections.Counter[int] = collections.Counter()  # inode -> writable ones
+        self.coherence = Coherence(None, self.engine.stats)  # its drop: the FUSE adapter's
         self.live: collections.Counter[int] = collections.Counter()  # tag id -> open files
 
     async def open(self, inode: int, flags: int) -> OpenFile:
@@ -195,7 +208,7 @@ class Files:
             if writing and not self.engine.writes.writable:
                 raise read_only()
             self.opened.add(inode)
-            handle = BlobFile(self, node)
+            handle = BlobFile(self, node, writing=writing)
             if writing and flags & os.O_TRUNC and node.kind in (KIND_VIEW, KIND_USER):
                 # the kernel hands O_TRUNC to the open (atomic_o_trunc): a view or a user blob
                 # is emptied as by ftruncate(0); chunks and pages have a fixed size and keep it
@@ -229,7 +242,8 @@ class Files:
         assert uid is not None
         node = Node(inodes.make(tag.id, KIND_USER, uid), KIND_USER, tag, uid)
         self.opened.add(node.inode)
-        return BlobFile(self, node), self.tree.attributes(node)
+        writing = flags & os.O_ACCMODE != os.O_RDONLY
+        return BlobFile(self, node, writing=writing), self.tree.attributes(node)
 
     async def remove(self, parent: int, name: str) -> None:
         """``unlink``: a user blob goes; what the mount shows cannot (EPERM)."""
@@ -283,7 +297,7 @@ class Files:
             return
         await handle.truncate(size)
 
-    # -- coherence ---------------------------------------------------------------------------
+    # -- coherence (namespace/coherence.py) ---------------------------------------------------
 
     async def forgotten(self, tag: Tag) -> None:
         """The kernel forgets the directory of a tag that is gone."""
@@ -294,62 +308,98 @@ class Files:
 
     async def invalidate_tag(self, tag: Tag) -> None:
         """Everything the kernel cached of ``tag``'s files (a reset changed all of them)."""
-        if self.invalidate is not None:
-            stale = [i for i in self.opened if inodes.split(i)[0] == tag.id]
-            if stale:
-                await self.invalidate(stale)
-                self._invalidated(stale)
+        stale = [(i, 0, 0) for i in self.opened if inodes.split(i)[0] == tag.id]
+        await self.coherence.drop_ranges(stale)
+        self._dropped(stale)
 
-    async def written(self, file: BlobFile, off: int, size: int) -> None:
-        """Invalidate what the kernel cached of the other names of the bytes just written."""
-        opened = self.opened
-        if self.invalidate is None or not opened or (len(opened) == 1 and file.inode in opened):
-            return  # no other name is open to cache anything (the usual case): no work
-        stale = [i for i in self._names_of(file, off, size) if i in self.opened and i != file.inode]
-        if stale:
-            await self.invalidate(stale[:INVALIDATE_MAX])
-            self._invalidated(stale[:INVALIDATE_MAX])
+    async def write(self, file: BlobFile, off: int, data: bytes,
+                    apply: Callable[[], Awaitable[int]]) -> int:
+        """``apply`` the write of ``data`` at ``off`` through ``file`` with the other names of
+        those bytes kept coherent: their pages dropped after it (and before it, where such a
+        name is open for writing: a dirty mapped page lands first, not over the write)."""
+        aliases = self.aliases(file, off, len(data))
+        if not aliases:
+            return await apply()  # no other name of these bytes is cached: no work
+        coherence = self.coherence
+        flight = coherence.begin(file.inode, off, len(data))
+        try:
+            await coherence.drop_ranges([r for r in aliases if self.writers.get(r[0])])
+            n = await apply()
+            await coherence.drop_ranges(aliases)
+        finally:
+            coherence.end(flight)
+        self._dropped(aliases)
+        return n
 
-    def _invalidated(self, done: list[int]) -> None:
-        """Inodes no handle has open now cache nothing after their invalidation: the next
-        write need not invalidate them again (``faultfs warm`` opens every chunk once)."""
-        for inode in done:
-            if not self.open_count.get(inode):
+    async def resized(self, file: BlobFile, old: int, new: int) -> None:
+        """Drop the other names' pages of the bytes a resize of ``file`` changed."""
+        lo, hi = min(old, new), max(old, new)
+        aliases = self.aliases(file, lo, hi - lo)
+        await self.coherence.drop_ranges(aliases)
+        self._dropped(aliases)
+
+    def _dropped(self, done: list[Range]) -> None:
+        """Inodes no handle has open were dropped whole: they cache nothing now, and the next
+        write need not drop them again (``faultfs warm`` opens every chunk once)."""
+        for inode, _, size in done:
+            if size <= 0 and not self.open_count.get(inode):
                 self.opened.discard(inode)
 
-    def _names_of(self, file: BlobFile, off: int, size: int) -> Iterable[int]:
-        """Inodes that show bytes ``[off, off+size)`` of ``file`` (besides ``file``)."""
+    def aliases(self, file: BlobFile, off: int, size: int) -> list[Range]:
+        """The cached ranges of other names that show bytes ``[off, off+size)`` of ``file``:
+        a range of a name open now, the whole of one opened before and closed since."""
+        opened = self.opened
+        if size <= 0 or not opened or (len(opened) == 1 and file.inode in opened):
+            return []  # no other name is open to cache anything (the usual case)
+        out: list[Range] = []
+        whole: set[int] = set()
+        for inode, lo, length in self._names_of(file, off, size):
+            if inode == file.inode or inode not in opened or inode in whole:
+                continue
+            if self.open_count.get(inode):
+                out.append((inode, lo, length))
+            else:
+                whole.add(inode)
+                out.append((inode, 0, 0))
+            if len(out) >= INVALIDATE_MAX:
+                break
+        return out
+
+    def _names_of(self, file: BlobFile, off: int, size: int) -> Iterable[Range]:
+        """(inode, offset, length) of every name that shows bytes ``[off, off+size)`` of
+        ``file`` (``file`` itself included, for a page that maps the same bytes twice)."""
         tag = file.tag
         cs = tag.layout.chunk_size
         view = inodes.make(tag.id, KIND_VIEW)
         pagemap = self.engine.pages.cached_map(tag)
         blob_ranges: list[tuple[str, int, int]] = []  # (blob name, off, size) written
         if file.kind == KIND_CHUNK:
-            yield view
+            yield view, file.index * cs + off, size
             blob_ranges.append((tag.layout.blob_name(file.index), off, size))
         elif file.kind == KIND_VIEW:
             for index, inner, length in pieces(off, size, off + size, cs):
-                yield inodes.make(tag.id, KIND_CHUNK, index)
+                yield inodes.make(tag.id, KIND_CHUNK, index), inner, length
                 blob_ranges.append((tag.layout.blob_name(index), inner, length))
         elif file.kind == KIND_USER:
             name = self.engine.writes.user_name(tag, file.index)
             if name is not None:
                 blob_ranges.append((name, off, size))
         elif pagemap is not None:  # a page: the blobs its slices name
-            yield view
             for piece in pagemap.to_page(file.index):
                 lo, hi = max(off, piece.dst_off), min(off + size, piece.dst_off + piece.size)
-                if lo < hi:
-                    blob_ranges.append((piece.blob_name, piece.blob_off + lo - piece.dst_off,
-                                        hi - lo))
-                    index = tag.layout.blob_index(piece.blob_name)
-                    if index is not None:
-                        yield inodes.make(tag.id, KIND_CHUNK, index)
-                    else:
-                        uid = self.engine.writes.user_id(tag, piece.blob_name)
-                        if uid is not None:
-                            yield inodes.make(tag.id, KIND_USER, uid)
+                if lo >= hi:
+                    continue
+                inner = piece.blob_off + lo - piece.dst_off
+                blob_ranges.append((piece.blob_name, inner, hi - lo))
+                index = tag.layout.blob_index(piece.blob_name)
+                if index is not None:
+                    yield inodes.make(tag.id, KIND_CHUNK, index), inner, hi - lo
+                    yield view, index * cs + inner, hi - lo
+                else:
+                    uid = self.engine.writes.user_id(tag, piece.blob_name)
+                    if uid is not None:
+                        yield inodes.make(tag.id, KIND_USER, uid), inner, hi - lo
         if pagemap is not None and not pagemap.empty:
             for name, lo, length in blob_ranges:
                 for ref in pagemap.iter_from_page(name, lo, length):
-                    yield inodes.make(tag.id, KIND_PAGE, ref.page_id)
+                    yield inodes.make(tag.id, KIND_PAGE, ref.page_id), ref.dst_off, ref.size
