@@ -25,6 +25,7 @@ COUNTERS = (
     "prefetch_errors", "store_readahead", "ring_reads", "dirty_kept", "skipped_dirty", "skipped_degraded",
     "writes", "bytes_written", "fsyncs", "fsyncs_joined", "folds", "checkpoints", "spills", "spilled_bytes",
     "base_fault_errors", "coherence_drops", "coherence_held_pages", "coherence_waits_cut",
+    "coherence_claimed_bytes",
     "xattrs_refused", "fuse_fast_waits", "fuse_waits", "fuse_waits_lost",
     "fast_reads", "fast_passed",
     "shared_hits", "shared_misses", "shared_damaged", "shared_errors", "shared_skipped",

@@ -8,6 +8,7 @@ Each case runs its writers as child processes under a deadline: a wedged mount f
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -36,31 +37,36 @@ def abort_connection(mountpoint: str) -> None:
 def run_children(mount, scripts: list[str], deadline: float = DEADLINE_S) -> list[str]:
     """Run each script (python source; ``T`` is the tag directory) as a child at once, and
     return their outputs; a child still running at the deadline fails the test after the
-    mount's connection was aborted."""
-    logs = [tempfile.TemporaryFile("w+") for _ in scripts]  # a pipe could fill and block
-    procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(s)], text=True,
-                              stdout=log, stderr=subprocess.STDOUT,
-                              env={**os.environ, "T": mount.tag("src")})
-             for s, log in zip(scripts, logs, strict=True)]
-    end = time.monotonic() + deadline
-    while time.monotonic() < end and any(p.poll() is None for p in procs):
-        time.sleep(0.05)
-    stuck = [p.pid for p in procs if p.poll() is None]
-    if stuck:
-        stacks = {pid: _stack(pid) for pid in stuck}
-        abort_connection(mount.path)
-        for p in procs:
-            p.kill()
-            p.wait(10)
-        pytest.fail(f"writers {stuck} made no progress in {deadline:.0f} s: {stacks}")
-    outs = []
-    for log in logs:
-        log.seek(0)
-        outs.append(log.read())
-        log.close()
-    for p, out in zip(procs, outs, strict=True):
-        assert p.returncode == 0, out
-    return outs
+    mount's connection was aborted. What the children say on stderr is printed."""
+    with contextlib.ExitStack() as stack:
+        # files, not pipes: a pipe could fill and block a child
+        outs = [stack.enter_context(tempfile.TemporaryFile("w+")) for _ in scripts]
+        errs = [stack.enter_context(tempfile.TemporaryFile("w+")) for _ in scripts]
+        procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(s)], text=True,
+                                  stdout=out, stderr=err, env={**os.environ, "T": mount.tag("src")})
+                 for s, out, err in zip(scripts, outs, errs, strict=True)]
+        end = time.monotonic() + deadline
+        while time.monotonic() < end and any(p.poll() is None for p in procs):
+            time.sleep(0.05)
+        stuck = [p.pid for p in procs if p.poll() is None]
+        if stuck:
+            stacks = {pid: _stack(pid) for pid in stuck}
+            abort_connection(mount.path)
+            for p in procs:
+                p.kill()
+                p.wait(10)
+        said = []
+        for out, err in zip(outs, errs, strict=True):
+            out.seek(0)
+            err.seek(0)
+            said.append((out.read(), err.read()))
+    for _, err in said:
+        if err:
+            print(err)  # (shown with a failure)
+    assert not stuck, f"writers {stuck} made no progress in {deadline:.0f} s: {stacks}"
+    for p, (_, err) in zip(procs, said, strict=True):
+        assert p.returncode == 0, err
+    return [out for out, _ in said]
 
 
 def _stack(pid: int) -> str:
@@ -154,7 +160,12 @@ WRITER = """
         for b in range(size):
             last[g + b] = data[b]
         n += 1
-        stale += sum(x != data for x in got)
+        if any(x != data for x in got):
+            stale += 1
+            time.sleep(0.2)
+            again = os.pread(chunks[i], size, off) == data
+            print("stale", mode, g, size, [x == data for x in got], "later", again,
+                  file=sys.stderr)
     print(n, stale, ";".join(f"{{k}}:{{v}}" for k, v in sorted(last.items())))
 """
 

@@ -28,6 +28,7 @@
  *   before a write of it is answered).
  * - An INTERRUPT of a READ answered here is dropped (libfuse would keep it for a request it
  *   never sees); every other INTERRUPT is libfuse's.
+ * - A WRITE that writes back cached pages reaches pyfuse3 with WRITEBACK_FH set in its fh.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -55,6 +56,10 @@
 #define REQ_BUF (256 * 4096 + 4096)
 #define ENDED_COUNT (1ULL << 62) /* the queue's count once the connection ended: always readable */
 #define WAKE_SIGNAL (SIGRTMIN + 5) /* ends a reader's blocking read when the readers stop */
+/* set in the fh of a WRITE the kernel sends to write back cached pages (FUSE_WRITE_CACHE):
+   pyfuse3 does not pass write_flags on, and such a write is a whole page of which only some
+   bytes were changed (namespace/coherence.py); the Python side clears it (fuse/ops.py) */
+#define WRITEBACK_FH (1ULL << 63)
 
 typedef uint64_t (*xxh3_fn)(const void *, size_t);
 
@@ -441,6 +446,9 @@ static void *reader(void *arg) {
         if ((size_t)n >= sizeof *in + sizeof(struct fuse_interrupt_in) &&
             in->opcode == FUSE_INTERRUPT && interrupts_ours((struct fuse_interrupt_in *)(in + 1)))
             continue;
+        if ((size_t)n >= sizeof *in + sizeof(struct fuse_write_in) && in->opcode == FUSE_WRITE &&
+            (((struct fuse_write_in *)(in + 1))->write_flags & FUSE_WRITE_CACHE))
+            ((struct fuse_write_in *)(in + 1))->fh |= WRITEBACK_FH;
         enqueue(buf, (size_t)n);
         buf = take_buffer();
     }

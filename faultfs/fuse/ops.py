@@ -24,6 +24,8 @@ from faultfs.namespace import BLOCK_SIZE, Attributes, Files, OpenFile, Tree
 
 log = logging.getLogger("faultfs.fuse")
 UID, GID = os.getuid(), os.getgid()  # every entry belongs to the daemon's user
+WRITEBACK_FH = 1 << 63  # _fastread.c: set in the fh of a WRITE of cached pages written back
+PAGE_MASK = 4095
 XATTR_OURS = b"user.faultfs."  # every attribute the tree has starts so (core.names)
 assert all(n.encode().startswith(XATTR_OURS) for n in (XATTR_SOURCE, XATTR_STAGED, XATTR_TAG))
 
@@ -82,6 +84,9 @@ class FaultOperations(pyfuse3.Operations):
         engine.pages.subscribe(self.invalidator.pages_changed)
         # the fast read path (fastread.py), while serve runs it: told of chunk and view opens
         self.file_opened: Callable[[OpenFile], None] | None = None
+        # whether it marks the WRITEs that write back cached pages (WRITEBACK_FH); without it
+        # a write of whole pages is taken for one
+        self.writebacks_marked = False
 
     @fuse_boundary
     async def lookup(self, parent_inode, name, ctx=None):
@@ -127,6 +132,10 @@ class FaultOperations(pyfuse3.Operations):
 
     async def write(self, fh, off, buf):
         try:  # fuse_boundary inline: a write is the hottest request, one frame less
+            if fh & WRITEBACK_FH:  # cached pages written back (marked by the fast read path)
+                return await self.handles[fh ^ WRITEBACK_FH].write(off, buf, cached=True)
+            if not self.writebacks_marked and not (off | len(buf)) & PAGE_MASK:
+                return await self.handles[fh].write(off, buf, cached=True)  # (as good a guess)
             return await self.handles[fh].write(off, buf)
         except FaultfsError as exc:
             log.debug("write: %s", exc)

@@ -92,6 +92,7 @@ async def _serve_with(engine: Engine, ops: FaultOperations, mountpoint: str,
         engine.attach(nursery)
         if fast is not None:
             ops.file_opened = fast.file_opened
+            ops.writebacks_marked = True
             fast.attach(nursery)
         if listeners:
             nursery.start_soon(serve_metrics, engine, listeners)

@@ -57,7 +57,7 @@ class ControlFile(PlainFile):
             self.answer = (json.dumps(await self._run(), sort_keys=True) + "\n").encode()
         return self.answer[off:off + size]
 
-    async def write(self, off: int, data: bytes) -> int:
+    async def write(self, off: int, data: bytes, *, cached: bool = False) -> int:
         if self.answer is not None or off + len(data) > MAX_REQUEST:
             raise FaultfsError("one request per open, of at most 64 KiB", errno.EINVAL)
         if off > len(self.request):

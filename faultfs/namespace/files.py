@@ -50,16 +50,10 @@ from faultfs.tiers.base import Buffer
 INVALIDATE_MAX = 4096  # ranges of other names dropped after one write at most (past it: mtime)
 
 
-def _let_go(counts: collections.Counter[int], inode: int) -> None:
-    counts[inode] -= 1
-    if not counts[inode]:
-        del counts[inode]
-
-
 class BlobFile(PlainFile):
     """A chunk, the whole-object view, a page or a user blob."""
 
-    def __init__(self, files: Files, node: Node, *, writing: bool) -> None:
+    def __init__(self, files: Files, node: Node) -> None:
         assert node.tag is not None
         self.files = files
         self.engine = files.engine
@@ -67,20 +61,17 @@ class BlobFile(PlainFile):
         self.kind = node.kind
         self.index = node.index
         self.inode = node.inode
-        self.writing = writing  # opened for writing (a shared writable mmap may dirty it)
         files.live[self.tag.id] += 1
         files.open_count[self.inode] += 1
-        if writing:
-            files.writers[self.inode] += 1
         self._released = False
 
     async def release(self) -> None:
         if not self._released:
             self._released = True
             self.files.live[self.tag.id] -= 1
-            _let_go(self.files.open_count, self.inode)
-            if self.writing:
-                _let_go(self.files.writers, self.inode)
+            self.files.open_count[self.inode] -= 1
+            if not self.files.open_count[self.inode]:
+                del self.files.open_count[self.inode]
 
     def _user(self) -> str:
         name = self.engine.writes.user_name(self.tag, self.index)
@@ -97,8 +88,8 @@ class BlobFile(PlainFile):
             return await self.engine.writes.read_user(self.tag, self._user(), off, size)
         return await self.engine.pages.read_page(self.tag, self.index, off, size)
 
-    async def write(self, off: int, data: bytes) -> int:
-        return await self.files.write(self, off, data, lambda: self._write(off, data))
+    async def write(self, off: int, data: bytes, *, cached: bool = False) -> int:
+        return await self.files.write(self, off, data, self._write, cached=cached)
 
     async def _write(self, off: int, data: bytes) -> int:
         writes = self.engine.writes
@@ -114,16 +105,15 @@ class BlobFile(PlainFile):
         writes = self.engine.writes
         if self.kind == KIND_VIEW:
             old = writes.view_size(self.tag)
-            await writes.truncate_view(self.tag, size)
+            await self.files.resize(self, old, size,
+                                    lambda: writes.truncate_view(self.tag, size))
         elif self.kind == KIND_USER:
             name = self._user()
             old = writes.user_size(self.tag, name)
-            await writes.truncate_user(self.tag, name, size)
-        elif self.kind == KIND_CHUNK and size == self.tag.layout.chunk_size:
-            return
-        else:
+            await self.files.resize(self, old, size,
+                                    lambda: writes.truncate_user(self.tag, name, size))
+        elif self.kind != KIND_CHUNK or size != self.tag.layout.chunk_size:
             raise FaultfsError("chunks and pages have a fixed size", errno.EPERM)
-        await self.files.resized(self, old, size)
 
     async def fsync(self) -> None:
         await self.engine.writes.fsync()
@@ -154,7 +144,7 @@ class PagemapFile(PlainFile):
     async def read(self, off: int, size: int) -> Buffer:
         return self.pages.handle_read(self.fh, off, size)
 
-    async def write(self, off: int, data: bytes) -> int:
+    async def write(self, off: int, data: bytes, *, cached: bool = False) -> int:
         return self.pages.handle_write(self.fh, off, data)
 
     async def truncate(self, size: int) -> None:
@@ -178,7 +168,6 @@ class Files:
         # (a closed file's cache, once invalidated, stays empty until it is opened again)
         self.opened: set[int] = set()
         self.open_count: collections.Counter[int] = collections.Counter()  # inode -> handles
-        self.writers: collections.Counter[int] = collections.Counter()  # inode -> writable ones
         self.coherence = Coherence(None, self.engine.stats)  # its drop: the FUSE adapter's
         self.live: collections.Counter[int] = collections.Counter()  # tag id -> open files
 
@@ -208,7 +197,7 @@ class Files:
             if writing and not self.engine.writes.writable:
                 raise read_only()
             self.opened.add(inode)
-            handle = BlobFile(self, node, writing=writing)
+            handle = BlobFile(self, node)
             if writing and flags & os.O_TRUNC and node.kind in (KIND_VIEW, KIND_USER):
                 # the kernel hands O_TRUNC to the open (atomic_o_trunc): a view or a user blob
                 # is emptied as by ftruncate(0); chunks and pages have a fixed size and keep it
@@ -242,8 +231,7 @@ class Files:
         assert uid is not None
         node = Node(inodes.make(tag.id, KIND_USER, uid), KIND_USER, tag, uid)
         self.opened.add(node.inode)
-        writing = flags & os.O_ACCMODE != os.O_RDONLY
-        return BlobFile(self, node, writing=writing), self.tree.attributes(node)
+        return BlobFile(self, node), self.tree.attributes(node)
 
     async def remove(self, parent: int, name: str) -> None:
         """``unlink``: a user blob goes; what the mount shows cannot (EPERM)."""
@@ -309,33 +297,49 @@ class Files:
     async def invalidate_tag(self, tag: Tag) -> None:
         """Everything the kernel cached of ``tag``'s files (a reset changed all of them)."""
         stale = [(i, 0, 0) for i in self.opened if inodes.split(i)[0] == tag.id]
-        await self.coherence.drop_ranges(stale)
+
+        async def made(runs: list[tuple[int, int]]) -> int:
+            return 0  # (the reset is made already)
+
+        await self.coherence.change(tag.id, None, 0, 0, stale, made)
         self._dropped(stale)
 
     async def write(self, file: BlobFile, off: int, data: bytes,
-                    apply: Callable[[], Awaitable[int]]) -> int:
-        """``apply`` the write of ``data`` at ``off`` through ``file`` with the other names of
-        those bytes kept coherent: their pages dropped after it (and before it, where such a
-        name is open for writing: a dirty mapped page lands first, not over the write)."""
+                    apply: Callable[[int, bytes], Awaitable[int]], *, cached: bool) -> int:
+        """``apply`` the write of ``data`` at ``off`` through ``file`` with the other names
+        of those bytes kept coherent (``namespace/coherence.py``: bytes another change
+        through them claims at that moment are not written; ``cached``, pages written back,
+        claims none of its own)."""
         aliases = self.aliases(file, off, len(data))
         if not aliases:
-            return await apply()  # no other name of these bytes is cached: no work
-        coherence = self.coherence
-        flight = coherence.begin(file.inode, off, len(data))
-        try:
-            await coherence.drop_ranges([r for r in aliases if self.writers.get(r[0])])
-            n = await apply()
-            await coherence.drop_ranges(aliases)
-        finally:
-            coherence.end(flight)
+            return await apply(off, data)  # no other name of these bytes is cached: no work
+
+        async def made(runs: list[tuple[int, int]]) -> int:
+            if runs == [(off, len(data))]:
+                return await apply(off, data)
+            for lo, length in runs:  # (rare: copies are fine)
+                got = await apply(lo, data[lo - off:lo - off + length])
+                if got < length:  # a short count (a full store): what landed, before it
+                    return lo - off + got
+            return len(data)
+
+        n = await self.coherence.change(file.tag.id, file.inode, off, len(data), aliases, made,
+                                        claim=not cached)
         self._dropped(aliases)
         return n
 
-    async def resized(self, file: BlobFile, old: int, new: int) -> None:
-        """Drop the other names' pages of the bytes a resize of ``file`` changed."""
+    async def resize(self, file: BlobFile, old: int, new: int,
+                     apply: Callable[[], Awaitable[None]]) -> None:
+        """``apply`` a resize of ``file`` from ``old`` to ``new`` bytes with the other names
+        of the bytes it changes kept coherent."""
         lo, hi = min(old, new), max(old, new)
         aliases = self.aliases(file, lo, hi - lo)
-        await self.coherence.drop_ranges(aliases)
+
+        async def made(runs: list[tuple[int, int]]) -> int:
+            await apply()
+            return 0
+
+        await self.coherence.change(file.tag.id, None, lo, hi - lo, aliases, made)
         self._dropped(aliases)
 
     def _dropped(self, done: list[Range]) -> None:
@@ -377,7 +381,17 @@ class Files:
             yield view, file.index * cs + off, size
             blob_ranges.append((tag.layout.blob_name(file.index), off, size))
         elif file.kind == KIND_VIEW:
-            for index, inner, length in pieces(off, size, off + size, cs):
+            if size // cs > len(self.opened):  # (a view grown far: only chunks opened count)
+                ends = off // cs, (off + size - 1) // cs
+                spans = []
+                for i in sorted(self.opened):
+                    tag_id, kind, index = inodes.split(i)
+                    if tag_id == tag.id and kind == KIND_CHUNK and ends[0] <= index <= ends[1]:
+                        lo, hi = max(off, index * cs), min(off + size, (index + 1) * cs)
+                        spans.append((index, lo - index * cs, hi - lo))
+            else:
+                spans = pieces(off, size, off + size, cs)
+            for index, inner, length in spans:
                 yield inodes.make(tag.id, KIND_CHUNK, index), inner, length
                 blob_ranges.append((tag.layout.blob_name(index), inner, length))
         elif file.kind == KIND_USER:

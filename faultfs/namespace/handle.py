@@ -20,7 +20,9 @@ class OpenFile(Protocol):
 
     async def read(self, off: int, size: int) -> Buffer: ...
 
-    async def write(self, off: int, data: bytes) -> int: ...
+    async def write(self, off: int, data: bytes, *, cached: bool = False) -> int:
+        """``cached``: pages the kernel cached written back (a shared writable map's)."""
+        ...
 
     async def truncate(self, size: int) -> None: ...
 
@@ -37,7 +39,7 @@ class PlainFile:
     keep_cache = True
     direct_io = False
 
-    async def write(self, off: int, data: bytes) -> int:
+    async def write(self, off: int, data: bytes, *, cached: bool = False) -> int:
         raise read_only()
 
     async def truncate(self, size: int) -> None:
