@@ -18,6 +18,7 @@ import errno
 import logging
 import time
 from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 
 import trio
 
@@ -460,6 +461,9 @@ class _PageBlobs:
             return await writes.read_user(tag, name, lo, hi - lo)
         data = await self._engine.pool.run(self._store.read, tag.name, name)
         return None if data is None else memoryview(data)[lo:hi]
+
+    def change(self, tag: Tag) -> AbstractAsyncContextManager[None]:
+        return self._engine.writes.changes.change(tag.id)
 
     async def write_slice(self, tag: Tag, name: str, off: int, data: bytes) -> None:
         writes = self._engine.writes

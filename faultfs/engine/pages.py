@@ -31,6 +31,7 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -109,6 +110,11 @@ class PageBlobs(Protocol):
     async def read_named(self, tag: Tag, name: str, lo: int, hi: int) -> Buffer | None:
         """Bytes ``[lo, hi)`` of another blob of the tag (a user blob, or one stored by
         name); None when there is none. FaultfsError when it is damaged user data."""
+        ...
+
+    def change(self, tag: Tag) -> AbstractAsyncContextManager[None]:
+        """Around a page write: its slices and gaps are one change of the tag (a clone
+        holds all of them or none)."""
         ...
 
     async def write_slice(self, tag: Tag, name: str, off: int, data: bytes) -> None:
@@ -311,15 +317,16 @@ class PageService:
             raise FaultfsError(f"page {page_id} of tag {tag.name} is {pagemap.page_size} bytes: "
                                "a write past its end cannot grow it", errno.EFBIG)
         covered = 0  # bytes of the window [0, len(data)) up to which slices or gaps were written
-        for piece in plan_page(pagemap, page_id, off, len(data)):
-            if piece.dst_off > covered:
-                await self.blobs.write_gap(tag, page_id, off + covered,
-                                           data[covered:piece.dst_off])
-            await self.blobs.write_slice(tag, piece.blob_name, piece.blob_off,
-                                         data[piece.dst_off:piece.dst_off + piece.size])
-            covered = piece.dst_off + piece.size
-        if covered < len(data):
-            await self.blobs.write_gap(tag, page_id, off + covered, data[covered:])
+        async with self.blobs.change(tag):
+            for piece in plan_page(pagemap, page_id, off, len(data)):
+                if piece.dst_off > covered:
+                    await self.blobs.write_gap(tag, page_id, off + covered,
+                                               data[covered:piece.dst_off])
+                await self.blobs.write_slice(tag, piece.blob_name, piece.blob_off,
+                                             data[piece.dst_off:piece.dst_off + piece.size])
+                covered = piece.dst_off + piece.size
+            if covered < len(data):
+                await self.blobs.write_gap(tag, page_id, off + covered, data[covered:])
         return len(data)
 
     def cached_map(self, tag: Tag) -> PageMap | None:

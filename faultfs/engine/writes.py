@@ -54,6 +54,13 @@ Invariants:
   no checkpoint runs. One whose save fails changes nothing: what it changed is put back, and
   its blobs return with what was written to their names meanwhile laid over them, as a
   replay applies their records (``_undo_reset``).
+- A clone is its tag at one instant (``prepare_clone``): every change of a tag — a write
+  (through the view or a page: whole), a truncate, a user blob's create, unlink or rename,
+  a reset — is one change (``one_change``, ``engine/changes.py``). The clone folds the
+  tag's blobs while it is written, then holds it still — its new changes wait before they
+  start, those under way end — folds what was written meanwhile, links the files, copies
+  the state and lets go. Writers of the tag wait for those folds, the links and one
+  state file, never for the first folds, and never while holding a lock.
 """
 
 from __future__ import annotations
@@ -72,6 +79,7 @@ import trio
 from faultfs.core.chunks import pieces
 from faultfs.core.extents import ExtentMap, Ref, lay, spilled
 from faultfs.core.names import PAGE_PREFIX, PAGEMAP_NAME, check_name, parse_index
+from faultfs.engine.changes import TagChanges, one_change
 from faultfs.engine.tags import Tag
 from faultfs.errors import CorruptionError, FaultfsError, StoreFull
 from faultfs.iopool import IoPool
@@ -285,6 +293,8 @@ class Writes:
         self._state_locks: dict[int, trio.Lock] = {}
         self._resets = 0  # resets under way: a checkpoint waits for them (``reset``)
         self._resets_over: trio.Event | None = None
+        # every change of a tag is one (``one_change``): a clone holds its tag still
+        self.changes = TagChanges()
 
     # -- recovery (blocking, before the mount answers) ---------------------------------------
 
@@ -750,6 +760,7 @@ class Writes:
             raise FaultfsError(f"tag {tag.name if tag else ''} takes no writes: its write state "
                                f"is damaged ({tw.damaged}); run faultfs fsck", errno.EIO)
 
+    @one_change
     async def write_chunk(self, tag: Tag, index: int, off: int, data: bytes) -> int:
         """Write through ``chunk_N``: a chunk has a fixed size (EFBIG past its end)."""
         self._check_writable(tag)
@@ -763,6 +774,7 @@ class Writes:
         self._written(tag)
         return len(data)
 
+    @one_change
     async def write_view(self, tag: Tag, off: int, data: bytes) -> int:
         """Write through the whole-object view: it grows past its end (new chunks)."""
         self._check_writable(tag)
@@ -805,6 +817,7 @@ class Writes:
             at += length
         return at
 
+    @one_change
     async def truncate_view(self, tag: Tag, size: int) -> None:
         """``ftruncate`` of the view: bytes past ``size`` are gone (a later growth reads
         zeros there); growing reads zeros past the old end."""
@@ -869,6 +882,7 @@ class Writes:
         cls._check_growth(tag, name, off + len(data))
         return data
 
+    @one_change
     async def write_user(self, tag: Tag, name: str, off: int, data: bytes) -> int:
         """A user blob made before parts is one dirty file, at most ``USER_BLOB_MAX`` bytes
         (what fits is written, a short count; a write wholly past it is EFBIG); one made
@@ -898,6 +912,7 @@ class Writes:
         self._written(tag)
         return len(data)
 
+    @one_change
     async def truncate_user(self, tag: Tag, name: str, size: int) -> None:
         self._check_writable(tag)
         uid = self._user_uid(tag, name)
@@ -935,6 +950,7 @@ class Writes:
             blob = now
         self._user_changed(blob)
 
+    @one_change
     async def write_gap(self, tag: Tag, page: int, off: int, data: bytes) -> None:
         """Bytes written into a gap of page ``page`` (the map has no slice there)."""
         self._check_writable(tag)
@@ -1295,6 +1311,7 @@ class Writes:
     # the user blob table changes with its tag's state lock held, from the check to the
     # save: a reset under way (which may fail and put the table back) is done first
 
+    @one_change
     async def create_user(self, tag: Tag, name: str) -> None:
         self._check_writable(tag)
         self.check_user_name(tag, name)
@@ -1310,6 +1327,7 @@ class Writes:
             await self._save_users(tag, tw, *before)
             self._add(DirtyBlob(tag, part_name(uid, 0), None, 0, NEW))
 
+    @one_change
     async def unlink_user(self, tag: Tag, name: str) -> None:
         self._check_writable(tag)
         async with _Holding(self._state_lock(tag.id)):
@@ -1322,6 +1340,7 @@ class Writes:
             await self._save_users(tag, tw, *before)
         await self._drop_user(tag, uid)
 
+    @one_change
     async def rename_user(self, tag: Tag, old: str, new: str) -> None:
         """Rename a user blob (replacing a user blob named ``new``): one table update."""
         self._check_writable(tag)
@@ -1617,6 +1636,7 @@ class Writes:
 
     # -- reset, clone ------------------------------------------------------------------------
 
+    @one_change
     async def reset(self, tag: Tag, names: list[str] | None = None) -> int:
         """Drop the writes of ``tag`` (of its blobs ``names``: chunks or user blobs): back to
         the source's bytes (a user blob back to empty). The dirty blobs dropped. A reset whose
@@ -1822,29 +1842,45 @@ class Writes:
             await self.checkpoint()
 
     async def prepare_clone(self, parent: Tag, child: str) -> None:
-        """Give tag ``child`` (not registered yet) ``parent``'s writes as they are now: every
-        dirty blob of the parent folded, its files linked (a fold replaces a file, never
-        writes it in place, so a link keeps this moment), the parent's write state copied."""
-        mine = [b for b in self.blobs.values() if b.tag.id == parent.id]
-        damaged = sorted(b.name for b in mine if b.damaged)
+        """Give tag ``child`` (not registered yet) ``parent``'s writes as they are at one
+        instant (DESIGN §12): every dirty blob of the parent folded, its files linked (a fold
+        replaces a file, never writes it in place, so a link keeps this moment), the
+        parent's write state copied — all while the parent is held still
+        (``TagChanges.hold``): its changes wait, and those under way end first. Folding one
+        blob after another while writes went on let a clone take a write without one
+        answered before it. The blobs are folded once before the hold, so under it only
+        those written meanwhile are folded again: writers of the tag wait for those folds,
+        the links and one state file, never for the bulk."""
+        self._refuse_damaged(parent)
+        await self._fold_tag(parent)
+        async with self.changes.hold(parent.id):
+            await self._fold_tag(parent)
+            self._refuse_damaged(parent)  # (also a blob a fold just found damaged)
+            ptw = self._tag(parent)
+            state = {"view_size": ptw.view_size, "view_seq": self.journal.last_seq,
+                     "users": dict(ptw.users), "next_user": ptw.next_user,
+                     "parted": sorted(ptw.parted),
+                     "ancestors": [parent.name, *ptw.ancestors], "voided": 0,
+                     "voided_blobs": {}, "mtime_ns": ptw.mtime_ns}
+
+            def link() -> None:
+                self.files.forget_tag(child)  # a clone that crashed before it was registered
+                self.files.link_from(parent.name, child)
+                self.files.write_state(child, state)
+
+            await self.pool.run(link)
+
+    def _refuse_damaged(self, tag: Tag) -> None:
+        damaged = sorted(b.name for b in self.blobs.values() if b.tag.id == tag.id and b.damaged)
         if damaged:  # a clone would take its older file, or none: never a damaged blob's bytes
-            raise FaultfsError(f"tag {parent.name} has damaged dirty blobs "
+            raise FaultfsError(f"tag {tag.name} has damaged dirty blobs "
                                f"({', '.join(damaged)}): reset them first", errno.EIO)
-        for blob in mine:
-            await self.fold(blob)
-        ptw = self._tag(parent)
-        state = {"view_size": ptw.view_size, "view_seq": self.journal.last_seq,
-                 "users": dict(ptw.users), "next_user": ptw.next_user,
-                 "parted": sorted(ptw.parted),
-                 "ancestors": [parent.name, *ptw.ancestors], "voided": 0, "voided_blobs": {},
-                 "mtime_ns": ptw.mtime_ns}
 
-        def link() -> None:
-            self.files.forget_tag(child)  # a clone that crashed before it was registered
-            self.files.link_from(parent.name, child)
-            self.files.write_state(child, state)
-
-        await self.pool.run(link)
+    async def _fold_tag(self, tag: Tag) -> None:
+        """Fold every dirty blob of ``tag`` (durably); the first failure, raised."""
+        failed = await self._fold_all([b for b in self.blobs.values() if b.tag.id == tag.id])
+        if failed:
+            raise failed[0][1]
 
     # -- helpers -----------------------------------------------------------------------------
 
