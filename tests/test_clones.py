@@ -293,3 +293,45 @@ def test_a_change_under_way_when_the_clone_begins_is_in_it_whole(store):
 
     trio.run(main)
     eng.close()
+
+
+def _remount(store, eng):
+    """A new engine over the store as ``eng`` left it (a kill -9: no unmount); its tags."""
+    eng.close()
+    eng2 = engine_for(store, memory_mb=1, prefetch_mb=0)
+    return eng2, {t.name: t for t in eng2.recover()}
+
+
+def test_a_blob_reset_while_a_clone_folds_is_not_written_back(store):
+    """A reset drops chunk_1 while the clone's folds (before it holds the tag) are paused
+    with chunk_1 still in their list, and the journal moves on: the fold of the dropped
+    blob writes nothing, so no file of it outlives the reset — the parent reads the
+    source's bytes there, also after a remount, and so does the clone."""
+    eng, tag = _engine(store)
+    w = eng.writes
+    source = payload(2 * CS)[CS:CS + 8]
+
+    async def main():
+        with trio.fail_after(10):
+            await w.write_chunk(tag, 0, 0, b"before-0")
+            await w.write_chunk(tag, 1, 0, b"before-1")
+            pause = _PausedFolds(eng, at=1)  # before the first fold of the clone
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(eng.clone_tag, tag, "snap")
+                await pause.paused.wait()
+                assert await w.reset(tag, ["chunk_1"]) == 1
+                await w.write_chunk(tag, 2, 0, b"later!!!")  # the journal moves on
+                pause.go.set()
+            assert await _bytes(eng, tag, 1, 0, 8) == source
+            assert await _bytes(eng, eng.tags["snap"], 1, 0, 8) == source
+
+    trio.run(main)
+    eng2, tags = _remount(store, eng)
+
+    async def after():
+        assert await _bytes(eng2, tags["t"], 1, 0, 8) == source
+        assert await _bytes(eng2, tags["t"], 2, 0, 8) == b"later!!!"
+        assert await _bytes(eng2, tags["snap"], 1, 0, 8) == source
+
+    trio.run(after)
+    eng2.close()

@@ -30,7 +30,9 @@ Invariants:
   go instead of being deleted, so every other blob is folded and the journal still trims;
   a reset drops it. A replay that stops early keeps what follows (``journal.py``).
 - Writes and folds of one blob are serialised (its lock); a read takes the base and the
-  writes it sees in one step, so it never mixes two states of a blob. A write or truncate
+  writes it sees in one step, so it never mixes two states of a blob. A fold of a blob the
+  tables no longer hold (dropped by a reset or an unlink while the fold waited) writes
+  nothing: its file would name a seq past the reset's void mark. A write or truncate
   that awaited (back-pressure, the lock, the base's fault) goes on with the blob the tables
   have for its name then (``_now``): a reset may have dropped the one it was handed, and
   its record, past the void mark, is laid over the reset at a replay.
@@ -1575,6 +1577,10 @@ class Writes:
 
     async def fold(self, blob: DirtyBlob, *, sync_dir: bool = True) -> None:
         async with blob.locked():
+            if self.blobs.get((blob.tag.id, blob.name)) is not blob:
+                # dropped while the fold waited (a reset, an unlink): written back, its file
+                # would name a seq past the reset's void mark, and a mount would load it
+                return
             if not blob.pending and blob.base == FOLDED and blob.size == blob.folded_size:
                 return
             if self._unwritten(blob):
