@@ -335,3 +335,35 @@ def test_a_blob_reset_while_a_clone_folds_is_not_written_back(store):
 
     trio.run(after)
     eng2.close()
+
+
+def test_a_clone_never_brings_back_a_file_a_reset_left_behind(store):
+    """chunk_1's dirty file outlives the reset of chunk_1 (the daemon was killed before the
+    reset deleted it; a mount skips it by the reset's mark): a clone of the tag reads the
+    source's bytes there too, as its parent does, also after a remount."""
+    eng, tag = _engine(store)
+    w = eng.writes
+    source = payload(2 * CS)[CS:CS + 8]
+
+    async def main():
+        await w.write_chunk(tag, 1, 0, b"before-1")
+        await w.checkpoint()  # chunk_1 has a dirty file
+        w.files.delete = lambda tag_name, name: None  # killed before the reset deleted it
+        assert await w.reset(tag, ["chunk_1"]) == 1
+
+    trio.run(main)
+    eng2, tags = _remount(store, eng)
+
+    async def clone():
+        assert await _bytes(eng2, tags["t"], 1, 0, 8) == source
+        snap = await eng2.clone_tag(tags["t"], "snap")
+        assert await _bytes(eng2, snap, 1, 0, 8) == source
+
+    trio.run(clone)
+    eng3, tags = _remount(store, eng2)
+
+    async def after():
+        assert await _bytes(eng3, tags["snap"], 1, 0, 8) == source
+
+    trio.run(after)
+    eng3.close()

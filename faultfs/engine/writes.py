@@ -61,8 +61,8 @@ Invariants:
   a reset — is one change (``one_change``, ``engine/changes.py``). The clone folds the
   tag's blobs while it is written, then holds it still — its new changes wait before they
   start, those under way end — folds what was written meanwhile, links the files, copies
-  the state and lets go. Writers of the tag wait for those folds, the links and one
-  state file, never for the first folds, and never while holding a lock.
+  the state (reset marks too) and lets go. Writers of the tag wait for those folds, the
+  links and one state file, never for the first folds, and never while holding a lock.
 """
 
 from __future__ import annotations
@@ -1863,11 +1863,13 @@ class Writes:
             await self._fold_tag(parent)
             self._refuse_damaged(parent)  # (also a blob a fold just found damaged)
             ptw = self._tag(parent)
+            # the reset marks too: a file a reset left behind (killed before deleting it) is
+            # linked with the others, and a mount of the clone must skip it as the parent's does
             state = {"view_size": ptw.view_size, "view_seq": self.journal.last_seq,
                      "users": dict(ptw.users), "next_user": ptw.next_user,
                      "parted": sorted(ptw.parted),
-                     "ancestors": [parent.name, *ptw.ancestors], "voided": 0,
-                     "voided_blobs": {}, "mtime_ns": ptw.mtime_ns}
+                     "ancestors": [parent.name, *ptw.ancestors], "voided": ptw.voided,
+                     "voided_blobs": dict(ptw.voided_blobs), "mtime_ns": ptw.mtime_ns}
 
             def link() -> None:
                 self.files.forget_tag(child)  # a clone that crashed before it was registered
