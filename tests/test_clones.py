@@ -8,6 +8,7 @@ writes are made while it waits: which of them the clone holds is then checked, n
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -17,6 +18,8 @@ import trio.testing
 
 from faultfs.engine.changes import TagChanges
 from faultfs.store.blobstore import BlobStore
+from faultfs.store.dirty import STATE
+from faultfs.store.fileops import OsFileOps
 from faultfs.testing.fakes import CS, ctx_for, engine_for, make_source, payload
 
 
@@ -367,3 +370,47 @@ def test_a_clone_never_brings_back_a_file_a_reset_left_behind(store):
 
     trio.run(after)
     eng3.close()
+
+
+class _PausedStateSave(OsFileOps):
+    """File operations whose first rename onto tag ``t``'s write state, once ``armed``,
+    waits (on its I/O thread) for ``go``: the save's temporary file is in the directory."""
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.renaming, self.go = threading.Event(), threading.Event()
+
+    def rename(self, src: str, dst: str) -> None:
+        if self.armed and dst == os.path.join(os.path.dirname(dst), STATE) \
+                and os.path.basename(os.path.dirname(dst)) == "t-t":
+            self.armed = False
+            self.renaming.set()
+            self.go.wait(10)
+        super().rename(src, dst)
+
+
+def test_a_clone_leaves_the_files_a_checkpoint_is_writing_alone(store):
+    """A checkpoint is saving the tag's write state (its temporary file written, not yet
+    renamed) while a clone links the tag's files: the clone leaves that file alone, so the
+    checkpoint's save, and the checkpoint, succeed."""
+    make_source(payload(CS * 4))
+    ops = _PausedStateSave()
+    eng = engine_for(store, memory_mb=1, prefetch_mb=0, writes_ops=ops)
+    tag = eng.register(ctx_for())
+    w = eng.writes
+
+    async def main():
+        with trio.fail_after(10):
+            await w.write_chunk(tag, 0, 0, b"before-0")
+            ops.armed = True
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(w.checkpoint)
+                while not ops.renaming.is_set():  # noqa: ASYNC110 - on an I/O thread
+                    await trio.sleep(0.001)
+                snap = await eng.clone_tag(tag, "snap")
+                ops.go.set()
+            assert eng.stats.counters["checkpoints"] == 1, "the checkpoint failed"
+            assert await _bytes(eng, snap, 0, 0, 8) == b"before-0"
+
+    trio.run(main)
+    eng.close()

@@ -1502,7 +1502,9 @@ class Writes:
             through = self.journal.last_seq
             failed = await self._fold_all([b for b in self.blobs.values() if b.pending
                                            or b.base != FOLDED or b.size != b.folded_size])
-            for tag_id, tw in self.tags.items():
+            # (a copy: a clone adds its tag while the saves await; one forgotten meanwhile
+            # has left ``changed``)
+            for tag_id, tw in list(self.tags.items()):
                 tw.view_seq = through
                 if tag_id in self.changed:  # a tag nothing was written to keeps no state
                     await self._save_state_id(tag_id)

@@ -351,8 +351,11 @@ class DirtyFiles:
         finally:
             self.ops.close(fd)
 
-    def names(self, tag: str) -> list[str]:
-        """Names of the dirty files of ``tag`` (from their headers, for hashed names)."""
+    def names(self, tag: str, *, sweep: bool = True) -> list[str]:
+        """Names of the dirty files of ``tag`` (from their headers, for hashed names).
+        ``sweep``: delete the temporary files of replacements that never finished — only
+        when nothing writes the tag's files (a mount opening it): a fold's or a state
+        save's under way is one too."""
         directory = self._tag_dir_for_reading(tag)
         if directory is None:
             return []
@@ -372,7 +375,7 @@ class DirtyFiles:
                     continue
                 finally:
                     self.ops.close(fd)
-            elif entry.startswith("t-") and entry.endswith(".tmp") and self.writable:
+            elif entry.startswith("t-") and entry.endswith(".tmp") and self.writable and sweep:
                 self.ops.unlink(os.path.join(directory, entry))  # never renamed: never valid
         return sorted(out)
 
@@ -385,7 +388,7 @@ class DirtyFiles:
     def link_from(self, src_tag: str, tag: str) -> list[str]:
         """Hard-link every dirty file of ``src_tag`` into ``tag`` (a clone: the files are
         replaced, never written in place, so a link is a snapshot); the names linked."""
-        names = self.names(src_tag)
+        names = self.names(src_tag, sweep=False)  # (the parent is written meanwhile)
         self._tag_dir_for_writing(self.tag_dir(tag))
         for name in names:
             os.link(self.path(src_tag, name), self.path(tag, name))
