@@ -8,6 +8,7 @@ writes are made while it waits: which of them the clone holds is then checked, n
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 
@@ -17,6 +18,7 @@ import trio.lowlevel
 import trio.testing
 
 from faultfs.engine.changes import TagChanges
+from faultfs.errors import FaultfsError
 from faultfs.store.blobstore import BlobStore
 from faultfs.store.dirty import STATE
 from faultfs.store.fileops import OsFileOps
@@ -411,6 +413,37 @@ def test_a_clone_leaves_the_files_a_checkpoint_is_writing_alone(store):
                 ops.go.set()
             assert eng.stats.counters["checkpoints"] == 1, "the checkpoint failed"
             assert await _bytes(eng, snap, 0, 0, 8) == b"before-0"
+
+    trio.run(main)
+    eng.close()
+
+
+def test_a_second_clone_of_a_name_being_made_is_refused_at_once(store):
+    """While a clone ``snap`` is being made, another clone named ``snap`` (of any tag) is
+    refused with EEXIST at once: it never removes or relinks the first one's files."""
+    eng, tag = _engine(store)
+    w = eng.writes
+
+    async def main():
+        with trio.fail_after(10):
+            await w.write_chunk(tag, 0, 0, b"before-0")
+            pause = _PausedFolds(eng, at=1)
+            refused: list[int] = []
+
+            async def second():
+                try:
+                    await eng.clone_tag(tag, "snap")
+                except FaultfsError as exc:
+                    refused.append(exc.errno)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(eng.clone_tag, tag, "snap")
+                await pause.paused.wait()
+                nursery.start_soon(second)
+                await _quiet(eng)
+                assert refused == [errno.EEXIST]
+                pause.go.set()
+            assert await _bytes(eng, eng.tags["snap"], 0, 0, 8) == b"before-0"
 
     trio.run(main)
     eng.close()

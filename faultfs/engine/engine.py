@@ -90,6 +90,7 @@ class Engine:
         self._refreshed_at = float("-inf")  # the last look for tags other nodes registered
         self._refreshing: trio.Event | None = None
         self._forgotten: set[str] = set()  # not brought back by a refresh until a remount
+        self._cloning: set[str] = set()  # names of clones being made
         self.pages = PageService(_PageBlobs(self), self.pool, self.stats)
 
     # -- tags --------------------------------------------------------------------------------
@@ -148,13 +149,18 @@ class Engine:
             self.writes.check_bases()
 
     async def clone_tag(self, parent: Tag, name: str) -> Tag:
-        """``faultfs clone``: tag ``name``, a point-in-time copy of ``parent`` (§12)."""
-        if name in self.tags:
+        """``faultfs clone``: tag ``name``, a point-in-time copy of ``parent`` (§12). A name
+        being cloned to is taken: another clone to it would remove and relink its files."""
+        if name in self.tags or name in self._cloning:
             raise FaultfsError(f"tag {name!r} exists", errno.EEXIST)
         check_tag_name(name)
-        await self.writes.prepare_clone(parent, name)
-        child = await self.pool.run(self._tags.clone, parent, name)
-        await self.pool.run(self.writes.open_tag, child)
+        self._cloning.add(name)
+        try:
+            await self.writes.prepare_clone(parent, name)
+            child = await self.pool.run(self._tags.clone, parent, name)
+            await self.pool.run(self.writes.open_tag, child)
+        finally:
+            self._cloning.discard(name)
         log.info("tag %s: cloned from %s", name, parent.name)
         return child
 
