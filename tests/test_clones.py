@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
+import time
 
 import pytest
 import trio
@@ -23,6 +24,7 @@ from faultfs.store.blobstore import BlobStore
 from faultfs.store.dirty import STATE
 from faultfs.store.fileops import OsFileOps
 from faultfs.testing.fakes import CS, ctx_for, engine_for, make_source, payload
+from faultfs.testing.stamps import RECORD, Log, check, seen_chunks, seen_user, stamp, stamp_seq
 
 
 @pytest.fixture
@@ -444,6 +446,74 @@ def test_a_second_clone_of_a_name_being_made_is_refused_at_once(store):
                 assert refused == [errno.EEXIST]
                 pause.go.set()
             assert await _bytes(eng, eng.tags["snap"], 0, 0, 8) == b"before-0"
+
+    trio.run(main)
+    eng.close()
+
+
+def test_clones_beside_writers_checkpoints_resets_and_each_other_are_each_an_instant(store):
+    """Two stamping writers (``faultfs.testing.stamps``: the chunks in turn, a user blob
+    appended), checkpoints, resets of a chunk no writer stamps, and two clones of the tag at
+    a time, again and again: nothing waits forever, and every clone is the tag at one
+    instant by the writers' logs."""
+    eng, tag = _engine(store, chunks=8)
+    w = eng.writes
+    w.user_part = 4 * RECORD  # (a few stamps cross a part)
+    logs = {"chunks": Log([], []), "user": Log([], [])}
+    clones: list[tuple[str, int]] = []
+    cloning = [2]
+
+    async def stamping(kind: str) -> None:
+        log = logs[kind]
+        seq = 0
+        while cloning[0]:
+            seq += 1
+            log.started.append(time.monotonic_ns())
+            if kind == "chunks":
+                await w.write_chunk(tag, (seq - 1) % 6, 0, stamp(seq))
+            else:
+                await w.write_user(tag, "stamps", (seq - 1) * RECORD, stamp(seq))
+            log.answered.append(time.monotonic_ns())
+            await trio.lowlevel.checkpoint()
+
+    async def clone(k: int) -> None:
+        for n in range(4):
+            await trio.sleep(0.002)
+            name = f"snap{k}-{n}"
+            began = time.monotonic_ns()
+            await eng.clone_tag(tag, name)
+            clones.append((name, began))
+        cloning[0] -= 1
+
+    async def disturbing() -> None:
+        while cloning[0]:
+            await w.write_chunk(tag, 7, 5, b"other")
+            await w.checkpoint()
+            await w.reset(tag, ["chunk_7"])
+            await trio.sleep(0.001)
+
+    async def main():
+        await w.create_user(tag, "stamps")
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                eng.attach(nursery)
+                async with trio.open_nursery() as work:
+                    work.start_soon(stamping, "chunks")
+                    work.start_soon(stamping, "user")
+                    work.start_soon(clone, 0)
+                    work.start_soon(clone, 1)
+                    work.start_soon(disturbing)
+                nursery.cancel_scope.cancel()
+        assert all(len(log.started) > 10 for log in logs.values())
+        problems = {}
+        for name, began in clones:
+            snap = eng.tags[name]
+            chunks = [stamp_seq(await _bytes(eng, snap, i, 0, 16)) for i in range(6)]
+            found = check({"chunks": seen_chunks(chunks),
+                           "user": seen_user(await _user(eng, snap, "stamps"))}, logs, began)
+            if found:
+                problems[name] = found
+        assert not problems
 
     trio.run(main)
     eng.close()
