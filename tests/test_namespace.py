@@ -152,3 +152,38 @@ def test_a_tag_of_a_million_chunks_lists_from_any_position_at_once(tmp_path):
     assert names(tree, directory, start=(1 << 20) - 1)[:2] == [f"chunk_{(1 << 20) - 2}",
                                                                f"chunk_{(1 << 20) - 1}"]
     engine.close()
+
+
+def test_rename_flags_are_honoured_or_refused_never_ignored(tree):
+    """renameat2 at the namespace: the kernel refuses some flag mixes itself, the namespace
+    refuses them too (both flags, RENAME_WHITEOUT, unknown bits: EINVAL), before any change."""
+    from faultfs.namespace import RENAME_EXCHANGE, RENAME_NOREPLACE
+
+    files = Files(tree)
+    field = run(tree.lookup, ROOT, "field").inode
+    writes = tree.engine.writes
+    tag = tree.engine.tags["field"]
+
+    async def main():
+        for name, data in (("a", b"aa"), ("b", b"bbbb")):
+            await writes.create_user(tag, name)
+            await writes.write_user(tag, name, 0, data)
+
+    run(main)
+
+    def user_blobs() -> dict[str, bytes]:
+        return {n: bytes(run(writes.read_user, tag, n, 0, 100)) for n in writes.user_names(tag)}
+
+    before = user_blobs()
+    for flags in (RENAME_NOREPLACE | RENAME_EXCHANGE, 4, 8, 1 << 31):
+        assert errno_of(files.rename, field, "a", field, "b", flags) == errno.EINVAL, flags
+    for target in ("b", "chunk_0", "field.bin"):
+        assert errno_of(files.rename, field, "a", field, target, RENAME_NOREPLACE) == errno.EEXIST
+    assert errno_of(files.rename, field, "a", field, "c", RENAME_EXCHANGE) == errno.ENOENT
+    assert errno_of(files.rename, field, "a", field, "chunk_1", RENAME_EXCHANGE) == errno.EPERM
+    assert errno_of(files.rename, field, "chunk_1", field, "a", RENAME_EXCHANGE) == errno.EPERM
+    assert user_blobs() == before
+    run(files.rename, field, "a", field, "b", RENAME_EXCHANGE)
+    assert user_blobs() == {"a": b"bbbb", "b": b"aa"}
+    run(files.rename, field, "a", field, "c", RENAME_NOREPLACE)
+    assert user_blobs() == {"b": b"aa", "c": b"bbbb"}

@@ -1343,14 +1343,17 @@ class Writes:
         await self._drop_user(tag, uid)
 
     @one_change
-    async def rename_user(self, tag: Tag, old: str, new: str) -> None:
-        """Rename a user blob (replacing a user blob named ``new``): one table update."""
+    async def rename_user(self, tag: Tag, old: str, new: str, *, replace: bool = True) -> None:
+        """Rename a user blob (replacing a user blob named ``new``; with ``replace`` False,
+        EEXIST when there is one): one table update."""
         self._check_writable(tag)
         self.check_user_name(tag, new)
         async with _Holding(self._state_lock(tag.id)):
             tw = self._tag(tag)
             if old not in tw.users:
                 raise FaultfsError(f"tag {tag.name} has no blob {old}", errno.ENOENT)
+            if not replace and new in tw.users:
+                raise FaultfsError(f"blob {new} of tag {tag.name} exists", errno.EEXIST)
             before = dict(tw.users), set(tw.parted)
             replaced = tw.users.pop(new, None)
             tw.users[new] = tw.users.pop(old)
@@ -1359,6 +1362,20 @@ class Writes:
             await self._save_users(tag, tw, *before)
         if replaced is not None:
             await self._drop_user(tag, replaced)
+
+    async def exchange_users(self, tag: Tag, a: str, b: str) -> None:
+        """Swap two user blobs' names (renameat2's RENAME_EXCHANGE): one table update, saved
+        as a rename's is, so the swap survives a crash whole or not at all. ENOENT unless
+        both exist; nothing is dropped."""
+        self._check_writable(tag)
+        async with _Holding(self._state_lock(tag.id)):
+            tw = self._tag(tag)
+            for name in (a, b):
+                if name not in tw.users:
+                    raise FaultfsError(f"tag {tag.name} has no blob {name}", errno.ENOENT)
+            before = dict(tw.users), set(tw.parted)
+            tw.users[a], tw.users[b] = tw.users[b], tw.users[a]
+            await self._save_users(tag, tw, *before)
 
     async def _save_users(self, tag: Tag, tw: TagWrites, users: dict[str, int],
                           parted: set[int]) -> None:

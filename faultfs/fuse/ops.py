@@ -20,7 +20,15 @@ from faultfs.errors import FaultfsError
 from faultfs.fuse.handles import HandleTable
 from faultfs.fuse.invalidate import Invalidator
 from faultfs.fuse.lowlevel import pyfuse3
-from faultfs.namespace import BLOCK_SIZE, Attributes, Files, OpenFile, Tree
+from faultfs.namespace import (
+    BLOCK_SIZE,
+    RENAME_EXCHANGE,
+    RENAME_NOREPLACE,
+    Attributes,
+    Files,
+    OpenFile,
+    Tree,
+)
 
 log = logging.getLogger("faultfs.fuse")
 UID, GID = os.getuid(), os.getgid()  # every entry belongs to the daemon's user
@@ -28,6 +36,7 @@ WRITEBACK_FH = 1 << 63  # _fastread.c: set in the fh of a WRITE of cached pages 
 PAGE_MASK = 4095
 XATTR_OURS = b"user.faultfs."  # every attribute the tree has starts so (core.names)
 assert all(n.encode().startswith(XATTR_OURS) for n in (XATTR_SOURCE, XATTR_STAGED, XATTR_TAG))
+assert (pyfuse3.RENAME_NOREPLACE, pyfuse3.RENAME_EXCHANGE) == (RENAME_NOREPLACE, RENAME_EXCHANGE)
 
 
 def fuse_boundary(fn):
@@ -179,7 +188,7 @@ class FaultOperations(pyfuse3.Operations):
     @fuse_boundary
     async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
         await self.files.rename(parent_inode_old, os.fsdecode(name_old), parent_inode_new,
-                                os.fsdecode(name_new))
+                                os.fsdecode(name_new), flags)
 
     @fuse_boundary
     async def mkdir(self, parent_inode, name, mode, ctx):

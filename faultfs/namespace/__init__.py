@@ -2,10 +2,10 @@
 plain code over the engine, testable without a mount (the FUSE adapter only converts).
 
 Public: ``Tree`` (lookups, listings, attributes), ``Files`` (opens), ``OpenFile``,
-``Attributes``, ``Node``.
+``Attributes``, ``Node``, and the rename flags ``Files.rename`` takes.
 """
 
-from faultfs.namespace.files import Files, OpenFile
+from faultfs.namespace.files import RENAME_EXCHANGE, RENAME_NOREPLACE, Files, OpenFile
 from faultfs.namespace.tree import (
     ATTR_TIMEOUT,
     BLOCK_SIZE,
@@ -14,5 +14,5 @@ from faultfs.namespace.tree import (
     Tree,
 )
 
-__all__ = ["ATTR_TIMEOUT", "BLOCK_SIZE", "Attributes", "Files", "Node", "OpenFile",
-           "Tree"]
+__all__ = ["ATTR_TIMEOUT", "BLOCK_SIZE", "RENAME_EXCHANGE", "RENAME_NOREPLACE", "Attributes",
+           "Files", "Node", "OpenFile", "Tree"]

@@ -13,7 +13,7 @@ Invariants:
   write is answered (``namespace/coherence.py`` says how, and how long a write waits).
 - Writes are refused with EROFS on a read-only, read-through or degraded mount; a chunk's
   size is fixed (EFBIG past its end); what the mount shows cannot be removed or renamed
-  (EPERM); only user blobs can.
+  (EPERM); only user blobs can. A rename flag is honoured or refused, never ignored.
 - Nothing here blocks the trio thread.
 """
 
@@ -47,6 +47,7 @@ from faultfs.namespace.handle import OpenFile, PlainFile, read_only
 from faultfs.namespace.tree import Attributes, Node, Tree
 from faultfs.tiers.base import Buffer
 
+RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2  # renameat2's flags (linux/fs.h; WHITEOUT is 4)
 INVALIDATE_MAX = 4096  # ranges of other names dropped after one write at most (past it: mtime)
 
 
@@ -241,14 +242,34 @@ class Files:
         assert node.tag is not None
         await self.engine.writes.unlink_user(node.tag, name)
 
-    async def rename(self, parent: int, name: str, new_parent: int, new_name: str) -> None:
+    async def rename(self, parent: int, name: str, new_parent: int, new_name: str,
+                     flags: int = 0) -> None:
+        """``rename``/``renameat2``: a user blob is renamed within its tag, replacing a user
+        blob of the new name, or with RENAME_NOREPLACE refused (EEXIST) when anything has
+        that name; with RENAME_EXCHANGE it swaps names with the user blob there (both must
+        exist: ENOENT). What the mount shows is never moved (EPERM). A flag is honoured or
+        refused (EINVAL: RENAME_WHITEOUT, both flags, any unknown), never ignored."""
+        if flags & ~(RENAME_NOREPLACE | RENAME_EXCHANGE) or flags == (RENAME_NOREPLACE
+                                                                     | RENAME_EXCHANGE):
+            raise FaultfsError(f"rename flags {flags:#x} are not supported (only "
+                               "RENAME_NOREPLACE or RENAME_EXCHANGE)", errno.EINVAL)
         node = await self._existing(parent, name)
         if node.kind != KIND_USER:
             raise self._fixed(name)
         if new_parent != parent:
             raise FaultfsError("a blob stays in its tag", errno.EXDEV)
         assert node.tag is not None
-        await self.engine.writes.rename_user(node.tag, name, new_name)
+        writes = self.engine.writes
+        if flags & RENAME_EXCHANGE:
+            if (await self._existing(new_parent, new_name)).kind != KIND_USER:
+                raise self._fixed(new_name)
+            await writes.exchange_users(node.tag, name, new_name)
+        elif flags & RENAME_NOREPLACE:
+            if await self._exists(new_parent, new_name):
+                raise FaultfsError(f"{new_name} exists", errno.EEXIST)
+            await writes.rename_user(node.tag, name, new_name, replace=False)
+        else:
+            await writes.rename_user(node.tag, name, new_name)
 
     async def change(self, parent: int, name: str) -> None:
         """``mkdir``, ``rmdir``, ``mknod``, ``symlink``, ``link``: EPERM for what the mount
@@ -263,6 +284,15 @@ class Files:
 
     async def _existing(self, parent: int, name: str) -> Node:
         return self.tree.node((await self.tree.lookup(parent, name)).inode)
+
+    async def _exists(self, parent: int, name: str) -> bool:
+        try:
+            await self.tree.lookup(parent, name)
+        except FaultfsError as exc:
+            if exc.errno != errno.ENOENT:
+                raise
+            return False
+        return True
 
     @staticmethod
     def _fixed(name: str) -> FaultfsError:
