@@ -8,6 +8,7 @@ import ctypes
 import errno
 import os
 import signal
+import subprocess
 import time
 
 import pytest
@@ -126,3 +127,40 @@ def test_rename_flags_that_cannot_be_honoured_are_refused_and_change_nothing(mou
     m.umount()
     assert shown(mounter(store=m.store).tag("field")) == {"a": None, "b": b"bbbbbb",
                                                           "c": b"aaa"}
+
+
+def test_o_trunc_of_a_chunk_or_a_page_is_refused_and_changes_nothing(mounter, sample):
+    """A fixed-size name opened with O_TRUNC fails as truncate(2) of it does (EPERM), with
+    any access mode; the shell's ``>`` on a chunk fails and the chunk keeps its bytes."""
+    src = sample(128 * KiB)
+    m = mounter(src, args=["--chunk-size", "16K", "--page-size", "16K"])
+    tag = m.tag("field")
+    want = read(src)
+    for name, off in (("chunk_7", 7 * 16 * KiB), ("page:3", 3 * 16 * KiB)):
+        path = os.path.join(tag, name)
+        before = want[off:off + 16 * KiB]
+        assert read(path) == before
+        done = subprocess.run(["sh", "-c", 'printf hello > "$1"', "sh", path],
+                              capture_output=True, text=True, timeout=30)
+        assert done.returncode != 0, f"printf hello > {name} succeeded"
+        assert "not permitted" in done.stderr, done.stderr
+        for mode in (os.O_WRONLY, os.O_RDWR, os.O_RDONLY):
+            assert errno_of(os.open, path, mode | os.O_TRUNC) == errno.EPERM, (name, mode)
+        assert read(path) == before and os.stat(path).st_size == 16 * KiB, name
+    assert read(os.path.join(tag, "field.bin")) == want
+    assert m.counters()["writes"] == 0
+
+
+def test_o_trunc_empties_the_view_and_a_user_blob_with_any_access_mode(mounter, sample):
+    """As on a local file system (Linux truncates on O_RDONLY|O_TRUNC too)."""
+    src = sample(64 * KiB)
+    m = mounter(src, args=["--chunk-size", "16K"])
+    tag = m.tag("field")
+    write(os.path.join(tag, "notes"), b"some notes")
+    for name in ("field.bin", "notes"):
+        path = os.path.join(tag, name)
+        os.close(os.open(path, os.O_RDONLY | os.O_TRUNC))
+        assert os.stat(path).st_size == 0 and read(path) == b"", name
+    subprocess.run(["sh", "-c", 'printf hello > "$1"', "sh", os.path.join(tag, "field.bin")],
+                   check=True, timeout=30)
+    assert read(os.path.join(tag, "field.bin")) == b"hello"

@@ -187,3 +187,19 @@ def test_rename_flags_are_honoured_or_refused_never_ignored(tree):
     assert user_blobs() == {"a": b"bbbb", "b": b"aa"}
     run(files.rename, field, "a", field, "c", RENAME_NOREPLACE)
     assert user_blobs() == {"b": b"aa", "c": b"bbbb"}
+
+
+def test_o_trunc_is_a_write_whatever_the_access_mode(tree):
+    """O_TRUNC of a fixed-size name is EPERM (as truncate of it is), of a read-only file
+    refused as a write is; the kernel hands O_TRUNC to the open (atomic_o_trunc)."""
+    files = Files(tree)
+    field = run(tree.lookup, ROOT, "field").inode
+    chunk = run(tree.lookup, field, "chunk_1").inode
+    key = sorted(tree.engine.registry)[0]
+    entry = run(tree.lookup, REGISTRY_DIR, key).inode
+    for mode in (os.O_RDONLY, os.O_WRONLY, os.O_RDWR):
+        assert errno_of(files.open, chunk, mode | os.O_TRUNC) == errno.EPERM, mode
+        assert errno_of(files.open, STATS_FILE, mode | os.O_TRUNC) == errno.EACCES, mode
+        assert errno_of(files.open, entry, mode | os.O_TRUNC) == errno.EROFS, mode
+    assert not tree.engine.writes.is_dirty(tree.engine.tags["field"], 1)
+    assert files.opened == set(), "a refused open leaves nothing open"

@@ -176,7 +176,11 @@ class Files:
         node = await self.tree.load(inode)
         if node.is_dir:
             raise FaultfsError("is a directory", errno.EISDIR)
-        writing = flags & os.O_ACCMODE != os.O_RDONLY
+        # O_TRUNC changes the file whatever the access mode, as on a local file system
+        # (Linux truncates on O_RDONLY|O_TRUNC and asks for write permission; the kernel
+        # hands O_TRUNC to this open, atomic_o_trunc): it is a write here too
+        truncating = bool(flags & os.O_TRUNC)
+        writing = flags & os.O_ACCMODE != os.O_RDONLY or truncating
         if inode == STATS_FILE:
             if writing:
                 raise FaultfsError("stats are read-only", errno.EACCES)
@@ -197,11 +201,14 @@ class Files:
         if node.kind in (KIND_CHUNK, KIND_VIEW, KIND_PAGE, KIND_USER):
             if writing and not self.engine.writes.writable:
                 raise read_only()
+            if truncating and node.kind in (KIND_CHUNK, KIND_PAGE):
+                # a fixed size: refused as truncate(2) of it is, before anything changes
+                # (`printf x > chunk_7` must not leave x over the old tail and succeed)
+                raise FaultfsError("chunks and pages have a fixed size: O_TRUNC is refused",
+                                   errno.EPERM)
             self.opened.add(inode)
             handle = BlobFile(self, node)
-            if writing and flags & os.O_TRUNC and node.kind in (KIND_VIEW, KIND_USER):
-                # the kernel hands O_TRUNC to the open (atomic_o_trunc): a view or a user blob
-                # is emptied as by ftruncate(0); chunks and pages have a fixed size and keep it
+            if truncating:  # a view or a user blob is emptied as by ftruncate(0)
                 try:
                     await handle.truncate(0)
                 except BaseException:
