@@ -69,7 +69,7 @@ def prepare(spec: MountSpec, config: Config, options: SourceOptions,
         parse_addr(config.metrics_addr)
     store = BlobStore(config.store_dir, create=False)
     store.direct = config.store_direct
-    mountpoint = prepare_mountpoint(spec.mountpoint)
+    mountpoint, recovered = prepare_mountpoint(spec.mountpoint)
     if _within(store.root, mountpoint):
         raise InvalidInput(f"store {store.root} is inside the mountpoint {mountpoint}: the mount "
                            "would hide it; pick a --store outside it")
@@ -125,7 +125,7 @@ def prepare(spec: MountSpec, config: Config, options: SourceOptions,
             raise InvalidInput(f"store {store.root} has no registered tags: give a source to mount")
         if sharing is not None:
             publish_tags(sharing, store, [t.ctx for t in engine.tags.values()])
-        warnings = problems.lines()
+        warnings = ([recovered] if recovered else []) + problems.lines()
         if store.degraded:
             warnings.append(f"store {store.root} cannot be written ({store.degraded}): serving "
                             "what is staged, reading the rest through from the sources")

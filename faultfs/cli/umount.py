@@ -1,8 +1,10 @@
-"""``faultfs umount MNT``: unmount and wait for the daemon, so its store is free."""
+"""``faultfs umount MNT``: unmount and wait for the daemon, so its store is free; a daemon
+that does not answer is ended (``fuse.mountpoint.recover``), and the user told so."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 
 from faultfs.fuse.mountpoint import unmount
 
@@ -15,5 +17,7 @@ def register(sub) -> None:
 
 
 def cmd_umount(args: argparse.Namespace) -> int:
-    unmount(args.mountpoint)
+    note = unmount(args.mountpoint)
+    if note:
+        print(f"faultfs: {note}", file=sys.stderr)
     return 0

@@ -22,6 +22,7 @@ from faultfs.core.names import CTL_NAME
 from faultfs.engine import Engine
 from faultfs.errors import FaultfsError
 from faultfs.fuse import fastwait
+from faultfs.fuse.daemons import DaemonRecord
 from faultfs.fuse.exporter import open_listeners, serve_metrics
 from faultfs.fuse.fastread import FastReads
 from faultfs.fuse.lowlevel import pyfuse3
@@ -52,6 +53,7 @@ def serve(engine: Engine, mountpoint: str, *, ready: Callable[[], None] | None =
         pyfuse3.init(ops, mountpoint, options)
     except RuntimeError as exc:
         raise FaultfsError(f"mounting {mountpoint} failed: {exc}", errno.EIO) from None
+    record = DaemonRecord(mountpoint)  # who serves it (fuse/daemons.py)
     # what pyfuse3 waits on: the fast read path's queue, else the session's device
     fd = FastReads.queue_fd()
     if fd is None:
@@ -60,6 +62,7 @@ def serve(engine: Engine, mountpoint: str, *, ready: Callable[[], None] | None =
     opened = sorted(set(fuse_device_fds()) - set(devices))
     ops.invalidator.device_fd = opened[0] if opened else None
     try:
+        record.write()
         trio.run(_serve_async, engine, ops, mountpoint, ready, fd)
     except BaseException:
         # never touch the mountpoint from this thread here: nothing answers it any more
@@ -69,6 +72,7 @@ def serve(engine: Engine, mountpoint: str, *, ready: Callable[[], None] | None =
         ops.invalidator.device_fd = None
         ops.files.coherence.close()
         pyfuse3.close(unmount=True)
+        record.remove()
         engine.close()
 
 

@@ -1,0 +1,149 @@
+"""A mount whose daemon does not answer is recovered by ``faultfs umount`` and by ``faultfs
+mount`` over it: the FUSE connection aborted, the daemon killed (its store freed), the mount
+detached, the user told in one line; acknowledged writes come back at the next mount. The
+daemon is made silent with SIGSTOP. Every command runs with a timeout, and a test that fails
+aborts the connection itself, so nothing here can wedge the suite."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import run_faultfs
+
+from faultfs.fuse import connection
+
+pytestmark = pytest.mark.mount
+
+KiB = 1 << 10
+COMMAND_TIMEOUT = 60  # a command that has not returned by then hangs: the test fails
+
+
+def read(path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def gone(pid: int, wait: float = 10) -> bool:
+    """Whether ``pid`` has exited (a zombie has: it holds no files, no lock)."""
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@contextlib.contextmanager
+def stopped(m):
+    """SIGSTOP the daemon of ``m``; whatever happens, the connection is not left wedged."""
+    entry = connection.find_mount(m.path)
+    assert entry is not None and entry.fstype == connection.FSTYPE
+    pid = m.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield pid
+    finally:
+        again = connection.find_mount(m.path)
+        if again is not None and again.minor == entry.minor:
+            connection.abort(entry.minor)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        m.pid = None
+
+
+def holding(path: str) -> subprocess.Popen:
+    """A process that holds ``path`` open. Not this one: a process spawned while this one
+    held a file of a silent mount would close it (a FLUSH to the daemon) before its exec."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, path], stdout=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout is not None and proc.stdout.readline() == "open\n"
+    return proc
+
+
+HOLD = "import os, sys, time; os.open(sys.argv[1], os.O_RDONLY); print('open', flush=True); time.sleep(600)"
+
+
+def written(m) -> bytes:
+    """Acknowledged writes through the view and a user blob, never synced; what the view
+    holds after them."""
+    tag = m.tag("field")
+    view = os.path.join(tag, "field.bin")
+    want = bytearray(read(view))
+    fd = os.open(view, os.O_WRONLY)
+    try:
+        os.pwrite(fd, b"w" * 5000, 70 * KiB)
+    finally:
+        os.close(fd)
+    want[70 * KiB:70 * KiB + 5000] = b"w" * 5000
+    with open(os.path.join(tag, "notes"), "wb") as f:
+        f.write(b"kept notes")
+    return bytes(want)
+
+
+def test_umount_ends_a_mount_whose_daemon_does_not_answer(mounter, sample):
+    m = mounter(sample(256 * KiB), args=["--chunk-size", "64K"])
+    want = written(m)
+    holder = holding(os.path.join(m.tag("field"), "chunk_1"))  # a file left open
+    try:
+        with stopped(m) as pid:
+            done = run_faultfs("umount", m.path, timeout=COMMAND_TIMEOUT)
+            assert done.returncode == 0, done.stderr
+            line = done.stderr.strip()
+            assert len(line.splitlines()) == 1, line
+            assert f"pid {pid}" in line and "did not answer" in line, line
+            assert "aborted" in line and "killed" in line and "journal" in line, line
+            assert gone(pid), "the daemon was killed"
+            assert connection.find_mount(m.path) is None, "the mount is detached"
+    finally:
+        holder.kill()
+        holder.communicate(timeout=COMMAND_TIMEOUT)  # (closes its pipe)
+    again = mounter(store=m.store, mountpoint=m.path)  # the store is free, the writes are back
+    assert read(os.path.join(again.tag("field"), "field.bin")) == want
+    assert read(os.path.join(again.tag("field"), "notes")) == b"kept notes"
+
+
+def test_mount_over_a_mount_whose_daemon_does_not_answer_takes_its_place(mounter, sample):
+    m = mounter(sample(256 * KiB), args=["--chunk-size", "64K"])
+    want = written(m)
+    with stopped(m) as pid:
+        done = run_faultfs("mount", m.path, "--store", m.store, "--reserve-mb", "0",
+                           timeout=COMMAND_TIMEOUT)
+        try:
+            assert done.returncode == 0, done.stderr
+            assert "did not answer" in done.stderr and f"pid {pid}" in done.stderr
+            assert gone(pid)
+            entry = connection.find_mount(m.path)
+            assert entry is not None and entry.fstype == connection.FSTYPE
+            assert read(os.path.join(m.tag("field"), "field.bin")) == want
+            assert read(os.path.join(m.tag("field"), "notes")) == b"kept notes"
+        finally:
+            run_faultfs("umount", m.path, timeout=COMMAND_TIMEOUT)
+
+
+def test_umount_of_a_busy_mount_whose_daemon_answers_is_refused_and_changes_nothing(
+        mounter, sample):
+    src = sample(64 * KiB)
+    m = mounter(src, args=["--chunk-size", "64K"])
+    view = os.path.join(m.tag("field"), "field.bin")
+    with open(view, "rb") as f:
+        done = run_faultfs("umount", m.path, timeout=COMMAND_TIMEOUT)
+        assert done.returncode != 0 and "busy" in done.stderr, done.stderr
+        assert f.read() == read(src)
+    assert m.stats()["pid"] == m.pid, "the same daemon serves on"
+
+
+def test_umount_of_a_mount_that_is_not_faultfs_is_refused(small_fs):
+    fs = small_fs(64)
+    done = run_faultfs("umount", str(fs), timeout=COMMAND_TIMEOUT)
+    assert done.returncode != 0 and "not a faultfs one" in done.stderr, done.stderr
+    assert os.path.ismount(fs)
