@@ -1363,6 +1363,7 @@ class Writes:
         if replaced is not None:
             await self._drop_user(tag, replaced)
 
+    @one_change
     async def exchange_users(self, tag: Tag, a: str, b: str) -> None:
         """Swap two user blobs' names (renameat2's RENAME_EXCHANGE): one table update, saved
         as a rename's is, so the swap survives a crash whole or not at all. ENOENT unless
