@@ -128,13 +128,13 @@ class _Change:
 
 
 def one_change(method: F) -> F:
-    """Make each call of ``method`` (of an object with ``changes``, given the tag first, then
-    positional arguments only) one change of that tag: ``async with
+    """Make each call of ``method`` (of an object with ``changes``, given the tag first) one
+    change of that tag: ``async with
     self.changes.change(tag.id)`` around its body, without a context manager's calls on the
     path of every write."""
 
     @functools.wraps(method)
-    async def change(self: Any, tag: Tag, *args: Any) -> Any:
+    async def change(self: Any, tag: Tag, *args: Any, **kwargs: Any) -> Any:
         changes, tag_id = self.changes, tag.id
         if changes._held:  # some tag is held: this one perhaps
             await changes._wait(tag_id)
@@ -143,7 +143,7 @@ def one_change(method: F) -> F:
         under_way[tag_id] = under_way.get(tag_id, 0) + 1
         token = _INSIDE.set(tag_id)
         try:
-            return await method(self, tag, *args)
+            return await method(self, tag, *args, **kwargs)
         finally:
             _INSIDE.reset(token)
             left = under_way[tag_id] = under_way[tag_id] - 1
