@@ -18,20 +18,12 @@ import time
 
 import pytest
 
+from faultfs.fuse import connection
+
 pytestmark = pytest.mark.mount
 
 MiB = 1 << 20
 DEADLINE_S = 60.0
-
-
-def abort_connection(mountpoint: str) -> None:
-    """Abort the FUSE connection of ``mountpoint`` (what a wedged mount needs)."""
-    conns = "/sys/fs/fuse/connections"
-    if not os.listdir(conns):
-        subprocess.run(["mount", "-t", "fusectl", "none", conns], capture_output=True)
-    minor = os.minor(os.stat(mountpoint).st_dev)
-    with open(f"{conns}/{minor}/abort", "w") as f:
-        f.write("1")
 
 
 def run_children(mount, scripts: list[str], deadline: float = DEADLINE_S) -> list[str]:
@@ -51,7 +43,9 @@ def run_children(mount, scripts: list[str], deadline: float = DEADLINE_S) -> lis
         stuck = [p.pid for p in procs if p.poll() is None]
         if stuck:
             stacks = {pid: _stack(pid) for pid in stuck}
-            abort_connection(mount.path)
+            entry = connection.find_mount(mount.path)  # (a wedged mount's stat would hang)
+            if entry is not None:
+                connection.abort(entry.minor)
             for p in procs:
                 p.kill()
                 p.wait(10)
