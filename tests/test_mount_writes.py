@@ -808,7 +808,8 @@ def test_without_xattrs_a_write_is_one_request_and_with_them_attributes_answer(m
 @pytest.mark.mount
 def test_an_open_with_o_trunc_empties_the_view_and_a_user_blob_not_a_chunk(mounter, sample):
     """The kernel hands O_TRUNC to the open (``atomic_o_trunc``): ``open(…, "wb")`` of the
-    view or a user blob starts it empty, as on a local file; a chunk keeps its fixed size."""
+    view or a user blob starts it empty, as on a local file; a chunk, whose size is fixed,
+    refuses it (EPERM, as truncate) and keeps its bytes (tests/test_mount_names.py)."""
     src = sample(3 * MiB)
     before = sha(src)
     m = mounter(src)
@@ -824,12 +825,10 @@ def test_an_open_with_o_trunc_empties_the_view_and_a_user_blob_not_a_chunk(mount
         f.write(b"short")
     assert read(user) == b"short"
     chunk = os.path.join(tag, "chunk_1")
-    fd = os.open(chunk, os.O_WRONLY | os.O_TRUNC)
-    try:
-        os.pwrite(fd, b"abc", 0)
-    finally:
-        os.close(fd)
-    assert os.stat(chunk).st_size == MiB and read(chunk)[:3] == b"abc"
+    kept = read(chunk)  # (zeros: the view was cut to 9 bytes)
+    with pytest.raises(PermissionError):
+        os.open(chunk, os.O_WRONLY | os.O_TRUNC)
+    assert os.stat(chunk).st_size == MiB and read(chunk) == kept
     m.umount()
     m2 = mounter(store=m.store)
     assert read(os.path.join(m2.tag("field"), "field.bin")) == b"new start"
