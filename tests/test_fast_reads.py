@@ -84,6 +84,43 @@ def test_staged_reads_through_the_view_and_the_chunks_are_the_sources_bytes(
     assert c["reads"] >= c["fast_reads"] and c["bytes_served"] > 0
 
 
+def test_a_clones_staged_reads_are_served_here_from_its_parents_blobs(
+        mounter, sample, tmp_path):
+    """A clone's clean chunks are its parent's blobs (published under the parent's id): its
+    reads are served here too. A write to the parent after the clone changes neither what
+    the clone reads nor where; a write to the clone stops the path for the clone."""
+    src, m = staged_mount(mounter, sample, tmp_path, 4 * MiB)
+    data = read(src)
+    run_faultfs("clone", m.tag("field"), "c", check=True)
+    view = os.path.join(m.tag("c"), "field.bin")
+    at = MiB + 5000  # inside chunk_1
+    want = data[at:at + 4 * KiB]
+    fd = os.open(view, os.O_RDONLY)
+    try:
+        for _ in range(3):
+            assert os.pread(fd, 4 * KiB, at) == want
+            drop_cache(view)
+        served = m.counters()["fast_reads"]
+        assert served >= 1
+        with open(os.path.join(m.tag("field"), "chunk_1"), "r+b") as w:
+            w.seek(at - MiB)
+            w.write(os.urandom(4 * KiB))
+        for _ in range(3):
+            assert os.pread(fd, 4 * KiB, at) == want, "the parent's later write is its own"
+            drop_cache(view)
+        assert m.counters()["fast_reads"] > served
+        served = m.counters()["fast_reads"]
+        with open(os.path.join(m.tag("c"), "chunk_3"), "r+b") as w:
+            w.write(b"clone")
+        for _ in range(3):
+            assert os.pread(fd, 4 * KiB, at) == want
+            drop_cache(view)
+        assert m.counters()["fast_reads"] == served, "nothing of a written tag is served here"
+    finally:
+        os.close(fd)
+    assert m.counters()["source_reads"] == 0
+
+
 def test_a_write_stops_the_fast_path_for_its_tag_before_it_is_answered(
         mounter, sample, tmp_path):
     size = 4 * MiB

@@ -19,6 +19,7 @@ FNV64_OFFSET_BASIS = 0xCBF29CE484222325
 FNV64_PRIME = 0x100000001B3
 FAULT_KEY_PREFIX = "fault:"
 REGISTRY_TAG = "__cae_on_fault"  # upstream's name for the tag holding fault contexts
+CLONE_OF = "clone of "  # a clone's src_data: this, then the fault key of the tag it copies
 
 MAX_CHUNK_SIZE = 1 << 30  # a blob is held whole in memory while it faults: cap it at 1 GiB
 MAX_INT = (1 << 63) - 1  # offsets and sizes must fit a signed 64-bit off_t
@@ -98,6 +99,12 @@ class FaultContext:
     def key(self) -> str:
         """The fault key: ``fault:`` + FNV-1a 64 of the canonical encoding, 16 hex digits."""
         return f"{FAULT_KEY_PREFIX}{fnv1a64(self.encode()):016x}"
+
+    @property
+    def cloned_from(self) -> str | None:
+        """The fault key of the tag this context's tag is a clone of (``faultfs clone``), or
+        None when it is no clone."""
+        return self.src_data[len(CLONE_OF):] if self.src_data.startswith(CLONE_OF) else None
 
     @classmethod
     def decode(cls, data: bytes) -> FaultContext:

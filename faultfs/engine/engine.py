@@ -10,6 +10,8 @@ Invariants:
   (fault); a failed fault raises (EIO) — zeros are never served in place of data.
 - Concurrent faults of one blob share one source read (single-flight).
 - A fault-ingested blob never takes the last of the store (``tiers/policy.py``).
+- A clone's clean chunks are keyed, faulted, staged and pinned as its ancestor's
+  (``Tag.clean``): a chunk either reads is one blob, faulted once, stored once.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from faultfs.stats import Stats
 from faultfs.store.blobfile import FLAG_DIRTY
 from faultfs.store.blobstore import BlobStore
 from faultfs.store.fileops import FileOps
-from faultfs.tiers.base import Buffer
+from faultfs.tiers.base import BlobKey, Buffer
 from faultfs.tiers.local import LocalTier
 from faultfs.tiers.memory import MemoryTier
 from faultfs.tiers.multilevel import TierStack
@@ -81,7 +83,8 @@ class Engine:
         self.faults = Faulter(self.flights, self.tiers, self.pool, self.stats)
         self.prefetch = Prefetcher(config, self.flights, self.tiers, self.faults, self.pool,
                                    self.stats)
-        self.writes = Writes(store.root, _CleanReads(self), self.pool, self.stats,
+        self._clean = _CleanReads(self)
+        self.writes = Writes(store.root, self._clean, self.pool, self.stats,
                              writable=(config.store_enabled and not config.read_only
                                        and store.writable),
                              fold_bytes=config.dirty_mb << 20,
@@ -231,7 +234,8 @@ class Engine:
         if self.writes.has_writes(tag) and not discard_writes:
             raise FaultfsError(f"tag {tag.name} has writes: give --discard-writes to drop them",
                                errno.EBUSY)
-        clones = self.writes.dependents(tag)
+        clones = sorted({*self.writes.dependents(tag),
+                         *(t.name for t in self.tags.values() if t.ancestor is tag)})
         if clones:
             raise FaultfsError(f"tag {tag.name} has clones ({', '.join(clones)}): forget them "
                                "first", errno.EBUSY)
@@ -241,6 +245,7 @@ class Engine:
             while self.flights.of_tag(tag.id) or self.tiers.pending_of(tag.id):  # noqa: ASYNC110
                 await trio.sleep(0.01)
         self.tiers.forget_tag(tag.id)
+        self._clean.release(tag)
         await self.writes.forget_tag(tag)
         freed = await self.pool.run(lambda: self._tags.remove(tag, keep_blobs=keep_blobs))
         log.info("tag %s: forgotten (%s)", tag.name,
@@ -248,10 +253,10 @@ class Engine:
         return freed
 
     def is_staged(self, tag: Tag, index: int) -> bool:
-        return self.tiers.contains((tag.id, index))
+        return self.tiers.contains((tag.clean.id, index))
 
     def staged_count(self, tag: Tag) -> int:
-        return self.tiers.local.staged_count(tag.id)
+        return self.tiers.local.staged_count(tag.clean.id)
 
     def chunk_here(self, tag: Tag, index: int) -> bool:
         """Whether a read of chunk ``index`` needs no source: staged, or the writes'."""
@@ -372,9 +377,11 @@ class Engine:
         return data
 
     async def _blob_bytes(self, tag: Tag, index: int, off: int, size: int) -> Buffer:
-        """Memory (or a pending store write), a read-ahead in flight, the store, the source."""
-        key = (tag.id, index)
+        """Memory (or a pending store write), a read-ahead in flight, the store, the source:
+        the clean chunk, a clone's from where its ancestor has it (``Tag.clean``)."""
         self.prefetch.note_access(tag, index)
+        tag = tag.clean
+        key = (tag.id, index)
         for _ in range(2):  # a second look: see below
             held = self.tiers.held(key)
             if held is None and key in self.flights:
@@ -405,10 +412,14 @@ class Engine:
 
 
 class _CleanReads:
-    """The engine's clean path as writes see it (``engine.writes.CleanReads``)."""
+    """The engine's clean path as writes see it (``engine.writes.CleanReads``).
+
+    A clone's clean chunk is its ancestor's staged blob (``Tag.clean``), so the pins of
+    several tags may fall on one blob: it stays pinned while any of them holds it."""
 
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
+        self._holders: dict[BlobKey, set[int]] = {}  # a pinned blob -> the tags pinning it
 
     async def read_clean(self, tag: Tag, index: int, off: int, size: int) -> Buffer:
         return await self._engine._blob_bytes(tag, index, off, size)
@@ -416,18 +427,18 @@ class _CleanReads:
     async def stage_clean(self, tag: Tag, index: int) -> Buffer | None:
         """The size-0 request: fault the chunk if it is not staged, and pin the staged copy."""
         engine = self._engine
-        key = (tag.id, index)
+        key = (tag.clean.id, index)
         local = engine.tiers.local
         if not local.contains(key):
             # a fault's copy in memory (or awaiting its store write) is the base already: a
             # read-modify-write (numpy.memmap r+) reads the source once, not twice
             data = engine.tiers.held(key)
             if data is None:
-                data = await engine.faults.fault(tag, index)
+                data = await engine.faults.fault(tag.clean, index)
             if engine.tiers.stage_behind(key, data):
                 # The write goes on now: its base is held until stored, and a base the store
                 # could not keep is clean bytes a later read faults again (never dirty data)
-                local.pin(key)
+                self.pin(tag, index)
                 return None
             with trio.move_on_after(30):  # the fault's own store write, behind it: not twice
                 await engine.tiers.wait_stored(key)
@@ -435,20 +446,39 @@ class _CleanReads:
                 await local.put(key, data)
             if not local.contains(key):
                 return bytes(data)  # the store could not keep it: the writes hold it
-        local.pin(key)
+        self.pin(tag, index)
         return None
 
     def pin_staged(self, tag: Tag, index: int) -> bool:
-        if not self._engine.tiers.local.contains((tag.id, index)):
+        if not self._engine.tiers.local.contains((tag.clean.id, index)):
             return False
         self.pin(tag, index)
         return True
 
     def pin(self, tag: Tag, index: int) -> None:
-        self._engine.tiers.local.pin((tag.id, index))
+        key = (tag.clean.id, index)
+        self._holders.setdefault(key, set()).add(tag.id)
+        self._engine.tiers.local.pin(key)
 
     def unpin(self, tag: Tag, index: int) -> None:
-        self._engine.tiers.local.unpin((tag.id, index))
+        key = (tag.clean.id, index)
+        holders = self._holders.get(key)
+        if holders is not None:
+            holders.discard(tag.id)
+            if holders:
+                return  # another tag's writes still lie over it
+            del self._holders[key]
+        self._engine.tiers.local.unpin(key)
+
+    def release(self, tag: Tag) -> None:
+        """``tag`` is forgotten: the pins it held go (its own blobs' with it)."""
+        for key, holders in list(self._holders.items()):
+            holders.discard(tag.id)
+            if key[0] == tag.id:
+                del self._holders[key]  # the tiers forgot them
+            elif not holders:
+                del self._holders[key]
+                self._engine.tiers.local.unpin(key)
 
 
 class _PageBlobs:

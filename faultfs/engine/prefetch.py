@@ -17,6 +17,8 @@ I/O pool.
 
 Invariants:
 - Prefetch claims flights like any fault, so a reader arriving meanwhile joins it.
+- A clone's reader is tracked on the clone; what runs ahead of it is its ancestor's clean
+  blobs (``Tag.clean``), as its reads are.
 - A background task never takes the mount down: its failure is logged and counted, and its
   readers fall back to the normal path.
 - Nothing is started once the engine is closing, or without a mount's nursery.
@@ -80,7 +82,8 @@ class Prefetcher:
         last = tag.last_index
         if index == last:
             return
-        if 0 <= index < last and tag.window and self._here(tag, index):
+        clean = tag.clean
+        if 0 <= index < last and tag.window and self._here(clean, index):
             return  # a look back at bytes here or on their way: the stream goes on
         sequential = last >= 0 and last < index <= last + 1 + max(1, tag.window)
         tag.last_index = index
@@ -103,11 +106,11 @@ class Prefetcher:
         for ahead in range(index + 1, min(index + 1 + tag.window, layout.num_blobs)):
             if self.in_flight + len(load) + run_len >= limit:
                 break  # the budget is taken: what is left waits for a later read
-            key = (tag.id, ahead)
+            key = (clean.id, ahead)
             busy = key in self.flights or self.tiers.is_held(key)
             staged = not busy and self.tiers.contains(key)
             if load and not (staged and len(load) < max_load):
-                self._start_load(nursery, tag, load)
+                self._start_load(nursery, clean, load)
                 load = []
             if staged:
                 load.append(ahead)
@@ -120,16 +123,16 @@ class Prefetcher:
                 run_len += 1
                 continue
             if run_len:  # a run ended by its size, a blob here or on its way, or the layout
-                self._start_fault(nursery, tag, run_start, run_len)
+                self._start_fault(nursery, clean, run_start, run_len)
                 singles -= 1
             run_start, run_len = (ahead, 1) if wanted else (-1, 0)
         # the window's last run only when it is whole or ends the tag: a reader moving on by
         # a blob must not start a request per blob, nor a budget freed by a blob
         if run_len and (run_len == (1 if singles > 0 else max_run)
                         or run_start + run_len == layout.num_blobs):
-            self._start_fault(nursery, tag, run_start, run_len)
+            self._start_fault(nursery, clean, run_start, run_len)
         if load:
-            self._start_load(nursery, tag, load)
+            self._start_load(nursery, clean, load)
 
     def _start_fault(self, nursery: trio.Nursery, tag: Tag, first: int, count: int) -> None:
         self.in_flight += count

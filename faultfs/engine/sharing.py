@@ -61,7 +61,7 @@ def pagemap_key(tag: str) -> str:
 
 
 def is_clone(ctx: FaultContext) -> bool:
-    return ctx.src_data.startswith("clone of ")
+    return ctx.cloned_from is not None
 
 
 @dataclass

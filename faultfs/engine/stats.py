@@ -48,7 +48,7 @@ def snapshot(config: Config, store_root: str, store_free_bytes: int, stats: Stat
         "tags": {
             t.name: {
                 "source": t.ctx.src, "key": t.key, "chunk_size": t.layout.chunk_size,
-                "blobs": t.layout.num_blobs, "staged_blobs": tiers.local.staged_count(t.id),
+                "blobs": t.layout.num_blobs, "staged_blobs": tiers.local.staged_count(t.clean.id),
                 "size": t.layout.size, "source_version": t.version_text,
                 "stale_dropped_at_mount": t.stale_dropped, "source_error": t.source_error,
                 "source_changed_at_mount": t.source_changed,

@@ -7,6 +7,11 @@ Invariants:
 - A tag re-registered with a different context loses its old blobs and registry entry.
 - ``recover`` brings back every tag whose context is in the registry; a tag whose source is
   unreachable still serves what is staged (``source_error`` says why the rest fails).
+- A clone's clean chunks are its ancestor's: the tag that owns the source (``Tag.clean``,
+  resolved when the clone is registered or recovered, through the contexts' "clone of" keys)
+  stages them, and the clone reads them there. A clone has no staged blobs of its own, unless
+  that ancestor is not registered here at the clone's source version (then it stages its
+  own, as a tag that owns its source).
 - Registration and recovery block (they run before the mount answers).
 """
 
@@ -21,7 +26,7 @@ from urllib.parse import urlsplit
 
 import assimilators
 from assimilators.base import Assimilator, BlobLayout
-from faultfs.core.context import REGISTRY_TAG, FaultContext
+from faultfs.core.context import CLONE_OF, REGISTRY_TAG, FaultContext
 from faultfs.core.names import check_name, check_tag_name
 from faultfs.errors import RC_CANNOT_INGEST_PER_BLOB, FaultfsError, InvalidInput
 from faultfs.sources import (
@@ -60,15 +65,32 @@ class Tag:
     source_error: str = ""
     stale_dropped: int = 0
     source_changed: bool = False  # the source differs from what the last mount recorded
-    changed_under_mount: str = ""  # why a fault found the source changed since the mount
+    _changed_under_mount: str = field(default="", repr=False)  # see changed_under_mount
     remote: dict = field(default_factory=dict)  # how the source was reached (tag state)
     last_index: int = -1  # the blob read last: sequential readers get prefetch
     window: int = 0  # blobs to prefetch ahead of a sequential reader (grows, resets)
     state_stale: bool = False  # recovered with a state file that must be rewritten
+    ancestor: Tag | None = None  # a clone's: the tag owning the source, whose blobs it reads
 
     @property
     def key(self) -> str:
         return self.ctx.key
+
+    @property
+    def clean(self) -> Tag:
+        """The tag whose staged blobs are this tag's clean chunks: itself, or for a clone the
+        ancestor that owns the source (same source, same version: the same bytes)."""
+        return self.ancestor or self
+
+    @property
+    def changed_under_mount(self) -> str:
+        """Why a fault found the source changed since the mount ("" until one did); a clone
+        shares its ancestor's (its faults are the ancestor's)."""
+        return self.clean._changed_under_mount
+
+    @changed_under_mount.setter
+    def changed_under_mount(self, why: str) -> None:
+        self.clean._changed_under_mount = why
 
     @property
     def version_text(self) -> str:
@@ -187,20 +209,22 @@ class Tags:
     def _add(self, ctx: FaultContext, layout: BlobLayout, version: SourceVersion,
              source: Source | None, assimilator: Assimilator, *, shard: int,
              mtime: float | None = None, view_name: str | None = None,
-             recorded: str | None = None) -> Tag:
-        """``recorded``: the source version the tag's state file names, if any."""
+             recorded: str | None = None, ancestor: Tag | None = None) -> Tag:
+        """``recorded``: the source version the tag's state file names, if any;
+        ``ancestor``: a clone's ``Tag.clean`` (the tiers then hold nothing of its own)."""
         if view_name is None:
             view_name = view_name_for(ctx.src)
         if mtime is None:
             mtime = source.mtime() if source else time.time()
         tag = Tag(id=self._next_id, name=ctx.dst, ctx=ctx, layout=layout, version=version,
                   mtime=mtime, view_name=view_name, assimilator=assimilator, shard=shard,
-                  source=source)
+                  source=source, ancestor=ancestor)
         self._next_id += 1
-        scan = self.tiers.open_tag(tag.tier_view(), trusted=recorded == tag.version_text)
-        tag.stale_dropped = scan.stale_dropped
-        self.stats.add("stale_blobs_dropped", scan.stale_dropped)
-        self.stats.add("corrupt_blobs_dropped", scan.corrupt_dropped)
+        if ancestor is None:
+            scan = self.tiers.open_tag(tag.tier_view(), trusted=recorded == tag.version_text)
+            tag.stale_dropped = scan.stale_dropped
+            self.stats.add("stale_blobs_dropped", scan.stale_dropped)
+            self.stats.add("corrupt_blobs_dropped", scan.corrupt_dropped)
         self.by_name[tag.name] = tag
         self.by_id[tag.id] = tag
         return tag
@@ -231,17 +255,19 @@ class Tags:
 
     def clone(self, parent: Tag, name: str) -> Tag:
         """Register ``name`` as a copy of ``parent``'s source (blocking): the same source at
-        the same version, its own blobs; the caller gives it the parent's writes first."""
+        the same version, reading the staged blobs of the ancestor that owns it (no second
+        copy); the caller gives it the parent's writes first."""
         check_tag_name(name)
         if name in self.by_name or name == REGISTRY_TAG:
             raise FaultfsError(f"tag {name!r} exists", errno.EEXIST)
         if read_tag_state(self.store, name) is not None:
             raise FaultfsError(f"the store has a tag {name!r} already (not mounted)",
                                errno.EEXIST)
-        ctx = replace(parent.ctx, dst=name, src_data=f"clone of {parent.key}")
+        ctx = replace(parent.ctx, dst=name, src_data=f"{CLONE_OF}{parent.key}")
         self.registry[ctx.key] = self.registry_store.put(ctx)
         tag = self._add(ctx, parent.layout, parent.version, parent.source, parent.assimilator,
-                        shard=parent.shard, mtime=parent.mtime, view_name=parent.view_name)
+                        shard=parent.shard, mtime=parent.mtime, view_name=parent.view_name,
+                        ancestor=parent.clean)
         tag.remote = dict(parent.remote)
         self._write_state(tag)
         return tag
@@ -253,11 +279,16 @@ class Tags:
         Their states are not written here: the caller does, through ``record_recovered``,
         once what depends on the version they recorded (the writes over it) is settled."""
         recovered = []
+        entries = []
         for entry in self.registry_store.entries():
             if isinstance(entry, RegistryProblem):
                 log.warning("registry entry %s is %s: skipped", entry.key, entry.reason)
-                continue
-            key, ctx, data = entry
+            else:
+                entries.append(entry)
+        # an ancestor before its clones, which read its staged blobs (``Tag.clean``)
+        contexts = {key: ctx for key, ctx, _ in entries}
+        entries.sort(key=lambda entry: clone_depth(entry[1], contexts))
+        for key, ctx, data in entries:
             if ctx.dst in self.by_name:
                 continue
             try:
@@ -300,7 +331,8 @@ class Tags:
         ctx, state, recorded, version = rec.ctx, rec.state, rec.recorded, rec.version
         tag = self._add(ctx, rec.layout, version, rec.source, rec.assimilator, shard=state.shard,
                         mtime=rec.mtime, view_name=state.view_name,
-                        recorded=recorded.to_text() if recorded is not None else None)
+                        recorded=recorded.to_text() if recorded is not None else None,
+                        ancestor=self._ancestor(ctx, version))
         tag.source_error = rec.error
         tag.remote = remote_settings(ctx.src, recovery_options(SourceOptions(), state.remote))
         if recorded is not None and recorded != version:
@@ -310,6 +342,26 @@ class Tags:
                         version.describe(), tag.stale_dropped)
         tag.state_stale = recorded != version or state.view_name is None
         return tag
+
+    def _ancestor(self, ctx: FaultContext, version: SourceVersion) -> Tag | None:
+        """A recovered clone's ``Tag.clean``: its parent's, when the parent is registered
+        here at the same source version; None (it stages its own, logged) otherwise, and for
+        a tag that is no clone."""
+        parent_key = ctx.cloned_from
+        if parent_key is None:
+            return None
+        parent = next((t for t in self.by_id.values() if t.key == parent_key), None)
+        if parent is None:
+            log.warning("tag %s: the tag it was cloned from (%s) is not registered: its clean "
+                        "chunks are faulted from the source and staged as its own", ctx.dst,
+                        parent_key)
+            return None
+        if parent.clean.version_text != version.to_text():
+            log.warning("tag %s: the tag it was cloned from (%s) is at source version %s, not "
+                        "its %s: its clean chunks are staged as its own", ctx.dst, parent.name,
+                        parent.clean.version.describe(), version.describe())
+            return None
+        return parent.clean
 
     def record_recovered(self, tag: Tag) -> None:
         """Write the state of a recovered tag when it changed (blocking)."""
@@ -321,6 +373,17 @@ class Tags:
         for source in {id(t.source): t.source for t in self.by_name.values()}.values():
             if source is not None:
                 source.close()  # once each, also when clones share it
+
+
+def clone_depth(ctx: FaultContext, contexts: dict[str, FaultContext]) -> int:
+    """How many registered contexts lie between ``ctx`` and the one owning its source: 0 for
+    a tag that is no clone (or whose parent ``contexts`` lacks), 1 for a clone of it, ..."""
+    depth, seen, parent = 0, set(), ctx.cloned_from
+    while parent is not None and parent in contexts and parent not in seen:
+        seen.add(parent)
+        depth += 1
+        parent = contexts[parent].cloned_from
+    return depth
 
 
 def remote_settings(src: str, options: SourceOptions) -> dict:

@@ -75,6 +75,7 @@ typedef struct slot {
 
 typedef struct {
     uint64_t chunk_size, view_size, num_blobs;
+    uint64_t blobs_of; /* the tag its staged blobs are published as (a clone's: its ancestor) */
     int enabled;
 } tag_t;
 
@@ -319,9 +320,10 @@ static int serve_read(int me, struct fuse_in_header *in, struct fuse_read_in *rd
         inner = o % t->chunk_size;
         len = end - o;
     }
-    if (index >> 32 || tag_id >> 31)
+    uint64_t blobs_of = t->blobs_of;
+    if (index >> 32 || blobs_of >> 31)
         goto forward; /* past what a slot's key holds (publish refuses those too) */
-    s = map_get(&slots_, tag_id << 32 | index);
+    s = map_get(&slots_, blobs_of << 32 | index);
     if (!s || inner >= s->payload_len)
         goto forward;
     if (len > s->payload_len - inner)
@@ -678,10 +680,12 @@ static PyObject *py_stop(PyObject *self, PyObject *args) {
 
 static PyObject *py_set_tag(PyObject *self, PyObject *args) {
     (void)self;
-    unsigned long long id, cs, vs, nb;
+    unsigned long long id, cs, vs, nb, blobs_of = (unsigned long long)-1;
     int enabled;
-    if (!PyArg_ParseTuple(args, "KKKKp", &id, &cs, &vs, &nb, &enabled))
+    if (!PyArg_ParseTuple(args, "KKKKp|K", &id, &cs, &vs, &nb, &enabled, &blobs_of))
         return NULL;
+    if (blobs_of == (unsigned long long)-1)
+        blobs_of = id;
     pthread_mutex_lock(&lock_);
     tag_t *t = map_get(&tags_, id);
     if (!t) {
@@ -695,6 +699,7 @@ static PyObject *py_set_tag(PyObject *self, PyObject *args) {
     t->chunk_size = cs;
     t->view_size = vs;
     t->num_blobs = nb;
+    t->blobs_of = blobs_of;
     t->enabled = enabled;
     pthread_mutex_unlock(&lock_);
     Py_RETURN_NONE;
@@ -823,7 +828,8 @@ static PyMethodDef methods[] = {
     {"start", py_start, METH_VARARGS,
      "start(xxh3_addr, index_bits, kind_bits, kind_chunk, kind_view): answer staged READs"},
     {"stop", py_stop, METH_NOARGS, "Answer no READ here any more; drop every table."},
-    {"set_tag", py_set_tag, METH_VARARGS, "set_tag(id, chunk_size, view_size, num_blobs, enabled)"},
+    {"set_tag", py_set_tag, METH_VARARGS,
+     "set_tag(id, chunk_size, view_size, num_blobs, enabled[, blobs_of])"},
     {"disable_tag", py_disable_tag, METH_VARARGS, "disable_tag(id): its reads go to pyfuse3"},
     {"publish", py_publish, METH_VARARGS,
      "publish(tag, index, fd, header_len, payload_len, stored_len, block_size, sums, all_zero)"},

@@ -18,6 +18,8 @@ What it serves is exactly what the engine would serve from the local tier:
 - a tag is served only while it has no writes: it is enabled when one of its chunks or its view
   is opened and ``writes.changed`` does not name it, and disabled (``Writes.on_change``) the
   moment a write, truncate or clone gives it write state, before that write is answered;
+- a clone's clean chunks are its ancestor's staged blobs (``Tag.clean``): its reads are served
+  from the blobs published under the ancestor's id;
 - every other read — another kind of file, a read across blobs, a blob not staged or not open,
   a block that fails its checksum, a failed read — is pyfuse3's, which reads it through the
   engine (which finds what is wrong with a blob and re-faults it).
@@ -163,7 +165,9 @@ class FastReads:
             return
         layout = tag.layout
         try:
-            native.set_tag(tag.id, layout.chunk_size, layout.size, layout.num_blobs, True)
+            # a clone's clean chunks are its ancestor's blobs, published under that tag's id
+            native.set_tag(tag.id, layout.chunk_size, layout.size, layout.num_blobs, True,
+                           tag.clean.id)
         except MemoryError:
             return
         if tag.id in self.engine.writes.changed:  # given writes meanwhile (a pool thread)
@@ -171,7 +175,7 @@ class FastReads:
             return
         self._enabled.add(tag.id)
         if self._nursery is not None:  # first reads of its staged blobs go to C as well
-            self._nursery.start_soon(self._open_ahead, tag.id)
+            self._nursery.start_soon(self._open_ahead, tag.clean.id)
 
     async def _open_ahead(self, tag_id: int) -> None:
         opened = await self.engine.tiers.local.open_ahead(tag_id)
