@@ -1,7 +1,8 @@
 """Clones read their ancestor's staged blobs (DESIGN §12: a clone's blob faults from its
 parent tag as it was at clone time): a clean chunk of a clone is the blob the tag owning the
 source staged — no source read, no second copy — also after a remount with the source gone,
-for a clone of a clone, and while either side writes.
+for a clone of a clone, and while either side writes. gc and fsck keep those blobs while a
+registered clone reads them.
 
 Engine tests use in-memory sources (``faultfs.testing.fakes``); the last test mounts.
 """
@@ -17,8 +18,11 @@ import pytest
 import trio
 from conftest import run_faultfs
 
+from faultfs.core.context import REGISTRY_TAG
 from faultfs.errors import FaultfsError
 from faultfs.store.blobstore import BlobStore
+from faultfs.store.fsck import ORPHANED, StoreWalk
+from faultfs.store.gc import gc
 from faultfs.testing.fakes import CS, MemoryAssimilator, ctx_for, engine_for, make_source, payload
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -202,6 +206,51 @@ def test_a_parent_is_not_forgotten_while_a_clone_reads_its_blobs(store):
 
     trio.run(main)
     assert chunks(store, "t") == ["chunk_0", "chunk_1"]
+
+
+def test_gc_and_fsck_keep_the_blobs_a_registered_clone_reads_also_of_an_unregistered_parent(
+        store):
+    """The parent's registry entry gone (a clone cannot be made without one, and forget is
+    refused while clones exist): its staged blobs are still what the registered clone names
+    as its clean chunks, so gc keeps them, fsck reports them kept; the blobs of a tag nothing
+    names still go."""
+    data = payload(CS * 3)
+    make_source(data)
+    make_source(data, "mem://other")
+    eng = engine_for(store, prefetch_mb=0)
+    tag = eng.register(ctx_for())
+    other = eng.register(ctx_for("mem://other", "other"))
+    eng.open_writes()
+
+    async def main():
+        await eng.read_view(tag, 0, len(data))
+        await eng.read_view(other, 0, len(data))
+        await eng.clone_tag(tag, "c")
+        await eng.close_writes()
+
+    trio.run(main)
+    eng.close()
+    root = store.root
+    report = gc(root, dry_run=True)
+    assert report.files == 0, "the parent and its clone are registered: nothing to free"
+    for name in (tag.key, other.key):
+        store.delete(REGISTRY_TAG, name)  # both unregistered; only t has a registered clone
+    walk = list(StoreWalk(root))
+    kept = [f for f in walk if "tags/t-t/" in f.path]
+    assert kept and all(f.status == ORPHANED and "clone" in f.keep for f in kept)
+    report = gc(root)
+    assert chunks(store, "t") == ["chunk_0", "chunk_1", "chunk_2"]
+    assert chunks(store, "other") == [] and report.files >= 4  # 3 blobs and the tag state
+    # registered again (the same context): the kept blobs are the clone's clean chunks again
+    del MemoryAssimilator.sources["mem://x"]
+    eng2 = engine_for(store, prefetch_mb=0)
+    make_source(data)
+    eng2.register(ctx_for())
+    del MemoryAssimilator.sources["mem://x"]
+    clone = {t.name: t for t in eng2.recover()}["c"]
+    assert clone.clean.name == "t" and clone.source is None
+    assert trio.run(eng2.read_view, clone, 0, len(data)) == data
+    eng2.close()
 
 
 # -- through a mount ----------------------------------------------------------------------------

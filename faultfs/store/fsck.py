@@ -11,7 +11,8 @@ What the walk looks at, area by area (the layout is in ``blobstore.py``, ``dirty
   the registry; every blob file verifies (header, tag and name, every block, the whole-payload
   checksum); a clean blob was staged from the tag state's source version (else *stale*); the
   blob ``pagemap`` parses (``core.pagemap.parse``). The blobs of a tag the registry does not
-  know are *orphaned*.
+  know are *orphaned* (kept while a registered clone names the tag as its parent: they are
+  that clone's clean chunks).
 - writes  ``writes/t-<tag>/``: ``state.json`` (the write state) is a JSON object of the fields
   the engine reads; dirty files verify like blobs, are flagged dirty, name a journal position
   and belong to the tag or one of its ancestors (a clone's linked files); so do the direct
@@ -97,6 +98,7 @@ KEEP_DIRTY = "dirty data"
 KEEP_JOURNAL = "the journal"
 KEEP_UNKNOWN = "not a file faultfs writes"
 KEEP_RECOVERABLE = "a mount with its source recovers it"
+KEEP_CLONED = "a registered clone reads its staged blobs"
 
 # The write state's fields and their types, as ``engine/writes.py`` reads them.
 WRITE_STATE_FIELDS: dict[str, type | tuple[type, ...]] = {
@@ -318,6 +320,7 @@ class _Registered:
 
     by_tag: dict[str, list[str]] = field(default_factory=dict)  # tag -> keys registering it
     dirs: dict[str, str] = field(default_factory=dict)  # encoded directory name -> tag
+    parents: set[str] = field(default_factory=set)  # keys registered clones were cloned from
 
 
 class StoreWalk:
@@ -444,7 +447,7 @@ class StoreWalk:
         which keys. Findings are held until the pass ends: a tag registered twice is only
         known then (one finding per tag: bounded by the number of tags)."""
         directory = os.path.join(self._tags, self._registry_dir)
-        held: list[tuple[Finding, str, str]] = []  # (finding, key, tag) of the usable entries
+        held: list[tuple[Finding, str, FaultContext]] = []  # (finding, key, ctx): usable ones
         out: list[Finding] = []
         if os.path.lexists(directory) and not _real_dir(directory):
             mode, size = _lsize(directory)  # the store sees no registry either (and replaces it)
@@ -488,9 +491,10 @@ class StoreWalk:
                 out.append(Finding(REGISTRY, DAMAGED, path, size,
                                    f"{subject}: holds the context of {ctx.key}"))
                 continue
-            held.append((Finding(REGISTRY, OK, path, size), key, ctx.dst))
+            held.append((Finding(REGISTRY, OK, path, size), key, ctx))
             self._known.by_tag.setdefault(ctx.dst, []).append(key)
-        for finding, key, tag in held:
+        for finding, key, ctx in held:
+            tag = ctx.dst
             keys = self._known.by_tag[tag]
             state_key = self._state_key(tag)
             if len(keys) > 1 and state_key in keys and key != state_key:
@@ -501,6 +505,8 @@ class StoreWalk:
                 finding.status = ORPHANED
                 finding.keep = KEEP_RECOVERABLE
                 finding.reason = f"registry entry {key}: tag {tag} has no tag state"
+            if ctx.cloned_from is not None and (finding.status == OK or finding.keep):
+                self._known.parents.add(ctx.cloned_from)
             out.append(finding)
         for tag, keys in self._known.by_tag.items():
             state_key = self._state_key(tag)
@@ -566,6 +572,10 @@ class StoreWalk:
         elif state_doc is not None and not state_problem and state_doc["key"] not in keys:
             orphan = (f"tag {label} was staged for context {state_doc['key']}, but it is "
                       f"registered as {keys[0]}")
+        kept = ""
+        if orphan and state_doc is not None and not state_problem and (
+                state_doc["key"] in self._known.parents):
+            kept = KEEP_CLONED
         version: str | None = None
         if state_doc is not None and not state_problem and not orphan:
             found = state_doc.get("source_version")
@@ -576,7 +586,8 @@ class StoreWalk:
             if state_problem:
                 yield Finding(TAG_STATES, DAMAGED, state_path, size, f"{subject}: {state_problem}")
             elif orphan:
-                yield Finding(TAG_STATES, ORPHANED, state_path, size, f"{subject}: {orphan}")
+                yield Finding(TAG_STATES, ORPHANED, state_path, size, f"{subject}: {orphan}",
+                              kept)
             else:
                 yield Finding(TAG_STATES, OK, state_path, size)
 
@@ -590,14 +601,14 @@ class StoreWalk:
             if _is_temp(entry.name):
                 yield self._temp(entry.path)
             elif entry.name.startswith(("b-", "h-")):
-                yield self._staged(entry, label, owns, version, orphan)
+                yield self._staged(entry, label, owns, version, orphan, kept)
             else:
                 yield self._unknown(entry.path)
         if orphan:
             self._prune(directory)
 
     def _staged(self, entry: os.DirEntry, label: str, owns: Callable[[str], bool],
-                version: str | None, orphan: str) -> Finding:
+                version: str | None, orphan: str, kept: str = "") -> Finding:
         """One blob file of a tag's directory: clean (staged), or the dirty pagemap."""
         path = entry.path
         name, hashed = self._blob_name(entry.name)
@@ -630,7 +641,7 @@ class StoreWalk:
                 return Finding(area, ORPHANED, path, size, f"{subject}: {orphan}", KEEP_DIRTY)
             return Finding(area, OK, path, size)
         if orphan:
-            return Finding(area, ORPHANED, path, size, f"{subject}: {orphan}")
+            return Finding(area, ORPHANED, path, size, f"{subject}: {orphan}", kept)
         if version is not None and header.source_version != version:
             return Finding(area, STALE, path, size,
                            f"{subject}: staged from source version {header.source_version!r}, "

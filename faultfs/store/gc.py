@@ -1,5 +1,6 @@
-"""Reclaiming space in a store no mount owns: blobs (and states) of tags no longer registered,
-clean blobs staged from an old source version, temp files of interrupted writes.
+"""Reclaiming space in a store no mount owns: blobs (and states) of tags no longer registered
+(unless a registered clone names the tag as its parent: they are its clean chunks), clean
+blobs staged from an old source version, temp files of interrupted writes.
 
 It is fsck's walk (``store/fsck.py``) reading headers only: what it finds *stale* or
 *orphaned* and does not keep goes. Dirty data, write states and the journal are never
