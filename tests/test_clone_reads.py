@@ -208,6 +208,29 @@ def test_a_parent_is_not_forgotten_while_a_clone_reads_its_blobs(store):
     assert chunks(store, "t") == ["chunk_0", "chunk_1"]
 
 
+def test_a_parent_is_not_registered_again_with_another_source_while_clones_read_its_blobs(
+        store):
+    data = payload(CS * 2)
+    make_source(data)
+    make_source(payload(CS * 3), "mem://new")
+    eng = engine_for(store, prefetch_mb=0)
+    tag = eng.register(ctx_for())
+    eng.open_writes()
+
+    async def main():
+        await eng.read_view(tag, 0, len(data))
+        await eng.clone_tag(tag, "c")
+        await eng.close_writes()
+
+    trio.run(main)
+    eng.close()
+    eng2 = engine_for(store, prefetch_mb=0)
+    with pytest.raises(FaultfsError, match=r"clones \(c\) read its staged blobs"):
+        eng2.register(ctx_for("mem://new"))
+    assert chunks(store, "t") == ["chunk_0", "chunk_1"]
+    eng2.close()
+
+
 def test_gc_and_fsck_keep_the_blobs_a_registered_clone_reads_also_of_an_unregistered_parent(
         store):
     """The parent's registry entry gone (a clone cannot be made without one, and forget is

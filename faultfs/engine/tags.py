@@ -4,7 +4,8 @@ Invariants:
 - ``plan`` checks everything a registration needs — name, assimilator (-20 when it cannot
   ingest per blob), source (exists, is a file), range, chunk size — and persists nothing;
   ``commit`` persists the context (secrets blanked) and the tag state, then adds the tag.
-- A tag re-registered with a different context loses its old blobs and registry entry.
+- A tag re-registered with a different context loses its old blobs and registry entry;
+  refused while clones of it are registered (they read those blobs).
 - ``recover`` brings back every tag whose context is in the registry; a tag whose source is
   unreachable still serves what is staged (``source_error`` says why the rest fails).
 - A clone's clean chunks are its ancestor's: the tag that owns the source (``Tag.clean``,
@@ -179,6 +180,12 @@ class Tags:
         previous = read_tag_state(self.store, ctx.dst)
         degraded = self.store.degraded
         if previous is not None and previous.key != ctx.key:
+            clones = self._clones_of(previous.key)
+            if clones:
+                plan.source.close()
+                raise InvalidInput(f"tag {ctx.dst!r} is registered with another source, and its "
+                                   f"clones ({', '.join(clones)}) read its staged blobs: forget "
+                                   "them first")
             if degraded:
                 raise InvalidInput(f"tag {ctx.dst!r} is registered with another source, and the "
                                    f"store cannot be written ({degraded}) to replace it")
@@ -198,6 +205,11 @@ class Tags:
         tag.remote = remote_settings(ctx.src, self.source_options)
         self._write_state(tag)
         return tag
+
+    def _clones_of(self, key: str) -> list[str]:
+        """The registered clones made of the tag registered as ``key`` (blocking)."""
+        return sorted(entry[1].dst for entry in self.registry_store.entries()
+                      if not isinstance(entry, RegistryProblem) and entry[1].cloned_from == key)
 
     def _write_state(self, tag: Tag) -> None:
         if self.store.degraded:
