@@ -7,7 +7,8 @@ layer importing a higher one.
 
 Every import counts, also one inside a function or under ``TYPE_CHECKING`` (a lazy or typing
 import is still a dependency). A module may import lower layers and modules of its own unit;
-units of the same layer do not import each other.
+units of the same layer do not import each other. A package of rooms behind one face
+(``FACES``) is imported from outside through its face alone.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ LAYERS = [
     ["faultfs.testing"],
 ]
 RANK = {unit: rank for rank, layer in enumerate(LAYERS) for unit in layer}
+# packages of private rooms behind one face (STYLE, "One face, private rooms"): a module outside
+# such a package imports the package, never one of its rooms
+FACES = ["faultfs.stream.partition"]
 UNLAYERED = ("faultfs",)  # the package's own __init__ (its version) may be imported by anyone
 
 
@@ -106,6 +110,17 @@ def upward_imports(edges: dict[str, set[str]]) -> list[str]:
     return bad
 
 
+def rooms_reached_past_their_face(edges: dict[str, set[str]], faces=FACES) -> list[str]:
+    bad = []
+    for module, targets in sorted(edges.items()):
+        for face in faces:
+            if module == face or module.startswith(face + "."):
+                continue
+            bad += [f"{module} imports {target}, a room of {face}: import the face"
+                    for target in sorted(targets) if target.startswith(face + ".")]
+    return bad
+
+
 def find_cycles(edges: dict[str, set[str]]) -> list[str]:
     state: dict[str, int] = {}  # 1: on the stack, 2: done
     stack: list[str] = []
@@ -143,6 +158,11 @@ def test_no_import_cycles():
     assert cycles == [], "import cycles:\n" + "\n".join(cycles)
 
 
+def test_rooms_are_reached_through_their_face():
+    bad = rooms_reached_past_their_face(import_graph())
+    assert bad == [], "\n".join(bad)
+
+
 def test_the_checks_find_planted_violations():
     """The checks must be able to fail: planted upward, sideways and cyclic imports."""
     known = {"faultfs.core.chunks", "faultfs.engine", "faultfs.engine.tags", "faultfs.stream",
@@ -157,3 +177,10 @@ def test_the_checks_find_planted_violations():
     assert upward_imports({"faultfs.engine.faults": {"faultfs.engine.tags"}}) == []
     assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a -> b -> c -> a"]
     assert find_cycles({"a": {"b"}, "b": set()}) == []
+    faces = ["faultfs.stream.partition"]
+    assert rooms_reached_past_their_face(
+        {"faultfs.stream.torch": {"faultfs.stream.partition.sidecar"}}, faces) != []
+    assert rooms_reached_past_their_face(
+        {"faultfs.stream.torch": {"faultfs.stream.partition"},
+         "faultfs.stream.partition": {"faultfs.stream.partition.plan"},
+         "faultfs.stream.partition.plan": {"faultfs.stream.partition.sidecar"}}, faces) == []

@@ -8,6 +8,7 @@ delivering a committed record twice; a model check over random shards and partit
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -31,6 +32,9 @@ from faultfs.stream import RecordStream
 from faultfs.stream import partition as partition_mod
 from faultfs.stream import readers as readers_mod
 from faultfs.stream.partition import Partition, decode, encode
+from faultfs.stream.partition import names as partition_names
+from faultfs.stream.partition import repartition as repartition_room
+from faultfs.stream.partition import sidecar as sidecar_format
 from faultfs.stream.shards import Shard
 
 WORLD, WORKERS = 4, 2
@@ -295,7 +299,7 @@ def test_the_sidecar_format_is_pinned():
         "0000000000000000000000000000000000000000320000000000000000000000020000000000000032000000"
         "0000000000000000010000000300000000000000020000000100000005000000000000000000000002000000"
         "00000000000000000000000030b28462"
-    ), "format changed: bump partition.VERSION"
+    ), "format changed: bump partition.sidecar.VERSION"
     assert decode(data, "x") == part
 
 
@@ -306,7 +310,7 @@ def sidecar_with(data: bytes, offset: int, fmt: str, value: int) -> bytes:
     return bytes(body) + struct.pack("<I", zlib.crc32(body))
 
 
-HEAD = partition_mod._HEAD.size
+HEAD = sidecar_format._HEAD.size
 
 
 @pytest.mark.parametrize(
@@ -353,7 +357,7 @@ def test_overlapping_readers_and_odd_files_are_refused(tmp_path):
     s = open_reader(src, state, 0, 0, world=2, workers=1)
     part = s.plan.partition
     s.close()
-    both = partition_mod.replace(part, readers=(part.readers[0], part.readers[0]))
+    both = dataclasses.replace(part, readers=(part.readers[0], part.readers[0]))
     sidecar.write_bytes(encode(both))
     with pytest.raises(CorruptionError, match="readers 0 and 1 both own the records at"):
         open_reader(src, state, 0, 0, world=2, workers=1)
@@ -553,7 +557,7 @@ def test_a_repartition_interrupted_by_a_crash(tmp_path, monkeypatch, crash):
     class Crash(Exception):
         pass
 
-    real_store, real_roll = partition_mod.store, partition_mod.roll_forward
+    real_store, real_roll = repartition_room.store, repartition_room.roll_forward
 
     def store(path, part):
         if part.pending and crash == "before the sidecar":
@@ -566,16 +570,16 @@ def test_a_repartition_interrupted_by_a_crash(tmp_path, monkeypatch, crash):
             p = partition_mod.reader_paths(
                 state_, part.reader_state, part.world_size, part.num_workers
             )[0]
-            os.rename(partition_mod._fresh_name(p, part.generation), p)
+            os.rename(partition_names.fresh_name(p, part.generation), p)
             raise Crash
         real_roll(state_, part)
 
-    monkeypatch.setattr(partition_mod, "store", store)
-    monkeypatch.setattr(partition_mod, "roll_forward", roll_forward)
+    monkeypatch.setattr(repartition_room, "store", store)
+    monkeypatch.setattr(repartition_room, "roll_forward", roll_forward)
     with pytest.raises(Crash):
         open_reader(src, state, 0, 0, 3, 1, repartition=True)
-    monkeypatch.setattr(partition_mod, "store", real_store)
-    monkeypatch.setattr(partition_mod, "roll_forward", real_roll)
+    monkeypatch.setattr(repartition_room, "store", real_store)
+    monkeypatch.setattr(repartition_room, "roll_forward", real_roll)
     if crash == "before the sidecar":
         # the old partition is whole: its readers resume as if nothing happened
         rest = read_partition(src, state, 2, 2)
