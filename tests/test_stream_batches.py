@@ -32,7 +32,7 @@ from faultfs.errors import InvalidInput
 from faultfs.stream import RecordParseError, RecordStream, hashing
 from faultfs.stream import readers as readers_mod
 from faultfs.stream.delivered import DeliveredHashes, first_occurrences
-from faultfs.stream.record_stream import block_firsts
+from faultfs.stream.fresh import block_firsts
 from faultfs.stream.shards import expand_shards
 
 
@@ -155,7 +155,7 @@ def test_closing_with_blocks_read_ahead_stops_the_workers(tmp_path, small_blocks
     s.commit(batch_id)
     assert len(s._ahead) == 2, "two blocks are read and parsed ahead"
     s.close()
-    assert not s._ahead and s._pool is None and s._reader is None
+    assert not s._ahead and s._ahead._pool is None and s._reader is None
     assert not [t for t in threading.enumerate() if t.name.startswith("faultfs-stream")]
     with RecordStream(str(tmp_path / "a.jsonl"), tmp_path / "s.meta", dedup=False) as s:
         rest = rows(drain(s, 50, "arrow"))

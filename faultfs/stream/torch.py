@@ -65,6 +65,7 @@ from faultfs.core.slots import DiskSlot
 from faultfs.errors import InvalidInput
 from faultfs.store.durable import write_atomic
 from faultfs.store.metadata import DualMetadataManager
+from faultfs.stream import RecordStream
 from faultfs.stream.partition import (
     PARTITION_SUFFIX,
     check_template,
@@ -73,7 +74,6 @@ from faultfs.stream.partition import (
     read_committed,
     reader_state_path,
 )
-from faultfs.stream.record_stream import RecordStream
 
 try:
     import torch
