@@ -38,7 +38,7 @@ LAYERS = [
 RANK = {unit: rank for rank, layer in enumerate(LAYERS) for unit in layer}
 # packages of private rooms behind one face (STYLE, "One face, private rooms"): a module outside
 # such a package imports the package, never one of its rooms
-FACES = ["faultfs.stream.partition"]
+FACES = ["faultfs.stream.partition", "faultfs.testing.proxy"]
 UNLAYERED = ("faultfs",)  # the package's own __init__ (its version) may be imported by anyone
 
 
