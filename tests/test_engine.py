@@ -925,8 +925,9 @@ def test_an_fsync_after_a_write_made_during_a_sync_syncs_again(store):
             with trio.fail_after(5):
                 async with trio.open_nursery() as writers:
                     writers.start_soon(first)
-                    await trio.sleep(0.01)  # the first sync is under way (50 ms)
-                    assert began and not order
+                    while not began:  # until the first sync is under way (50 ms)
+                        await trio.sleep(0.001)
+                    assert not order
                     await eng.writes.write_chunk(tag, 1, 0, b"b" * CS)
                     written = eng.writes.journal.next_seq
                     await eng.writes.fsync()
