@@ -20,16 +20,18 @@ after the page was read: a lost write the daemon had answered.
 
 Why the waits are shaped so (fs/fuse): dropping a page locks it, waits for its write-back, and
 writes back a dirty one. While a WRITE waits for its answer, the kernel keeps locked the page
-it could not fill whole (one it has not read), and a page being written back stays busy until
-its WRITE is answered. Waiting without end for such a page closes a circle — two writes
-through two names of one page, each dropping the other's page — and wedged the mount. So a
-drop of pages that another change through that name covers is waited for without end only
-while that change has not reached its own drops (it gets there without waiting for this one);
-once it has, at most ``HELD_WAIT_S`` more: a page a WRITE keeps locked is one the kernel has
-not read (it reads it again once let go), and the drop lands then, in the background. Every
-wait ends after ``WAIT_S`` (counted, logged): nothing ever wedges. Drops run on threads of
-their own, never on the serving thread, so the requests the locked pages wait for are
-answered meanwhile.
+it could not fill whole (one it has not read), and a page being written back stays busy —
+and readable — until its WRITE is answered. Waiting without end for such a page closes a
+circle — two writes through two names of one page, each dropping the other's page — and
+wedged the mount. So a drop of pages that another change through that name covers is waited
+for without end while that change has not reached its own drops (it gets there without
+waiting for this one); once it has, at most ``HELD_WAIT_S`` more: a page a WRITE keeps locked
+is one the kernel has not read (it reads it again once let go), and the drop lands then, in
+the background. The one exception: a change that claims its bytes waits for a page being
+written back to the end (that page is readable and older than the change); the write-back
+waits for nobody longer than ``HELD_WAIT_S``, so it ends. Every wait ends after ``WAIT_S``
+(counted, logged): nothing ever wedges. Drops run on threads of their own, never on the
+serving thread, so the requests the locked pages wait for are answered meanwhile.
 
 What is left (docs/decisions.md, "Coherence across names"): two shared writable maps of two
 names of the same 4 KiB page, written at once, write back whole pages each, and the later
@@ -67,6 +69,7 @@ class Flight:
     lo: int
     hi: int
     dropping: bool = False  # made, and waiting for its drops
+    cached: bool = False  # pages written back (its pages are being written back, readable)
 
 
 class Coherence:
@@ -94,7 +97,7 @@ class Coherence:
         they claim nothing (the rest may be older than what another name wrote)."""
         if self.drop is None or not others:
             return await make([(off, size)])
-        mine = None if inode is None else Flight(inode, off, off + size)
+        mine = None if inode is None else Flight(inode, off, off + size, cached=not claim)
         if mine is not None:
             _add(self.flying, mine)
         try:
@@ -109,7 +112,7 @@ class Coherence:
             if mine is not None:
                 mine.dropping = True
                 self._wake()
-            await self._drop_all(others, claims)
+            await self._drop_all(others, claims, patient=claim)
             return made
         finally:
             if mine is not None:
@@ -130,7 +133,8 @@ class Coherence:
         for event in self._waiting:
             event.set()
 
-    async def _drop_all(self, others: list[Range], claims: list[Flight]) -> None:
+    async def _drop_all(self, others: list[Range], claims: list[Flight], *,
+                        patient: bool) -> None:
         """Drop every range of ``others``; the claims go once every drop is done (also one
         this change stopped waiting for: till then a page read before the change may still
         be written back)."""
@@ -145,14 +149,14 @@ class Coherence:
                     _remove(self.claims, claim)
 
         if len(others) == 1:
-            await self._drop(*others[0], token, one_done)
+            await self._drop(*others[0], token, one_done, patient)
             return
         async with trio.open_nursery() as nursery:
             for inode, off, size in others:
-                nursery.start_soon(self._drop, inode, off, size, token, one_done)
+                nursery.start_soon(self._drop, inode, off, size, token, one_done, patient)
 
     async def _drop(self, inode: int, off: int, size: int, token: trio.lowlevel.TrioToken,
-                    then: Callable[[], None]) -> None:
+                    then: Callable[[], None], patient: bool) -> None:
         """Drop one range and wait as the module docstring says."""
         assert self.drop is not None
         state: dict = {"done": False, "wake": trio.Event()}
@@ -175,7 +179,9 @@ class Coherence:
             holders = [f for f in self.flying.get(inode, ())
                        if f.lo // PAGE <= last and first <= (f.hi - 1) // PAGE]
             # a write through that name that drops too may wait on this change's pages
-            held = any(f.dropping for f in holders)
+            # (a change that claims its bytes waits for a write-back to the end: the page
+            # being written back is readable, old; the write-back waits for nobody long)
+            held = any(f.dropping and not (patient and f.cached) for f in holders)
             wake = state["wake"] = trio.Event()
             self._waiting.add(wake)
             try:
