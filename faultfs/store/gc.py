@@ -2,7 +2,7 @@
 (unless a registered clone names the tag as its parent: they are its clean chunks), clean
 blobs staged from an old source version, temp files of interrupted writes.
 
-It is fsck's walk (``store/fsck.py``) reading headers only: what it finds *stale* or
+It is fsck's walk (``store/fsck/``) reading headers only: what it finds *stale* or
 *orphaned* and does not keep goes. Dirty data, write states and the journal are never
 touched (a kept finding is never dropped), nor is damage (that is ``fsck --repair``'s to
 judge, after reading every block): gc counts it and says so.
