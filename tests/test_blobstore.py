@@ -226,12 +226,12 @@ def test_is_dirty_reads_the_header(store):
 def test_a_whole_read_of_a_file_cut_short_meanwhile_is_not_served(store, monkeypatch):
     """open_blob(whole=True) reads the file in one request: fewer bytes than fstat said
     (cut after the fstat) must not become a short, block-verified payload."""
-    import faultfs.store.blobstore as blobstore_mod
+    import faultfs.store.blobread as blobread_mod
 
     data = bytes(range(256)) * 4096
     store.put("t", "b", data, flags=FLAG_NO_FAULT)
-    real = blobstore_mod.pread_full
-    monkeypatch.setattr(blobstore_mod, "pread_full",
+    real = blobread_mod.pread_full
+    monkeypatch.setattr(blobread_mod, "pread_full",
                         lambda fd, size, off: real(fd, size - 16384 * 32, off))
     assert store.open_blob("t", "b", whole=True) is None
 

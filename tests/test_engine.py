@@ -153,9 +153,9 @@ def test_store_full_backoff_counts_exactly(store, monkeypatch):
     src = make_source(payload(CS * 300))
     eng = engine_for(store)
     tag = eng.register(ctx_for())
-    from faultfs.store import blobstore, durable
+    from faultfs.store import blobwrite, durable
 
-    real = blobstore.write_parts  # every blob write's bytes (new names and replacements)
+    real = blobwrite.write_parts  # every blob write's bytes (new names and replacements)
     state = {"calls": 0}
 
     def write_parts(fd, parts):
@@ -164,7 +164,7 @@ def test_store_full_backoff_counts_exactly(store, monkeypatch):
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(fd, parts)
 
-    monkeypatch.setattr(blobstore, "write_parts", write_parts)
+    monkeypatch.setattr(blobwrite, "write_parts", write_parts)
     monkeypatch.setattr(durable, "write_parts", write_parts)
 
     async def main():

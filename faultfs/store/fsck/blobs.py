@@ -20,7 +20,7 @@ import xxhash
 
 from faultfs.errors import CorruptionError
 from faultfs.store.blobfile import HEADER_LEN, BlobHeader, decode_header
-from faultfs.store.blobstore import ForeignEntry, encode_component, open_regular
+from faultfs.store.entries import ForeignEntry, encode_component, open_regular
 from faultfs.store.fsck.look import kind, lsize
 
 READ_STEP = 4 << 20  # payloads are verified in pieces of this much: memory stays flat

@@ -18,7 +18,7 @@ import stat as stat_mod
 from collections.abc import Iterator
 
 from faultfs.errors import FaultfsError, InvalidInput
-from faultfs.store.blobstore import ForeignEntry, open_regular
+from faultfs.store.entries import ForeignEntry, open_regular, real_dir
 from faultfs.store.fsck.findings import KEEP_UNKNOWN, ORPHANED, OTHER, TEMP, Finding
 
 MAX_STATE_BYTES = 1 << 20  # a tag or write state larger than this is not one we wrote
@@ -42,13 +42,6 @@ def check_writable(root: str) -> None:
     if st.f_flag & os.ST_RDONLY or not os.access(root, os.W_OK):
         raise FaultfsError(f"store {root} cannot be changed (read-only file system or no "
                            "permission): run without repairing", errno.EROFS)
-
-
-def real_dir(path: str) -> bool:
-    try:
-        return stat_mod.S_ISDIR(os.lstat(path).st_mode)
-    except FileNotFoundError:
-        return False
 
 
 def scan(path: str) -> Iterator[os.DirEntry]:

@@ -19,7 +19,7 @@ from urllib.parse import unquote
 
 from faultfs.core.context import REGISTRY_TAG, FaultContext, is_fault_key
 from faultfs.errors import InvalidInput
-from faultfs.store.blobstore import TAG_STATE, encode_component
+from faultfs.store.entries import TAG_STATE, encode_component, real_dir
 from faultfs.store.fsck.blobs import BlobReader, blob_name
 from faultfs.store.fsck.findings import DAMAGED, KEEP_RECOVERABLE, OK, ORPHANED, REGISTRY, Finding
 from faultfs.store.fsck.look import (
@@ -27,7 +27,6 @@ from faultfs.store.fsck.look import (
     kind,
     lsize,
     read_json,
-    real_dir,
     scan,
     temp_finding,
     unknown_finding,

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import xxhash
 
 from faultfs.errors import CorruptionError
-from faultfs.store.blobstore import ForeignEntry, open_regular
+from faultfs.store.entries import ForeignEntry, open_regular
 from faultfs.store.fsck.blobs import READ_STEP
 from faultfs.store.fsck.findings import DAMAGED, JOURNAL, KEEP_JOURNAL, OK, Finding
 from faultfs.store.fsck.look import kind, lsize, scan, unknown_finding

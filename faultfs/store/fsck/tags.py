@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 
 from faultfs.core.context import is_fault_key
 from faultfs.core.pagemap import MAX_PAGEMAP_TEXT, parse
-from faultfs.store.blobstore import TAG_STATE, encode_component
+from faultfs.store.entries import TAG_STATE, encode_component
 from faultfs.store.fsck.blobs import BlobReader, blob_name
 from faultfs.store.fsck.findings import (
     BLOBS,

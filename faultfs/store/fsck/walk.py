@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 
-from faultfs.store.blobstore import remove_entry
+from faultfs.store.entries import remove_entry
 from faultfs.store.fsck.blobs import BlobReader
 from faultfs.store.fsck.findings import Finding
 from faultfs.store.fsck.look import scan, temp_finding

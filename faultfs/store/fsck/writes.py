@@ -18,9 +18,9 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 
-from faultfs.store.blobstore import encode_component
 from faultfs.store.dirty import DIRECT_PREFIX, WAL_PREFIX
 from faultfs.store.dirty import STATE as WRITE_STATE
+from faultfs.store.entries import encode_component, real_dir
 from faultfs.store.fsck.blobs import BlobReader, blob_name
 from faultfs.store.fsck.findings import (
     DAMAGED,
@@ -38,7 +38,6 @@ from faultfs.store.fsck.look import (
     kind,
     lsize,
     read_json,
-    real_dir,
     scan,
     temp_finding,
     unknown_finding,
