@@ -14,7 +14,7 @@ import collections
 import re
 
 GROUPS = {  # name -> regex over a frame "function (file:line)"
-    "store write (tiers/local put, blobstore)": r"\(.*(tiers/local|store/blob(store|file|read|write)|store/entries)\.py",
+    "store write (tiers/local put, blobstore)": r"\(.*(tiers/local(/\w+)?|store/blob(store|file|read|write)|store/entries)\.py",
     "pwrite / write syscalls": r"^(pwrite|write|writev|_write)\b",
     "hashing (xxhash)": r"xxh|hash",
     "S3 body read (read_body_into)": r"read_body_into",

@@ -19,7 +19,7 @@ Invariants:
   source version match what is asked; every read verifies the blocks it returns.
 - Nothing is written to a degraded store.
 - Blocking: every method does file I/O. The tiers call them on the I/O pool, except small
-  reads of staged blobs, which run on the serving thread (``tiers/local.py``).
+  reads of staged blobs, which run on the serving thread (``tiers/local/``).
 """
 
 from __future__ import annotations

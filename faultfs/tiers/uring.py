@@ -13,7 +13,7 @@ The ring is the raw system calls (``io_uring_setup``/``io_uring_enter``) over ct
 mmap'ed queues: no compiled dependency. ``open_ring`` checks that it works on the running
 kernel (a read of a memfd through it) and returns None otherwise, saying why once in the log
 (an old kernel, ``kernel.io_uring_disabled``, a seccomp filter, another architecture); the
-caller then takes the blocking path (``tiers/local.py``). ``FAULTFS_URING=0`` (``Config.uring``) turns it off.
+caller then takes the blocking path (``tiers/local/``). ``FAULTFS_URING=0`` (``Config.uring``) turns it off.
 
 Invariants:
 - A buffer (and a path) handed to the kernel stays referenced until its completion is reaped.

@@ -159,7 +159,7 @@ def readers(run: Run, res: CaseResult, seconds: float) -> None:
     res.notes.append(f"readers: fds idle {fd_idle}, at most {fd_max} under load, {fd_end} "
                      f"after; RSS {rss_warm / MiB:.0f} MiB after a first pass, at most "
                      f"{rss_max / MiB:.0f} MiB; {counts['errors']} read errors")
-    # the daemon keeps staged blob files open for hits (tiers/local.py, at most one per blob)
+    # the daemon keeps staged blob files open for hits (tiers/local/openfiles.py, at most one per blob)
     fd_bound = fd_idle + BLOBS + FD_SLACK
     fd_warm_max = fd_max
     res.check(counts["bad"] == 0 and counts["errors"] == 0 and fd_end <= fd_bound

@@ -1,9 +1,9 @@
-"""The local tier: staged blobs in the embedded store (a directory of blob files, ``store/``).
+"""The local tier: staged blobs in the embedded store (a directory of blob files, ``store/``),
+read verified block by block and written under the store policy (``tiers/policy.py``).
 
-It knows which blobs of each tag are staged (one bit per blob, so a tag with millions of
-chunks costs bytes, not objects), keeps recently read blob files open (a random reader skips
-the open and the header read), reads staged bytes verified block by block, and writes blobs
-under the store policy (``tiers/policy.py``).
+``LocalTier`` composes its rooms: which blobs are staged (``staged.py``), the blob files kept
+open for hits (``openfiles.py``), reads through io_uring (``ringreads.py``); it chooses the
+path of each read, and writes and evicts blobs.
 
 Invariants:
 - A read is served only from a blob file whose header matched its tag, name and source
@@ -24,87 +24,32 @@ Invariants:
 
 from __future__ import annotations
 
-import collections
 import errno
 import functools
 import logging
-import os
-import re
-import resource
-import stat as stat_mod
-from collections.abc import Iterator
-from dataclasses import dataclass
 
 import trio
 
-from faultfs.buffers import alloc
 from faultfs.errors import CorruptionError, FaultfsError, StoreFull
 from faultfs.iopool import IoPool
 from faultfs.stats import Stats
-from faultfs.store.blobfile import FLAG_NO_FAULT, HEADER_LEN, block_size_for, block_span
-from faultfs.store.blobstore import FOREIGN_ERRNOS, OPEN_FLAGS, SMALL_READ, BlobStore, OpenBlob
+from faultfs.store.blobfile import FLAG_NO_FAULT, HEADER_LEN
+from faultfs.store.blobstore import BlobStore, OpenBlob
 from faultfs.tiers import uring
 from faultfs.tiers.base import BlobKey, Buffer, Capacity, OpenBlobWatcher, StoreOutcome, TierTag
+from faultfs.tiers.local.openfiles import OpenBlobs
+from faultfs.tiers.local.ringreads import RingReads
+from faultfs.tiers.local.staged import ScanResult, StagedSet, scan
 from faultfs.tiers.policy import StorePolicy
 from faultfs.tiers.uring import RingReader
 
 log = logging.getLogger("faultfs.tiers")
 
-# Store files kept open for hits (about 1.3 KB each): a random reader of staged blobs then
-# skips the open and the header read. At most a quarter of the descriptor limit.
-OPEN_BLOB_CACHE = 8192
 # Staged reads up to this go through io_uring. Larger ones go to the I/O pool: there the
 # checksums of a 1 MiB read (~0.2 ms) overlap the serving thread's 1 MiB replies, which on the
 # ring would wait for them (seq warm halved, docs/benchmarks.md "Staged reads").
 RING_READ = 256 << 10
-CACHED_MOSTLY = 0.5  # share of recent reads found in the page cache above which ...
-PROBE_EVERY = 16  # ... reads try RWF_NOWAIT first; below it, one read in this many does
-
-
-_SET_BYTE = re.compile(rb"[^\x00]")
 SCAN_PIECE = 64 << 10  # bitmap bytes open_ahead scans between checkpoints (512 Ki blobs)
-
-
-class StagedSet:
-    """One bit per blob of a tag: which are staged in the local store."""
-
-    __slots__ = ("bits", "count")
-
-    def __init__(self, num_blobs: int) -> None:
-        self.bits = bytearray((num_blobs + 7) // 8)
-        self.count = 0
-
-    def __contains__(self, index: int) -> bool:
-        return bool(self.bits[index >> 3] & (1 << (index & 7)))
-
-    def indices(self, first_byte: int = 0, end_byte: int | None = None) -> Iterator[int]:
-        """The staged blobs' indices, in order (of bitmap bytes ``[first_byte, end_byte)``)."""
-        view = memoryview(self.bits)[first_byte:end_byte]
-        for found in _SET_BYTE.finditer(view):  # skips runs of zero bytes at C speed
-            byte = first_byte + found.start()
-            bits = self.bits[byte]
-            for bit in range(8):
-                if bits & (1 << bit):
-                    yield byte * 8 + bit
-
-    def mark(self, index: int, staged: bool) -> None:
-        byte, bit = index >> 3, 1 << (index & 7)
-        was = bool(self.bits[byte] & bit)
-        if staged and not was:
-            self.bits[byte] |= bit
-            self.count += 1
-        elif was and not staged:
-            self.bits[byte] &= ~bit
-            self.count -= 1
-
-
-@dataclass
-class ScanResult:
-    """What ``open_tag`` found in the store for a tag."""
-
-    staged: int = 0
-    stale_dropped: int = 0
-    corrupt_dropped: int = 0
 
 
 class LocalTier:
@@ -126,15 +71,11 @@ class LocalTier:
         self.ring_punt = ring_punt  # ring reads start in the kernel's worker (Config.uring_punt)
         self._reader: RingReader | None = None
         self._idle = uring.IdleProbe()
-        self._cached_score = 0.0  # moving share of probed ring reads the page cache had
-        self._probe = PROBE_EVERY
+        self._ring_reads = RingReads(store, stats)
         self._tags: dict[int, TierTag] = {}
         self._staged: dict[int, StagedSet] = {}
-        self._open: collections.OrderedDict[BlobKey, OpenBlob] = collections.OrderedDict()
-        self._in_use: dict[BlobKey, int] = {}
+        self._open = OpenBlobs()  # recently read blob files, kept open
         self._pinned: set[BlobKey] = set()  # clean bases of dirty blobs: never evicted
-        self._open_cap = open_cap()
-        self._watcher: OpenBlobWatcher | None = None
 
     def requests_wait_in(self, fd: int) -> None:
         """FUSE requests for this process wait in ``fd`` (not in its ``/dev/fuse``): the idle
@@ -144,10 +85,7 @@ class LocalTier:
     def watch(self, watcher: OpenBlobWatcher | None) -> None:
         """Tell ``watcher`` of every blob file this tier holds open, from now on (those open
         already first) until it lets each go; None stops telling."""
-        self._watcher = watcher
-        if watcher is not None:
-            for key, blob in self._open.items():
-                watcher.opened(key, blob)
+        self._open.watch(watcher)
 
     # -- tags --------------------------------------------------------------------------------
 
@@ -161,33 +99,7 @@ class LocalTier:
         checks the header again and re-faults a blob that is torn, foreign or stale."""
         self._tags[tag.id] = tag
         staged = self._staged[tag.id] = StagedSet(tag.num_blobs)
-        result = ScanResult()
-        if trusted:
-            for name, size in self.store.scan_blobs(tag.name):
-                index = tag.blob_index(name)
-                if index is not None:
-                    staged.mark(index, True)
-                    self.policy.note_stored((tag.id, index), size)
-            result.staged = staged.count
-            return result
-        for name in self.store.list_blobs(tag.name):
-            index = tag.blob_index(name)
-            if index is None:
-                continue
-            header = self.store.read_header(self.store.blob_path(tag.name, name))
-            if header is None:
-                self.store.delete(tag.name, name)
-                result.corrupt_dropped += 1
-                continue
-            if not header.dirty and header.source_version != tag.version:
-                self.store.delete(tag.name, name)
-                result.stale_dropped += 1
-                continue
-            staged.mark(index, True)
-            if not header.dirty:
-                self.policy.note_stored((tag.id, index), self.store.file_bytes(tag.name, name))
-        result.staged = staged.count
-        return result
+        return scan(self.store, self.policy, tag, staged, trusted=trusted)
 
     def forget_tag(self, tag_id: int) -> None:
         """Stop holding blobs of a tag that is unregistered (its files are the caller's)."""
@@ -196,11 +108,8 @@ class LocalTier:
         if staged is not None:
             for index in staged.indices():
                 self.policy.forget((tag_id, index))
-        for key in [k for k in self._open if k[0] == tag_id]:
-            self._drop_open(key)
+        self._open.forget_tag(tag_id)
         self._pinned = {k for k in self._pinned if k[0] != tag_id}
-        if self._watcher is not None:
-            self._watcher.forgot(tag_id)
 
     def contains(self, key: BlobKey) -> bool:
         staged = self._staged.get(key[0])
@@ -239,14 +148,14 @@ class LocalTier:
         if (ring is not None and self.block_when_idle and size <= self.inline_read
                 and not ring.in_flight and self._idle.idle()):
             ring = None  # nothing else to do meanwhile: one blocking read costs less
-        blob = self._open.get(key)
+        blob = self._open.lookup(key)
         first_read: Buffer | CorruptionError | None = None
         if blob is None:
             tag = self._tags[key[0]]
             try:  # open and first read together
                 if ring is not None:
-                    blob, first_read = await self._ring_open_and_read(ring, tag, key[1],
-                                                                      size, off)
+                    blob, first_read = await self._ring_reads.open_and_read(ring, tag, key[1],
+                                                                            size, off)
                 else:
                     blob, first_read = await self._store_read(
                         size, self._open_and_read, tag, tag.blob_name(key[1]), size, off,
@@ -256,26 +165,16 @@ class LocalTier:
             if blob is None:
                 self._unstage(key)
                 return None
-            if key in self._open:  # another reader opened it meanwhile
-                blob.close()
-                blob = self._open[key]
-            else:
-                self._open[key] = blob
-                if self._watcher is not None:
-                    self._watcher.opened(key, blob)
-                self._trim_open()
-        else:
-            self._open.move_to_end(key)
+            blob = self._open.add(key, blob)  # or the one another reader opened meanwhile
         self.policy.touch(key)
-        in_use = self._in_use
-        in_use[key] = in_use.get(key, 0) + 1
+        self._open.hold(key)
         try:
             if first_read is not None:
                 if isinstance(first_read, CorruptionError):
                     raise first_read
                 return first_read
             if ring is not None:
-                return await self._ring_read(ring, blob, size, off)
+                return await self._ring_reads.read(ring, blob, size, off)
             if size > self.inline_read:  # bound for the pool: page-cache hits need no trip
                 data = blob.pread_view(size, off, nowait=True)  # never blocks
                 if data is not None:
@@ -287,7 +186,7 @@ class LocalTier:
         except CorruptionError as exc:
             tag = self._tags[key[0]]
             log.warning("tag %s: %s", tag.name, exc)
-            self._drop_open(key)
+            self._open.drop(key)
             try:
                 removed = await self.pool.run(functools.partial(
                     self.store.discard_damaged, tag.name, tag.blob_name(key[1]), ino=blob.ino))
@@ -297,13 +196,7 @@ class LocalTier:
                 self._unstage(key)
             return None
         finally:
-            left = in_use[key] - 1
-            if left:
-                in_use[key] = left
-            else:
-                del in_use[key]
-                if key not in self._open:
-                    blob.close()
+            self._open.release(key, blob)
 
     async def open_ahead(self, tag_id: int, batch: int = 64) -> int:
         """Open the tag's staged blobs that are not open yet, into the open-file cache's free
@@ -321,7 +214,7 @@ class LocalTier:
             if self._staged.get(tag_id) is not staged:
                 return opened  # forgotten meanwhile
             for index in staged.indices(start, start + SCAN_PIECE):
-                if len(self._open) + len(todo) >= self._open_cap:
+                if len(self._open) + len(todo) >= self._open.cap:
                     return opened + (await self._open_batch(tag, todo) if todo else 0)
                 if (tag_id, index) not in self._open:
                     todo.append(index)
@@ -340,12 +233,10 @@ class LocalTier:
                 continue  # gone, torn or stale (dropped): the next read of it re-faults it
             key = (tag.id, index)
             if (key in self._open or not self.contains(key) or self._tags.get(tag.id) is not tag
-                    or len(self._open) >= self._open_cap):
+                    or len(self._open) >= self._open.cap):
                 blob.close()  # read, evicted or forgotten meanwhile, or no room left
                 continue
-            self._open[key] = blob
-            if self._watcher is not None:
-                self._watcher.opened(key, blob)
+            self._open.add(key, blob)
             opened += 1
         return opened
 
@@ -359,7 +250,7 @@ class LocalTier:
                 out.append(None)  # a damaged dirty blob: its own read reports it
         return out
 
-    # -- reads through io_uring (tiers/uring.py) ---------------------------------------------
+    # -- the ring of this trio run (tiers/uring.py; its reads: ringreads.py) -----------------
 
     def _ring(self) -> RingReader | None:
         """The ring of the running trio run, made on first use; None where it cannot be
@@ -383,84 +274,6 @@ class LocalTier:
             return None
         self._reader = RingReader(ring, punt_reads=self.ring_punt)
         return self._reader
-
-    async def _ring_read(self, ring: RingReader, blob: OpenBlob, size: int, off: int
-                         ) -> Buffer:
-        """Payload ``[off, off+size)`` of an open blob read through the ring, verified."""
-        plan = blob.span(size, off)
-        if not isinstance(plan, tuple):
-            return plan
-        first, start, want, size = plan
-        self._probe -= 1
-        if self._cached_score >= CACHED_MOSTLY or self._probe <= 0:
-            # reads were mostly page-cache hits lately (or it is time to look again): a
-            # RWF_NOWAIT read costs less than a ring entry, and on a miss it has started the
-            # disk read that the ring entry then waits for
-            data = blob.pread_view(size, off, nowait=True)
-            self._probe = PROBE_EVERY
-            self._cached_score += ((data is not None) - self._cached_score) / 8
-            if data is not None:
-                return data
-        buf = bytearray(want) if want < SMALL_READ else alloc(want)
-        self.stats.add("ring_reads")
-        got = await ring.read(blob.fd, buf, HEADER_LEN + start)
-        if got != want:
-            raise CorruptionError(f"blob {blob.header.name} of tag {blob.header.tag} is "
-                                  "truncated")
-        return blob.verified(first, start, buf, off, size)
-
-    async def _ring_open_and_read(self, ring: RingReader, tag: TierTag, index: int, size: int,
-                                  off: int
-                                  ) -> tuple[OpenBlob | None, Buffer | CorruptionError | None]:
-        """As ``_open_and_read``, through the ring: the open, then the header and the blocks
-        the read needs (where a blob of the tag keeps them) read together."""
-        name = tag.blob_name(index)
-        path = self.store.blob_path(tag.name, name)
-        self.stats.add("ring_reads")
-        try:
-            fd = await ring.openat(path, os.O_RDONLY | OPEN_FLAGS)
-        except FileNotFoundError:
-            return None, None
-        except OSError as exc:
-            if exc.errno not in FOREIGN_ERRNOS:
-                raise
-            self.store.drop_foreign(path)
-            return None, None
-        try:
-            st = os.fstat(fd)
-            if not stat_mod.S_ISREG(st.st_mode):
-                os.close(fd)
-                self.store.drop_foreign(path)
-                return None, None
-            head = bytearray(HEADER_LEN)
-            bufs, offs = [head], [0]
-            guess = None
-            stored = tag.blob_size
-            if 0 <= off < stored and size > 0 and st.st_size == HEADER_LEN + stored:
-                guess = block_span(block_size_for(stored), stored, off, size)
-                bufs.append(bytearray(guess[2]))
-                offs.append(HEADER_LEN + guess[1])
-            got = await ring.read_many(fd, bufs, offs)
-        except BaseException:
-            os.close(fd)
-            raise
-        blob = self.store.accept_blob(fd, st, memoryview(head)[:got[0]], tag.name, name,
-                                      source_version=tag.version)
-        if blob is None:
-            return None, None
-        try:
-            plan = blob.span(size, off)
-            if not isinstance(plan, tuple):
-                return blob, plan
-            first, start, want, size = plan
-            if guess is not None and guess[1:] == (start, want) and got[1] == want:
-                return blob, blob.verified(first, start, bufs[1], off, size)
-            return blob, await self._ring_read(ring, blob, size, off)
-        except CorruptionError as exc:
-            return blob, exc
-        except BaseException:
-            blob.close()
-            raise
 
     async def load(self, key: BlobKey) -> Buffer | None:
         if not self.contains(key):
@@ -511,23 +324,6 @@ class LocalTier:
         if target is not None:
             target.mark(key[1], staged)
 
-    def _trim_open(self) -> None:
-        while len(self._open) > self._open_cap:
-            key, blob = self._open.popitem(last=False)
-            self._let_go(key, blob)
-
-    def _drop_open(self, key: BlobKey) -> None:
-        blob = self._open.pop(key, None)
-        if blob is not None:
-            self._let_go(key, blob)
-
-    def _let_go(self, key: BlobKey, blob: OpenBlob) -> None:
-        """``blob`` left ``_open``: its watcher first, then the file (unless a read holds it)."""
-        if self._watcher is not None:
-            self._watcher.closed(key)
-        if not self._in_use.get(key):
-            blob.close()
-
     # -- writes ------------------------------------------------------------------------------
 
     async def put(self, key: BlobKey, data: Buffer) -> StoreOutcome:
@@ -538,7 +334,7 @@ class LocalTier:
         if outcome is not None:
             return self._count(outcome)
         need = len(data) + HEADER_LEN
-        victims = self.policy.victims(need, self._in_use.__contains__)
+        victims = self.policy.victims(need, self._open.in_use)
         if victims is None:
             return self._count(StoreOutcome.SKIPPED_CACHE_CAP)
         try:
@@ -549,7 +345,7 @@ class LocalTier:
     async def _put(self, key: BlobKey, data: Buffer, victims: list[BlobKey]) -> StoreOutcome:
         named = []
         for victim in victims:
-            self._drop_open(victim)
+            self._open.drop(victim)
             self.mark(victim, False)
             owner = self._tags.get(victim[0])
             if owner is not None:
@@ -563,7 +359,7 @@ class LocalTier:
             self.mark(victim, True)
             self.stats.add("dirty_kept")
         if outcome is StoreOutcome.STORED:
-            self._drop_open(key)
+            self._open.drop(key)
             self.mark(key, True)
             if key not in self._pinned:
                 self.policy.note_stored(key, stored)
@@ -615,7 +411,7 @@ class LocalTier:
         name = tag.blob_name(key[1])
         if await self.pool.run(self.store.is_dirty, tag.name, name):
             return 0
-        self._drop_open(key)
+        self._open.drop(key)
         self.mark(key, False)
         self.policy.forget(key)
         return await self.pool.run(self.store.delete, tag.name, name)
@@ -627,21 +423,11 @@ class LocalTier:
 
     def raise_open_cap(self) -> None:
         """Re-read the descriptor limit (the mount raises it before serving)."""
-        self._open_cap = open_cap()
+        self._open.raise_cap()
 
     def close(self) -> None:
         if self._reader is not None:
             self._reader.close()  # waits for reads in flight: their blobs are still open
             self._reader = None
-        for key, blob in self._open.items():
-            if self._watcher is not None:
-                self._watcher.closed(key)
-            blob.close()
-        self._open.clear()
+        self._open.close()
 
-
-def open_cap() -> int:
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY:
-        return OPEN_BLOB_CACHE
-    return max(16, min(OPEN_BLOB_CACHE, soft // 4))
