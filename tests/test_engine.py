@@ -925,7 +925,7 @@ def test_an_fsync_after_a_write_made_during_a_sync_syncs_again(store):
             with trio.fail_after(5):
                 async with trio.open_nursery() as writers:
                     writers.start_soon(first)
-                    while not began:  # until the first sync is under way (50 ms)
+                    while not began:  # noqa: ASYNC110 - filled on a worker thread (50 ms sync)
                         await trio.sleep(0.001)
                     assert not order
                     await eng.writes.write_chunk(tag, 1, 0, b"b" * CS)
