@@ -1,6 +1,6 @@
 """The torture suite's quick run (``scripts/torture --quick``, docs/reliability.md) as a test:
-every case, smaller, in under two minutes, and nothing left behind — no mount, no daemon, no
-tmpfs, no temporary directory.
+every case but crossname (tests/test_crossname.py), smaller, in under two minutes, and nothing
+left behind — no mount, no daemon, no tmpfs, no temporary directory.
 
 A failure the suite reports that is one of ``KNOWN_DEFECTS`` (found by the suite and not fixed
 yet) makes this test xfail, naming the defect; any other failure fails it. Delete an entry
@@ -55,9 +55,11 @@ def test_the_quick_torture_run_holds_and_leaves_nothing_behind(tmp_path):
     work = tmp_path / "tmp"
     work.mkdir()
     env = dict(os.environ, TMPDIR=str(work))  # the run's root is made in here
-    result = subprocess.run([os.path.join(ROOT, "scripts", "torture"), "--quick", "--json",
-                             str(report)], capture_output=True, text=True, env=env, cwd=ROOT,
-                            timeout=400)
+    # the crossname case runs on its own in tests/test_crossname.py (its verdict is xfail
+    # until issue 41's defects are fixed)
+    result = subprocess.run([os.path.join(ROOT, "scripts", "torture"), "--quick", "--skip",
+                             "crossname", "--json", str(report)], capture_output=True,
+                            text=True, env=env, cwd=ROOT, timeout=400)
     assert "| case" in result.stdout, result.stderr[-3000:]
     assert _mounted_under(str(tmp_path)) == [], "a mount outlived the run"
     assert os.listdir(work) == [], "the run's temporary directory outlived it"

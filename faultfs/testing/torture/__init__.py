@@ -8,7 +8,9 @@ docs/reliability.md describes every case and keeps the figures of the last full 
 Modules: ``harness`` (the private temporary directory, mounts through the CLI, cleanup that
 survives Ctrl-C), ``workers`` (reader and writer processes run against a mount),
 ``writeops`` (the seeded write script shared by the writer and its verifier), ``httpd`` (a
-loopback HTTP server that honours Range), ``decoders`` (the fuzz targets), one ``case_*``
-module per case, and ``main`` (the command line and the table). Nothing here imports
+loopback HTTP server that honours Range), ``decoders`` (the fuzz targets), ``crossname_model``
+and ``crossname_workers`` (the cross-name case's layout, model and processes), ``watchdog``
+(a hang turned into a failure with the stacks, the mount freed), one ``case_*`` module per
+case, and ``main`` (the command line and the table). Nothing here imports
 ``tests/``, and nothing in the product imports this package.
 """

@@ -160,12 +160,27 @@ def mounts_at(path: str) -> int:
     return sum(1 for p, _, _ in mount_table() if p == path)
 
 
+FUSECTL = "/sys/fs/fuse/connections"
+
+
+def ensure_fusectl() -> bool:
+    """The fusectl file system mounted at its place (it is where a connection is aborted);
+    whether it is."""
+    if any(p == FUSECTL and t == "fusectl" for p, t, _ in mount_table()):
+        return True
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        subprocess.run(["mount", "-t", "fusectl", "fusectl", FUSECTL], capture_output=True,
+                       timeout=30)
+    return any(p == FUSECTL and t == "fusectl" for p, t, _ in mount_table())
+
+
 def abort_fuse(dev: int | None) -> None:
     """Abort a FUSE connection: every request waiting on it fails at once."""
     if dev is None:
         return
+    ensure_fusectl()
     with contextlib.suppress(OSError):
-        with open(f"/sys/fs/fuse/connections/{os.minor(dev)}/abort", "w") as f:
+        with open(f"{FUSECTL}/{os.minor(dev)}/abort", "w") as f:
             f.write("1")
 
 
@@ -224,10 +239,12 @@ class Mount(MountView):
 class Run:
     """One run of the suite: its temporary root and everything it must take down."""
 
-    def __init__(self, *, quick: bool, verbose: bool = False, seed: int = 0) -> None:
+    def __init__(self, *, quick: bool, verbose: bool = False, seed: int = 0,
+                 options: dict | None = None) -> None:
         self.quick = quick
         self.verbose = verbose
         self.seed = seed
+        self.options = dict(options or {})  # a case's own flags (``--crossname-parts``)
         self.root = os.path.realpath(tempfile.mkdtemp(prefix="faultfs-torture-"))
         self.subreaper = become_subreaper()
         self.mounts: list[Mount] = []

@@ -20,6 +20,7 @@ import textwrap
 import time
 import traceback
 
+from faultfs.testing.torture.crossname_model import PARTS, parse_parts
 from faultfs.testing.torture.harness import Budget, CaseResult, Interrupted, Run, interruptible, log
 
 # (key, module, default budget s, --quick budget s)
@@ -31,6 +32,7 @@ CASES = (
     ("chaos", "case_chaos", 80, 14),
     ("fuzz", "case_fuzz", 110, 10),
     ("scale", "case_scale", 70, 20),
+    ("crossname", "case_crossname", 60, 35),
 )
 
 
@@ -39,16 +41,30 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         prog="scripts/torture",
         description="The standing torture suite of faultfs (needs root and /dev/fuse).")
     p.add_argument("--quick", action="store_true",
-                   help="a smaller run of every case (under 2 minutes)")
+                   help="a smaller run of every case (under 3 minutes)")
     p.add_argument("--only", action="append", choices=[c[0] for c in CASES], metavar="CASE",
                    help="run only this case (repeatable): " + ", ".join(c[0] for c in CASES))
+    p.add_argument("--skip", action="append", default=[], choices=[c[0] for c in CASES],
+                   metavar="CASE", help="leave this case out (repeatable)")
+    p.add_argument("--budget", type=float, metavar="SECONDS",
+                   help="each chosen case's time budget (default: its share of the run); "
+                        "e.g. --only crossname --budget 600 for its full ten minutes")
+    p.add_argument("--crossname-parts", metavar="LIST", default="all",
+                   help="the crossname case's parts, comma-separated: " + ", ".join(PARTS)
+                        + ", or single writers (mmap-chunk/chunk); 'all' (the default), and "
+                          "'-ITEM' to leave one out (all,-view-chunk)")
     p.add_argument("--seed", type=int, default=0, help="shift every seed by this (default 0)")
     p.add_argument("--verbose", action="store_true", help="print each case's notes")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
     p.add_argument("--head", action="store_true",
                    help="test faultfs from a clean export of HEAD, not the working tree (the "
                         "torture package itself comes from the working tree if HEAD has none)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    try:
+        parse_parts(args.crossname_parts)
+    except ValueError as exc:
+        p.error(str(exc))
+    return args
 
 
 def preflight() -> str | None:
@@ -143,18 +159,20 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"torture: {problem}", file=sys.stderr)
         return 2
-    chosen = [c for c in CASES if not args.only or c[0] in args.only]
+    chosen = [c for c in CASES if (not args.only or c[0] in args.only)
+              and c[0] not in args.skip]
     started = time.monotonic()
     results: list[CaseResult] = []
     leftovers: list[str] = []
     interrupted = None
-    run = Run(quick=args.quick, verbose=args.verbose, seed=args.seed)
+    run = Run(quick=args.quick, verbose=args.verbose, seed=args.seed,
+              options={"crossname_parts": args.crossname_parts})
     mode = "--quick" if args.quick else "default"
     log(f"{mode} run of {len(chosen)} cases in {run.root}")
     try:
         with interruptible():
             for key, module, full_s, quick_s in chosen:
-                budget = Budget(quick_s if args.quick else full_s)
+                budget = Budget(args.budget or (quick_s if args.quick else full_s))
                 log(f"case {key} (budget {budget.seconds:.0f} s)")
                 mod = importlib.import_module(f"faultfs.testing.torture.{module}")
                 res = CaseResult(mod.NAME)
