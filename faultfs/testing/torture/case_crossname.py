@@ -448,7 +448,7 @@ class CrossName:
         res.notes.append("writers: " + ", ".join(self.parts))
         res.notes.append("ops per writer: " + ", ".join(f"{w} {len(o)}"
                                                          for w, o in model.ops.items()))
-        if "readers" in self.parts:
+        if "readers" in self.parts and self.others_reads:
             res.notes.append(f"the readers read {self.others_reads:,} pieces meanwhile")
         reads, about = self.reads, ""
         for spec in self.specs:  # a writer killed at a hang made no report: its ops tell

@@ -332,11 +332,13 @@ def writers(args: dict) -> dict:
     msync (the map write answered, read back)."""
     layout = Layout(**args["layout"])
     specs = [_spec(doc) for doc in args["specs"]]
-    first_log = os.open(args["logs"][0], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     needs_map = any(s.via == "mmap" or "map" in s.checks for s in specs)
-    _note(first_log, "setting up: opening its names" + (", mapping the view" if needs_map else "")
-          + (", connecting to the holder of the view's map"
-             if any("holder" in s.checks for s in specs) else ""))
+    for path in args["logs"]:  # every writer of the process says what it waits on
+        log = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        _note(log, "setting up: opening its names" + (", mapping the view" if needs_map else "")
+              + (", connecting to the holder of the view's map"
+                 if any("holder" in s.checks for s in specs) else ""))
+        os.close(log)
     names = Names(args["tag_dir"])
     view_map = None
     if needs_map:
