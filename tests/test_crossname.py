@@ -55,7 +55,6 @@ def test_the_quick_crossname_run_leaves_nothing_behind(crossname_run):
     assert not [line for line in case["failed"] if line.startswith("error:")], case["failed"]
 
 
-@pytest.mark.xfail(strict=False, reason="issue 41 defects 1-3 not fixed on this branch")
 def test_the_quick_crossname_run_holds(crossname_run):
     _, _, result, doc = crossname_run
     assert doc is not None

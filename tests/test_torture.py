@@ -55,8 +55,7 @@ def test_the_quick_torture_run_holds_and_leaves_nothing_behind(tmp_path):
     work = tmp_path / "tmp"
     work.mkdir()
     env = dict(os.environ, TMPDIR=str(work))  # the run's root is made in here
-    # the crossname case runs on its own in tests/test_crossname.py (its verdict is xfail
-    # until issue 41's defects are fixed)
+    # the crossname case runs on its own in tests/test_crossname.py
     result = subprocess.run([os.path.join(ROOT, "scripts", "torture"), "--quick", "--skip",
                              "crossname", "--json", str(report)], capture_output=True,
                             text=True, env=env, cwd=ROOT, timeout=400)
