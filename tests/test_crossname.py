@@ -4,9 +4,8 @@ across names after every write, clones checked against the writers' logs, and a 
 turns a hang into a failure with the stacks and frees the mount.
 
 Two verdicts of one run: that it leaves nothing behind and wedges nothing (whatever the mount
-does: the watchdog must free it), and that every check held. The second is expected to fail
-until issue 41's defects are fixed: today writing one tag through two names deadlocks, and
-clones are not point-in-time.
+does: the watchdog must free it), and that every check held (before issue 41's fixes, writing
+one tag through two names deadlocked within a second, and clones were not point-in-time).
 """
 
 from __future__ import annotations
