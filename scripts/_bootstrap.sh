@@ -37,7 +37,9 @@ fi
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     echo "faultfs: installing the project into .venv" >&2
     .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-    .venv/bin/python -m pip install -q -e ".[test]" 2>&1 | grep -vE '^(WARNING: Location|\s*$)' >&2 || true
+    # (PYTHONWARNINGS: the build backend's notes about editable installs are not the user's)
+    PYTHONWARNINGS=ignore .venv/bin/python -m pip install -q -e ".[test]" 2>&1 \
+        | grep -vE '^(WARNING: Location|\s*$)' >&2 || true
     .venv/bin/python -c 'import faultfs, pyfuse3, trio, fsspec, s3fs, xxhash' \
         || { echo "faultfs: installing into .venv failed" >&2; exit 1; }
     .venv/bin/python -c 'import faultfs.fuse._fastread' 2>/dev/null \
