@@ -270,7 +270,7 @@ def test_a_change_under_way_when_the_clone_begins_is_in_it_whole(store):
     write_state = w.files.write_state
 
     def slow_save(name, state):
-        if name == tag.name and "late" in state["users"]:
+        if name == tag.name and "late" in state.users:
             saving.set()
             release.wait(10)
         write_state(name, state)

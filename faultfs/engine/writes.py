@@ -98,6 +98,7 @@ from faultfs.store.journal import (
     Record,
     SegmentGone,
 )
+from faultfs.store.writestate import WriteState
 from faultfs.tiers.base import Buffer
 
 log = logging.getLogger("faultfs.writes")
@@ -192,60 +193,12 @@ class _Holding:
 
 
 @dataclass
-class TagWrites:
-    """What a tag's writes changed beyond its blobs: the view's size, the user blobs."""
+class TagWrites(WriteState):
+    """What a tag's writes changed beyond its blobs (``store/writestate.py``: the view's
+    size, the user blobs ...), and what a mount keeps of it in memory only."""
 
-    view_size: int
-    view_seq: int = 0  # the last size record the state file includes
-    users: dict[str, int] = field(default_factory=dict)  # user blob name -> id
-    next_user: int = 1
-    parted: set[int] = field(default_factory=set)  # user blob ids cut into USER_PART parts
-    ancestors: tuple[str, ...] = ()  # a clone's parent, grandparent ...: its linked files
-    voided: int = 0  # records at or below this seq are void (a reset of the tag)
-    voided_blobs: dict[str, int] = field(default_factory=dict)  # a reset of single blobs
-    mtime_ns: int = 0  # when it was last written
     damaged: str = ""  # why its write state could not be read: it takes no writes
-    # blobs whose writes were found damaged in the journal: name -> {"reason", "size"}; kept,
-    # EIO, until a reset drops them (their records go to writes/damaged/, not away)
-    damaged_blobs: dict[str, dict] = field(default_factory=dict)
     view_changes: int = 0  # (in memory) sizes set since the mount: a failed reset keeps a new one
-
-
-def _tag_writes(state: dict, source_size: int) -> TagWrites:
-    """A tag's write state from its JSON document; CorruptionError when a field is not of
-    its type."""
-    try:
-        users = state.get("users", {})
-        voided = state.get("voided_blobs", {})
-        ancestors = state.get("ancestors", ())
-        parted = state.get("parted", [])
-        damaged = state.get("damaged_blobs", {})
-        if not (isinstance(users, dict) and isinstance(voided, dict)
-                and isinstance(ancestors, (list, tuple)) and isinstance(parted, list)
-                and all(isinstance(a, str) for a in ancestors) and isinstance(damaged, dict)
-                and all(isinstance(v, dict) and isinstance(v.get("reason"), str)
-                        for v in damaged.values())):
-            raise TypeError("users, voided_blobs, ancestors, parted or damaged_blobs")
-        return TagWrites(view_size=_uint(state.get("view_size", source_size)),
-                         view_seq=_uint(state.get("view_seq", 0)),
-                         users={str(k): _uint(v) for k, v in users.items()},
-                         next_user=_uint(state.get("next_user", 1)),
-                         parted={_uint(u) for u in parted},
-                         ancestors=tuple(ancestors),
-                         voided=_uint(state.get("voided", 0)),
-                         voided_blobs={str(k): _uint(v) for k, v in voided.items()},
-                         mtime_ns=_uint(state.get("mtime_ns", 0)),
-                         damaged_blobs={str(k): {"reason": v["reason"],
-                                                 "size": _uint(v.get("size", 0))}
-                                        for k, v in damaged.items()})
-    except (TypeError, ValueError) as exc:
-        raise CorruptionError(f"the write state has a field of the wrong type ({exc})") from None
-
-
-def _uint(value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{value!r} is not a non-negative integer")
-    return value
 
 
 class Writes:
@@ -305,7 +258,11 @@ class Writes:
         damaged write state is kept and reported: the tag's dirty files still read, but the
         tag takes no writes (they would replace the state) until ``faultfs fsck`` is run."""
         try:
-            tw = _tag_writes(self.files.read_state(tag.name), tag.layout.size)
+            doc = self.files.read_state(tag.name)
+            try:
+                tw = TagWrites.parse(doc, tag.layout.size)
+            except CorruptionError as exc:  # as fsck says it (``store/writestate.py``)
+                raise CorruptionError(f"write state of {tag.name}: {exc.message}") from None
         except CorruptionError as exc:
             log.error("tag %s: %s: kept; the tag's writes read, new writes are refused",
                       tag.name, exc)
@@ -474,7 +431,7 @@ class Writes:
             tw = self.tags[tag_id]
             if not tw.damaged:
                 try:
-                    self.files.write_state(self._names[tag_id], _state_doc(tw))
+                    self.files.write_state(self._names[tag_id], tw.saved())
                 except OSError as exc:  # the next checkpoint saves it again
                     log.error("keeping the damaged blobs of tag %s: %s", self._names[tag_id],
                               exc.strerror)
@@ -1885,11 +1842,8 @@ class Writes:
             ptw = self._tag(parent)
             # the reset marks too: a file a reset left behind (killed before deleting it) is
             # linked with the others, and a mount of the clone must skip it as the parent's does
-            state = {"view_size": ptw.view_size, "view_seq": self.journal.last_seq,
-                     "users": dict(ptw.users), "next_user": ptw.next_user,
-                     "parted": sorted(ptw.parted),
-                     "ancestors": [parent.name, *ptw.ancestors], "voided": ptw.voided,
-                     "voided_blobs": dict(ptw.voided_blobs), "mtime_ns": ptw.mtime_ns}
+            state = replace(ptw.saved(), view_seq=self.journal.last_seq,
+                            ancestors=(parent.name, *ptw.ancestors), damaged_blobs={})
 
             def link() -> None:
                 self.files.forget_tag(child)  # a clone that crashed before it was registered
@@ -1989,7 +1943,7 @@ class Writes:
         if tw.damaged:
             return  # never written over: fsck reports it, the user decides
         name = self._names[tag_id]
-        state = _state_doc(tw)
+        state = tw.saved()
         try:
             await self.pool.run(self.files.write_state, name, state)
         except OSError as exc:
@@ -1997,18 +1951,6 @@ class Writes:
             raise FaultfsError(f"saving the writes of tag {name} failed: {exc.strerror}",
                                code) from None
 
-
-
-def _state_doc(tw: TagWrites) -> dict:
-    """A tag's write state as its JSON document (``_tag_writes`` reads it back)."""
-    # (copies: a save writes it on the I/O pool, while the tables change)
-    state = {"view_size": tw.view_size, "view_seq": tw.view_seq, "users": dict(tw.users),
-             "next_user": tw.next_user, "parted": sorted(tw.parted),
-             "ancestors": list(tw.ancestors), "voided": tw.voided,
-             "voided_blobs": dict(tw.voided_blobs), "mtime_ns": tw.mtime_ns}
-    if tw.damaged_blobs:
-        state["damaged_blobs"] = dict(tw.damaged_blobs)
-    return state
 
 
 def _damaged(blob: DirtyBlob) -> FaultfsError:

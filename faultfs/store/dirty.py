@@ -48,6 +48,8 @@ from faultfs.store.blobfile import (
 from faultfs.store.blobstore import encode_component
 from faultfs.store.durable import write_parts
 from faultfs.store.fileops import FileOps, OsFileOps, free_name, kept_dir
+from faultfs.store.writestate import WriteState
+from faultfs.store.writestate import encode as encode_state
 
 WAL_PREFIX = "wal:"
 DIRECT_PREFIX = "d-"  # d-<seq, 16 hex>: a chunk written whole, not folded yet
@@ -414,8 +416,10 @@ class DirtyFiles:
 
     # -- per-tag write state -----------------------------------------------------------------
 
-    def read_state(self, tag: str) -> dict:
-        """The tag's write state ({} when it has none); CorruptionError when damaged."""
+    def read_state(self, tag: str) -> object:
+        """The tag's write state document ({} when it has none; ``WriteState.parse`` reads
+        it, and says what is wrong with one that is no write state); CorruptionError when it
+        is not JSON, or cannot be read."""
         directory = self._tag_dir_for_reading(tag)
         if directory is None:
             return {}
@@ -431,10 +435,8 @@ class DirtyFiles:
             doc = json.loads(raw)
         except ValueError:
             raise CorruptionError(f"write state {path} is not valid JSON") from None
-        if not isinstance(doc, dict):
-            raise CorruptionError(f"write state {path} is not a JSON object")
         return doc
 
-    def write_state(self, tag: str, state: dict) -> None:
-        data = json.dumps(state, sort_keys=True, indent=1).encode()
-        self._replace(os.path.join(self.tag_dir(tag), STATE), [data])
+    def write_state(self, tag: str, state: WriteState) -> None:
+        """Replace the tag's write state, durably (``store/writestate.py`` is its format)."""
+        self._replace(os.path.join(self.tag_dir(tag), STATE), [encode_state(state)])

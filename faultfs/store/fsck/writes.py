@@ -9,8 +9,8 @@ Invariants:
 - A dirty file verifies like a blob, is flagged dirty, names a journal position, and belongs
   to its tag or one of the ancestors its write state names (a clone's linked files); a
   direct file names its own seq.
-- A write state is a JSON object whose fields have the types the engine reads
-  (``WRITE_STATE_FIELDS``).
+- A write state is judged by the mount's own parser (``store/writestate.py``): what fsck
+  calls fine a mount reads, and a damaged one is named in the same words.
 """
 
 from __future__ import annotations
@@ -45,13 +45,7 @@ from faultfs.store.fsck.look import (
 from faultfs.store.fsck.registry import KnownTags
 from faultfs.store.fsck.segments import segment_findings
 from faultfs.store.journal import DAMAGED_DIR
-
-# The write state's fields and their types, as ``engine/writes.py`` reads them.
-WRITE_STATE_FIELDS: dict[str, type | tuple[type, ...]] = {
-    "view_size": int, "view_seq": int, "users": dict, "next_user": int, "ancestors": list,
-    "voided": int, "voided_blobs": dict, "mtime_ns": int, "parted": list,
-    "damaged_blobs": dict,
-}
+from faultfs.store.writestate import problem as write_state_problem
 
 
 class WriteDirs:
@@ -108,7 +102,7 @@ class WriteDirs:
             _, size = lsize(state_path)
             doc, problem = read_json(state_path)
             if doc is not None:
-                problem = _write_state_problem(doc)
+                problem = write_state_problem(doc)  # the mount's own parser
                 if not problem:
                     ancestors = tuple(doc.get("ancestors", ()))
             subject = f"write state of {label}"
@@ -184,23 +178,4 @@ def _direct_seq(name: str) -> int | None:
         return int(digits, 16)
     except ValueError:
         return None
-
-
-def _write_state_problem(doc: dict) -> str:
-    for name, want in WRITE_STATE_FIELDS.items():
-        if name in doc and (not isinstance(doc[name], want) or isinstance(doc[name], bool)):
-            return f"field {name} is not {'an integer' if want is int else want.__name__}"
-    for name in ("users", "voided_blobs"):
-        table = doc.get(name, {})
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in table.values()):
-            return f"field {name} maps names to something other than integers"
-    if not all(isinstance(v, dict) and isinstance(v.get("reason"), str)
-               and isinstance(v.get("size", 0), int) for v in doc.get("damaged_blobs", {}).values()):
-        return "field damaged_blobs maps names to something other than reasons and sizes"
-    if not all(isinstance(a, str) for a in doc.get("ancestors", ())):
-        return "field ancestors names something other than tags"
-    if not all(isinstance(u, int) and not isinstance(u, bool) and u >= 0
-               for u in doc.get("parted", ())):
-        return "field parted lists something other than user blob ids"
-    return ""
 

@@ -33,6 +33,7 @@ from dataclasses import replace
 
 from faultfs.store.dirty import DirtyFiles, folded_seq
 from faultfs.store.journal import KIND_SIZE, Journal
+from faultfs.store.writestate import WriteState
 from faultfs.testing.torture.harness import (
     Budget,
     CaseResult,
@@ -168,7 +169,7 @@ def _pending(store: str, tag: str) -> int:
     for name in files.names(tag):
         header = files.header(tag, name)
         folded[name] = folded_seq(header) if header is not None else 0
-    view_seq = int(files.read_state(tag).get("view_seq", 0))
+    view_seq = WriteState.parse(files.read_state(tag), 0).view_seq
     journal = Journal(os.path.join(store, "writes", "journal"))
     pending = 0
     for rec in journal.replay(writable=False):
