@@ -7,13 +7,21 @@ fsynced. ``SimDisk.crash(rng)`` returns the disk a reboot after a power cut coul
 pending data operation applied, dropped, or torn (a random mix of old and new bytes, cut
 short), and a random prefix of the pending name operations kept. ``SimOps(disk, crash_at=n)``
 raises ``SimulatedCrash`` at its n-th mutation, so a test can crash at every write and fsync
-point of a durable format in turn (as SQLite's crash tests do).
+point of a durable format in turn (as SQLite's crash tests do). Its operations run one at a
+time, as a kernel's do: the I/O pool calls them from several threads at once (a checkpoint's
+folds), and two files opened together must never share a descriptor or an inode.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import random
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 class SimulatedCrash(Exception):
@@ -83,10 +91,22 @@ class SimDisk:
         return SimDisk(files)
 
 
+def _serial(method: F) -> F:
+    """One operation of a ``SimOps`` at a time (its lock held)."""
+
+    @functools.wraps(method)
+    def one(self: SimOps, *args: Any, **kwargs: Any) -> Any:
+        with self.lock:
+            return method(self, *args, **kwargs)
+
+    return one  # type: ignore[return-value]
+
+
 class SimOps:
     """``FileOps`` over a ``SimDisk``, raising SimulatedCrash at the n-th mutation."""
 
     def __init__(self, disk: SimDisk, crash_at: int | None = None) -> None:
+        self.lock = threading.RLock()
         self.disk = disk
         self.crash_at = crash_at
         self.points = 0
@@ -99,9 +119,11 @@ class SimOps:
             raise SimulatedCrash
         self.points += 1
 
+    @_serial
     def exists(self, path: str) -> bool:
         return path in self.disk.names
 
+    @_serial
     def open(self, path: str, flags: int, mode: int = 0o600) -> int:
         d = self.disk
         if path in d.names and flags & os.O_CREAT and flags & os.O_EXCL:
@@ -121,12 +143,15 @@ class SimOps:
         self.fds[fd] = ino
         return fd
 
+    @_serial
     def close(self, fd: int) -> None:
         del self.fds[fd]
 
+    @_serial
     def pread(self, fd: int, size: int, offset: int) -> bytes:
         return bytes(self.disk.inodes[self.fds[fd]].current[offset:offset + size])
 
+    @_serial
     def pwrite(self, fd: int, data: bytes, offset: int) -> int:
         self._point()
         node = self.disk.inodes[self.fds[fd]]
@@ -141,18 +166,22 @@ class SimOps:
         node.pending.append(("truncate", length))
         _apply(node.current, ("truncate", length))
 
+    @_serial
     def ftruncate(self, fd: int, length: int) -> None:
         self._truncate(self.fds[fd], length)
 
+    @_serial
     def fsync(self, fd: int) -> None:
         self._point()
         node = self.disk.inodes[self.fds[fd]]
         node.durable = bytes(node.current)
         node.pending.clear()
 
+    @_serial
     def size(self, fd: int) -> int:
         return len(self.disk.inodes[self.fds[fd]].current)
 
+    @_serial
     def rename(self, src: str, dst: str) -> None:
         self._point()
         d = self.disk
@@ -162,6 +191,7 @@ class SimOps:
         d.names[dst] = ino
         d.name_ops.append(("rename", src, dst, ino))
 
+    @_serial
     def unlink(self, path: str) -> None:
         self._point()
         d = self.disk
@@ -170,14 +200,17 @@ class SimOps:
         del d.names[path]
         d.name_ops.append(("unlink", path))
 
+    @_serial
     def listdir(self, path: str) -> list[str]:
         prefix = path.rstrip("/") + "/"
         return sorted({name[len(prefix):].split("/", 1)[0] for name in self.disk.names
                        if name.startswith(prefix)})
 
+    @_serial
     def makedirs(self, path: str) -> None:
         return  # directories are implicit in paths
 
+    @_serial
     def fsync_dir(self, path: str) -> None:
         """Make the pending name operations of directory ``path`` durable (those of other
         directories stay pending: each directory changed needs its own fsync)."""
