@@ -99,14 +99,14 @@ def test_a_hold_waits_for_the_changes_under_way_and_lets_their_own_pieces_in():
 
 
 class _PausedFolds:
-    """``Writes.fold`` wrapped: from fold call number ``at`` (1-based) on, each fold sets
+    """``Checkpoints.fold`` wrapped: from fold call number ``at`` (1-based) on, each fold sets
     ``paused`` and waits for ``go`` first."""
 
     def __init__(self, eng, at: int) -> None:
         self.at, self.calls = at, 0
         self.paused, self.go = trio.Event(), trio.Event()
-        self._fold = eng.writes.fold
-        eng.writes.fold = self.fold
+        self._fold = eng.writes.checkpoints.fold
+        eng.writes.checkpoints.fold = self.fold
 
     async def fold(self, blob, **kw):
         self.calls += 1

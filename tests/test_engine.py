@@ -18,6 +18,7 @@ import trio
 from faultfs.config import Config
 from faultfs.core.context import REGISTRY_TAG, FaultContext
 from faultfs.engine import Engine
+from faultfs.engine.writes import Base
 from faultfs.errors import FaultfsError, InvalidInput, StoreFull
 from faultfs.sources import SourceOptions
 from faultfs.store.blobfile import FLAG_DIRTY, FLAG_NO_FAULT
@@ -1218,10 +1219,10 @@ def test_a_base_that_cannot_be_read_holds_back_only_its_own_records(store):
                 before = eng.writes.journal.bytes_on_disk
                 await eng.writes.checkpoint()
                 assert eng.stats.counters["checkpoints"] == 1 and src.failures == 2
-                assert eng.writes.blobs[(tag.id, "chunk_1")].base == "folded"
-                assert eng.writes.blobs[(tag.id, "chunk_0")].base == "clean"
+                assert eng.writes.table.blobs[(tag.id, "chunk_1")].base is Base.FOLDED
+                assert eng.writes.table.blobs[(tag.id, "chunk_0")].base is Base.CLEAN
                 await eng.writes.checkpoint()
-                assert eng.writes.blobs[(tag.id, "chunk_0")].base == "folded"
+                assert eng.writes.table.blobs[(tag.id, "chunk_0")].base is Base.FOLDED
                 assert eng.writes.journal.bytes_on_disk < before
                 assert await eng.read_blob(tag, 0, 0, CS) == want
             nursery.cancel_scope.cancel()
@@ -1435,7 +1436,7 @@ def test_a_reset_whose_state_save_fails_changes_nothing(store, which):
 
     def counters():
         tw = w.tags[tag.id]
-        return (w.held, w._direct_count, w.dirty_summary(tag), set(eng.tiers.local._pinned),
+        return (w.held, w.table.direct_count, w.dirty_summary(tag), set(eng.tiers.local._pinned),
                 tag.id in w.changed, tw.voided, dict(tw.voided_blobs), w.has_writes(tag))
 
     async def main():
@@ -1571,11 +1572,11 @@ def test_a_write_that_waits_while_a_reset_drops_its_blob_lands_where_a_replay_pu
                 src.gate.set()
             if waits == "truncate":  # grown again: zeros past the cut, never the old bytes
                 await w.truncate_view(tag, CS)
-            blob = w.blobs.get((tag.id, "chunk_0"))
+            blob = w.table.blobs.get((tag.id, "chunk_0"))
             assert blob is not None, "the write is in the tables (not in the dropped blob)"
             assert blob.writers == 0
             # pinned under the writes; a whole chunk written last has no clean base
-            assert ((tag.id, 0) in eng.tiers.local._pinned) == (blob.base == "clean")
+            assert ((tag.id, 0) in eng.tiers.local._pinned) == (blob.base is Base.CLEAN)
             return await _tag_as_shown(eng, tag)
 
     shown = trio.run(main)
@@ -1610,7 +1611,7 @@ def test_a_user_blob_cut_that_waits_while_a_reset_drops_its_part_lands_where_a_r
             await w.create_user(tag, "f")
             await w.write_user(tag, "f", 0, b"u" * 100)
             async with trio.open_nursery() as nursery:
-                async with w.blobs[(tag.id, "u:1")].locked():  # as a fold holds it
+                async with w.table.blobs[(tag.id, "u:1")].locked():  # as a fold holds it
                     nursery.start_soon(w.truncate_user, tag, "f", 50)
                     await trio.sleep(0.05)
                     assert await w.reset(tag, ["f"]) == 1

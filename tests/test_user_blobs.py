@@ -1,4 +1,4 @@
-"""User blobs cut into parts (``engine/writes.py`` ``USER_PART``): a user blob written,
+"""User blobs cut into parts (``engine/writes/table.py`` ``USER_PART``): a user blob written,
 truncated, folded and remounted at random against a ``bytearray``; the folds of a growing
 blob rewrite only its new parts; blobs made before parts (one dirty file) still read, grow
 and shrink; unlink and reset leave no part behind."""
@@ -106,7 +106,7 @@ def test_a_user_blob_made_before_parts_still_reads_grows_and_shrinks():
         world.run(w.create_user, world.tag, NAME)
         uid = w.user_id(world.tag, NAME)
         w.tags[world.tag.id].parted.discard(uid)  # as an older faultfs made it
-        world.run(w._save_state, world.tag)
+        world.run(w.states.save, world.tag.id)
         data = random.Random(2).randbytes(P + 5000)
         world.run(w.write_user, world.tag, NAME, 0, data)
         world.remount("clean")

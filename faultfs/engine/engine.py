@@ -35,7 +35,7 @@ from faultfs.engine.prefetch import Prefetcher
 from faultfs.engine.sharing import SharedRegistry
 from faultfs.engine.stats import snapshot
 from faultfs.engine.tags import Recovery, RegistrationPlan, Tag, Tags
-from faultfs.engine.writes import Writes
+from faultfs.engine.writes import CleanPath, Writes
 from faultfs.errors import FaultfsError
 from faultfs.iopool import IoPool
 from faultfs.sources import SourceOptions
@@ -43,7 +43,7 @@ from faultfs.stats import Stats
 from faultfs.store.blobfile import FLAG_DIRTY
 from faultfs.store.blobstore import BlobStore
 from faultfs.store.fileops import FileOps
-from faultfs.tiers.base import BlobKey, Buffer
+from faultfs.tiers.base import Buffer
 from faultfs.tiers.local import LocalTier
 from faultfs.tiers.memory import MemoryTier
 from faultfs.tiers.multilevel import TierStack
@@ -83,7 +83,7 @@ class Engine:
         self.faults = Faulter(self.flights, self.tiers, self.pool, self.stats)
         self.prefetch = Prefetcher(config, self.flights, self.tiers, self.faults, self.pool,
                                    self.stats)
-        self._clean = _CleanReads(self)
+        self._clean = CleanPath(self.tiers, self.faults, self._blob_bytes)
         self.writes = Writes(store.root, self._clean, self.pool, self.stats,
                              writable=(config.store_enabled and not config.read_only
                                        and store.writable),
@@ -409,76 +409,6 @@ class Engine:
         free = await self.pool.run(self.store.free_bytes)  # statvfs: not on the trio thread
         return snapshot(self.config, self.store.root, free, self.stats, self.tiers,
                         self.tags.values(), self.writes, self.store.degraded)
-
-
-class _CleanReads:
-    """The engine's clean path as writes see it (``engine.writes.CleanReads``).
-
-    A clone's clean chunk is its ancestor's staged blob (``Tag.clean``), so the pins of
-    several tags may fall on one blob: it stays pinned while any of them holds it."""
-
-    def __init__(self, engine: Engine) -> None:
-        self._engine = engine
-        self._holders: dict[BlobKey, set[int]] = {}  # a pinned blob -> the tags pinning it
-
-    async def read_clean(self, tag: Tag, index: int, off: int, size: int) -> Buffer:
-        return await self._engine._blob_bytes(tag, index, off, size)
-
-    async def stage_clean(self, tag: Tag, index: int) -> Buffer | None:
-        """The size-0 request: fault the chunk if it is not staged, and pin the staged copy."""
-        engine = self._engine
-        key = (tag.clean.id, index)
-        local = engine.tiers.local
-        if not local.contains(key):
-            # a fault's copy in memory (or awaiting its store write) is the base already: a
-            # read-modify-write (numpy.memmap r+) reads the source once, not twice
-            data = engine.tiers.held(key)
-            if data is None:
-                data = await engine.faults.fault(tag.clean, index)
-            if engine.tiers.stage_behind(key, data):
-                # The write goes on now: its base is held until stored, and a base the store
-                # could not keep is clean bytes a later read faults again (never dirty data)
-                self.pin(tag, index)
-                return None
-            with trio.move_on_after(30):  # the fault's own store write, behind it: not twice
-                await engine.tiers.wait_stored(key)
-            if not local.contains(key):
-                await local.put(key, data)
-            if not local.contains(key):
-                return bytes(data)  # the store could not keep it: the writes hold it
-        self.pin(tag, index)
-        return None
-
-    def pin_staged(self, tag: Tag, index: int) -> bool:
-        if not self._engine.tiers.local.contains((tag.clean.id, index)):
-            return False
-        self.pin(tag, index)
-        return True
-
-    def pin(self, tag: Tag, index: int) -> None:
-        key = (tag.clean.id, index)
-        self._holders.setdefault(key, set()).add(tag.id)
-        self._engine.tiers.local.pin(key)
-
-    def unpin(self, tag: Tag, index: int) -> None:
-        key = (tag.clean.id, index)
-        holders = self._holders.get(key)
-        if holders is not None:
-            holders.discard(tag.id)
-            if holders:
-                return  # another tag's writes still lie over it
-            del self._holders[key]
-        self._engine.tiers.local.unpin(key)
-
-    def release(self, tag: Tag) -> None:
-        """``tag`` is forgotten: the pins it held go (its own blobs' with it)."""
-        for key, holders in list(self._holders.items()):
-            holders.discard(tag.id)
-            if key[0] == tag.id:
-                del self._holders[key]  # the tiers forgot them
-            elif not holders:
-                del self._holders[key]
-                self._engine.tiers.local.unpin(key)
 
 
 class _PageBlobs:

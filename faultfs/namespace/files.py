@@ -3,7 +3,7 @@ does, and what creating, removing and renaming entries does.
 
 Each open returns an ``OpenFile``; the FUSE adapter keeps them in one handle table and only
 converts. Chunks, views, pages and user blobs read and write through the engine (writes are
-copy-on-write, ``engine/writes.py``) and keep the kernel's page cache; ``.faultfs/stats`` is
+copy-on-write, ``engine/writes/``) and keep the kernel's page cache; ``.faultfs/stats`` is
 one snapshot per open; ``.pagemap`` buffers its text and installs it on flush
 (``engine.pages``); ``.faultfs/control`` takes one request per open (``namespace/control``).
 

@@ -261,12 +261,12 @@ class WritesWorld:
         if self.has_user:
             uid = writes.user_id(self.tag, USER)
             assert uid is not None, "the user blob is gone after the stop"
-            found = writes._parts.get((self.tag.id, uid), {})
+            found = writes.table.parts(self.tag, uid)
             for k in range(max(len(self.parts), max(found, default=-1) + 1)):
                 blob = found.get(k)
                 try:
                     got = b"" if blob is None or not blob.size else bytes(
-                        self.run(writes._read, blob, 0, blob.size))
+                        self.run(writes.reads.read, blob, 0, blob.size))
                 except FaultfsError as exc:
                     raise AssertionError(f"part {k} cannot be read after the stop: {exc}") from None
                 self._part(k).settle(got, f"user blob part {k}", exact=exact)
@@ -469,62 +469,58 @@ def writes_mutant(kind: str) -> Iterator[None]:
     whole-chunk writes; ``nodirectcheck`` — a replay trusts a direct file without verifying it;
     ``nosizefold`` — a checkpoint folds only blobs with bytes held (a size change alone is
     trimmed away with the journal); ``spillzeros`` — a spilled write reads back as zeros."""
-    from faultfs.engine.writes import Writes
+    from faultfs.engine.writes.checkpoint import Checkpoints
+    from faultfs.engine.writes.reads import DirtyReads
+    from faultfs.engine.writes.recovery import Recovery
+    from faultfs.engine.writes.sync import GroupCommit
+    from faultfs.engine.writes.table import FOLDED
+    from faultfs.store.dirty import DirtyFiles
 
-    saved = []
+    saved: list[tuple[type, str, object]] = []
 
-    def patch(name: str, value) -> None:
-        saved.append((name, Writes.__dict__[name]))
-        setattr(Writes, name, value)
+    def patch(room: type, name: str, value) -> None:
+        saved.append((room, name, room.__dict__[name]))
+        setattr(room, name, value)
 
     if kind == "nosync":
         async def fsync(self) -> None:
             return None
-        patch("fsync", fsync)
+        patch(GroupCommit, "fsync", fsync)
     elif kind == "noreplay":
         def replay(self, tags) -> int:
-            for _ in self.journal.replay(writable=self.writable):
+            for _ in self.journal.replay(writable=self.states.writable):
                 pass  # read (the journal goes on after them) but never applied
             return 0
-        patch("replay", replay)
+        patch(Recovery, "replay", replay)
     elif kind == "nofold":
         async def fold(self, blob, **kwargs) -> None:
             return None
-        patch("fold", fold)
+        patch(Checkpoints, "fold", fold)
     elif kind == "nodirectsync":
-        async def _sync_files(self, taken) -> None:
+        async def sync_files(self, taken) -> None:
             return None
-        patch("_sync_files", _sync_files)
+        patch(GroupCommit, "sync_files", sync_files)
     elif kind == "nosizefold":
         async def checkpoint_folding_held_only(self) -> None:
-            sized = [b for b in self.blobs.values() if not b.pending and b.base == "folded"]
+            sized = [b for b in self.table if not b.pending and b.base is FOLDED]
             for blob in sized:
                 blob.folded_size = blob.size  # as if its file had the size: never folded
             await real_checkpoint(self)
-        real_checkpoint = Writes.__dict__["checkpoint"]
-        patch("checkpoint", checkpoint_folding_held_only)
+        real_checkpoint = Checkpoints.__dict__["checkpoint"]
+        patch(Checkpoints, "checkpoint", checkpoint_folding_held_only)
     elif kind == "spillzeros":
         def read_back(self, ref) -> bytes:
             return bytes(len(ref))
-        patch("_read_back", read_back)
+        patch(DirtyReads, "read_back", read_back)
     elif kind == "nodirectcheck":
-        from faultfs.store.dirty import DirtyFiles
-
-        saved_check = DirtyFiles.check_direct
-        DirtyFiles.check_direct = lambda self, *args: True  # type: ignore[method-assign]
-        saved.append(("", saved_check))
+        patch(DirtyFiles, "check_direct", lambda self, *args: True)
     else:
         raise ValueError(f"no mutant {kind!r}")
     try:
         yield
     finally:
-        for name, value in reversed(saved):
-            if name:
-                setattr(Writes, name, value)
-            else:
-                from faultfs.store.dirty import DirtyFiles
-
-                DirtyFiles.check_direct = value  # type: ignore[method-assign]
+        for room, name, value in reversed(saved):
+            setattr(room, name, value)
 
 
 class ChunkWritesModel(WritesModel):

@@ -504,8 +504,8 @@ class DirtyState(Target):
             files.read_state("t")
         except FaultfsError:
             pass
-        writes = Writes(self.scratch, types.SimpleNamespace(), types.SimpleNamespace(), Stats(),
-                        writable=False)
+        writes = Writes(self.scratch, types.SimpleNamespace(unpin=None), types.SimpleNamespace(),
+                        Stats(), writable=False)
         try:
             writes.open_tag(_StandInTag())  # type: ignore[arg-type]
         except FaultfsError:

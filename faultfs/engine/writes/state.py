@@ -1,0 +1,166 @@
+"""Per-tag write state: what a tag's writes changed beyond its blobs (the view's size, the user
+blob table, reset marks, damaged blobs; ``store/writestate.py`` is its format), and its saves.
+
+Invariants:
+- A tag's state saves run one at a time (its state lock). A reset and a change of the user
+  blob table hold the lock for the whole change, from their check to their save: a save made
+  meanwhile would write a reset's void marks, durably, while the reset could still fail and
+  put its blobs back.
+- A state that could not be read (``damaged``) is never written over: fsck reports it, the
+  user decides; its tag takes no writes (EIO).
+- A tag nothing was written to has no state (none is made for it until it is written).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import time
+from dataclasses import dataclass
+
+import trio
+
+from faultfs.engine.tags import Tag
+from faultfs.engine.writes.table import DirtyTable, Holding
+from faultfs.errors import FaultfsError
+from faultfs.iopool import IoPool
+from faultfs.store.dirty import DirtyFiles
+from faultfs.store.writestate import WriteState
+
+log = logging.getLogger("faultfs.writes")
+
+
+@dataclass
+class TagWrites(WriteState):
+    """A tag's write state (``WriteState``), and what a mount keeps of it in memory only."""
+
+    damaged: str = ""  # why its write state could not be read: it takes no writes
+    view_changes: int = 0  # sizes set since the mount: a failed reset keeps a new one
+
+
+class TagStates:
+    """The write states of an engine's tags; see the module docstring for the rules."""
+
+    def __init__(self, table: DirtyTable, files: DirtyFiles, pool: IoPool, *,
+                 writable: bool) -> None:
+        self.table = table
+        self.files = files
+        self.pool = pool
+        self.writable = writable  # False: --read-only, --no-store, a degraded store
+        self.tags: dict[int, TagWrites] = {}
+        self.names: dict[int, str] = {}  # tag id -> name, for the state files
+        self._locks: dict[int, trio.Lock] = {}
+
+    def of(self, tag: Tag) -> TagWrites:
+        """``tag``'s write state, made (the source's size, nothing else) when it has none."""
+        tw = self.tags.get(tag.id)
+        if tw is None:
+            tw = self.tags[tag.id] = TagWrites(view_size=tag.layout.size)
+            self.names[tag.id] = tag.name
+        return tw
+
+    def forget(self, tag: Tag) -> str:
+        """Drop ``tag``'s state from memory; the name its files go by."""
+        self.tags.pop(tag.id, None)
+        return self.names.pop(tag.id, tag.name)
+
+    def check_writable(self, tag: Tag) -> None:
+        """EROFS on a mount that takes no writes, EIO on a tag whose state is damaged."""
+        if not self.writable:
+            raise FaultfsError("this mount is read-only", errno.EROFS)
+        tw = self.tags.get(tag.id)
+        if tw is not None and tw.damaged:
+            raise FaultfsError(f"tag {tag.name} takes no writes: its write state is damaged "
+                               f"({tw.damaged}); run faultfs fsck", errno.EIO)
+
+    # -- what a tag shows --------------------------------------------------------------------
+
+    def view_size(self, tag: Tag) -> int:
+        tw = self.tags.get(tag.id)
+        return tag.layout.size if tw is None else tw.view_size
+
+    def num_chunks(self, tag: Tag) -> int:
+        """Chunks of the tag: the source's, and those the view grew past it."""
+        cs = tag.layout.chunk_size
+        return max(tag.layout.num_blobs, -(-self.view_size(tag) // cs))
+
+    def mtime_ns(self, tag: Tag) -> int:
+        tw = self.tags.get(tag.id)
+        return 0 if tw is None else tw.mtime_ns
+
+    def written(self, tag: Tag) -> None:
+        """``tag`` was written now."""
+        self.of(tag).mtime_ns = time.time_ns()
+
+    def set_view_size(self, tag: Tag, tw: TagWrites, size: int) -> None:
+        tw.view_size = size
+        tw.view_changes += 1
+        self.table.mark_changed(tag.id)
+
+    def user_names(self, tag: Tag) -> list[str]:
+        tw = self.tags.get(tag.id)
+        return [] if tw is None else sorted(n for n in tw.users if not n.startswith("."))
+
+    def user_id(self, tag: Tag, name: str) -> int | None:
+        tw = self.tags.get(tag.id)
+        return None if tw is None else tw.users.get(name)
+
+    def user_name(self, tag: Tag, uid: int) -> str | None:
+        tw = self.tags.get(tag.id)
+        if tw is None:
+            return None
+        return next((n for n, i in tw.users.items() if i == uid), None)
+
+    def user_uid(self, tag: Tag, name: str) -> int:
+        """User blob ``name``'s id; ENOENT when the tag has none of that name."""
+        uid = self.user_id(tag, name)
+        if uid is None:
+            raise FaultfsError(f"tag {tag.name} has no blob {name}", errno.ENOENT)
+        return uid
+
+    def dependents(self, tag: Tag) -> list[str]:
+        """Clones made of ``tag`` (their dirty files began as links of its files)."""
+        return sorted(self.names[tid] for tid, tw in self.tags.items()
+                      if tid != tag.id and tag.name in tw.ancestors)
+
+    # -- saves -------------------------------------------------------------------------------
+
+    def lock(self, tag_id: int) -> Holding:
+        """``async with`` it: ``tag_id``'s state saves wait (see the module docstring)."""
+        lock = self._locks.get(tag_id)
+        if lock is None:
+            lock = self._locks[tag_id] = trio.Lock()
+        return Holding(lock)
+
+    async def save(self, tag_id: int) -> None:
+        """Save a tag's write state as it is now."""
+        async with self.lock(tag_id):
+            await self.write(tag_id)
+
+    async def write(self, tag_id: int) -> None:
+        """Save a tag's write state as it is now (its state lock held)."""
+        tw = self.tags[tag_id]
+        if tw.damaged:
+            return  # never written over: fsck reports it, the user decides
+        name = self.names[tag_id]
+        try:
+            await self.pool.run(self.files.write_state, name, tw.saved())
+        except OSError as exc:
+            code = errno.ENOSPC if exc.errno in (errno.ENOSPC, errno.EDQUOT) else errno.EIO
+            raise FaultfsError(f"saving the writes of tag {name} failed: {exc.strerror}",
+                               code) from None
+
+    async def write_again(self, tag: Tag, what: str) -> None:
+        """Save ``tag``'s state as it is now over one whose save failed, which may have
+        replaced the file before it failed (its directory not synced). Best effort: a save
+        that fails before its rename changes nothing; a failure is logged, naming ``what``."""
+        try:
+            await self.write(tag.id)
+        except FaultfsError as exc:
+            log.error("tag %s: %s was not saved again: %s", tag.name, what, exc.message)
+
+    def write_now(self, tag_id: int) -> None:
+        """Save a tag's write state now, blocking (before the mount answers); OSError."""
+        tw = self.tags[tag_id]
+        if not tw.damaged:
+            self.files.write_state(self.names[tag_id], tw.saved())
