@@ -1,5 +1,6 @@
-"""The layout is the architecture (DESIGN §1): no import cycle among our modules, and no lower
-layer importing a higher one.
+"""The layout is the architecture (DESIGN §1): no import cycle among our modules, no lower
+layer importing a higher one, and the rooms of the write path reached only through the
+engine's face from above it.
 
     errors < core < config, buffers, stats, iopool, progress < store < sources < assimilators
       < tiers < engine, stream < namespace < fuse < control_client < daemon, warm < export
@@ -46,6 +47,8 @@ ROOMS_OPEN_TO_TESTS = {
     "faultfs.stream.partition": "its format and crash tests pin the sidecar's bytes and "
                                 "patch the steps of a repartition",
 }
+WRITES = "faultfs.engine.writes"  # a package of rooms: the engine calls it, nothing above does
+FACE_ONLY = ("faultfs.namespace", "faultfs.fuse")  # they call the engine, never a room of it
 
 
 def unit_of(module: str) -> str | None:
@@ -154,6 +157,19 @@ def find_cycles(edges: dict[str, set[str]]) -> list[str]:
     return cycles
 
 
+def imports_of_writes(edges: dict[str, set[str]], units: tuple[str, ...]) -> list[str]:
+    """Imports of the write package (or any module of it) by modules of ``units``."""
+    return [f"{module} imports {target}" for module, targets in sorted(edges.items())
+            if unit_of(module) in units for target in sorted(targets)
+            if target == WRITES or target.startswith(WRITES + ".")]
+
+
+def reaches_writes(source: str) -> list[int]:
+    """Lines of ``source`` that reach an attribute ``writes`` (``engine.writes...``)."""
+    return sorted(node.lineno for node in ast.walk(ast.parse(source))
+                  if isinstance(node, ast.Attribute) and node.attr == "writes")
+
+
 def test_every_module_has_a_layer():
     missing = sorted(m for m in our_modules() if m not in UNLAYERED and unit_of(m) is None)
     assert missing == [], f"modules outside every layer of DESIGN §1: {missing}"
@@ -179,6 +195,20 @@ def test_callers_import_a_package_of_rooms_by_its_face():
     assert bad == [], "\n".join(bad)
 
 
+def test_the_namespace_and_fuse_call_the_engine_never_a_room_of_its_writes():
+    """Writes go through the engine's face, as reads do: the namespace and the FUSE layer
+    import no module of ``engine/writes/``, and nothing above the engine reaches
+    ``engine.writes`` (the test helpers excepted: they test the rooms)."""
+    assert imports_of_writes(import_graph(), FACE_ONLY) == []
+    reached = []
+    for module, path in sorted(our_modules().items()):
+        unit = unit_of(module)
+        if unit is not None and RANK[unit] > RANK["faultfs.engine"] and unit != "faultfs.testing":
+            reached += [f"{path.relative_to(ROOT)}:{line}"
+                        for line in reaches_writes(path.read_text())]
+    assert reached == [], "the engine's writes reached from above it:\n" + "\n".join(reached)
+
+
 def test_the_checks_find_planted_violations():
     """The checks must be able to fail: planted upward, sideways and cyclic imports."""
     known = {"faultfs.core.chunks", "faultfs.engine", "faultfs.engine.tags", "faultfs.stream",
@@ -200,3 +230,11 @@ def test_the_checks_find_planted_violations():
         {"faultfs.stream.torch": {"faultfs.stream.partition"},
          "faultfs.stream.partition": {"faultfs.stream.partition.plan"},
          "faultfs.stream.partition.plan": {"faultfs.stream.partition.sidecar"}}, faces) == []
+    assert imports_of_writes({"faultfs.namespace.tree": {"faultfs.engine.writes.table"},
+                              "faultfs.fuse.ops": {"faultfs.engine.writes"},
+                              "faultfs.engine.engine": {"faultfs.engine.writes"}},
+                             FACE_ONLY) == [
+        "faultfs.fuse.ops imports faultfs.engine.writes",
+        "faultfs.namespace.tree imports faultfs.engine.writes.table"]
+    assert reaches_writes("def f(engine):\n    return engine.writes.view_size(1)\n") == [2]
+    assert reaches_writes("# engine.writes.view_size\nx = 'engine.writes'\n") == []

@@ -1,13 +1,19 @@
-"""The Engine: one store's tags, their tiers and the read path — hit, join, or fault.
+"""The Engine: one store's tags, their tiers, the read path — hit, join, or fault — and the face
+of the writes over them.
 
-It composes the duties of this package (tags, flights, faults, prefetch, pages, stats) and
-knows nothing of pyfuse3. Async methods run on the trio thread and never block it: source
-reads, store writes and reads that may block go to the I/O pool (small staged reads excepted,
-``tiers/local.py``). Errors are ``FaultfsError`` and carry an errno.
+It composes the duties of this package (tags, flights, faults, prefetch, pages, sharing,
+stats, writes) and knows nothing of pyfuse3. The namespace and the FUSE layer call it, never
+a room behind it: a write, a truncate, a user blob's create, unlink or rename, an fsync, a
+reset are thin calls into ``writes/`` (``Writes``), which gets the engine's clean path
+(``CleanPath``: its reads, the size-0 request, the pins) for the bases of partial writes.
+Async methods run on the trio thread and never block it: source reads, store writes and
+reads that may block go to the I/O pool (small staged reads and journal appends excepted,
+docs/decisions.md). Errors are ``FaultfsError`` and carry an errno.
 
 Invariants:
 - A read is served from a verified staged blob (hit) or from bytes just read from the source
-  (fault); a failed fault raises (EIO) — zeros are never served in place of data.
+  (fault); a failed fault raises (EIO) — zeros are never served in place of data. A read of
+  a blob with writes is the writes' (their base with the writes laid over it).
 - Concurrent faults of one blob share one source read (single-flight).
 - A fault-ingested blob never takes the last of the store (``tiers/policy.py``).
 - A clone's clean chunks are keyed, faulted, staged and pinned as its ancestor's
@@ -32,9 +38,10 @@ from faultfs.engine.faults import Faulter
 from faultfs.engine.flights import Flights
 from faultfs.engine.pages import PAGEMAP_BLOB, PageService
 from faultfs.engine.prefetch import Prefetcher
+from faultfs.engine.refresh import SharedRefresh
 from faultfs.engine.sharing import SharedRegistry
 from faultfs.engine.stats import snapshot
-from faultfs.engine.tags import Recovery, RegistrationPlan, Tag, Tags
+from faultfs.engine.tags import RegistrationPlan, Tag, Tags
 from faultfs.engine.writes import CleanPath, Writes
 from faultfs.errors import FaultfsError
 from faultfs.iopool import IoPool
@@ -52,7 +59,6 @@ from faultfs.tiers.shared import SharedTier
 
 log = logging.getLogger("faultfs.engine")
 
-REFRESH_S = 5.0  # a lookup of an unknown tag looks in the shared store at most this often
 
 
 class Engine:
@@ -90,9 +96,9 @@ class Engine:
                              fold_bytes=config.dirty_mb << 20,
                              journal_bytes=config.journal_mb << 20, ops=writes_ops)
         self._writes_open = False
-        self._refreshed_at = float("-inf")  # the last look for tags other nodes registered
-        self._refreshing: trio.Event | None = None
         self._forgotten: set[str] = set()  # not brought back by a refresh until a remount
+        self._refresh = SharedRefresh(sharing, store, self.tiers, self._tags, self.pool,
+                                      self.stats, self.writes.open_tag, self._forgotten)
         self._cloning: set[str] = set()  # names of clones being made
         self.pages = PageService(_PageBlobs(self), self.pool, self.stats)
 
@@ -168,63 +174,9 @@ class Engine:
         return child
 
     async def refresh_shared(self) -> list[str]:
-        """Add the tags other nodes registered in the shared store since this mount (at most
-        once per ``REFRESH_S``; never while the shared store is failing); their names."""
-        sharing, shared = self.sharing, self.tiers.shared
-        if sharing is None or shared is None or not shared.up or self.store.degraded:
-            return []
-        if self._refreshing is not None:
-            await self._refreshing.wait()  # one look at a time: its result is everyone's
-            return []
-        if trio.current_time() - self._refreshed_at < REFRESH_S:
-            return []
-        self._refreshing = trio.Event()
-        try:
-            return await self._refresh(sharing)
-        finally:
-            self._refreshed_at = trio.current_time()
-            self._refreshing.set()
-            self._refreshing = None
-
-    async def _refresh(self, sharing: SharedRegistry) -> list[str]:
-        try:
-            entries = await self.pool.run(sharing.fetch)
-        except OSError as exc:
-            log.warning("shared store %s: looking for new tags failed: %s", sharing.url,
-                        exc.strerror or exc)
-            self.stats.add("shared_errors")
-            return []
-        new = {n for n in entries if n not in self.tags and n not in self._forgotten}
-        if not new:
-            return []
-
-        def prepare() -> list[Recovery]:
-            try:
-                names = sharing.import_into(self.store, set(self.tags), only=new)
-            except FaultfsError as exc:
-                log.warning("tags from the shared store: %s", exc.message)
-                return []
-            out = []
-            for name in names:
-                try:
-                    out.append(self._tags.open_recovered(entries[name].ctx))
-                except FaultfsError as exc:
-                    log.warning("tag %s from the shared store cannot be served: %s", name,
-                                exc.message)
-            return out
-
-        added = []
-        for rec in await self.pool.run(prepare):
-            if rec.ctx.dst in self.tags:
-                continue
-            self._tags.registry[rec.ctx.key] = entries[rec.ctx.dst].data
-            tag = self._tags.add_recovered(rec)
-            self.writes.open_tag(tag)
-            await self.pool.run(self._tags.record_recovered, tag)
-            added.append(tag.name)
-        if added:
-            log.info("tags registered by other nodes: %s", ", ".join(added))
-        return added
+        """Add the tags other nodes registered in the shared store since this mount; their
+        names (``engine/refresh.py``)."""
+        return await self._refresh.refresh()
 
     async def forget_tag(self, tag: Tag, *, keep_blobs: bool = False,
                          discard_writes: bool = False) -> int:
@@ -399,6 +351,93 @@ class Engine:
             # The staged copy was damaged and is dropped. Another reader that found it so may
             # have re-faulted and stored it meanwhile: look once more before faulting.
         return await self.faults.fault_range(tag, index, off, size)
+
+    # -- writes (DESIGN §11): what the namespace and the FUSE layer call; engine/writes/ -----
+
+    @property
+    def writable(self) -> bool:
+        """Whether the mount takes writes (not --read-only, --no-store, a degraded store)."""
+        return self.writes.writable
+
+    def num_chunks(self, tag: Tag) -> int:
+        """Chunks of ``tag``: the source's, and those its view grew past it."""
+        return self.writes.num_chunks(tag)
+
+    def view_size(self, tag: Tag) -> int:
+        return self.writes.view_size(tag)
+
+    def written_ns(self, tag: Tag) -> int:
+        """When ``tag`` was last written (0: never)."""
+        return self.writes.mtime_ns(tag)
+
+    def dirty_summary(self, tag: Tag) -> tuple[int, int]:
+        """``(dirty blobs, bytes)`` of ``tag``."""
+        return self.writes.dirty_summary(tag)
+
+    def has_writes_path(self, tag: Tag) -> bool:
+        """Whether ``tag``'s view reads take the writes' path (it has writes, or had)."""
+        return tag.id in self.writes.changed
+
+    def watch_writes(self, hook: Callable[[int], None] | None) -> None:
+        """Tell ``hook`` a tag's id (synchronously, maybe on an I/O thread) before a change
+        that gives it writes is seen; None: stop."""
+        self.writes.on_change = hook
+
+    def user_names(self, tag: Tag) -> list[str]:
+        return self.writes.user_names(tag)
+
+    def user_id(self, tag: Tag, name: str) -> int | None:
+        return self.writes.user_id(tag, name)
+
+    def user_name(self, tag: Tag, uid: int) -> str | None:
+        return self.writes.user_name(tag, uid)
+
+    def user_size(self, tag: Tag, name: str) -> int:
+        return self.writes.user_size(tag, name)
+
+    async def read_user(self, tag: Tag, name: str, off: int, size: int) -> bytes:
+        return await self.writes.read_user(tag, name, off, size)
+
+    async def write_chunk(self, tag: Tag, index: int, off: int, data: bytes) -> int:
+        return await self.writes.write_chunk(tag, index, off, data)
+
+    async def write_view(self, tag: Tag, off: int, data: bytes) -> int:
+        return await self.writes.write_view(tag, off, data)
+
+    async def write_user(self, tag: Tag, name: str, off: int, data: bytes) -> int:
+        return await self.writes.write_user(tag, name, off, data)
+
+    async def truncate_view(self, tag: Tag, size: int) -> None:
+        await self.writes.truncate_view(tag, size)
+
+    async def truncate_user(self, tag: Tag, name: str, size: int) -> None:
+        await self.writes.truncate_user(tag, name, size)
+
+    async def fsync(self) -> None:
+        """Every write acknowledged so far survives a power loss once this returns."""
+        await self.writes.fsync()
+
+    async def create_user(self, tag: Tag, name: str) -> None:
+        await self.writes.create_user(tag, name)
+
+    async def unlink_user(self, tag: Tag, name: str) -> None:
+        await self.writes.unlink_user(tag, name)
+
+    async def rename_user(self, tag: Tag, old: str, new: str, *, replace: bool = True) -> None:
+        await self.writes.rename_user(tag, old, new, replace=replace)
+
+    async def exchange_users(self, tag: Tag, a: str, b: str) -> None:
+        await self.writes.exchange_users(tag, a, b)
+
+    async def reset(self, tag: Tag, names: list[str] | None = None) -> int:
+        """``faultfs reset``: drop the writes of ``tag`` (of its blobs ``names``); how many
+        dirty blobs were dropped."""
+        return await self.writes.reset(tag, names)
+
+    def fold_replayed(self) -> None:
+        """Fold what the replay at mount left in the journal, behind the mount (attached)."""
+        if self.writes.needs_checkpoint():
+            self.writes.start_checkpoint()
 
     # -- introspection -----------------------------------------------------------------------
 

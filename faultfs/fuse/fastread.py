@@ -16,8 +16,9 @@ What it serves is exactly what the engine would serve from the local tier:
   the header the tier verified; the tier withdraws it whenever it lets that file go (evicted,
   replaced, damaged, its tag forgotten), before anything else can be stored under its name;
 - a tag is served only while it has no writes: it is enabled when one of its chunks or its view
-  is opened and ``writes.changed`` does not name it, and disabled (``Writes.on_change``) the
-  moment a write, truncate or clone gives it write state, before that write is answered;
+  is opened and its view does not take the writes' path (``Engine.has_writes_path``), and
+  disabled (``Engine.watch_writes``) the moment a write, truncate or clone gives it write
+  state, before that write is answered;
 - a clone's clean chunks are its ancestor's staged blobs (``Tag.clean``): its reads are served
   from the blobs published under the ancestor's id;
 - every other read — another kind of file, a read across blobs, a blob not staged or not open,
@@ -113,7 +114,7 @@ class FastReads:
         assert address is not None  # prepare looked
         native.start(address, INDEX_BITS, KIND_BITS, KIND_CHUNK, KIND_VIEW)
         fast = cls(engine)
-        engine.writes.on_change = fast.tag_changed
+        engine.watch_writes(fast.tag_changed)
         engine.before_snapshot.append(fast.harvest)
         engine.tiers.local.requests_wait_in(native.queue_fd())
         engine.tiers.local.watch(fast)
@@ -150,7 +151,7 @@ class FastReads:
     def tag_changed(self, tag_id: int) -> None:
         """The tag has (or may have) writes: its reads are the engine's from now on. May be
         called from a pool thread (a clone's write state is opened there): the C side takes
-        its own lock, and ``file_opened`` looks at ``writes.changed`` again after enabling."""
+        its own lock, and ``file_opened`` looks at ``has_writes_path`` again after enabling."""
         native.disable_tag(tag_id)
         self._enabled.discard(tag_id)
 
@@ -161,7 +162,7 @@ class FastReads:
             return
         if tag.id in self._enabled or tag.id >= 1 << 31:
             return
-        if tag.id in self.engine.writes.changed:
+        if self.engine.has_writes_path(tag):
             return
         layout = tag.layout
         try:
@@ -170,7 +171,7 @@ class FastReads:
                            tag.clean.id)
         except MemoryError:
             return
-        if tag.id in self.engine.writes.changed:  # given writes meanwhile (a pool thread)
+        if self.engine.has_writes_path(tag):  # given writes meanwhile (a pool thread)
             native.disable_tag(tag.id)
             return
         self._enabled.add(tag.id)
@@ -209,7 +210,7 @@ class FastReads:
         """Answer no read here any more (the threads go on passing requests to pyfuse3 until
         the session ends); the mount's tables go."""
         self.engine.tiers.local.watch(None)
-        self.engine.writes.on_change = None
+        self.engine.watch_writes(None)
         native.stop()
         self.harvest()  # what was served up to the end (harvest still reads the counts)
         if self.harvest in self.engine.before_snapshot:

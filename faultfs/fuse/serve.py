@@ -104,8 +104,7 @@ async def _serve_with(engine: Engine, ops: FaultOperations, mountpoint: str,
         if engine.config.stats_log:
             nursery.start_soon(_log_stats, engine)
         nursery.start_soon(_announce_ready, mountpoint, ready, engine.config.readahead_kb)
-        if engine.writes.needs_checkpoint():
-            engine.writes.start_checkpoint()  # writes replayed from the journal: fold them
+        engine.fold_replayed()  # writes replayed from the journal: fold them
         with fastwait.installed(pyfuse3, fd, engine.stats,
                                 engine.config.fuse_fastwait):
             workers = engine.config.fuse_workers

@@ -88,7 +88,7 @@ class ControlFile(PlainFile):
         if tag is None:
             raise FaultfsError(f"no tag named {req.get('tag')!r} in this mount", errno.ENOENT)
         if op == "staged":
-            return {"chunks": self.engine.writes.num_chunks(tag),
+            return {"chunks": self.engine.num_chunks(tag),
                     "prefix": tag.layout.blob_prefix,
                     "bitmap": base64.b64encode(self.engine.here_bitmap(tag)).decode()}
         if op == "forget":
@@ -104,7 +104,7 @@ class ControlFile(PlainFile):
             if blobs is not None and not (isinstance(blobs, list)
                                           and all(isinstance(b, str) for b in blobs)):
                 raise FaultfsError("blobs must be a list of names", errno.EINVAL)
-            dropped = await self.engine.writes.reset(tag, blobs)
+            dropped = await self.engine.reset(tag, blobs)
             await self.invalidate_tag(tag)
             return {"dropped": dropped}
         new = req.get("new")

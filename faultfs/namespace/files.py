@@ -75,7 +75,7 @@ class BlobFile(PlainFile):
                 del self.files.open_count[self.inode]
 
     def _user(self) -> str:
-        name = self.engine.writes.user_name(self.tag, self.index)
+        name = self.engine.user_name(self.tag, self.index)
         if name is None:
             raise FaultfsError("the blob was removed", errno.ENOENT)
         return name
@@ -86,38 +86,37 @@ class BlobFile(PlainFile):
         if self.kind == KIND_VIEW:
             return await self.engine.read_view(self.tag, off, size)
         if self.kind == KIND_USER:
-            return await self.engine.writes.read_user(self.tag, self._user(), off, size)
+            return await self.engine.read_user(self.tag, self._user(), off, size)
         return await self.engine.pages.read_page(self.tag, self.index, off, size)
 
     async def write(self, off: int, data: bytes, *, cached: bool = False) -> int:
         return await self.files.write(self, off, data, self._write, cached=cached)
 
     async def _write(self, off: int, data: bytes) -> int:
-        writes = self.engine.writes
         if self.kind == KIND_CHUNK:
-            return await writes.write_chunk(self.tag, self.index, off, data)
+            return await self.engine.write_chunk(self.tag, self.index, off, data)
         if self.kind == KIND_VIEW:
-            return await writes.write_view(self.tag, off, data)
+            return await self.engine.write_view(self.tag, off, data)
         if self.kind == KIND_USER:
-            return await writes.write_user(self.tag, self._user(), off, data)
+            return await self.engine.write_user(self.tag, self._user(), off, data)
         return await self.engine.pages.write_page(self.tag, self.index, off, data)
 
     async def truncate(self, size: int) -> None:
-        writes = self.engine.writes
+        engine = self.engine
         if self.kind == KIND_VIEW:
-            old = writes.view_size(self.tag)
+            old = engine.view_size(self.tag)
             await self.files.resize(self, old, size,
-                                    lambda: writes.truncate_view(self.tag, size))
+                                    lambda: engine.truncate_view(self.tag, size))
         elif self.kind == KIND_USER:
             name = self._user()
-            old = writes.user_size(self.tag, name)
+            old = engine.user_size(self.tag, name)
             await self.files.resize(self, old, size,
-                                    lambda: writes.truncate_user(self.tag, name, size))
+                                    lambda: engine.truncate_user(self.tag, name, size))
         elif self.kind != KIND_CHUNK or size != self.tag.layout.chunk_size:
             raise FaultfsError("chunks and pages have a fixed size", errno.EPERM)
 
     async def fsync(self) -> None:
-        await self.engine.writes.fsync()
+        await self.engine.fsync()
 
 
 class BytesFile(PlainFile):
@@ -199,7 +198,7 @@ class Files:
                 raise read_only()
             return BytesFile(self.engine.registry[self.tree.registry_key(node.index)])
         if node.kind in (KIND_CHUNK, KIND_VIEW, KIND_PAGE, KIND_USER):
-            if writing and not self.engine.writes.writable:
+            if writing and not self.engine.writable:
                 raise read_only()
             if truncating and node.kind in (KIND_CHUNK, KIND_PAGE):
                 # a fixed size: refused as truncate(2) of it is, before anything changes
@@ -231,11 +230,10 @@ class Files:
             # the map exists once the handle is flushed; its entry is shown from now on
             node = Node(inodes.make(tag.id, KIND_PAGEMAP), KIND_PAGEMAP, tag)
             return handle, self.tree.attributes(node)
-        writes = self.engine.writes
-        if not writes.writable:
+        if not self.engine.writable:
             raise read_only()
-        await writes.create_user(tag, name)
-        uid = writes.user_id(tag, name)
+        await self.engine.create_user(tag, name)
+        uid = self.engine.user_id(tag, name)
         assert uid is not None
         node = Node(inodes.make(tag.id, KIND_USER, uid), KIND_USER, tag, uid)
         self.opened.add(node.inode)
@@ -247,7 +245,7 @@ class Files:
         if node.kind != KIND_USER:
             raise self._fixed(name)
         assert node.tag is not None
-        await self.engine.writes.unlink_user(node.tag, name)
+        await self.engine.unlink_user(node.tag, name)
 
     async def rename(self, parent: int, name: str, new_parent: int, new_name: str,
                      flags: int = 0) -> None:
@@ -266,17 +264,17 @@ class Files:
         if new_parent != parent:
             raise FaultfsError("a blob stays in its tag", errno.EXDEV)
         assert node.tag is not None
-        writes = self.engine.writes
+        engine = self.engine
         if flags & RENAME_EXCHANGE:
             if (await self._existing(new_parent, new_name)).kind != KIND_USER:
                 raise self._fixed(new_name)
-            await writes.exchange_users(node.tag, name, new_name)
+            await engine.exchange_users(node.tag, name, new_name)
         elif flags & RENAME_NOREPLACE:
             if await self._exists(new_parent, new_name):
                 raise FaultfsError(f"{new_name} exists", errno.EEXIST)
-            await writes.rename_user(node.tag, name, new_name, replace=False)
+            await engine.rename_user(node.tag, name, new_name, replace=False)
         else:
-            await writes.rename_user(node.tag, name, new_name)
+            await engine.rename_user(node.tag, name, new_name)
 
     async def change(self, parent: int, name: str) -> None:
         """``mkdir``, ``rmdir``, ``mknod``, ``symlink``, ``link``: EPERM for what the mount
@@ -432,7 +430,7 @@ class Files:
                 yield inodes.make(tag.id, KIND_CHUNK, index), inner, length
                 blob_ranges.append((tag.layout.blob_name(index), inner, length))
         elif file.kind == KIND_USER:
-            name = self.engine.writes.user_name(tag, file.index)
+            name = self.engine.user_name(tag, file.index)
             if name is not None:
                 blob_ranges.append((name, off, size))
         elif pagemap is not None:  # a page: the blobs its slices name
@@ -447,7 +445,7 @@ class Files:
                     yield inodes.make(tag.id, KIND_CHUNK, index), inner, hi - lo
                     yield view, index * cs + inner, hi - lo
                 else:
-                    uid = self.engine.writes.user_id(tag, piece.blob_name)
+                    uid = self.engine.user_id(tag, piece.blob_name)
                     if uid is not None:
                         yield inodes.make(tag.id, KIND_USER, uid), inner, hi - lo
         if pagemap is not None and not pagemap.empty:

@@ -151,9 +151,9 @@ class Tree:
             self.registry_key(index)  # ENOENT when it names nothing (now)
             return Node(inode, kind, None, index)
         tag = self.tag_of(tag_id)
-        if kind == KIND_CHUNK and index < self.engine.writes.num_chunks(tag):
+        if kind == KIND_CHUNK and index < self.engine.num_chunks(tag):
             return Node(inode, kind, tag, index)
-        if kind == KIND_USER and self.engine.writes.user_name(tag, index) is not None:
+        if kind == KIND_USER and self.engine.user_name(tag, index) is not None:
             return Node(inode, kind, tag, index)
         if kind == KIND_PAGE and index < self.pages.num_pages(tag):
             return Node(inode, kind, tag, index)
@@ -229,15 +229,15 @@ class Tree:
             if not self.pages.has_pagemap(tag):
                 raise _missing()
             return inodes.make(tag.id, KIND_PAGEMAP)
-        writes = self.engine.writes
+        engine = self.engine
         index = tag.layout.blob_index(name)
         if index is None and name.startswith(tag.layout.blob_prefix):  # a chunk past the source
             index = parse_index(name[len(tag.layout.blob_prefix):])
-            if index is not None and index >= writes.num_chunks(tag):
+            if index is not None and index >= engine.num_chunks(tag):
                 index = None
         if index is not None:
             return inodes.make(tag.id, KIND_CHUNK, index)
-        uid = writes.user_id(tag, name)
+        uid = engine.user_id(tag, name)
         if uid is None:
             raise _missing()
         return inodes.make(tag.id, KIND_USER, uid)
@@ -291,8 +291,8 @@ class Tree:
         while pos < len(fixed):
             yield (pos, *fixed[pos])
             pos += 1
-        writes = self.engine.writes
-        n_chunks = writes.num_chunks(tag)
+        engine = self.engine
+        n_chunks = engine.num_chunks(tag)
         while pos < len(fixed) + n_chunks:
             index = pos - len(fixed)
             yield pos, tag.layout.blob_name(index), inodes.make(tag.id, KIND_CHUNK, index)
@@ -302,10 +302,10 @@ class Tree:
             index = pos - len(fixed) - n_chunks
             yield pos, f"{PAGE_PREFIX}{index}", inodes.make(tag.id, KIND_PAGE, index)
             pos += 1
-        users = writes.user_names(tag)
+        users = engine.user_names(tag)
         first = len(fixed) + n_chunks + n_pages
         for k in range(max(0, pos - first), len(users)):
-            uid = writes.user_id(tag, users[k])
+            uid = engine.user_id(tag, users[k])
             assert uid is not None
             yield first + k, users[k], inodes.make(tag.id, KIND_USER, uid)
 
@@ -323,7 +323,7 @@ class Tree:
         elif node.kind == KIND_VIEW:
             bits = self.engine.here_bitmap(tag)  # as the control request tells it: dirty too
             here = sum(b.bit_count() for b in bits)
-            out[XATTR_STAGED] = f"{here}/{self.engine.writes.num_chunks(tag)}".encode()
+            out[XATTR_STAGED] = f"{here}/{self.engine.num_chunks(tag)}".encode()
         if node.kind in (KIND_CHUNK, KIND_VIEW):
             out[XATTR_SOURCE] = tag.ctx.src.encode("utf-8", "surrogateescape")
         return out
@@ -348,24 +348,24 @@ class Tree:
             return Attributes(node.inode, stat.S_IFREG | 0o400, size, mtime_ns=self.mounted_at)
         tag = node.tag
         assert tag is not None
-        writes = self.engine.writes
-        mtime = max(int(tag.mtime * 1e9), writes.mtime_ns(tag))
+        engine = self.engine
+        mtime = max(int(tag.mtime * 1e9), engine.written_ns(tag))
         cs = tag.layout.chunk_size
-        mode = stat.S_IFREG | (0o644 if writes.writable else 0o444)
+        mode = stat.S_IFREG | (0o644 if engine.writable else 0o444)
         if node.kind == KIND_CHUNK:
-            here = self.engine.chunk_here(tag, node.index)
+            here = engine.chunk_here(tag, node.index)
             return Attributes(node.inode, mode, cs, cs if here else 0, mtime)
         if node.kind == KIND_VIEW:
-            size = writes.view_size(tag)
-            staged = self.engine.staged_count(tag) + writes.dirty_summary(tag)[0]
+            size = engine.view_size(tag)
+            staged = engine.staged_count(tag) + engine.dirty_summary(tag)[0]
             return Attributes(node.inode, mode, size, min(size, staged * cs), mtime)
         if node.kind == KIND_USER:
-            name = writes.user_name(tag, node.index) or ""
-            size = writes.user_size(tag, name)
+            name = engine.user_name(tag, node.index) or ""
+            size = engine.user_size(tag, name)
             return Attributes(node.inode, mode, size, size, mtime)
         map_mtime = self.pages.pagemap_mtime_ns(tag) or mtime
         if node.kind == KIND_PAGE:
             return Attributes(node.inode, mode, self.pages.page_size(tag),
-                              mtime_ns=max(map_mtime, writes.mtime_ns(tag)))
+                              mtime_ns=max(map_mtime, engine.written_ns(tag)))
         return Attributes(node.inode, stat.S_IFREG | 0o644, self.pages.pagemap_size(tag),
                           mtime_ns=map_mtime, attr_timeout=0)  # KIND_PAGEMAP

@@ -183,18 +183,18 @@ class WritesWorld:
         self.model_write(off, data)
         if off + len(data) > self.size.now:
             self.size.push(off + len(data))
-        self.run(self.engine.writes.write_view, self.tag, off, data)
+        self.run(self.engine.write_view, self.tag, off, data)
 
     def write_chunk(self, index: int, off: int, data: bytes) -> None:
         self.model_write(index * self.cs + off, data)
-        self.run(self.engine.writes.write_chunk, self.tag, index, off, data)
+        self.run(self.engine.write_chunk, self.tag, index, off, data)
 
     def truncate(self, size: int) -> None:
         self.model_truncate(size)
-        self.run(self.engine.writes.truncate_view, self.tag, size)
+        self.run(self.engine.truncate_view, self.tag, size)
 
     def create_user(self) -> None:
-        self.run(self.engine.writes.create_user, self.tag, USER)  # durable when it returns
+        self.run(self.engine.create_user, self.tag, USER)  # durable when it returns
         self.has_user = True
 
     def write_user(self, off: int, data: bytes) -> None:
@@ -206,7 +206,7 @@ class WritesWorld:
             now = h.now.ljust(inner, b"\0")
             h.push(now[:inner] + data[pos:pos + take] + now[inner + take:])
             pos += take
-        self.run(self.engine.writes.write_user, self.tag, USER, off, data)
+        self.run(self.engine.write_user, self.tag, USER, off, data)
 
     def truncate_user(self, size: int) -> None:
         last, inner = divmod(size, UPART)
@@ -219,10 +219,10 @@ class WritesWorld:
             h = self._part(last)
             if len(h.now) != inner:
                 h.push(h.now[:inner].ljust(inner, b"\0"))
-        self.run(self.engine.writes.truncate_user, self.tag, USER, size)
+        self.run(self.engine.truncate_user, self.tag, USER, size)
 
     def fsync(self) -> None:
-        self.run(self.engine.writes.fsync)
+        self.run(self.engine.fsync)
         self.sync_model()
 
     def spill(self) -> None:
@@ -256,12 +256,12 @@ class WritesWorld:
 
     def settle(self, *, exact: bool) -> None:
         """Match what came back against the histories."""
-        writes = self.engine.writes
-        self.size.settle(writes.view_size(self.tag), "the view's size", exact=exact)
+        engine, writes = self.engine, self.engine.writes
+        self.size.settle(engine.view_size(self.tag), "the view's size", exact=exact)
         if self.has_user:
-            uid = writes.user_id(self.tag, USER)
+            uid = engine.user_id(self.tag, USER)
             assert uid is not None, "the user blob is gone after the stop"
-            found = writes.table.parts(self.tag, uid)
+            found = writes.table.parts(self.tag, uid)  # (each part, as long as it is)
             for k in range(max(len(self.parts), max(found, default=-1) + 1)):
                 blob = found.get(k)
                 try:
@@ -270,7 +270,7 @@ class WritesWorld:
                 except FaultfsError as exc:
                     raise AssertionError(f"part {k} cannot be read after the stop: {exc}") from None
                 self._part(k).settle(got, f"user blob part {k}", exact=exact)
-        count = max(len(self.chunks), writes.num_chunks(self.tag))
+        count = max(len(self.chunks), engine.num_chunks(self.tag))
         for index in range(count):
             try:
                 got = bytes(self.run(self.engine.read_blob, self.tag, index, 0, self.cs))
@@ -285,9 +285,9 @@ class WritesWorld:
         assert got == self.view_model()[off:off + size], f"view [{off}, +{size})"
 
     def check_user(self, off: int, size: int) -> None:
-        writes = self.engine.writes
-        assert writes.user_size(self.tag, USER) == self.user_model_size(), "the user blob's size"
-        got = bytes(self.run(writes.read_user, self.tag, USER, off, size))
+        engine = self.engine
+        assert engine.user_size(self.tag, USER) == self.user_model_size(), "the user blob's size"
+        got = bytes(self.run(engine.read_user, self.tag, USER, off, size))
         assert got == self.user_model()[off:off + size], f"user blob [{off}, +{size})"
 
     def check_chunk(self, index: int, off: int, size: int) -> None:
@@ -323,12 +323,12 @@ class WritesModel(RuleBasedStateMachine):
           data=st.binary(min_size=1, max_size=2 * CS))
     def write_chunk(self, pick: int, off: int, data: bytes) -> None:
         w = self.w
-        index = pick % w.engine.writes.num_chunks(w.tag)
+        index = pick % w.engine.num_chunks(w.tag)
         off %= w.cs
         if off + len(data) > w.cs:
             got = None
             try:
-                w.run(w.engine.writes.write_chunk, w.tag, index, off, data)
+                w.run(w.engine.write_chunk, w.tag, index, off, data)
             except FaultfsError as exc:
                 got = exc.errno
             assert got == errno.EFBIG, f"a write past a chunk's end: {got}"
@@ -343,7 +343,7 @@ class WritesModel(RuleBasedStateMachine):
         if view:
             w.write_view(pick * w.cs, data)
             return
-        w.write_chunk(pick % w.engine.writes.num_chunks(w.tag), 0, data)
+        w.write_chunk(pick % w.engine.num_chunks(w.tag), 0, data)
 
     @rule(size=st.integers(0, 7 * CS))
     def truncate(self, size: int) -> None:
@@ -384,7 +384,7 @@ class WritesModel(RuleBasedStateMachine):
     @rule(pick=st.integers(0, 1 << 16), off=st.integers(0, 2 * CS), size=st.integers(1, 2 * CS))
     def read_chunk(self, pick: int, off: int, size: int) -> None:
         w = self.w
-        w.check_chunk(pick % w.engine.writes.num_chunks(w.tag), off, size)
+        w.check_chunk(pick % w.engine.num_chunks(w.tag), off, size)
 
     @rule(how=st.sampled_from(["clean", "kill", "power"]), seed=st.integers(0, 1 << 16))
     def remount(self, how: str, seed: int) -> None:
@@ -394,7 +394,7 @@ class WritesModel(RuleBasedStateMachine):
     def the_view_size_is_the_models(self) -> None:
         if self.world is not None:
             w = self.world
-            assert w.engine.writes.view_size(w.tag) == w.size.now
+            assert w.engine.view_size(w.tag) == w.size.now
 
 
 # -- crash at every point ---------------------------------------------------------------------
