@@ -24,6 +24,7 @@ from faultfs.store.blobstore import BlobStore
 from faultfs.store.dirty import STATE
 from faultfs.store.fileops import OsFileOps
 from faultfs.testing.fakes import CS, ctx_for, engine_for, make_source, payload
+from faultfs.testing.fileops import FaultyOps
 from faultfs.testing.stamps import RECORD, Log, check, seen_chunks, seen_user, stamp, stamp_seq
 
 
@@ -264,18 +265,18 @@ def test_a_change_under_way_when_the_clone_begins_is_in_it_whole(store):
     """A user blob's creation is under way (its state save held on the I/O pool) when the
     clone begins: the clone waits for it and holds it; a write started once the clone holds
     the tag waits, and is not in the clone."""
-    eng, tag = _engine(store)
+    make_source(payload(CS * 4))
+    ops = FaultyOps()
+    eng = engine_for(store, memory_mb=1, prefetch_mb=0, writes_ops=ops)
+    tag = eng.register(ctx_for())
     w = eng.writes
     saving, release = threading.Event(), threading.Event()
-    write_state = w.files.write_state
 
-    def slow_save(name, state):
-        if name == tag.name and "late" in state.users:
-            saving.set()
-            release.wait(10)
-        write_state(name, state)
+    def slow_save(path: str) -> None:  # (the first save of the tag's state: the creation's)
+        saving.set()
+        release.wait(10)
 
-    w.files.write_state = slow_save
+    ops.when("rename", lambda path: path.endswith(f"/t-t/{STATE}"), slow_save, times=1)
 
     async def main():
         with trio.fail_after(10):

@@ -4,7 +4,6 @@ the model against deliberately broken writes (each must be caught)."""
 
 from __future__ import annotations
 
-import errno
 import os
 import random
 
@@ -105,38 +104,3 @@ def test_writes_found_after_a_kill_are_made_durable_by_the_next_sync(then, size)
             world.remount("power", random.Random(seed))  # settle: the write is there
         finally:
             world.close()
-
-
-def test_a_read_whose_spilled_write_lost_its_segment_reads_again():
-    """A read of a spilled write that finds its journal segment trimmed (the blob was folded
-    and the journal trimmed while the read waited) takes the blob's state again instead of
-    failing or serving anything else; a read that keeps finding it so is EIO, never zeros."""
-    from faultfs.errors import FaultfsError
-    from faultfs.store.journal import SegmentGone
-
-    world = WritesWorld(3 * CS, CS)
-    try:
-        world.write_view(10, b"x" * 100)
-        world.spill()
-        journal = world.engine.writes.journal
-        real, calls = journal.read_data, []
-
-        def trimmed_once(*args):
-            calls.append(args)
-            if len(calls) == 1:
-                raise SegmentGone("trimmed under the read")
-            return real(*args)
-
-        journal.read_data = trimmed_once
-        world.check_view(0, 2 * CS)
-        assert len(calls) == 2, "read once more after the segment was gone"
-
-        def always_trimmed(*args):
-            raise SegmentGone("trimmed under the read")
-
-        journal.read_data = always_trimmed
-        with pytest.raises(FaultfsError) as err:
-            world.run(world.engine.writes.read_view, world.tag, 0, 200)
-        assert err.value.errno == errno.EIO
-    finally:
-        world.close()

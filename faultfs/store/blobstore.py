@@ -3,11 +3,16 @@
 *degraded*: served, never written), takes its lock, lists tags and blobs, keeps tag states,
 and hands the reads of blob files to its ``BlobOpener``, their writes to its ``BlobWriter``.
 
-Layout under the store root:
+Layout under the store root (this class writes ``lock``, ``tags/`` and ``log/``):
 
     lock                      flock()ed by the one process that owns the store; holds its pid
-    tags/t-<tag>/b-<blob>     blob files (names percent-encoded; h-<sha256> when too long)
-    tags/t-<tag>/tag.json     per-tag state (source version, fault key, shard index)
+    tags/t-<tag>/b-<blob>     blob files (names percent-encoded; h-<sha256> when too long):
+                              staged chunks, and the tag's pagemap (blob ``pagemap``, dirty)
+    tags/t-<tag>/tag.json     per-tag state (``tagstate.py``: fault key, source version,
+                              shard, view name, mtime, how a remote source was reached)
+    tags/t-__cae_on_fault/    registry entries, blobs ``fault:<key>`` (``registry.py``)
+    writes/                   the writes: journal, dirty files, write states (``dirty.py``,
+                              ``journal.py``, ``writestate.py``; not this class's)
     log/faultfs.log           the daemon's log when it runs in the background
 
 Its rooms: ``entries.py`` (names and safe opens), ``blobread.py`` (blob files opened and read,
@@ -19,7 +24,8 @@ Invariants:
   source version match what is asked; every read verifies the blocks it returns.
 - Nothing is written to a degraded store.
 - Blocking: every method does file I/O. The tiers call them on the I/O pool, except small
-  reads of staged blobs, which run on the serving thread (``tiers/local/``).
+  reads of staged blobs, which run on the serving thread (``tiers/local/``); the engine
+  calls them on the I/O pool too, or before the mount answers.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """DeliveredHashes: which xxh3_64 record hashes a RecordStream has delivered, decided a whole
 block of records at a time with numpy (no Python object per hash).
 
-Why not ``TwoStageDeduplicator`` (``faultfs.store.dedup``): its pending stage is a Python
-``set`` of ints, filled and drained one hash at a time; the stream does not need a pending
-stage to decide duplicates. A batch handed out is either covered by a later ``commit`` (which
+Why not a committed set and a pending one (the two-stage set ``faultfs.store.dedup`` held
+once): a pending stage is a Python ``set`` of ints, filled and drained one hash at a time;
+the stream does not need one to decide duplicates. A batch handed out is either covered by a later ``commit`` (which
 commits every batch up to its id) or lost with the process, and a reopened stream starts from
 the WAL. So within one stream the duplicates are exactly the hashes committed at open plus
 every hash delivered since; the hashes a commit writes are kept with each handed-out batch.

@@ -228,26 +228,6 @@ class SharedTier:
             self.stats.add("shared_publish_skipped")  # another node published it first
         return written
 
-    def put_soon(self, key: str, data: bytes) -> None:
-        """Publish a small object (a pagemap, a tag state) behind the caller."""
-        if self._nursery is None:
-            return
-        self.pending += 1
-        self._nursery.start_soon(self._put_behind, key, data)
-
-    async def _put_behind(self, key: str, data: bytes) -> None:
-        try:
-            await self._run(True, self.objects.put, key, data)
-        except OSError as exc:
-            self.stats.add("shared_publish_failures")
-            self._failed("a publish", exc)
-        except Exception:
-            log.exception("publishing %s failed", key)
-        finally:
-            self.pending -= 1
-            if self.pending == 0 and self._idle is not None:
-                self._idle.set()
-
     async def drain(self) -> None:
         """Wait for every publish under way (the caller bounds the wait)."""
         while self.pending:

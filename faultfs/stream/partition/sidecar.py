@@ -66,14 +66,6 @@ class Partition:
     pending: bool = False
     previous: tuple[int, int, int] = (0, 0, 0)  # world_size, num_workers, generation replaced
 
-    @property
-    def reader_count(self) -> int:
-        return self.world_size * self.num_workers
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(self.shard_sizes)
-
 
 def fingerprint(shards: Sequence[Shard]) -> int:
     """xxh3_64 of the shard URLs in order (URLs are hashed, never stored: they may hold

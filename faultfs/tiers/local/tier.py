@@ -129,6 +129,10 @@ class LocalTier:
         self._pinned.add(key)
         self.policy.forget(key)
 
+    def pinned(self, key: BlobKey) -> bool:
+        """Whether ``key`` is pinned: the base of a dirty blob, kept out of eviction."""
+        return key in self._pinned
+
     def unpin(self, key: BlobKey) -> None:
         if key in self._pinned:
             self._pinned.discard(key)

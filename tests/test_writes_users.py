@@ -1,7 +1,8 @@
-"""User blobs cut into parts (``engine/writes/table.py`` ``USER_PART``): a user blob written,
-truncated, folded and remounted at random against a ``bytearray``; the folds of a growing
-blob rewrite only its new parts; blobs made before parts (one dirty file) still read, grow
-and shrink; unlink and reset leave no part behind."""
+"""User blobs (``engine/writes/users.py``), cut into parts (``table.py`` ``USER_PART``): a user
+blob written, truncated, folded and remounted at random against a ``bytearray``; the folds of
+a growing blob rewrite only its new parts; blobs made before parts (one dirty file) still
+read, grow and shrink; unlink and reset leave no part behind; a change of the user blob table
+whose state save fails changes nothing (the failure a rule of the file operations)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,20 @@ import errno
 import random
 
 import pytest
+import trio
 
 from faultfs.engine.writes import USER_PREFIX, part_name, user_key, void_key
+from faultfs.errors import FaultfsError
+from faultfs.store.blobstore import BlobStore
+from faultfs.testing.fakes import engine_for
 from faultfs.testing.writes_model import UPART, WritesWorld
+from faultfs.testing.writing import state_saves_fail, writing_engine
+
+
+@pytest.fixture
+def store(tmp_path):
+    return BlobStore(str(tmp_path / "store"))
+
 
 P = UPART  # the parts of the model's engines (the mount's are USER_PART, 1 MiB)
 NAME = "out.bin"
@@ -159,3 +171,40 @@ def test_part_names():
     assert [user_key(n) for n in ("u:7", "u:7.2", "u:7.0", "u:07", "u:7.", "chunk_1")] == [
         (7, 0), (7, 2), None, None, None, None]
     assert void_key("u:7.5") == "u:7" and void_key("chunk_3") == "chunk_3"
+
+
+@pytest.mark.parametrize("change", ["create", "unlink", "rename"])
+def test_a_user_blob_table_change_whose_save_fails_changes_nothing(store, change):
+    """Creating, unlinking or renaming a user blob whose state save fails (EIO) is refused
+    and changes nothing: not in this mount, not at the tag's next state save, not after a
+    remount."""
+    _, _, eng, tag, ops = writing_engine(store, 1)
+    w = eng.writes
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            eng.attach(nursery)
+            with trio.fail_after(5):
+                await w.create_user(tag, "a.txt")
+                await w.write_user(tag, "a.txt", 0, b"kept")
+                state_saves_fail(ops)
+                attempt = {"create": lambda: w.create_user(tag, "b.txt"),
+                           "unlink": lambda: w.unlink_user(tag, "a.txt"),
+                           "rename": lambda: w.rename_user(tag, "a.txt", "b.txt")}[change]
+                with pytest.raises(FaultfsError) as err:
+                    await attempt()
+                assert err.value.errno == errno.EIO
+                assert w.user_names(tag) == ["a.txt"]
+                await w.create_user(tag, "c.txt")  # the tag's next state save
+                assert sorted(w.user_names(tag)) == ["a.txt", "c.txt"]
+                assert bytes(await w.read_user(tag, "a.txt", 0, 10)) == b"kept"
+                await eng.close_writes()
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    eng.close()
+    eng2 = engine_for(store, memory_mb=1, prefetch_mb=0)
+    [tag2] = eng2.recover()
+    assert sorted(eng2.writes.user_names(tag2)) == ["a.txt", "c.txt"]
+    assert bytes(trio.run(eng2.writes.read_user, tag2, "a.txt", 0, 10)) == b"kept"
+    eng2.close()
