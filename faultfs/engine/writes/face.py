@@ -2,8 +2,9 @@
 It builds the rooms over one dirty-blob table and gives each the collaborators it needs.
 
 Invariants:
-- The face holds no state of its own and makes no decision: every rule is a room's, stated
-  at the top of its module.
+- The face holds no state of its own: every rule is a room's, stated at the top of its
+  module. A call here is handed on, or puts two rooms' answers together (a user blob's size:
+  its id from the state, its parts from the table).
 """
 
 from __future__ import annotations
