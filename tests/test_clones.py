@@ -26,6 +26,7 @@ from faultfs.store.fileops import OsFileOps
 from faultfs.testing.fakes import CS, ctx_for, engine_for, make_source, payload
 from faultfs.testing.fileops import FaultyOps
 from faultfs.testing.stamps import RECORD, Log, check, seen_chunks, seen_user, stamp, stamp_seq
+from faultfs.testing.writing import JOURNAL
 
 
 @pytest.fixture
@@ -262,7 +263,7 @@ def test_changes_started_while_the_clone_holds_the_tag_wait_for_its_snapshot(sto
 
 
 def test_a_change_under_way_when_the_clone_begins_is_in_it_whole(store):
-    """A user blob's creation is under way (its state save held on the I/O pool) when the
+    """A user blob's creation is under way (its journal sync held on the I/O pool) when the
     clone begins: the clone waits for it and holds it; a write started once the clone holds
     the tag waits, and is not in the clone."""
     make_source(payload(CS * 4))
@@ -272,18 +273,18 @@ def test_a_change_under_way_when_the_clone_begins_is_in_it_whole(store):
     w = eng.writes
     saving, release = threading.Event(), threading.Event()
 
-    def slow_save(path: str) -> None:  # (the first save of the tag's state: the creation's)
+    def slow_sync(path: str) -> None:  # (the journal's first sync: the creation's)
         saving.set()
         release.wait(10)
 
-    ops.when("rename", lambda path: path.endswith(f"/t-t/{STATE}"), slow_save, times=1)
+    ops.when("fsync", JOURNAL, slow_sync, times=1)
 
     async def main():
         with trio.fail_after(10):
             await w.write_chunk(tag, 0, 0, b"before-0")
             async with trio.open_nursery() as nursery:
                 creator = _Writer(nursery, lambda: w.create_user(tag, "late"))
-                while not saving.is_set():  # noqa: ASYNC110 - the save runs on a thread
+                while not saving.is_set():  # noqa: ASYNC110 - the sync runs on a thread
                     await trio.sleep(0.001)
                 nursery.start_soon(eng.clone_tag, tag, "snap")
                 while not w.changes.held(tag.id):  # noqa: ASYNC110 - its folds run first

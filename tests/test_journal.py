@@ -13,14 +13,22 @@ from faultfs.errors import CorruptionError
 from faultfs.store.journal import (
     HEAD_LEN,
     KIND_BLOB,
+    KIND_CREATE,
+    KIND_RENAME,
+    KIND_RESET,
     KIND_SIZE,
+    KIND_UNLINK,
     KIND_WRITE,
     KIND_ZERO,
     MAGIC,
     MAGIC_V2,
+    MAGIC_V3,
+    RENAME_EXCHANGE,
+    RENAME_REPLACE,
     Journal,
     Record,
     SegmentGone,
+    decode_head,
     encode,
     segment_name,
 )
@@ -62,6 +70,40 @@ def test_a_whole_blob_record_is_pinned_and_the_only_one_of_version_2():
     for kind in (KIND_WRITE, KIND_ZERO, KIND_SIZE):
         assert encode(Record(1, kind, "t", "n", 0, 1, b"x" if kind == KIND_WRITE else b"")
                       ).startswith(MAGIC)
+
+
+GOLDEN_TABLE = [bytes.fromhex(h) for h in (
+    "46465357414c00030b000000000000000500010005000000030000000000000000000000000000000000"
+    "00000000000045cbfcc7fb46bfee74612e747874",
+    "46465357414c00030c000000000000000700010003000000020000000000000000000000000000000000"
+    "000000000000c7c626fceeb38c2774610062",
+    "46465357414c00030d00000000000000080001000000000000002a36fe9c971709000000000000009"
+    "0f73d548f9c8025ac5a05a96efe2e53746368756e6b5f310066")]
+
+
+def test_table_records_are_pinned_and_the_only_ones_of_version_3(tmp_path):
+    """Version 3 added a tag's table changes (a user blob made, renamed or exchanged; a
+    reset of some blobs, its names as data): their records carry the version-3 magic, the
+    others keep their bytes, and each replays as it was appended."""
+    recs = [Record(11, KIND_CREATE, "t", "a.txt", 3, 0, b""),
+            Record(12, KIND_RENAME, "t", "a\0b", RENAME_EXCHANGE, 0, b""),
+            Record(13, KIND_RESET, "t", "", 1_700_000_000_000_000_000, 9, b"chunk_1\0f")]
+    assert [encode(r) for r in recs] == GOLDEN_TABLE
+    assert all(g.startswith(MAGIC_V3) for g in GOLDEN_TABLE)
+    j = Journal(str(tmp_path))
+    for r in [Record(1, KIND_CREATE, "t", "a", 1, 0, b""), Record(2, KIND_UNLINK, "t", "a", 1, 0, b""),
+              Record(3, KIND_RENAME, "t", "a\0b", RENAME_REPLACE, 0, b""),
+              Record(4, KIND_RESET, "t", "", 5, 0, b""), recs[2]]:
+        j.append(r.kind, r.tag, r.name, r.off, r.length, r.data)
+    j.close()
+    got = [(r.seq, r.kind, r.name, r.off, r.data) for r in Journal(str(tmp_path)).replay()]
+    assert got == [(1, KIND_CREATE, "a", 1, b""), (2, KIND_UNLINK, "a", 1, b""),
+                   (3, KIND_RENAME, "a\0b", RENAME_REPLACE, b""), (4, KIND_RESET, "", 5, b""),
+                   (5, KIND_RESET, "", 1_700_000_000_000_000_000, b"chunk_1\0f")]
+    for bad in GOLDEN_TABLE:  # under an older magic, a table record is not a record
+        for magic in (MAGIC, MAGIC_V2):
+            with pytest.raises(CorruptionError):
+                decode_head(magic + bad[8:HEAD_LEN])
 
 
 def test_a_kind_under_the_wrong_version_does_not_verify(tmp_path):

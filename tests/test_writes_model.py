@@ -104,3 +104,12 @@ def test_writes_found_after_a_kill_are_made_durable_by_the_next_sync(then, size)
             world.remount("power", random.Random(seed))  # settle: the write is there
         finally:
             world.close()
+
+
+def test_a_crash_at_every_point_of_a_reset_rename_or_unlink_leaves_the_tag_whole():
+    """Resets, creates, renames, exchanges and unlinks between writes: a crash at every
+    point, as a kill and as a power loss, brings the tag back whole at one step — never a
+    mix (``faultfs/testing/table_sweep.py``)."""
+    from faultfs.testing.table_sweep import table_crash_sweep
+
+    assert table_crash_sweep(seeds=2) > 30

@@ -1,8 +1,8 @@
-"""Resets (``engine/writes/reset.py``): a write answered while a reset saves its state lands
-where a replay puts it; a reset whose state save fails changes nothing (the writes it dropped
-come back, pinned and counted as before, with what was written meanwhile laid over them); a
-change that waited while a reset dropped its blob lands in the blob the table has then. The
-failing or slow state save is a rule of the file operations (``FaultyOps``)."""
+"""Resets (``engine/writes/reset.py``): a write answered while a reset syncs its record lands
+where a replay puts it, over the reset; a reset the journal has no room for changes nothing
+(pinned and counted as before); a change that waited while a reset dropped its blob lands in
+the blob the table has then. The full journal and the slow sync are rules of the file
+operations (``FaultyOps``)."""
 
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ import trio
 from faultfs.engine.writes import Base
 from faultfs.errors import FaultfsError
 from faultfs.store.blobstore import BlobStore
-from faultfs.testing.fakes import CS, engine_for, payload
+from faultfs.testing.fakes import CS, engine_for
 from faultfs.testing.writing import (
+    JOURNAL,
     RESET_ALL,
+    full_journal,
     settle,
     shown_after_a_kill_and_after_an_unmount,
-    state_saves_fail,
-    state_saves_wait,
     tag_as_shown,
     writing_engine,
     written_every_way,
@@ -33,22 +33,28 @@ def store(tmp_path):
     return BlobStore(str(tmp_path / "store"))
 
 
-def test_a_write_that_lands_while_a_reset_saves_its_state_is_the_same_live_and_replayed(store):
-    """A write answered while ``faultfs reset`` of its tag is saving the state: what the
-    mount shows of it afterwards is what a replay after a kill -9 shows."""
+def journal_syncs_wait(ops, gate: threading.Event):
+    """The journal's syncs wait (on their I/O thread) for ``gate``."""
+    return ops.when("fsync", JOURNAL, lambda path: gate.wait(5))
+
+
+def test_a_write_that_lands_while_a_reset_syncs_its_record_is_the_same_live_and_replayed(store):
+    """A write answered while ``faultfs reset`` of its tag waits for its record's sync: it
+    lies over the reset, and what the mount shows of it is what a replay after a kill -9
+    shows."""
     data, _src, eng, tag, ops = writing_engine(store, 2)
 
     async def main():
         await eng.write_chunk(tag, 0, 0, b"before")
         gate = threading.Event()
-        slow = state_saves_wait(ops, gate)
+        slow = journal_syncs_wait(ops, gate)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(eng.reset, tag)
-            await trio.sleep(0.05)  # the reset is saving its state
+            await trio.sleep(0.05)
+            assert slow.matched, "the reset is syncing its record"
             await eng.write_chunk(tag, 0, 10, b"during")  # answered
             gate.set()
         slow.off()
-        assert slow.acted == 1, "the reset's save waited"
         return bytes(await eng.read_blob(tag, 0, 0, 16))
 
     live = trio.run(main)
@@ -61,11 +67,12 @@ def test_a_write_that_lands_while_a_reset_saves_its_state_is_the_same_live_and_r
 
 
 @pytest.mark.parametrize("which", ["tag", "blobs"])
-def test_a_reset_whose_state_save_fails_changes_nothing(store, which):
-    """``faultfs reset`` whose state save fails changed nothing: the mount shows every write
-    it would have dropped (over the source, over a fold, whole chunks, the grown view, user
-    blobs), with the same pins and counters, and a later state save of the tag, a remount
-    after a kill -9 and one after an unmount show the same (never the reset's void marks)."""
+def test_a_reset_the_journal_has_no_room_for_changes_nothing(store, which):
+    """``faultfs reset`` whose record cannot be appended (ENOSPC) changed nothing: the mount
+    shows every write it would have dropped (over the source, over a fold, whole chunks, the
+    grown view, user blobs), with the same pins and counters, and a later state save of the
+    tag, a remount after a kill -9 and one after an unmount show the same (never a void
+    mark)."""
     _data, _src, eng, tag, ops = writing_engine(store, 4)
     w = eng.writes
     w.user_part = CS
@@ -83,13 +90,15 @@ def test_a_reset_whose_state_save_fails_changes_nothing(store, which):
                 await written_every_way(eng, tag)
                 before, kept = await tag_as_shown(eng, tag), counters()
                 assert eng.tiers.local.pinned((tag.id, 0))
-                refused = state_saves_fail(ops)
+                full = full_journal(ops).on()
                 with pytest.raises(FaultfsError) as err:
                     await w.reset(tag, None if which == "tag" else RESET_ALL)
-                assert err.value.errno == errno.EIO and refused.acted == 1
+                assert err.value.errno == errno.ENOSPC and full.acted
+                full.off()
                 assert await tag_as_shown(eng, tag) == before
                 assert counters() == kept
-                await w.create_user(tag, "g")  # a later state save of the tag
+                await w.create_user(tag, "g")
+                await w.checkpoint()  # a later state save of the tag
                 assert w.files.read_state(tag.name)["voided"] == 0
                 assert w.files.read_state(tag.name)["voided_blobs"] == {}
                 shown = await tag_as_shown(eng, tag)
@@ -103,18 +112,15 @@ def test_a_reset_whose_state_save_fails_changes_nothing(store, which):
 
 @pytest.mark.parametrize("checkpoint", [False, True], ids=["", "checkpoint"])
 @pytest.mark.parametrize("which", ["tag", "blobs"])
-def test_writes_answered_while_a_reset_fails_to_save_lie_over_the_writes_it_kept(
-        store, which, checkpoint):
-    """Writes answered while a reset saves the state that then fails went to blobs of their
-    own (the reset's, then): they end up over the writes the failed reset kept, as a replay
-    applies the old records and then theirs — a partial write over a partial one, a whole
-    chunk over a partial write, a partial write over a whole chunk, the view grown again, a
-    user blob written, cut and written again. A checkpoint and a user blob made meanwhile
-    wait for the reset. The mount, a remount after a kill -9 and one after an unmount agree."""
+def test_writes_answered_while_a_reset_syncs_lie_over_it(store, which, checkpoint):
+    """Writes answered while a reset waits for its record's sync go to blobs of their own
+    (the reset was made when its record was appended): a partial write, a whole chunk, a
+    partial write over a whole chunk, the view grown again, a user blob made and written;
+    a checkpoint may run meanwhile. The mount, a remount after a kill -9 and one after an
+    unmount agree, and nothing the reset dropped comes back."""
     data, _src, eng, tag, ops = writing_engine(store, 4)
     w = eng.writes
     w.user_part = CS
-    whole = bytes(reversed(payload(CS)))
     new_whole = b"W" * CS
     gate = threading.Event()
 
@@ -123,59 +129,50 @@ def test_writes_answered_while_a_reset_fails_to_save_lie_over_the_writes_it_kept
             eng.attach(nursery)
             with trio.fail_after(10):
                 await written_every_way(eng, tag)
-                refused = state_saves_fail(ops, gate)
-                failed = trio.Event()
+                slow = journal_syncs_wait(ops, gate)
+                done = trio.Event()
 
                 async def reset():
-                    with pytest.raises(FaultfsError):
-                        await w.reset(tag, None if which == "tag" else RESET_ALL)
-                    failed.set()
+                    await w.reset(tag, None if which == "tag" else RESET_ALL)
+                    done.set()
 
                 nursery.start_soon(reset)
                 await trio.sleep(0.05)
-                assert refused.matched, "the reset is saving its state"
+                assert slow.matched and not done.is_set(), "the reset is syncing its record"
+                slow.off()  # (the writes' own syncs go through)
                 await w.write_chunk(tag, 0, 8, b"NEW")
                 await w.write_chunk(tag, 1, 0, new_whole)
-                await w.write_chunk(tag, 2, 3, b"over the whole")
+                await w.write_chunk(tag, 2, 3, b"over the source")
                 await w.write_view(tag, 4 * CS + 10, b"v" * 5)
-                if which == "blobs":  # (a reset of the tag unlinked it meanwhile)
-                    await w.write_user(tag, "f", 30, b"F" * 20)
-                    await w.truncate_user(tag, "f", 35)
-                    await w.write_user(tag, "f", 45, b"T" * 5)
+                await w.create_user(tag, "g")
+                await w.write_user(tag, "g", 3, b"G")
                 if checkpoint:
                     nursery.start_soon(w.checkpoint)
-                nursery.start_soon(w.create_user, tag, "g")
-                await trio.sleep(0.05)
-                assert "g" not in w.user_names(tag), "table changes wait for the reset"
                 gate.set()
-                await failed.wait()
+                await done.wait()
                 await settle(eng)
-                await trio.sleep(0.05)
-                await w.checkpoint()  # (after the one started meanwhile)
+                await w.checkpoint()
             shown = await tag_as_shown(eng, tag)
             nursery.cancel_scope.cancel()
         return shown
 
     shown = trio.run(main)
     want = bytearray(data)
-    want[5:12] = b"partial"
     want[8:11] = b"NEW"
     want[CS:2 * CS] = new_whole
-    want[2 * CS:3 * CS] = whole
-    want[2 * CS + 3:2 * CS + 17] = b"over the whole"
-    grown = bytearray(100)
-    grown[50:100] = b"g" * 50
-    grown[10:15] = b"v" * 5
-    if which == "tag":  # the view grew again from the reset's size: its last size
-        want += grown[:15]
-    else:
+    want[2 * CS + 3:2 * CS + 18] = b"over the source"
+    if which == "tag":  # the view grew again from the source's size
+        want += bytes(10) + b"v" * 5
+    else:  # (a reset of blobs keeps the view's size)
+        grown = bytearray(100)
+        grown[10:15] = b"v" * 5
         want += grown
-    user = bytearray(10) + b"u" * (CS + 20)
-    if which == "blobs":  # cut at 35: in its first part (the reset had dropped the second)
-        user[30:CS] = b"F" * 5 + bytes(10) + b"T" * 5 + bytes(CS - 50)
+    users = {"g": b"\0\0\0G"}
+    if which == "blobs":
+        users["f"] = b""  # back to empty
     assert shown[0] == bytes(want)
     assert shown[1] == len(want)
-    assert shown[2] == {"f": bytes(user), "g": b""}
+    assert shown[2] == users
     assert shown_after_a_kill_and_after_an_unmount(store, eng) == [shown, shown]
 
 

@@ -17,7 +17,7 @@ from faultfs.errors import FaultfsError
 from faultfs.store.blobstore import BlobStore
 from faultfs.testing.fakes import engine_for
 from faultfs.testing.writes_model import UPART, WritesWorld
-from faultfs.testing.writing import state_saves_fail, writing_engine
+from faultfs.testing.writing import full_journal, writing_engine
 
 
 @pytest.fixture
@@ -80,6 +80,9 @@ def test_a_user_blob_in_parts_matches_a_bytearray_through_folds_kills_and_remoun
         world.remount("clean")
         assert _user(world) == bytes(model)
         world.run(world.engine.writes.unlink_user, world.tag, NAME)
+        world.remount("kill")  # the unlink's record is replayed: its parts stay gone
+        assert world.engine.user_id(world.tag, NAME) is None
+        world.checkpoint()  # the state without it is saved: its files go
         assert _part_files(world) == [], "unlink leaves no part behind"
     finally:
         world.close()
@@ -173,13 +176,14 @@ def test_part_names():
     assert void_key("u:7.5") == "u:7" and void_key("chunk_3") == "chunk_3"
 
 
-@pytest.mark.parametrize("change", ["create", "unlink", "rename"])
-def test_a_user_blob_table_change_whose_save_fails_changes_nothing(store, change):
-    """Creating, unlinking or renaming a user blob whose state save fails (EIO) is refused
-    and changes nothing: not in this mount, not at the tag's next state save, not after a
-    remount."""
+@pytest.mark.parametrize("change", ["create", "unlink", "rename", "exchange"])
+def test_a_user_blob_table_change_the_journal_has_no_room_for_changes_nothing(store, change):
+    """Creating, unlinking, renaming or exchanging a user blob whose journal record cannot be
+    appended (ENOSPC) is refused and changes nothing: not in this mount, not at the tag's
+    next state save, not after a remount."""
     _, _, eng, tag, ops = writing_engine(store, 1)
     w = eng.writes
+    full = full_journal(ops)
 
     async def main():
         async with trio.open_nursery() as nursery:
@@ -187,24 +191,57 @@ def test_a_user_blob_table_change_whose_save_fails_changes_nothing(store, change
             with trio.fail_after(5):
                 await w.create_user(tag, "a.txt")
                 await w.write_user(tag, "a.txt", 0, b"kept")
-                state_saves_fail(ops)
+                await w.create_user(tag, "x.txt")
+                full.on()
                 attempt = {"create": lambda: w.create_user(tag, "b.txt"),
                            "unlink": lambda: w.unlink_user(tag, "a.txt"),
-                           "rename": lambda: w.rename_user(tag, "a.txt", "b.txt")}[change]
+                           "rename": lambda: w.rename_user(tag, "a.txt", "b.txt"),
+                           "exchange": lambda: w.exchange_users(tag, "a.txt", "x.txt")}[change]
                 with pytest.raises(FaultfsError) as err:
                     await attempt()
-                assert err.value.errno == errno.EIO
-                assert w.user_names(tag) == ["a.txt"]
-                await w.create_user(tag, "c.txt")  # the tag's next state save
-                assert sorted(w.user_names(tag)) == ["a.txt", "c.txt"]
+                assert err.value.errno == errno.ENOSPC
+                full.off()
+                assert sorted(w.user_names(tag)) == ["a.txt", "x.txt"]
+                await w.create_user(tag, "c.txt")
+                await w.checkpoint()  # the tag's next state save
+                assert sorted(w.user_names(tag)) == ["a.txt", "c.txt", "x.txt"]
                 assert bytes(await w.read_user(tag, "a.txt", 0, 10)) == b"kept"
-                await eng.close_writes()
             nursery.cancel_scope.cancel()
 
     trio.run(main)
-    eng.close()
+    eng.close()  # a kill: the journal is replayed over the saved state
     eng2 = engine_for(store, memory_mb=1, prefetch_mb=0)
     [tag2] = eng2.recover()
-    assert sorted(eng2.writes.user_names(tag2)) == ["a.txt", "c.txt"]
+    assert sorted(eng2.writes.user_names(tag2)) == ["a.txt", "c.txt", "x.txt"]
     assert bytes(trio.run(eng2.writes.read_user, tag2, "a.txt", 0, 10)) == b"kept"
     eng2.close()
+
+
+@pytest.mark.parametrize("stop", ["kill", "power"])
+def test_user_blob_changes_are_replayed_in_order_with_the_writes_around_them(stop):
+    """Create, write, rename over another, exchange, unlink, create again under a used name:
+    each a journal record, replayed in order with the writes (no state save between), and
+    durable when answered (a power loss keeps them all)."""
+    world = WritesWorld(4096, 4096)
+    try:
+        w = world.engine.writes
+        run, tag = world.run, world.tag
+        run(w.create_user, tag, "a")
+        run(w.write_user, tag, "a", 0, b"first a")
+        run(w.create_user, tag, "b")
+        run(w.write_user, tag, "b", 0, b"first b")
+        run(w.rename_user, tag, "a", "b")  # b is a's bytes; the old b is gone
+        run(w.create_user, tag, "c")
+        run(w.write_user, tag, "c", 0, b"c")
+        run(w.exchange_users, tag, "b", "c")
+        run(w.unlink_user, tag, "b")  # (the one that was c)
+        run(w.create_user, tag, "b")
+        run(w.write_user, tag, "b", 0, b"new b")
+        run(w.fsync)
+        world.remount(stop, random.Random(1))
+        w, tag = world.engine.writes, world.tag
+        assert sorted(w.user_names(tag)) == ["b", "c"]
+        assert bytes(run(w.read_user, tag, "c", 0, 20)) == b"first a"
+        assert bytes(run(w.read_user, tag, "b", 0, 20)) == b"new b"
+    finally:
+        world.close()

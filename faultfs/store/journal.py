@@ -4,17 +4,23 @@ write is acknowledged, so a crash loses nothing acknowledged and tears nothing (
 Layout: ``<store>/writes/journal/w-<first seq, 16 hex>.log`` segments, replayed in order.
 A record (little-endian), pinned by a golden-bytes test — change it and bump ``MAGIC``:
 
-    0   magic       8  b"FFSWAL\\x00\\x01" (kinds 1-3), b"FFSWAL\\x00\\x02" (kind 4)
+    0   magic       8  b"FFSWAL\\x00\\x01" (kinds 1-3), b"FFSWAL\\x00\\x02" (kind 4),
+                       b"FFSWAL\\x00\\x03" (kinds 5-8)
     8   seq         u64  1, 2, 3 ... across segments, never reused
     16  kind        u8   1 write (data follows), 2 zero (a range reads as zeros), 3 size,
-                         4 blob (the whole blob is the dirty file ``d-<seq>`` of its tag)
+                         4 blob (the whole blob is the dirty file ``d-<seq>`` of its tag),
+                         5 create (user blob ``name`` made, id ``off``), 6 unlink (user
+                         blob ``name``, id ``off``), 7 rename (``name`` is old NUL new; off
+                         0 replaces a blob named new, 2 exchanges the two), 8 reset (the
+                         names NUL-separated are the data, none: the whole tag; off: the
+                         tag's mtime after it)
     17  reserved    u8   0
     18  tag_len     u16
     20  name_len    u16  (0 with kind 3: the size of the tag's whole-object view)
     22  reserved    u16  0
     24  off         u64  write/zero: offset in the blob; size: 0
-    32  length      u64  write: data bytes; zero: range length; size: the new size;
-                         blob: the payload bytes of its file
+    32  length      u64  write, reset: data bytes; zero: range length; size: the new size;
+                         blob: the payload bytes of its file; create/unlink/rename: 0
     40  data_xxh3   u64  xxh3_64 of the data (0 without data); blob: of the file's payload
     48  head_xxh3   u64  xxh3_64 of bytes [0, 48) + tag + name
     56  tag, name (UTF-8), then the data
@@ -22,7 +28,10 @@ A record (little-endian), pinned by a golden-bytes test — change it and bump `
 Version 2 added kind 4 and nothing else: a record of kinds 1-3 is the same bytes in both
 versions (it keeps the version-1 magic, so a version-1 journal is read as it always was); a
 kind-4 record carries the version-2 magic, so a faultfs that knows only version 1 stops its
-replay there, as at any record it cannot verify.
+replay there, as at any record it cannot verify. Version 3 added kinds 5-8 the same way: the
+changes of a tag's table (user blobs made, unlinked, renamed; resets) are records replayed
+in order with the writes, where they were saved in the tag's write state outside the
+journal's order before.
 
 Invariants:
 - A record is acknowledged once ``append`` returned: its bytes are in the kernel (a kill -9 of
@@ -58,8 +67,14 @@ from faultfs.store.fileops import FileOps, OsFileOps, free_name, kept_dir
 
 MAGIC = b"FFSWAL\x00\x01"
 MAGIC_V2 = b"FFSWAL\x00\x02"  # kind 4 (KIND_BLOB) only: see the module docstring
+MAGIC_V3 = b"FFSWAL\x00\x03"  # kinds 5-8, a tag's table: see the module docstring
 MAGIC_PREFIX = MAGIC[:7]  # what both versions' records begin with
 KIND_WRITE, KIND_ZERO, KIND_SIZE, KIND_BLOB = 1, 2, 3, 4
+KIND_CREATE, KIND_UNLINK, KIND_RENAME, KIND_RESET = 5, 6, 7, 8
+TABLE_KINDS = (KIND_CREATE, KIND_UNLINK, KIND_RENAME, KIND_RESET)  # a tag's table, not a blob
+DATA_KINDS = (KIND_WRITE, KIND_RESET)  # records whose data follows them
+RENAME_REPLACE, RENAME_EXCHANGE = 0, 2  # a rename record's off
+KNOWN = {MAGIC: (KIND_WRITE, KIND_ZERO, KIND_SIZE), MAGIC_V2: (KIND_BLOB,), MAGIC_V3: TABLE_KINDS}
 _HEAD = struct.Struct("<8sQBBHHHQQQ")
 _CHECK = struct.Struct("<Q")
 DATA_DIGEST_AT = 40  # where a record's data_xxh3 lies in its head
@@ -119,21 +134,25 @@ def _prefix(seq: int, kind: int, tag: str, name: str, off: int, length: int,
             data: bytes | memoryview, digest: int) -> bytes:
     names = (tag + name).encode("utf-8")
     tag_len = len(tag.encode("utf-8")) if not tag.isascii() else len(tag)
-    if kind == KIND_WRITE:
+    magic = MAGIC_V3 if kind in TABLE_KINDS else MAGIC_V2 if kind == KIND_BLOB else MAGIC
+    if kind in DATA_KINDS:
         if len(data) != length:
-            raise ValueError("a write record's length is its data's")
-        magic, digest = MAGIC, xxhash.xxh3_64_intdigest(data) if length else 0
-    elif kind == KIND_BLOB:
-        magic = MAGIC_V2
-    else:
-        magic, digest = MAGIC, 0
+            raise ValueError("a record's length is its data's")
+        digest = xxhash.xxh3_64_intdigest(data) if length else 0
+    elif kind != KIND_BLOB:
+        digest = 0
     head = _HEAD.pack(magic, seq, kind, 0, tag_len, len(names) - tag_len, 0, off, length, digest)
     return head + _CHECK.pack(xxhash.xxh3_64_intdigest(head + names)) + names
 
 
 def encode(rec: Record) -> bytes:
     prefix = encode_prefix(rec)
-    return prefix + rec.data if rec.kind == KIND_WRITE else prefix
+    return prefix + rec.data if rec.kind in DATA_KINDS else prefix
+
+
+def data_len(kind: int, length: int) -> int:
+    """The bytes of data that follow a record of ``kind`` and ``length``."""
+    return length if kind in DATA_KINDS else 0
 
 
 def decode_head(raw: bytes) -> tuple[int, int, int, int, int, int, int, int]:
@@ -142,11 +161,9 @@ def decode_head(raw: bytes) -> tuple[int, int, int, int, int, int, int, int]:
     if len(raw) < HEAD_LEN:
         raise CorruptionError("journal record truncated")
     magic, seq, kind, r1, tag_len, name_len, r2, off, length, digest = _HEAD.unpack_from(raw)
-    known = (KIND_BLOB,) if magic == MAGIC_V2 else (KIND_WRITE, KIND_ZERO, KIND_SIZE) if (
-        magic == MAGIC) else ()
-    if kind not in known or r1 or r2:
+    if kind not in KNOWN.get(magic, ()) or r1 or r2:
         raise CorruptionError("not a journal record")
-    if kind == KIND_WRITE and length > MAX_RECORD_DATA:
+    if kind in DATA_KINDS and length > MAX_RECORD_DATA:
         raise CorruptionError("journal record too long")
     if not 0 < seq <= MAX_SEQ:
         raise CorruptionError(f"journal record seq {seq} is out of range")
@@ -225,7 +242,7 @@ class Journal:
                 size = self.ops.size(fd)
                 pos = 0
                 while pos < size:
-                    rec, length, why = self._read_record(fd, pos, size, first)
+                    rec, length, why = read_record(self.ops, fd, pos, size, first)
                     if rec is not None and rec.bad_data and (
                             damaged is None or not damaged(rec)):
                         why = "record data checksum mismatch"
@@ -271,34 +288,6 @@ class Journal:
                     self.ops.open(os.path.join(self.dir, segment_name(first)), os.O_RDONLY))
         self._dir_dirty = bool(self._segments)
 
-    def _read_record(self, fd: int, pos: int, size: int,
-                     segment: int) -> tuple[Record | None, int, str]:
-        """The record at ``pos``, its length and, when it is None, why (``bad_data`` when
-        only its data does not verify)."""
-        raw = self.ops.pread(fd, HEAD_LEN, pos)
-        try:
-            seq, kind, tag_len, name_len, off, length, digest, check = decode_head(raw)
-        except CorruptionError as exc:
-            return None, 0, exc.message
-        data_len = length if kind == KIND_WRITE else 0
-        total = HEAD_LEN + tag_len + name_len + data_len
-        if pos + total > size:
-            return None, 0, f"a record of {total} bytes, {size - pos} left"
-        rest = self.ops.pread(fd, tag_len + name_len + data_len, pos + HEAD_LEN)
-        names = rest[:tag_len + name_len]
-        if xxhash.xxh3_64_intdigest(raw[:_HEAD.size] + names) != check:
-            return None, 0, "record header checksum mismatch"
-        try:
-            tag = names[:tag_len].decode("utf-8")
-            name = names[tag_len:].decode("utf-8")
-        except UnicodeDecodeError:
-            return None, 0, "record names are not UTF-8"
-        data = rest[tag_len + name_len:]
-        bad = bool(data_len) and xxhash.xxh3_64_intdigest(data) != digest
-        return Record(seq, kind, tag, name, off, length, b"" if bad else bytes(data),
-                      digest if kind == KIND_BLOB else 0, segment, pos + HEAD_LEN + tag_len
-                      + name_len, digest if kind == KIND_WRITE else 0, bad), total, ""
-
     def _found_after(self, stop: tuple[int, int, str], later: list[int],
                      damaged: Callable[[Record], bool] | None) -> list[tuple[int, int, str]]:
         """``(seq, kind, tag)`` of every whole record that verifies after the stop (found by
@@ -315,14 +304,14 @@ class Journal:
             try:
                 size = self.ops.size(fd)
                 if seg == first:
-                    rec, _, _ = self._read_record(fd, pos, size, seg)
+                    rec, _, _ = read_record(self.ops, fd, pos, size, seg)
                     if rec is not None:
                         stopped.append((rec.seq, rec.kind, rec.tag))
                 resume = start
                 for at in _magic_positions(self.ops, fd, start, size):
                     if at < resume:
                         continue  # inside a record found whole
-                    rec, length, _ = self._read_record(fd, at, size, seg)
+                    rec, length, _ = read_record(self.ops, fd, at, size, seg)
                     if rec is None or (rec.bad_data and (damaged is None or not damaged(rec))):
                         continue
                     after.append((rec.seq, rec.kind, rec.tag))
@@ -423,9 +412,9 @@ class Journal:
         pos = self._pos
         data_at = pos + len(prefix)
         try:
-            if kind != KIND_WRITE or length <= INLINE_DATA:
+            if kind not in DATA_KINDS or length <= INLINE_DATA:
                 # one syscall: joining a few KiB costs less than a second one
-                raw = prefix + data if kind == KIND_WRITE else prefix
+                raw = prefix + data if kind in DATA_KINDS else prefix
                 if self.ops.pwrite(self._fd, raw, pos) != len(raw):
                     self._write_all(raw, pos)
                 pos += len(raw)
@@ -580,6 +569,35 @@ class Journal:
                 if fd >= 0:
                     self.ops.close(fd)
             self._unsynced, self._fd, self._readers = [], -1, {}
+
+
+def read_record(ops: FileOps, fd: int, pos: int, size: int,
+                segment: int) -> tuple[Record | None, int, str]:
+    """The record at ``pos``, its length and, when it is None, why (``bad_data`` when
+    only its data does not verify)."""
+    raw = ops.pread(fd, HEAD_LEN, pos)
+    try:
+        seq, kind, tag_len, name_len, off, length, digest, check = decode_head(raw)
+    except CorruptionError as exc:
+        return None, 0, exc.message
+    data_bytes = data_len(kind, length)
+    total = HEAD_LEN + tag_len + name_len + data_bytes
+    if pos + total > size:
+        return None, 0, f"a record of {total} bytes, {size - pos} left"
+    rest = ops.pread(fd, tag_len + name_len + data_bytes, pos + HEAD_LEN)
+    names = rest[:tag_len + name_len]
+    if xxhash.xxh3_64_intdigest(raw[:_HEAD.size] + names) != check:
+        return None, 0, "record header checksum mismatch"
+    try:
+        tag = names[:tag_len].decode("utf-8")
+        name = names[tag_len:].decode("utf-8")
+    except UnicodeDecodeError:
+        return None, 0, "record names are not UTF-8"
+    data = rest[tag_len + name_len:]
+    bad = bool(data_bytes) and xxhash.xxh3_64_intdigest(data) != digest
+    return Record(seq, kind, tag, name, off, length, b"" if bad else bytes(data),
+                  digest if kind == KIND_BLOB else 0, segment, pos + HEAD_LEN + tag_len
+                  + name_len, digest if kind == KIND_WRITE else 0, bad), total, ""
 
 
 def _pieces(ops: FileOps, fd: int, start: int, end: int) -> Iterator[bytes]:

@@ -1,6 +1,6 @@
 """What the tests of the write path (``tests/test_writes_*.py``) share: an engine over a fake
 source with its writes' file operations in a test's hands (``FaultyOps``), the failures they
-inject (a full journal, slow journal syncs, a failing state save), and what a tag shows after
+inject (a full journal, slow journal syncs), and what a tag shows after
 a kill -9 and after an unmount.
 
 No private attribute of the engine is touched: failures come through the file operations, as
@@ -19,7 +19,6 @@ import trio
 
 from faultfs.engine import Engine, Tag
 from faultfs.store.blobstore import BlobStore
-from faultfs.store.dirty import STATE
 from faultfs.testing.fakes import CS, MemorySource, ctx_for, engine_for, make_source, payload
 from faultfs.testing.fileops import FaultyOps, Rule, fail
 from faultfs.tiers.base import StoreOutcome
@@ -76,33 +75,6 @@ def slow_journal_syncs(eng: Engine, ops: FaultyOps) -> list[int]:
 
     ops.when("fsync", JOURNAL, slow)
     return began
-
-
-def state_saves_fail(ops: FaultyOps, gate: threading.Event | None = None, *,
-                     tag: str = "t") -> Rule:
-    """The next save of tag ``tag``'s write state fails (EIO, before its rename: the old file
-    stays), after waiting for ``gate`` when given; later saves go through. ``rule.acted``
-    counts the saves refused."""
-
-    def refuse(path: str) -> None:
-        if gate is not None:
-            gate.wait(5)
-        fail(errno.EIO)(path)
-
-    return ops.when("rename", _state_of(tag), refuse, times=1)
-
-
-def state_saves_wait(ops: FaultyOps, gate: threading.Event, *, tag: str = "t") -> Rule:
-    """Saves of tag ``tag``'s write state wait (on their I/O thread) for ``gate``."""
-
-    def wait(path: str) -> None:
-        gate.wait(5)
-
-    return ops.when("rename", _state_of(tag), wait)
-
-
-def _state_of(tag: str) -> Callable[[str], bool]:
-    return lambda path: path.endswith(f"/t-{tag}/{STATE}")
 
 
 def put_through(eng: Engine, before: Callable[[tuple[int, int]], Awaitable[StoreOutcome | None]]

@@ -254,7 +254,14 @@ class BlobWrites:
                data: bytes = b"", digest: int = 0) -> int:
         """Journal one change (inline: an append to the page cache is a few microseconds a
         KiB, and appends must stay in order)."""
-        try:
-            return self.journal.append(kind, tag, name, off, length, data, digest)
-        except StoreFull:
-            raise FaultfsError("the store has no room for the write", errno.ENOSPC) from None
+        return append(self.journal, kind, tag, name, off, length, data, digest)
+
+
+def append(journal: Journal, kind: int, tag: str, name: str, off: int, length: int,
+           data: bytes = b"", digest: int = 0) -> int:
+    """Append one record to ``journal``, its seq; ENOSPC (nothing appended) when the store
+    has no room for it."""
+    try:
+        return journal.append(kind, tag, name, off, length, data, digest)
+    except StoreFull:
+        raise FaultfsError("the store has no room for the write", errno.ENOSPC) from None

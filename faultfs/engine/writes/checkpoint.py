@@ -19,10 +19,10 @@ Invariants:
   ``journal_bytes`` or that number ``FOLD_BLOBS``, a checkpoint starts; past twice that,
   writers wait for it. A checkpoint that failed is started again by writes no sooner than
   ``CHECKPOINT_RETRY_S`` later.
-- No checkpoint runs beside a reset (``no_checkpoint``): its folds could write a blob the
-  reset drops, or one a write makes meanwhile, over the file the dropped blob's records
-  need, while the reset may still fail and put the dropped blob back.
-- A direct file whose blob left it is deleted only after the trim past its record.
+- A direct file whose blob left it is deleted only after the trim past its record; the dirty
+  file of a blob a reset or an unlink dropped (``DirtyTable.doomed``) only after the states
+  were saved without it (a mount before then finds it, and a replay drops it again), and
+  not when a blob has its name again (a write since: its file is that blob's).
 """
 
 from __future__ import annotations
@@ -31,8 +31,6 @@ import errno
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 
 import trio
 
@@ -87,8 +85,6 @@ class Checkpoints:
         self.running: trio.Event | None = None  # set when the checkpoint under way ends
         self.kept_from = 1  # the first seq the journal keeps (none trimmed up to it yet)
         self._retry_at = 0.0  # a checkpoint that failed is started again no sooner than this
-        self._resets = 0  # resets under way: a checkpoint waits for them (``no_checkpoint``)
-        self._resets_over: trio.Event | None = None
 
     # -- bounds ------------------------------------------------------------------------------
 
@@ -129,22 +125,6 @@ class Checkpoints:
                 and time.monotonic() >= self._retry_at):
             self.nursery.start_soon(self.checkpoint)
 
-    # -- resets ------------------------------------------------------------------------------
-
-    @asynccontextmanager
-    async def no_checkpoint(self) -> AsyncIterator[None]:
-        """Hold checkpoints off for the while (a reset): the one under way ends first."""
-        while self.running is not None:
-            await self.running.wait()
-        self._resets += 1
-        try:
-            yield
-        finally:
-            self._resets -= 1
-            if not self._resets and self._resets_over is not None:
-                self._resets_over.set()
-                self._resets_over = None
-
     # -- checkpoints -------------------------------------------------------------------------
 
     async def checkpoint(self) -> None:
@@ -155,10 +135,6 @@ class Checkpoints:
             return
         done = self.running = trio.Event()
         try:
-            while self._resets:  # one may still fail and put its blobs back
-                if self._resets_over is None:
-                    self._resets_over = trio.Event()
-                await self._resets_over.wait()
             self.journal.roll()  # here, where appends happen: records after go to the next
             self.table.untouch_all()  # written from here on: the next checkpoint's work
             await self.sync.sync()  # folded or not, the records (and direct files) are durable
@@ -167,10 +143,13 @@ class Checkpoints:
                                           or b.base is not FOLDED or b.size != b.folded_size])
             # (a copy: a clone adds its tag while the saves await; one forgotten meanwhile
             # has left ``changed``)
-            for tag_id, tw in list(self.states.tags.items()):
-                tw.view_seq = through
-                if tag_id in self.table.changed:  # a tag nothing was written to keeps no state
+            doomed = len(self.table.doomed)  # files the saves below drop (more may come)
+            unsaved = set(self.states.unsaved)
+            for tag_id in list(self.states.tags):
+                # a tag nothing was written to keeps no state
+                if tag_id in self.table.changed or tag_id in unsaved:
                     await self.states.save(tag_id)
+            self.states.unsaved -= unsaved
             # a blob that could not be folded keeps every record after its dirty file's (the
             # others' folds, the states and the trim below them stand: one unreadable base
             # never holds the whole journal)
@@ -187,6 +166,9 @@ class Checkpoints:
             gone = [(t, q) for t, q in table.obsolete if q <= through]
             table.obsolete = [(t, q) for t, q in table.obsolete if q > through]
             await self.pool.run(self.delete_direct, gone)
+            gone_files, self.table.doomed = (self.table.doomed[:doomed],
+                                             self.table.doomed[doomed:])
+            await self.pool.run(self._delete_doomed, gone_files)
             self.stats.add("checkpoints")
             if failed:
                 blob, exc = failed[0]
@@ -239,6 +221,18 @@ class Checkpoints:
         failed = await self.fold_all(self.table.of_tag(tag.id))
         if failed:
             raise failed[0][1]
+
+    def _delete_doomed(self, doomed: list[tuple[str, str]]) -> None:
+        """Delete the dirty files of dropped blobs whose names no blob has again."""
+        live = {(b.tag.name, b.name) for b in self.table}
+        for tag, name in doomed:
+            if (tag, name) in live:
+                continue
+            try:
+                self.files.delete(tag, name)
+            except OSError as exc:  # left behind: void at the next mount, which dooms it again
+                log.warning("deleting dirty file %s of tag %s failed: %s", name, tag,
+                            exc.strerror)
 
     def delete_direct(self, gone: list[tuple[str, int]]) -> None:
         for tag, seq in gone:

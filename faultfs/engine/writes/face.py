@@ -50,7 +50,8 @@ class Writes:
         self.changes = changes = TagChanges()
         self.table = table = DirtyTable(clean.unpin)
         self.changed = table.changed  # ids of tags with writes: their views take this path
-        self.states = states = TagStates(table, files, pool, writable=writable)
+        self.states = states = TagStates(table, files, pool, lambda: journal.last_seq,
+                                         writable=writable)
         self.damage = damage = Damage(table, states, files, journal, pool)
         self.bases = bases = Bases(table, clean, damage, stats)
         self.sync = sync = GroupCommit(files, journal, pool, stats)
@@ -59,13 +60,12 @@ class Writes:
         self.checkpoints = checkpoints = Checkpoints(
             table, states, damage, bases, reads, sync, files, journal, pool, stats,
             fold_bytes=fold_bytes, journal_bytes=journal_bytes)
-        self.recovery = Recovery(table, states, damage, sync, checkpoints, clean, files,
-                                 journal)
         self.writing = Writing(table, states, BlobWrites(table, states, bases, checkpoints,
                                                          sync, files, journal, stats), changes)
-        self.users = UserBlobs(table, states, files, pool, changes)
-        self.resets = Resets(table, states, damage, checkpoints, clean, files, journal, pool,
-                             changes)
+        self.users = users = UserBlobs(table, states, sync, journal, changes)
+        self.resets = resets = Resets(table, states, sync, journal, changes)
+        self.recovery = Recovery(table, states, damage, sync, checkpoints, clean, files,
+                                 journal, users, resets)
         self.lifetime = TagLifetime(table, states, damage, checkpoints, sync, files, journal,
                                     pool, changes)
 

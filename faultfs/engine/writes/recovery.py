@@ -7,8 +7,12 @@ Invariants:
   stops at the first record that does not verify (a whole-chunk record whose direct file does
   not verify counts as one); a dirty file names the last record it includes.
 - One rule says whether a record (or a dirty file) is void — its tag is not mounted, a reset
-  marked it, its user blob was unlinked, or its blob's dirty file includes it already: ``void``.
-  What is void is never applied, and its direct file is not needed.
+  marked it, its user blob was unlinked, or its blob's dirty file includes it already (a
+  change of the tag's table — a view size, a user blob made, renamed or unlinked, a reset —
+  when the tag's write state does): ``void``. What is void is never applied, and its direct
+  file is not needed; a void dirty file goes after the next checkpoint.
+- A change of a tag's table is made by the room that makes it live (``UserBlobs``,
+  ``Resets``), in the journal's order: a replay cannot make it otherwise.
 - A replay that stops early keeps what follows (``journal.py``); a damaged blob's records are
   kept with their segments, never applied.
 - A source that changed before a written chunk's base was staged leaves that blob damaged
@@ -28,6 +32,7 @@ from faultfs.engine.tags import Tag
 from faultfs.engine.writes.base import CleanReads, lost_why
 from faultfs.engine.writes.checkpoint import Checkpoints
 from faultfs.engine.writes.damage import Damage
+from faultfs.engine.writes.reset import Resets
 from faultfs.engine.writes.state import TagStates, TagWrites
 from faultfs.engine.writes.sync import GroupCommit
 from faultfs.engine.writes.table import (
@@ -43,9 +48,22 @@ from faultfs.engine.writes.table import (
     user_key,
     void_key,
 )
+from faultfs.engine.writes.users import UserBlobs
 from faultfs.errors import CorruptionError
 from faultfs.store.dirty import DirtyFiles, folded_seq
-from faultfs.store.journal import KIND_BLOB, KIND_SIZE, KIND_WRITE, KIND_ZERO, Journal, Record
+from faultfs.store.journal import (
+    KIND_BLOB,
+    KIND_CREATE,
+    KIND_RENAME,
+    KIND_RESET,
+    KIND_SIZE,
+    KIND_UNLINK,
+    KIND_WRITE,
+    KIND_ZERO,
+    TABLE_KINDS,
+    Journal,
+    Record,
+)
 
 log = logging.getLogger("faultfs.writes")
 DAMAGED_SEQ = 1 << 62  # a damaged blob's file "includes" every record: none is applied to it
@@ -56,7 +74,10 @@ class Recovery:
 
     def __init__(self, table: DirtyTable, states: TagStates, damage: Damage,
                  sync: GroupCommit, checkpoints: Checkpoints, clean: CleanReads,
-                 files: DirtyFiles, journal: Journal) -> None:
+                 files: DirtyFiles, journal: Journal, users: UserBlobs,
+                 resets: Resets) -> None:
+        self.users = users
+        self.resets = resets
         self.table = table
         self.states = states
         self.damage = damage
@@ -118,7 +139,9 @@ class Recovery:
             assert header is not None
             seq = folded_seq(header)
             if self.void(tag, name, seq, ids=ids):
-                continue  # reset, or unlinked (its file is removed at the next fold)
+                if self.states.writable:  # reset, or unlinked: it goes after a checkpoint
+                    self.table.doomed.append((tag.name, name))
+                continue
             self.journal.advance(seq)
             self.table.add(DirtyBlob(tag, name, chunk_index(tag, name), header.payload_len,
                                      FOLDED, seq, folded_size=header.payload_len))
@@ -134,7 +157,7 @@ class Recovery:
         tw = self.states.tags[tag.id]
         if seq <= tw.voided:
             return True
-        if kind == KIND_SIZE and name == VIEW:
+        if kind in TABLE_KINDS or (kind == KIND_SIZE and name == VIEW):
             return seq <= tw.view_seq
         if seq <= tw.voided_blobs.get(void_key(name), 0) or _unlinked(tw, name, ids):
             return True
@@ -192,6 +215,10 @@ class Recovery:
                 self.states.set_view_size(tag, self.states.tags[tag.id], rec.length)
                 applied += 1
                 continue
+            if rec.kind in TABLE_KINDS:
+                self._table_change(tag, rec)
+                applied += 1
+                continue
             if rec.kind == KIND_BLOB and chunk_index(tag, rec.name) is None:
                 continue  # only chunks are written so; never a record of ours otherwise
             blob = self.table.blob_for(tag, rec.name, self.states.tags[tag.id].users.values())
@@ -208,6 +235,20 @@ class Recovery:
                       aside.records, self.journal.damaged_dir)
         self._sort_direct_files(tags)
         return applied
+
+    def _table_change(self, tag: Tag, rec: Record) -> None:
+        """A record of ``tag``'s table made as it was made live."""
+        if rec.kind == KIND_CREATE:
+            self.users.made(tag, rec.name, rec.off)
+        elif rec.kind == KIND_UNLINK:
+            self.users.unlinked(tag, rec.name, rec.off)
+        elif rec.kind == KIND_RENAME:
+            old, _, new = rec.name.partition("\0")
+            self.users.renamed(tag, old, new, rec.off)
+        else:
+            assert rec.kind == KIND_RESET
+            names = bytes(rec.data).decode("utf-8").split("\0") if rec.length else None
+            self.resets.made(tag, names, rec.seq, rec.off)
 
     def _apply(self, blob: DirtyBlob, rec: Record) -> None:
         table = self.table
@@ -274,7 +315,7 @@ class Recovery:
     def needs_checkpoint(self) -> bool:
         """Whether the writes found at mount should be folded now (a replay left some)."""
         table = self.table
-        return bool(table.held or table.direct_count or table.obsolete
+        return bool(table.held or table.direct_count or table.obsolete or table.doomed
                     or any(b.pending for b in table))
 
 

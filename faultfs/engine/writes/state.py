@@ -2,10 +2,12 @@
 blob table, reset marks, damaged blobs; ``store/writestate.py`` is its format), and its saves.
 
 Invariants:
-- A tag's state saves run one at a time (its state lock). A reset and a change of the user
-  blob table hold the lock for the whole change, from their check to their save: a save made
-  meanwhile would write a reset's void marks, durably, while the reset could still fail and
-  put its blobs back.
+- A tag's state saves run one at a time (its state lock).
+- A state is saved as it is in memory, which holds every change of the tag's table whose
+  record was appended (a view size, a user blob made, renamed or unlinked, a reset: each is
+  made right after its append, nothing awaited between); so a save names the journal's last
+  seq as the one it includes (``view_seq``), and a replay makes only the table's changes
+  past it. The blobs' own records go by their dirty files' seqs, not by this one.
 - A state that could not be read (``damaged``) is never written over: fsck reports it, the
   user decides; its tag takes no writes (EIO).
 - A tag nothing was written to has no state (none is made for it until it is written).
@@ -16,6 +18,7 @@ from __future__ import annotations
 import errno
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import trio
@@ -35,20 +38,23 @@ class TagWrites(WriteState):
     """A tag's write state (``WriteState``), and what a mount keeps of it in memory only."""
 
     damaged: str = ""  # why its write state could not be read: it takes no writes
-    view_changes: int = 0  # sizes set since the mount: a failed reset keeps a new one
 
 
 class TagStates:
     """The write states of an engine's tags; see the module docstring for the rules."""
 
-    def __init__(self, table: DirtyTable, files: DirtyFiles, pool: IoPool, *,
-                 writable: bool) -> None:
+    def __init__(self, table: DirtyTable, files: DirtyFiles, pool: IoPool,
+                 last_seq: Callable[[], int], *, writable: bool) -> None:
         self.table = table
         self.files = files
         self.pool = pool
+        self._last_seq = last_seq  # the journal's: what a state saved now includes
         self.writable = writable  # False: --read-only, --no-store, a degraded store
         self.tags: dict[int, TagWrites] = {}
         self.names: dict[int, str] = {}  # tag id -> name, for the state files
+        # tags whose state the next checkpoint saves though they have no writes now (a reset
+        # dropped them all: its void mark must be saved before the journal lets it go)
+        self.unsaved: set[int] = set()
         self._locks: dict[int, trio.Lock] = {}
 
     def of(self, tag: Tag) -> TagWrites:
@@ -94,7 +100,6 @@ class TagStates:
 
     def set_view_size(self, tag: Tag, tw: TagWrites, size: int) -> None:
         tw.view_size = size
-        tw.view_changes += 1
         self.table.mark_changed(tag.id)
 
     def user_names(self, tag: Tag) -> list[str]:
@@ -144,23 +149,19 @@ class TagStates:
             return  # never written over: fsck reports it, the user decides
         name = self.names[tag_id]
         try:
-            await self.pool.run(self.files.write_state, name, tw.saved())
+            await self.pool.run(self.files.write_state, name, self._doc(tw))
         except OSError as exc:
             code = errno.ENOSPC if exc.errno in (errno.ENOSPC, errno.EDQUOT) else errno.EIO
             raise FaultfsError(f"saving the writes of tag {name} failed: {exc.strerror}",
                                code) from None
 
-    async def write_again(self, tag: Tag, what: str) -> None:
-        """Save ``tag``'s state as it is now over one whose save failed, which may have
-        replaced the file before it failed (its directory not synced). Best effort: a save
-        that fails before its rename changes nothing; a failure is logged, naming ``what``."""
-        try:
-            await self.write(tag.id)
-        except FaultfsError as exc:
-            log.error("tag %s: %s was not saved again: %s", tag.name, what, exc.message)
-
     def write_now(self, tag_id: int) -> None:
         """Save a tag's write state now, blocking (before the mount answers); OSError."""
         tw = self.tags[tag_id]
         if not tw.damaged:
-            self.files.write_state(self.names[tag_id], tw.saved())
+            self.files.write_state(self.names[tag_id], self._doc(tw))
+
+    def _doc(self, tw: TagWrites) -> dict:
+        """``tw`` as saved now: every record of the tag's table appended so far is in it."""
+        tw.view_seq = self._last_seq()
+        return tw.saved()

@@ -122,6 +122,9 @@ class DirtyTable:
         self.held = 0  # bytes of writes held in memory (ExtentMap.held summed)
         self._direct_count = 0  # blobs whose base is a direct file
         self.obsolete: list[tuple[str, int]] = []  # (tag, seq) of direct files to delete
+        # (tag, name) of dirty files of blobs dropped (a reset, an unlink): deleted after the
+        # next checkpoint saved the state without them, unless a blob has the name again
+        self.doomed: list[tuple[str, str]] = []
         self.touched: set[tuple[int, str]] = set()  # blobs written since the last checkpoint
         self.fold_work = 0  # their sizes: what the next checkpoint rewrites, about
 

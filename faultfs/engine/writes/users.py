@@ -1,14 +1,18 @@
-"""User blobs: files created in a tag directory, renamed and unlinked — changes of the tag's
-user blob table (names to ids; ``state.py``), saved durably before they are answered.
+"""User blobs: files created in a tag directory, renamed, exchanged and unlinked — changes of
+the tag's user blob table (names to ids; ``state.py``), each one journal record.
 
 Invariants:
+- A change is answered once its record is appended and the journal synced (durable, as a
+  state save made it before: one group commit for the changes that come together), and it
+  is made in memory right after the append, with nothing awaited between: the table always holds every record appended. A replay makes each
+  record's change with the same code (``made``, ``unlinked``, ``renamed``), in the order of
+  the writes around it, so a crash at any point leaves the table before or after a change,
+  never a mix. A change refused (its check, or no room for its record) changes nothing.
 - A user blob's dirty files are named by its id (``u:<id>``, ``u:<id>.<part>``): a rename
   or an exchange is one table update, never a copy; an id is never handed out twice.
-- A table change holds its tag's state lock from its check to its save: a reset under way
-  (which may fail and put the table back) is done first. One whose save fails changes
-  nothing, in memory as on disk (the table is put back and saved once more, best effort).
-- An unlinked (or replaced) user blob's dirty blobs leave the table, and their files are
-  deleted, once the state saying it is gone is durable.
+- An unlinked (or replaced) user blob's dirty blobs leave the table at once; their files
+  are deleted after the next checkpoint saved a state without it (``DirtyTable.doomed``):
+  before that a mount finds them, and a replay of the record drops them again.
 - Every call is one change of its tag (``one_change``).
 """
 
@@ -19,22 +23,30 @@ import errno
 from faultfs.core.names import PAGE_PREFIX, PAGEMAP_NAME, check_name
 from faultfs.engine.changes import TagChanges, one_change
 from faultfs.engine.tags import Tag
-from faultfs.engine.writes.state import TagStates, TagWrites
+from faultfs.engine.writes.blobwrite import append
+from faultfs.engine.writes.state import TagStates
+from faultfs.engine.writes.sync import GroupCommit
 from faultfs.engine.writes.table import NEW, DirtyBlob, DirtyTable, chunk_index, part_name
 from faultfs.errors import FaultfsError
-from faultfs.iopool import IoPool
-from faultfs.store.dirty import DirtyFiles
+from faultfs.store.journal import (
+    KIND_CREATE,
+    KIND_RENAME,
+    KIND_UNLINK,
+    RENAME_EXCHANGE,
+    RENAME_REPLACE,
+    Journal,
+)
 
 
 class UserBlobs:
     """The user blob tables of an engine's tags; see the module docstring for the rules."""
 
-    def __init__(self, table: DirtyTable, states: TagStates, files: DirtyFiles, pool: IoPool,
-                 changes: TagChanges) -> None:
+    def __init__(self, table: DirtyTable, states: TagStates, sync: GroupCommit,
+                 journal: Journal, changes: TagChanges) -> None:
         self.table = table
         self.states = states
-        self.files = files
-        self.pool = pool
+        self.sync = sync
+        self.journal = journal
         self.changes = changes  # (``one_change``)
 
     def check_name(self, tag: Tag, name: str) -> None:
@@ -48,30 +60,23 @@ class UserBlobs:
     async def create(self, tag: Tag, name: str) -> None:
         self.states.check_writable(tag)
         self.check_name(tag, name)
-        async with self.states.lock(tag.id):
-            tw = self.states.of(tag)
-            if name in tw.users:
-                raise FaultfsError(f"blob {name} of tag {tag.name} exists", errno.EEXIST)
-            before = dict(tw.users), set(tw.parted)
-            uid = tw.next_user
-            tw.next_user += 1  # (kept past a failed save: an id is never handed out twice)
-            tw.users[name] = uid
-            tw.parted.add(uid)
-            await self._save(tag, tw, *before)
-            self.table.add(DirtyBlob(tag, part_name(uid, 0), None, 0, NEW))
+        tw = self.states.of(tag)
+        if name in tw.users:
+            raise FaultfsError(f"blob {name} of tag {tag.name} exists", errno.EEXIST)
+        uid = tw.next_user
+        append(self.journal, KIND_CREATE, tag.name, name, uid, 0)
+        self.made(tag, name, uid)
+        await self.sync.sync()
 
     @one_change
     async def unlink(self, tag: Tag, name: str) -> None:
         self.states.check_writable(tag)
-        async with self.states.lock(tag.id):
-            tw = self.states.of(tag)
-            before = dict(tw.users), set(tw.parted)
-            uid = tw.users.pop(name, None)
-            if uid is None:
-                raise FaultfsError(f"tag {tag.name} has no blob {name}", errno.ENOENT)
-            tw.parted.discard(uid)
-            await self._save(tag, tw, *before)
-        await self._drop(tag, uid)
+        uid = self.states.of(tag).users.get(name)
+        if uid is None:
+            raise FaultfsError(f"tag {tag.name} has no blob {name}", errno.ENOENT)
+        append(self.journal, KIND_UNLINK, tag.name, name, uid, 0)
+        self.unlinked(tag, name, uid)
+        await self.sync.sync()
 
     @one_change
     async def rename(self, tag: Tag, old: str, new: str, *, replace: bool = True) -> None:
@@ -79,65 +84,72 @@ class UserBlobs:
         EEXIST when there is one): one table update."""
         self.states.check_writable(tag)
         self.check_name(tag, new)
-        async with self.states.lock(tag.id):
-            tw = self.states.of(tag)
-            if old not in tw.users:
-                raise FaultfsError(f"tag {tag.name} has no blob {old}", errno.ENOENT)
-            if not replace and new in tw.users:
-                raise FaultfsError(f"blob {new} of tag {tag.name} exists", errno.EEXIST)
-            before = dict(tw.users), set(tw.parted)
-            replaced = tw.users.pop(new, None)
-            tw.users[new] = tw.users.pop(old)
-            if replaced is not None:
-                tw.parted.discard(replaced)
-            await self._save(tag, tw, *before)
-        if replaced is not None:
-            await self._drop(tag, replaced)
+        users = self.states.of(tag).users
+        if old not in users:
+            raise FaultfsError(f"tag {tag.name} has no blob {old}", errno.ENOENT)
+        if not replace and new in users:
+            raise FaultfsError(f"blob {new} of tag {tag.name} exists", errno.EEXIST)
+        append(self.journal, KIND_RENAME, tag.name, f"{old}\0{new}", RENAME_REPLACE, 0)
+        self.renamed(tag, old, new, RENAME_REPLACE)
+        await self.sync.sync()
 
     @one_change
     async def exchange(self, tag: Tag, a: str, b: str) -> None:
-        """Swap two user blobs' names (renameat2's RENAME_EXCHANGE): one table update, saved
-        as a rename's is, so the swap survives a crash whole or not at all. ENOENT unless
-        both exist; nothing is dropped."""
+        """Swap two user blobs' names (renameat2's RENAME_EXCHANGE): one record, so the swap
+        survives a crash whole or not at all. ENOENT unless both exist; nothing is dropped."""
         self.states.check_writable(tag)
-        async with self.states.lock(tag.id):
-            tw = self.states.of(tag)
-            for name in (a, b):
-                if name not in tw.users:
-                    raise FaultfsError(f"tag {tag.name} has no blob {name}", errno.ENOENT)
-            before = dict(tw.users), set(tw.parted)
-            tw.users[a], tw.users[b] = tw.users[b], tw.users[a]
-            await self._save(tag, tw, *before)
+        users = self.states.of(tag).users
+        for name in (a, b):
+            if name not in users:
+                raise FaultfsError(f"tag {tag.name} has no blob {name}", errno.ENOENT)
+        append(self.journal, KIND_RENAME, tag.name, f"{a}\0{b}", RENAME_EXCHANGE, 0)
+        self.renamed(tag, a, b, RENAME_EXCHANGE)
+        await self.sync.sync()
 
-    async def _save(self, tag: Tag, tw: TagWrites, users: dict[str, int],
-                    parted: set[int]) -> None:
-        """Save a change of ``tag``'s user blob table (its state lock held), or, when the
-        save fails, put the table back as it was (``users``, ``parted``: copies from before
-        the change) and save that once more, best effort (a save whose directory fsync
-        failed may have replaced the file): a change the caller was told failed is not kept
-        in memory, where the tag's next state save would write it."""
-        try:
-            await self.states.write(tag.id)
-        except BaseException as exc:
-            tw.users, tw.parted = users, parted
-            if isinstance(exc, FaultfsError):  # (cancelled: the save never started)
-                await self.states.write_again(tag, "the user blob table before the failed "
-                                              "change")
-            raise
+    # -- the changes, made live and at a replay ----------------------------------------------
 
-    async def _drop(self, tag: Tag, uid: int) -> None:
-        """Forget the dirty blobs of user blob ``uid`` (unlinked, or replaced by a rename)
-        and delete their files (the state saying it is gone is durable already)."""
+    def made(self, tag: Tag, name: str, uid: int) -> None:
+        """User blob ``name`` is made, empty, with id ``uid``."""
+        tw = self.states.of(tag)
+        tw.users[name] = uid
+        tw.parted.add(uid)
+        tw.next_user = max(tw.next_user, uid + 1)
+        if (tag.id, part_name(uid, 0)) not in self.table.blobs:
+            self.table.add(DirtyBlob(tag, part_name(uid, 0), None, 0, NEW))
+        self.table.mark_changed(tag.id)
+
+    def unlinked(self, tag: Tag, name: str, uid: int) -> None:
+        """User blob ``name`` (id ``uid``) is gone."""
+        tw = self.states.of(tag)
+        if tw.users.get(name) != uid:
+            return  # (a replay of a record the state includes already)
+        del tw.users[name]
+        tw.parted.discard(uid)
+        self._drop(tag, uid)
+
+    def renamed(self, tag: Tag, old: str, new: str, how: int) -> None:
+        """User blob ``old`` is named ``new`` (a blob named so before is gone), or the two
+        swap names (``how``: RENAME_EXCHANGE)."""
+        users = self.states.of(tag).users
+        if old not in users or (how == RENAME_EXCHANGE and new not in users):
+            return  # (a replay of a record the state includes already)
+        if how == RENAME_EXCHANGE:
+            users[old], users[new] = users[new], users[old]
+            return
+        replaced = users.pop(new, None)
+        users[new] = users.pop(old)
+        if replaced is not None:
+            self.states.of(tag).parted.discard(replaced)
+            self._drop(tag, replaced)
+
+    def _drop(self, tag: Tag, uid: int) -> None:
+        """Forget the dirty blobs of user blob ``uid``; their files go after the next
+        checkpoint (and the first part's name in any case: an empty blob folded before any
+        record was appended names seq 0, which a mount does not load)."""
         names = {self.table.forget((tag.id, b.name)).name
                  for b in list(self.table.parts(tag, uid).values())}
+        damaged = self.states.of(tag).damaged_blobs
         for name in names:  # gone: nothing damaged is kept of it (its kept records stay)
-            self.states.tags[tag.id].damaged_blobs.pop(name, None)
-        # and the first part's name in any case: an empty blob folded before any record was
-        # appended names seq 0, which a mount does not load (its file is only deleted here)
+            damaged.pop(name, None)
         names.add(part_name(uid, 0))
-
-        def delete() -> None:
-            for name in sorted(names):
-                self.files.delete(tag.name, name)
-
-        await self.pool.run(delete)
+        self.table.doomed.extend((tag.name, name) for name in sorted(names))

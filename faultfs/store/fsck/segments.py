@@ -27,9 +27,9 @@ from faultfs.store.fsck.look import kind, lsize, scan, unknown_finding
 from faultfs.store.journal import (
     DAMAGED_DIR,
     HEAD_LEN,
-    KIND_WRITE,
     SEGMENT_PREFIX,
     SEGMENT_SUFFIX,
+    data_len,
     decode_head,
 )
 
@@ -130,7 +130,7 @@ class _SegmentScan:
                 seq, kind, tag_len, name_len, _off, length, digest, check = decode_head(raw)
             except CorruptionError as exc:
                 return self._stop(exc.message, torn=self._zeros_to_end())
-            total = HEAD_LEN + tag_len + name_len + (length if kind == KIND_WRITE else 0)
+            total = HEAD_LEN + tag_len + name_len + data_len(kind, length)
             if total > left:
                 return self._stop(f"a record of {total} bytes, {left} left", torn=True)
             names = os.pread(self.fd, tag_len + name_len, self.pos + HEAD_LEN)
@@ -142,8 +142,8 @@ class _SegmentScan:
                 return self._stop("record names are not UTF-8", torn=False)
             if seq < self.expect:
                 return self._stop(f"seq {seq} after {self.expect - 1}", torn=False)
-            if kind == KIND_WRITE and self._data_digest(self.pos + HEAD_LEN + len(names),
-                                                        length) != digest:
+            if data_len(kind, length) and self._data_digest(
+                    self.pos + HEAD_LEN + len(names), length) != digest:
                 return self._stop("record data checksum mismatch", torn=total == left)
             self.expect = seq + 1
             self.records += 1

@@ -31,7 +31,15 @@ from faultfs.core.slots import SLOT_SIZE, DiskSlot, decode_slot
 from faultfs.errors import FaultfsError
 from faultfs.store.blobfile import FLAG_DIRTY, FLAG_NO_FAULT, decode_header, encode_header
 from faultfs.store.blobstore import BlobStore, encode_component
-from faultfs.store.journal import KIND_SIZE, KIND_WRITE, KIND_ZERO, Journal, Record, encode
+from faultfs.store.journal import (
+    KIND_SIZE,
+    KIND_WRITE,
+    KIND_ZERO,
+    Journal,
+    Record,
+    data_len,
+    encode,
+)
 from faultfs.store.metadata import DualMetadataManager, read_meta
 from faultfs.store.registry import Registry, RegistryProblem
 from faultfs.store.tagstate import TagState, read_tag_state
@@ -385,7 +393,7 @@ def _records(data: bytes) -> list[tuple[int, int]]:
         kind = data[pos + 16]
         tag_len, name_len = struct.unpack_from("<HH", data, pos + 18)
         length = struct.unpack_from("<Q", data, pos + 32)[0]
-        total = 56 + tag_len + name_len + (length if kind == KIND_WRITE else 0)
+        total = 56 + tag_len + name_len + data_len(kind, length)
         if pos + total > len(data):
             break
         out.append((pos, total))
