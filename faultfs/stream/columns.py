@@ -61,10 +61,13 @@ def import_arrow() -> tuple[Any, Any]:
     return pa, paj
 
 
-def block_table(block: RecordBlock, schema: Any = None) -> Any:
+def block_table(block: Any, schema: Any = None) -> Any:
     """All records of ``block`` as a ``pyarrow.Table`` (``schema``: the columns and types to
-    give every table; fields outside it are dropped, missing ones are null)."""
+    give every table; fields outside it are dropped, missing ones are null); a shuffled
+    stream's mixed block (``shuffle.window``) as rows of its window's table."""
     pa, _ = import_arrow()
+    if block.kind == "mixed":  # a shuffled window's records, taken from its table
+        return block.table(schema)
     if block.kind == "parquet":
         table = pa.Table.from_batches([block.batch])
     elif block.shard.parse_as == "text":

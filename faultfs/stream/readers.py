@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from faultfs.errors import InvalidInput, SourceError
-from faultfs.stream.shards import Shard
+from faultfs.stream.shards import Shard, ShardFile
 
 LINE_BLOCK = 4 << 20  # large enough that a range request costs far less than its transfer
 FIRST_READ = 256 << 10  # the first read after opening a shard: a (re)started stream's first
@@ -149,9 +149,13 @@ class RecordBlock:
         return self.data_offset + int(self.starts[i])
 
 
-def records_at(block: RecordBlock, idx: np.ndarray) -> list[Any]:
+def records_at(block: Any, idx: np.ndarray) -> list[Any]:
     """``block.records`` at the sorted, distinct indices ``idx``. A line block not split yet
-    cuts just those records from its bytes (one C pass: no ``bytes`` made for the others)."""
+    cuts just those records from its bytes (one C pass: no ``bytes`` made for the others); a
+    shuffled stream's mixed block cuts them from its window."""
+    if block.kind == "mixed":
+        records: list[Any] = block.records_at(idx)
+        return records
     if _cut is None or block.kind != "lines" or block._records is not None:
         return pick(block.records, idx)
     assert block.starts is not None and block.stops is not None
@@ -191,6 +195,15 @@ def import_parquet() -> Any:
             "reading .parquet shards needs pyarrow: pip install 'faultfs[parquet]'"
         ) from None
     return pq
+
+
+def open_parquet(shard: Shard, file: ShardFile) -> Any:
+    """A ``pq.ParquetFile`` over an open shard (its footer read), or SourceError."""
+    pq = import_parquet()
+    try:
+        return pq.ParquetFile(file)
+    except Exception as err:
+        raise SourceError(f"{shard.url}: not a readable Parquet file: {err}") from err
 
 
 def _json_default(value: Any) -> Any:
@@ -240,10 +253,16 @@ class LineShardReader:
         *,
         ranges: list[LineRange] | None = None,
         expected_size: int | None = None,
+        file: ShardFile | None = None,
+        first_read: int = FIRST_READ,
     ) -> None:
+        """``file``: the shard already open (kept open by ``close``: its opener owns it);
+        ``first_read``: the size of the first read of each range (reads grow 4x from it up to
+        ``LINE_BLOCK``)."""
         self._shard = shard
         self._shard_id = shard_id
-        self._file = shard.open()
+        self._owns_file = file is None
+        self._file = shard.open() if file is None else file
         self._global = global_start
         self._ranges = deque(ranges if ranges is not None else [(start_offset, None, True)])
         self._offset = 0  # file offset of the next line start: the next read begins there
@@ -253,12 +272,13 @@ class LineShardReader:
         self._after_nl = False  # the first byte read must be "\n" and is dropped (a resume point)
         self._eof = False
         self._done = True  # the current range has no more records
-        self._read_size = min(FIRST_READ, LINE_BLOCK)
+        self._first_read = min(first_read, LINE_BLOCK)
+        self._read_size = self._first_read
         try:
             _check_size(shard, self._file, expected_size)
             self._start_range()
         except BaseException:
-            self._file.close()
+            self.close()
             raise
 
     def _start_range(self) -> bool:
@@ -278,7 +298,7 @@ class LineShardReader:
         pos = start - 1 if self._skip or self._after_nl else start  # where _read begins
         self._offset, self._need, self._stop = pos, 0, stop
         self._eof = self._done = False
-        self._read_size = min(FIRST_READ, LINE_BLOCK)
+        self._read_size = self._first_read
         return True
 
     def _read(self) -> bytes:
@@ -425,7 +445,8 @@ class LineShardReader:
         return 0
 
     def close(self) -> None:
-        self._file.close()
+        if self._owns_file:
+            self._file.close()
 
 
 def row_group_positions(meta: Any) -> list[int]:
@@ -469,19 +490,24 @@ class ParquetShardReader:
         *,
         pieces: list[Piece] | None = None,
         expected_size: int | None = None,
+        file: ShardFile | None = None,
+        parquet: Any = None,
     ) -> None:
-        pq = import_parquet()
+        """``file`` and ``parquet``: the shard already open, and its ``pq.ParquetFile`` (its
+        footer read once), kept open by ``close``: their opener owns them."""
+        import_parquet()  # refused here, before the shard is opened, without pyarrow
         self._shard = shard
         self._shard_id = shard_id
-        self._file = shard.open()
+        self._owns_file = file is None
+        self._file = shard.open() if file is None else file
         try:
             _check_size(shard, self._file, expected_size)
-            try:
-                self._pf = pq.ParquetFile(self._file)
-            except Exception as err:
-                raise SourceError(f"{shard.url}: not a readable Parquet file: {err}") from err
+            if parquet is not None:
+                self._pf = parquet
+            else:
+                self._pf = open_parquet(shard, self._file)
         except BaseException:
-            self._file.close()
+            self.close()
             raise
         self._start = (row_group_idx, row_offset)
         self._pieces = pieces
@@ -584,4 +610,5 @@ class ParquetShardReader:
         return None
 
     def close(self) -> None:
-        self._file.close()
+        if self._owns_file:
+            self._file.close()

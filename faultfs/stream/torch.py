@@ -284,7 +284,7 @@ class RecordDataset(torch_data.IterableDataset):
             for local, records in stream.batches(
                 self.batch_size, format=self.format, schema=self.schema
             ):
-                coord, hashes = stream.hand_off(local)
+                coord, hashes, _ = stream.hand_off(local)
                 position = position._replace(
                     batch_id=local, coord=coord, dedup_count=position.dedup_count + hashes.size
                 )
