@@ -178,6 +178,10 @@ def test_the_permutation_is_pinned_and_the_python_path_agrees():
     assert [grid.pieces(b) for b in (3, 4, 6, 7)] == [  # a block may span two shards
         [(3, 192, 256)], [(3, 256, None), (0, 0, 20)], [(0, 84, None), (2, 0, 48)],
         [(2, 48, None)]]
+    # the blocks' order, dealt to readers like cards: reader 1 of 2 gets 6, 0, 2, 1
+    assert grid.block_order().tolist() == [7, 6, 4, 0, 5, 2, 3, 1]
+    assert plan_room.reader_windows(grid, Geometry(1, 64, 2), 2, 1)[:] == [
+        WindowSpec((0, 6), 4637990535914259977), WindowSpec((1, 2), 11026351218010118502)]
 
 
 def test_odd_lines_parse_whole_windows_and_a_bad_record_is_named_in_its_shard(tmp_path):

@@ -118,7 +118,7 @@ class RecordStream:
         shards in a seeded order, cut into blocks, the blocks dealt to the readers and read in
         windows of ``WINDOW_BLOCKS``, each window's records mixed by a seeded permutation; a
         pure function of ``seed`` (default 0), the epoch and the shards with their sizes.
-        ``shuffle_window``: a window's bytes (default 16 MiB): what mixes and what a resume
+        ``shuffle_window``: a window's bytes (default 1 MiB): what mixes and what a resume
         reads again. ``epoch``: the epoch to read (default: the checkpoint's; another only
         at the start of one). The state keeps a shuffle record, ``<state>.shuffle``."""
         self.shards: list[Shard] = expand_shards(sources, fs_options)

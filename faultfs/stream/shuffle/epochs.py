@@ -36,7 +36,7 @@ from faultfs.stream.partition import (
 )
 from faultfs.stream.shards import Shard
 from faultfs.stream.shuffle.carry import load_carried
-from faultfs.stream.shuffle.plan import EpochGrid, Geometry, WindowSpec, reader_windows
+from faultfs.stream.shuffle.plan import EpochGrid, Geometry, ReaderWindows, reader_windows
 from faultfs.stream.shuffle.record import ShuffleHeader, ShuffleRecord, ShuffleSlot, read_record
 from faultfs.stream.shuffle.window import EpochReader
 
@@ -150,7 +150,7 @@ class Epochs:
         self.bound = bound
         self.exhausted = False
         self.handed_out = False  # a batch of this epoch handed out by this stream
-        self._windows: list[WindowSpec] | None = None
+        self._windows: ReaderWindows | None = None
         self._grid: EpochGrid | None = None
         if at_start or current != slot.epoch:
             self.begun = False
@@ -176,7 +176,7 @@ class Epochs:
         c = self.carried
         return c if c is not None and c.epoch == self.epoch else None
 
-    def windows(self) -> list[WindowSpec]:
+    def windows(self) -> ReaderWindows:
         """This reader's windows of the current epoch, in order."""
         if self._windows is None:
             g = self.geometry

@@ -33,13 +33,16 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import overload
 
 import numpy as np
 import xxhash
 
 WINDOW_BLOCKS = 16  # blocks per window: a window mixes records from 16 places of the corpus
 # (from as many shards), and a resume re-reads at most this many blocks
-DEFAULT_WINDOW = 16 << 20  # bytes: 1 MiB blocks; a resume reads one window again (~20-60 ms)
+DEFAULT_WINDOW = 1 << 20  # bytes: 64 KiB blocks. A resume reads one window again (~5-10 ms
+# here, flat); a window's 16 blocks come from 16 places of the corpus whatever its size. A
+# remote source wants larger blocks (each is one range request): pass a larger window
 
 # what a key is for: keys of different purposes never coincide
 _SHARDS, _BLOCKS, _WINDOW, _CARRIED = 1, 2, 3, 4
@@ -123,16 +126,10 @@ class EpochGrid:
         self.starts = self.ends - ordered
         self.total = int(self.ends[-1]) if ordered.size else 0
         self.block_count = -(-self.total // block_bytes)
-        self._block_order: np.ndarray | None = None
 
-    @property
     def block_order(self) -> np.ndarray:
-        """The blocks in their seeded order (made on first use)."""
-        if self._block_order is None:
-            self._block_order = permutation(
-                key_of(_BLOCKS, self.seed, self.epoch), self.block_count
-            )
-        return self._block_order
+        """The blocks in their seeded order (8 bytes a block while a plan is made)."""
+        return permutation(key_of(_BLOCKS, self.seed, self.epoch), self.block_count)
 
     def pieces(self, block: int) -> list[tuple[int, int, int | None]]:
         """The parts of shards block ``block`` covers: ``(shard_id, lo, hi)``, byte offsets in
@@ -162,12 +159,40 @@ class Carried:
     pool: np.ndarray  # bool, one per block
 
 
-def _cut(blocks: np.ndarray, window_blocks: int, key: object) -> list[WindowSpec]:
-    out = []
-    for k in range(0, int(blocks.size), window_blocks):
-        part = np.sort(blocks[k : k + window_blocks])
-        out.append(WindowSpec(tuple(int(b) for b in part), key(k // window_blocks)))  # type: ignore[operator]
-    return out
+class ReaderWindows(Sequence[WindowSpec]):
+    """A reader's windows of an epoch, in order: the remainders it was dealt (a carried
+    epoch), then its blocks cut into windows of ``window_blocks``, each made when asked for
+    (a reader keeps 8 bytes per block it was dealt, not a window object each)."""
+
+    def __init__(self, remainders: Sequence[WindowSpec], blocks: np.ndarray,
+                 window_blocks: int, keys: tuple[int, ...]) -> None:
+        self._remainders = tuple(remainders)
+        self._blocks = np.ascontiguousarray(blocks)
+        self._w = window_blocks
+        self._keys = keys  # a window's key: key_of(*keys, its index among the cut ones)
+        self._len = len(self._remainders) + -(-int(self._blocks.size) // window_blocks)
+
+    def __len__(self) -> int:
+        return self._len
+
+    @overload
+    def __getitem__(self, k: int) -> WindowSpec: ...
+
+    @overload
+    def __getitem__(self, k: slice) -> list[WindowSpec]: ...
+
+    def __getitem__(self, k: int | slice) -> WindowSpec | list[WindowSpec]:
+        if isinstance(k, slice):
+            return [self[i] for i in range(*k.indices(self._len))]
+        if k < 0:
+            k += self._len
+        if not 0 <= k < self._len:
+            raise IndexError(k)
+        if k < len(self._remainders):
+            return self._remainders[k]
+        k -= len(self._remainders)
+        part = np.sort(self._blocks[k * self._w : (k + 1) * self._w])
+        return WindowSpec(tuple(part.tolist()), key_of(*self._keys, k))
 
 
 def reader_windows(
@@ -176,18 +201,15 @@ def reader_windows(
     readers: int,
     reader: int,
     carried: Carried | None = None,
-) -> list[WindowSpec]:
+) -> ReaderWindows:
     """The windows reader ``reader`` of ``readers`` delivers in ``grid``'s epoch, in order:
     the pure plan, or (``carried``, of this epoch) its share of what a repartition carried."""
     seed, epoch, w = geometry.seed, grid.epoch, geometry.window_blocks
+    order = grid.block_order()
     if carried is None:
-        mine = grid.block_order[reader::readers]
-        return _cut(mine, w, lambda k: key_of(_WINDOW, seed, epoch, readers, reader, k))
+        return ReaderWindows((), order[reader::readers], w,
+                             (_WINDOW, seed, epoch, readers, reader))
     assert carried.epoch == epoch
-    order = grid.block_order
     pool = order[carried.pool[order]]
-    gen = carried.generation
-    windows = list(carried.remainders[reader::readers])
-    return windows + _cut(
-        pool[reader::readers], w, lambda k: key_of(_CARRIED, seed, epoch, gen, readers, reader, k)
-    )
+    return ReaderWindows(carried.remainders[reader::readers], pool[reader::readers], w,
+                         (_CARRIED, seed, epoch, carried.generation, readers, reader))

@@ -13,8 +13,9 @@ Invariants:
   coordinate is that of its last record. The window is read, hashed and parsed once.
 - ``EpochReader`` hands out the windows of one reader's epoch from a resume point (a window
   and a position in it): only that window is read again, nothing before it. While a window
-  is handed out the next one is read (and hashed or parsed, as asked) in a thread: memory
-  is two windows of bytes and the parsed form of what was asked for.
+  is handed out the next one is read (and hashed or parsed, as asked) in a thread, the next
+  two when parsed (one is parsed while the other is read; the reads take turns in window
+  order): memory is two windows of bytes, three when parsed, and their parsed form.
 - A line window's records are cut from one buffer that joins its blocks' lines (a line
   without a terminator, a shard's last, gets one in the buffer), so a mixed block's records
   are one compiled cut, and a parsed window one parse of the buffer; where that parse fails
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import threading
 from bisect import bisect_right
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -51,6 +52,9 @@ except ImportError:  # pragma: no cover - built wherever a compiler is
     _cut = None
 
 MIXED_BLOCK = 65536  # positions per mixed block: what one read-ahead step makes
+FIRST_MIXED = 4096  # the first after opening: a restart's first batch parses this many rows,
+# not a whole window's
+WINDOWS_AHEAD = 2  # windows read ahead when parsed: one parses while the next is read
 OPEN_SHARDS = 64  # shards a reader keeps open between blocks (an S3 shard's open is a HEAD)
 
 
@@ -262,12 +266,30 @@ class Window:
             return StreamCoordinate(src.shard_id, end, 0, 0, 0, global_row_idx)
         return StreamCoordinate(src.shard_id, 0, src.row_group_idx, 0, end, global_row_idx)
 
+    def rows(self, idx: np.ndarray, schema: Any) -> Any:
+        """The records numbered ``idx``, in that order, parsed: their lines joined in that
+        order and parsed in one go (a line window of one parse kind), else rows taken from
+        the window's table; where that parse fails, the window's table names the record."""
+        if self.lines and len({s.shard.parse_as for s in self._sources}) == 1:
+            lengths = self.stops[idx] - self.starts[idx]
+            stops = np.cumsum(lengths + 1) - 1  # each line and its "\n"
+            block = RecordBlock(
+                kind="lines", shard=self._sources[0].shard, shard_id=0, ends=stops + 1,
+                global_start=0, data=b"\n".join(self.records(idx)) + b"\n", data_offset=0,
+                starts=stops - lengths, stops=stops,
+            )
+            try:
+                return block_table(block, schema)
+            except Exception:  # the window's table, parsed block by block, names the record
+                pass
+        return take_rows(self.table(schema), idx)
+
     def prepare(self, hashes: bool, parse: tuple[bool, Any]) -> None:
         """Make the hashes and the parsed table ahead, as the stream will want them."""
         if hashes:
             self.hashes()
-        if parse[0]:
-            self.table(parse[1])
+        if parse[0] and not (self.lines and len({s.shard.parse_as for s in self._sources}) == 1):
+            self.table(parse[1])  # rows are taken from it (a line window parses its rows)
 
 
 class MixedBlock:
@@ -299,7 +321,7 @@ class MixedBlock:
         return self.window.hashes(may_import=may_import)[self.idx]
 
     def table(self, schema: Any) -> Any:
-        return take_rows(self.window.table(schema), self.idx)
+        return self.window.rows(self.idx, schema)
 
     def coord_after(self, i: int) -> StreamCoordinate:
         return self.window.coord_after(int(self.idx[i]), self.global_start + i + 1)
@@ -331,22 +353,51 @@ class EpochReader:
         self._files = ShardFiles(shards)
         self._next = first  # the window taken next
         self._resume: int | None = position  # where the first window taken starts
+        # the reads take turns in window order (the files are one reader's), and each
+        # window's global_row_idx follows from the count of the one before
+        self._turns = threading.Condition()
+        self._turn = first
         if first < len(windows):
             position = max(position, windows[first].start)
-        self._zero = global_row_idx - position  # global_zero of the window taken next
+        self._zero = global_row_idx - position  # global_zero of the window read next
         self._window: Window | None = None
         self._pos = 0
-        self._ahead: Future[Window] | None = None
+        self._size = FIRST_MIXED  # positions of the next mixed block
+        self._ahead: deque[Future[Window]] = deque()  # windows _next.. being read, in order
+        self._submitted = first
         self._pool: ThreadPoolExecutor | None = None
         # what each window read ahead is made ready for: (its hashes, (parsed, schema))
         self.want: tuple[bool, tuple[bool, Any]] = (False, (False, None))
 
-    def _read(self, index: int, zero: int, *, ahead: bool = False) -> Window:
-        spec = self.windows[index]
-        window = Window(index, spec, read_blocks(spec, self.grid, self.shards, self._files), zero)
+    def _read(self, index: int, *, ahead: bool = False) -> Window:
+        """Window ``index``, read in its turn; made ready (``want``) if read ahead."""
+        with self._turns:
+            while self._turn != index:
+                self._turns.wait()
+        try:
+            spec = self.windows[index]
+            blocks = read_blocks(spec, self.grid, self.shards, self._files)
+            zero = self._zero
+            if index + 1 < len(self.windows):
+                self._zero = zero + sum(b.count for b in blocks) - self.windows[index + 1].start
+        finally:
+            with self._turns:
+                self._turn += 1
+                self._turns.notify_all()
+        window = Window(index, spec, blocks, zero)
         if ahead:
             window.prepare(*self.want)
         return window
+
+    def _read_ahead(self) -> None:
+        """Keep the next windows being read in threads: one, or two when parsed (a parse
+        of a window then overlaps the read of the next)."""
+        depth = WINDOWS_AHEAD if self.want[1][0] else 1
+        while self._submitted < len(self.windows) and len(self._ahead) < depth:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(WINDOWS_AHEAD, thread_name_prefix="faultfs-window")
+            self._ahead.append(self._pool.submit(self._read, self._submitted, ahead=True))
+            self._submitted += 1
 
     def next_block(self) -> MixedBlock | None:
         """The next positions of the epoch (None: its end)."""
@@ -355,23 +406,20 @@ class EpochReader:
             if window is None:
                 if self._next >= len(self.windows):
                     return None
-                if self._ahead is not None:
-                    ahead, self._ahead = self._ahead, None
-                    window = ahead.result()
-                else:
-                    window = self._read(self._next, self._zero)
+                if self._ahead:
+                    window = self._ahead.popleft().result()
+                else:  # the first window: read on the consumer's thread, nothing ahead yet
+                    window = self._read(self._next)
+                    self._submitted = self._next + 1
                 start = window.spec.start if self._resume is None else self._resume
                 self._resume = None
                 self._window, self._pos = window, max(start, window.spec.start)
                 self._next += 1
-                if self._next < len(self.windows):  # the next window, read meanwhile
-                    self._zero = window.global_zero + window.count - self.windows[self._next].start
-                    if self._pool is None:
-                        self._pool = ThreadPoolExecutor(1, thread_name_prefix="faultfs-window")
-                    self._ahead = self._pool.submit(self._read, self._next, self._zero, ahead=True)
+                self._read_ahead()
             if self._pos < window.count:
                 a = self._pos
-                self._pos = min(window.count, a + MIXED_BLOCK)
+                self._pos = min(window.count, a + self._size)
+                self._size = MIXED_BLOCK
                 return MixedBlock(window, a, self._pos)
             self._window = None
 
@@ -380,10 +428,9 @@ class EpochReader:
         return len(self.windows)
 
     def close(self) -> None:
-        """Wait for the window being read ahead (it uses the files), then close them."""
-        if self._ahead is not None:
-            self._ahead.exception()
-            self._ahead = None
+        """Wait for the windows being read ahead (they use the files), then close them."""
+        while self._ahead:
+            self._ahead.popleft().exception()
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
