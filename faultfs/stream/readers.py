@@ -45,6 +45,8 @@ from faultfs.stream.shards import Shard, ShardFile
 LINE_BLOCK = 4 << 20  # large enough that a range request costs far less than its transfer
 FIRST_READ = 256 << 10  # the first read after opening a shard: a (re)started stream's first
 # batch waits for one small read and its parse, not 4 MiB; reads then grow 4x up to LINE_BLOCK
+TAIL_PEEK = 4 << 10  # a range's reads go this far past its end: the line that straddles it is
+# usually whole in the same read (a shuffled stream reads many small ranges, one per block)
 TAIL_READ = 64 << 10  # past the end of a partitioned reader's range only the line straddling
 # it is read, in reads of this size
 PARQUET_BLOCK_ROWS = 65536  # rows decoded per block; bounds memory on huge row groups
@@ -240,8 +242,9 @@ class LineShardReader:
     ``[start, stop)``, in order. A range that is not ``exact`` (``start`` not known to be a
     line start) begins at the first line start at or after ``start``: one byte before it is
     read, and everything up to the next ``\\n``. An ``exact`` start inside the shard (a resume
-    point) must follow a ``\\n``: the byte before it is read with it and checked. Reads stop at
-    ``stop``, then only the line that straddles it is read to its end (``TAIL_READ`` at a
+    point) must follow a ``\\n``: the byte before it is read with it and checked. Reads stop
+    ``TAIL_PEEK`` bytes past ``stop`` (the line that straddles it is usually whole there; the
+    lines after it are dropped), then only that line is read to its end (``TAIL_READ`` at a
     time)."""
 
     def __init__(
@@ -308,7 +311,10 @@ class LineShardReader:
         self._read_size = min(size * 4, LINE_BLOCK)
         pos = self._offset
         if self._stop is not None:
-            size = min(size, self._stop - pos) if pos < self._stop else min(size, TAIL_READ)
+            if pos < self._stop:
+                size = min(size, self._stop - pos + TAIL_PEEK)
+            else:
+                size = min(size, TAIL_READ)
         size = max(size, self._need)
         self._need = 0
         try:

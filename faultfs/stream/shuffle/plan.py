@@ -12,8 +12,9 @@ An epoch, for seed S and epoch E (docs/FORMAT-cursors.md, "Shuffled streams"):
   A block may span the end of one shard and the start of the next; an empty shard has none.
 - The blocks are put in a seeded order and dealt to the readers (ranks x workers) like cards:
   reader ``i`` of ``R`` gets ``blocks[i::R]``, so every record is in exactly one reader's part
-  and parts differ by at most one block. Each reader cuts its blocks into windows of
-  ``window_blocks`` consecutive ones (sorted in a window, so a window is read in byte order).
+  and parts differ by at most one block. Each reader cuts its blocks, in that order, into
+  ``ceil(blocks / window_blocks)`` windows of consecutive ones, of sizes that differ by one
+  block at most (sorted in a window, so a window is read in byte order).
 - A window's records are numbered in its blocks' order, each block's in file order, and
   delivered in the order of a seeded permutation of those numbers (``permutation`` with the
   window's own key).
@@ -161,8 +162,9 @@ class Carried:
 
 class ReaderWindows(Sequence[WindowSpec]):
     """A reader's windows of an epoch, in order: the remainders it was dealt (a carried
-    epoch), then its blocks cut into windows of ``window_blocks``, each made when asked for
-    (a reader keeps 8 bytes per block it was dealt, not a window object each)."""
+    epoch), then its blocks cut in order into ``ceil(blocks / window_blocks)`` windows whose
+    sizes differ by one block at most, each made when asked for (a reader keeps 8 bytes per
+    block it was dealt, not a window object each)."""
 
     def __init__(self, remainders: Sequence[WindowSpec], blocks: np.ndarray,
                  window_blocks: int, keys: tuple[int, ...]) -> None:
@@ -170,7 +172,10 @@ class ReaderWindows(Sequence[WindowSpec]):
         self._blocks = np.ascontiguousarray(blocks)
         self._w = window_blocks
         self._keys = keys  # a window's key: key_of(*keys, its index among the cut ones)
-        self._len = len(self._remainders) + -(-int(self._blocks.size) // window_blocks)
+        # ceil(blocks / window_blocks) windows of nearly one size (they differ by one block at
+        # most): no short last window of a block or two, whose records would come out as runs
+        self._cut = -(-int(self._blocks.size) // window_blocks)
+        self._len = len(self._remainders) + self._cut
 
     def __len__(self) -> int:
         return self._len
@@ -191,7 +196,8 @@ class ReaderWindows(Sequence[WindowSpec]):
         if k < len(self._remainders):
             return self._remainders[k]
         k -= len(self._remainders)
-        part = np.sort(self._blocks[k * self._w : (k + 1) * self._w])
+        n = int(self._blocks.size)
+        part = np.sort(self._blocks[k * n // self._cut : (k + 1) * n // self._cut])
         return WindowSpec(tuple(part.tolist()), key_of(*self._keys, k))
 
 

@@ -13,13 +13,13 @@ Invariants:
   coordinate is that of its last record. The window is read, hashed and parsed once.
 - ``EpochReader`` hands out the windows of one reader's epoch from a resume point (a window
   and a position in it): only that window is read again, nothing before it. While a window
-  is handed out the next one is read (and hashed or parsed, as asked) in a thread, the next
-  two when parsed (one is parsed while the other is read; the reads take turns in window
-  order): memory is two windows of bytes, three when parsed, and their parsed form.
+  is handed out the next one is read (and hashed, with dedup) in a thread (the reads take
+  turns in window order): memory is two windows of bytes, and a window's parsed table.
 - A line window's records are cut from one buffer that joins its blocks' lines (a line
   without a terminator, a shard's last, gets one in the buffer), so a mixed block's records
-  are one compiled cut, and a parsed window one parse of the buffer; where that parse fails
-  the window is parsed block by block, which names the shard and offset of a bad record.
+  are one compiled cut, and a parsed window one parse of the buffer (by the read-ahead worker
+  that first needs it), whose rows each mixed block takes; where that parse fails the window
+  is parsed block by block, which names the shard and offset of a bad record.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ except ImportError:  # pragma: no cover - built wherever a compiler is
 MIXED_BLOCK = 65536  # positions per mixed block: what one read-ahead step makes
 FIRST_MIXED = 4096  # the first after opening: a restart's first batch parses this many rows,
 # not a whole window's
-WINDOWS_AHEAD = 2  # windows read ahead when parsed: one parses while the next is read
+WINDOWS_AHEAD = 1  # windows read ahead: reading is a fraction of a window's parse or cut
 OPEN_SHARDS = 64  # shards a reader keeps open between blocks (an S3 shard's open is a HEAD)
 
 
@@ -267,10 +267,14 @@ class Window:
         return StreamCoordinate(src.shard_id, 0, src.row_group_idx, 0, end, global_row_idx)
 
     def rows(self, idx: np.ndarray, schema: Any) -> Any:
-        """The records numbered ``idx``, in that order, parsed: their lines joined in that
-        order and parsed in one go (a line window of one parse kind), else rows taken from
-        the window's table; where that parse fails, the window's table names the record."""
-        if self.lines and len({s.shard.parse_as for s in self._sources}) == 1:
+        """The records numbered ``idx``, in that order, parsed: taken from the window's table
+        (parsed once, in file order: a parse of the lines as read and a take of the rows cost
+        ~450 + 20 ns a record here, joining the lines in the mixed order and parsing them
+        ~800). A few rows of a larger line window (a restart's first mixed block) are parsed
+        from their own lines joined, not the whole window; where that fails, the window's
+        table names the bad record."""
+        few = int(idx.size) * 4 < self.count
+        if few and self.lines and len({s.shard.parse_as for s in self._sources}) == 1:
             lengths = self.stops[idx] - self.starts[idx]
             stops = np.cumsum(lengths + 1) - 1  # each line and its "\n"
             block = RecordBlock(
@@ -288,8 +292,7 @@ class Window:
         """Make the hashes and the parsed table ahead, as the stream will want them."""
         if hashes:
             self.hashes()
-        if parse[0] and not (self.lines and len({s.shard.parse_as for s in self._sources}) == 1):
-            self.table(parse[1])  # rows are taken from it (a line window parses its rows)
+        del parse  # parsed by the read-ahead workers, two at once, not by the window's reader
 
 
 class MixedBlock:
@@ -390,10 +393,8 @@ class EpochReader:
         return window
 
     def _read_ahead(self) -> None:
-        """Keep the next windows being read in threads: one, or two when parsed (a parse
-        of a window then overlaps the read of the next)."""
-        depth = WINDOWS_AHEAD if self.want[1][0] else 1
-        while self._submitted < len(self.windows) and len(self._ahead) < depth:
+        """Keep the next window being read in a thread."""
+        while self._submitted < len(self.windows) and len(self._ahead) < WINDOWS_AHEAD:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(WINDOWS_AHEAD, thread_name_prefix="faultfs-window")
             self._ahead.append(self._pool.submit(self._read, self._submitted, ahead=True))
