@@ -419,6 +419,31 @@ def test_a_state_of_another_shuffle_or_shard_list_is_refused_in_one_line(tmp_pat
     assert not (tmp_path / "x.meta").exists()
 
 
+def test_checkpoint_show_reports_the_shuffle_record(tmp_path, capsys):
+    from faultfs.cli import build_parser
+
+    make_lines(tmp_path, SMALL)
+    src, state = str(tmp_path / "part-*.jsonl"), tmp_path / "run.meta"
+    with open_stream(src, state) as s:
+        for batch_id, _ in s.batches(5):
+            s.commit(batch_id)
+            if batch_id == 3:
+                break
+        slot = s._epochs.record.slot
+    args = build_parser().parse_args(["checkpoint", "show", str(state)])
+    assert args.func(args) == 0
+    text = capsys.readouterr().out
+    assert f"shuffle record: {state}.shuffle  seed {SEED}  windows of 16 x 128 bytes" in text
+    assert (f"slot A valid    checkpoint epoch 3  epoch 0  window {slot.window}  position "
+            f"{slot.position}  dedup_base 0  generation 0") in text
+    assert "pairs with the active checkpoint: slot A" in text
+    raw = bytearray(Path(f"{state}.shuffle").read_bytes())
+    raw[10] ^= 1  # slot A torn: the active checkpoint has no shuffle slot
+    Path(f"{state}.shuffle").write_bytes(bytes(raw))
+    with pytest.raises(CorruptionError, match="no shuffle slot for checkpoint epoch 3"):
+        args.func(args)
+
+
 # ---------------------------------------------------------------------------------------------
 # the shuffle record: golden bytes, damage, crashes
 
