@@ -270,11 +270,12 @@ class Window:
         """The records numbered ``idx``, in that order, parsed: taken from the window's table
         (parsed once, in file order: a parse of the lines as read and a take of the rows cost
         ~450 + 20 ns a record here, joining the lines in the mixed order and parsing them
-        ~800). A few rows of a larger line window (a restart's first mixed block) are parsed
-        from their own lines joined, not the whole window; where that fails, the window's
-        table names the bad record."""
-        few = int(idx.size) * 4 < self.count
-        if few and self.lines and len({s.shard.parse_as for s in self._sources}) == 1:
+        ~800). A few rows (``FIRST_MIXED`` at most, under half the window: a restart's first
+        mixed block) of a line window not parsed yet are parsed from their own lines joined;
+        where that fails, the window's table names the bad record."""
+        few = int(idx.size) <= FIRST_MIXED and int(idx.size) * 2 < self.count
+        if (few and self._table is None and self.lines
+                and len({s.shard.parse_as for s in self._sources}) == 1):
             lengths = self.stops[idx] - self.starts[idx]
             stops = np.cumsum(lengths + 1) - 1  # each line and its "\n"
             block = RecordBlock(
@@ -368,6 +369,7 @@ class EpochReader:
         self._size = FIRST_MIXED  # positions of the next mixed block
         self._ahead: deque[Future[Window]] = deque()  # windows _next.. being read, in order
         self._submitted = first
+        self._handed = False  # a mixed block was handed out: read ahead from now on
         self._pool: ThreadPoolExecutor | None = None
         # what each window read ahead is made ready for: (its hashes, (parsed, schema))
         self.want: tuple[bool, tuple[bool, Any]] = (False, (False, None))
@@ -401,7 +403,10 @@ class EpochReader:
             self._submitted += 1
 
     def next_block(self) -> MixedBlock | None:
-        """The next positions of the epoch (None: its end)."""
+        """The next positions of the epoch (None: its end). The next window is read ahead
+        once a block was handed out: a restart's first batch shares the GIL with no read."""
+        if self._handed:
+            self._read_ahead()
         while True:
             window = self._window
             if window is None:
@@ -409,18 +414,20 @@ class EpochReader:
                     return None
                 if self._ahead:
                     window = self._ahead.popleft().result()
-                else:  # the first window: read on the consumer's thread, nothing ahead yet
+                else:  # nothing read ahead (the first window): read here
                     window = self._read(self._next)
-                    self._submitted = self._next + 1
                 start = window.spec.start if self._resume is None else self._resume
                 self._resume = None
                 self._window, self._pos = window, max(start, window.spec.start)
                 self._next += 1
-                self._read_ahead()
+                self._submitted = max(self._submitted, self._next)
+                if self._handed:
+                    self._read_ahead()
             if self._pos < window.count:
                 a = self._pos
                 self._pos = min(window.count, a + self._size)
                 self._size = MIXED_BLOCK
+                self._handed = True
                 return MixedBlock(window, a, self._pos)
             self._window = None
 
