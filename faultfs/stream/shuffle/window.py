@@ -54,7 +54,7 @@ except ImportError:  # pragma: no cover - built wherever a compiler is
 MIXED_BLOCK = 65536  # positions per mixed block: what one read-ahead step makes
 FIRST_MIXED = 4096  # the first after opening: a restart's first batch parses this many rows,
 # not a whole window's
-WINDOWS_AHEAD = 1  # windows read ahead: reading is a fraction of a window's parse or cut
+WINDOWS_AHEAD = 1  # windows read ahead: the next window is read while this one is used
 OPEN_SHARDS = 64  # shards a reader keeps open between blocks (an S3 shard's open is a HEAD)
 
 
