@@ -46,6 +46,9 @@ UNLAYERED = ("faultfs",)  # the package's own __init__ (its version) may be impo
 ROOMS_OPEN_TO_TESTS = {
     "faultfs.stream.partition": "its format and crash tests pin the sidecar's bytes and "
                                 "patch the steps of a repartition",
+    "faultfs.stream.shuffle": "its format tests pin the shuffle record's and the carried "
+                              "rest's bytes, and its resume test counts the blocks a restart "
+                              "reads and hashes",
 }
 WRITES = "faultfs.engine.writes"  # a package of rooms: the engine calls it, nothing above does
 FACE_ONLY = ("faultfs.namespace", "faultfs.fuse")  # they call the engine, never a room of it
