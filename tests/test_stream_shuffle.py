@@ -268,6 +268,41 @@ def test_a_resume_at_every_batch_boundary_delivers_the_rest_of_the_epoch(
             assert rest == out[n:], f"reader {index}, resumed after batch {batch_id}"
 
 
+@pytest.mark.parametrize("readers", [1, 2])
+def test_a_resume_inside_a_later_epoch_with_dedup_delivers_the_rest_of_that_epoch(
+    tmp_path, readers
+):
+    """Dedup is per epoch: a restart in epoch 1 holds only epoch 1's committed hashes, so it
+    delivers again what epoch 0 delivered, and exactly the uninterrupted run's rest."""
+    records = make_lines(tmp_path, SMALL, dups=0.25)
+    src, state = str(tmp_path / "part-*.jsonl"), str(tmp_path / "run.meta")
+    kw = {"dedup": True, "shuffle_window": 512}
+    delivered = set()
+    for index in range(readers):
+        with open_stream(src, state, readers, index, **kw) as s:
+            first = drain(s, 7)
+            assert s.epoch == 0
+            files = [s.state_path + x for x in ("", ".dedup", ".shuffle")]
+        with open_stream(src, state, readers, index, **kw) as s:
+            assert s.epoch == 1
+            out, marks = [], []
+            for batch_id, batch in s.batches(7):
+                out += batch
+                s.commit(batch_id)
+                delivered.update(batch)
+                marks.append((batch_id, len(out)))  # batch ids go on across epochs
+                snapshot(files, tmp_path / f"r{index}-b{batch_id}")
+        if readers == 1:  # with more, each epoch deals every reader another share
+            assert sorted(out) == sorted(first) and out != first, "every record again"
+        for batch_id, n in marks[:-1]:
+            restore(files, tmp_path / f"r{index}-b{batch_id}")
+            with open_stream(src, state, readers, index, **kw) as s:
+                assert s.epoch == 1
+                rest = drain(s, 7)
+            assert rest == out[n:], f"reader {index}, resumed in epoch 1 after batch {batch_id}"
+    assert delivered == set(records), "epoch 1 delivers every record again"
+
+
 def test_a_resume_reads_the_checkpoints_window_again_and_nothing_before_it(
     tmp_path, monkeypatch
 ):

@@ -377,3 +377,32 @@ def test_shuffled_epochs_through_the_loader_and_a_stateful_round_trip(tmp_path):
     assert sorted(trained) == sorted(records), "from the checkpoint: every record once"
     with pytest.raises(InvalidInput, match="set_epoch applies to a shuffled dataset"):
         RecordDataset(src, state, batch_size=25).set_epoch(1)
+
+
+def test_a_commit_of_several_shuffled_batches_resumes_after_the_last(tmp_path):
+    """A commit every few batches writes the shuffle slot of the worker's last batch it
+    covers: a restart continues each worker after that batch, in the reference order
+    (without dedup, which would hide a resume that starts too early)."""
+    make_shards(tmp_path)
+    src, state = str(tmp_path / "part-*.jsonl"), tmp_path / "run.meta"
+    reference = worker_sequences(src, tmp_path / "ref.meta", 1, dedup=False)
+    ds = RecordDataset(src, state, batch_size=25, rank=1, world_size=WORLD, dedup=False,
+                       **SHUFFLED)
+    pending = {0: [], 1: []}
+    committed = {0: [], 1: []}
+    for n, (batch_id, records) in enumerate(ds.loader(num_workers=2), 1):
+        worker = batch_id % 2
+        pending[worker] += records
+        if n % 6 in (5, 0):  # each worker's commit covers its last three batches
+            ds.commit(batch_id)
+            committed[worker] += pending[worker]
+            pending[worker] = []
+        if n == 18:
+            break
+    assert all(committed.values())
+    ds = RecordDataset(src, state, batch_size=25, rank=1, world_size=WORLD, dedup=False,
+                       **SHUFFLED)
+    for batch_id, records in ds.loader(num_workers=2):
+        committed[batch_id % 2] += records
+        ds.commit(batch_id)
+    assert committed == reference, "each worker resumed after its last committed batch"
