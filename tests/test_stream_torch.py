@@ -406,3 +406,34 @@ def test_a_commit_of_several_shuffled_batches_resumes_after_the_last(tmp_path):
         committed[batch_id % 2] += records
         ds.commit(batch_id)
     assert committed == reference, "each worker resumed after its last committed batch"
+
+
+@pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2)])
+def test_another_worker_count_inside_a_shuffled_epoch_carries_its_rest(tmp_path, before, after):
+    """Workers commit part of a shuffled epoch; a restart with another count is refused
+    without repartition=True, and with it delivers the rest: no committed record again."""
+    records = make_shards(tmp_path, counts=(500, 0, 80, 700))
+    src, state = str(tmp_path / "part-*.jsonl"), tmp_path / "run.meta"
+    kw = {"batch_size": 25, "rank": 0, "world_size": 1, "dedup": False, **SHUFFLED}
+    ds = RecordDataset(src, state, **kw)
+    committed = []
+    for n, (batch_id, batch) in enumerate(ds.loader(num_workers=before), 1):
+        committed += batch
+        ds.commit(batch_id)
+        if n == 15:
+            break
+    with pytest.raises(Exception, match=f"num_workers {after}"):
+        next(iter(RecordDataset(src, state, **kw).loader(num_workers=after)))
+    ds = RecordDataset(src, state, repartition=True, **kw)
+    rest = []
+    for batch_id, batch in ds.loader(num_workers=after):
+        rest += batch
+        ds.commit(batch_id)
+    assert not set(committed) & set(rest), "no committed record comes again in the epoch"
+    assert sorted(committed + rest) == sorted(records), "and every record is delivered once"
+    ds = RecordDataset(src, state, **kw)  # the next epoch: the new workers' own plan
+    nxt = []
+    for batch_id, batch in ds.loader(num_workers=after):
+        nxt += batch
+        ds.commit(batch_id)
+    assert sorted(nxt) == sorted(records)
