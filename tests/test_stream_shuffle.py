@@ -544,6 +544,8 @@ def with_crc(data: bytes, offset: int, fmt: str, value: int) -> bytes:
         (lambda d: d[:70] + bytes([d[70] ^ 1]) + d[71:],
          "no shuffle slot for checkpoint epoch 2 of"),
         (lambda d: d[:64] + bytes(64) + d[128:], "slot B: all-zero"),
+        # a bit of the checkpoint's slot's position flipped: its fields look sound, its CRC not
+        (lambda d: d[:97] + bytes([d[97] ^ 1]) + d[98:], "slot B: bad crc"),
     ],
 )
 def test_a_damaged_shuffle_record_is_refused(tmp_path, damage, message):
