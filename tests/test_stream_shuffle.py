@@ -167,6 +167,28 @@ def test_the_same_seed_gives_the_same_order_another_seed_or_epoch_another(tmp_pa
     assert [json.loads(r) for r in parsed] == [json.loads(r) for r in first]
 
 
+def test_records_are_mixed_inside_a_window_and_across_its_blocks(tmp_path):
+    """One shard of records in key order, one window of 16 blocks: the delivered order keeps
+    no run of consecutive keys (a window's records are mixed, not its blocks alone), and
+    its first records come from many of its blocks."""
+    n = 4000
+    (tmp_path / "part-0.jsonl").write_bytes(
+        b"".join(b'{"k": %d}\n' % i for i in range(n)))
+    src = str(tmp_path / "part-*.jsonl")
+    size = (tmp_path / "part-0.jsonl").stat().st_size
+    with open_stream(src, tmp_path / "run.meta", dedup=False, shuffle_window=size + 16) as s:
+        keys = [json.loads(r)["k"] for r in drain(s, 100)]
+    assert sorted(keys) == list(range(n))
+    runs, longest = 1, 1
+    for a, b in zip(keys, keys[1:]):
+        runs = runs + 1 if b == a + 1 else 1
+        longest = max(longest, runs)
+    assert longest < 5, f"a run of {longest} consecutive records"
+    assert abs(spearman(keys)) < 0.1
+    block = -(-n // 16)  # records a block holds, about
+    assert len({k // block for k in keys[:100]}) >= 12, "the first 100 from most blocks"
+
+
 def test_the_permutation_is_pinned_and_the_python_path_agrees():
     assert permutation(77, 10).tolist() == [5, 0, 6, 9, 2, 7, 1, 8, 4, 3], (
         "the permutation changed: every shuffled checkpoint would resume elsewhere"
