@@ -18,6 +18,7 @@ import shutil
 import struct
 import zlib
 from collections import Counter
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -180,7 +181,7 @@ def test_records_are_mixed_inside_a_window_and_across_its_blocks(tmp_path):
         keys = [json.loads(r)["k"] for r in drain(s, 100)]
     assert sorted(keys) == list(range(n))
     runs, longest = 1, 1
-    for a, b in zip(keys, keys[1:]):
+    for a, b in pairwise(keys):
         runs = runs + 1 if b == a + 1 else 1
         longest = max(longest, runs)
     assert longest < 5, f"a run of {longest} consecutive records"
