@@ -190,7 +190,7 @@ class Journal:
 
     def __init__(self, directory: str, ops: FileOps | None = None) -> None:
         self.dir = directory
-        self.ops = ops or OsFileOps()
+        self.ops = ops or OsFileOps(links=False, what="journal segment")
         self.next_seq = 1
         self._fd = -1
         self._first = 0  # first seq of the segment being written
