@@ -321,3 +321,46 @@ def test_names_that_are_not_utf8_and_unparsable_urls_are_one_clear_line(tmp_path
         assert message in lines[0] and "unexpected" not in lines[0], lines
     result = run_faultfs("warm", os.fsdecode(bad))
     assert result.returncode == 1 and "Traceback" not in result.stderr
+
+
+def _rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+def test_a_tag_grown_to_16_tib_lists_and_du_costs_what_is_written(mounter, sample):
+    """One byte written at 2^44-1 made the tag list 16.7 M chunk_N names: ls, find and du
+    never finished, and the daemon grew by hundreds of MiB. A tag lists the source's chunks
+    and those written past it; a hole is still found by name and holds no blocks."""
+    src = sample(3 * MiB)
+    m = mounter(src, args=["--chunk-size", "1M"])
+    tag = m.tag("field")
+    view = os.path.join(tag, "field.bin")
+    fd = os.open(view, os.O_WRONLY)
+    try:
+        os.pwrite(fd, b"x", (1 << 44) - 1)
+        os.pwrite(fd, b"y" * 10, 7 * MiB)
+    finally:
+        os.close(fd)
+    before = _rss_kib(m.pid)
+    started = time.monotonic()
+    last = (1 << 44) // MiB - 1
+    listed = sorted(os.listdir(tag))
+    assert listed == sorted(["field.bin", "chunk_0", "chunk_1", "chunk_2", "chunk_7",
+                             f"chunk_{last}"])
+    found = subprocess.run(["find", tag], capture_output=True, text=True, timeout=60)
+    assert len(found.stdout.splitlines()) == 7
+    du = subprocess.run(["du", "-s", "--block-size=1", tag], capture_output=True, text=True,
+                        timeout=60)
+    assert int(du.stdout.split()[0]) < 64 * MiB, du.stdout  # not 16 TiB: what is held
+    subprocess.run(["ls", "-l", tag], capture_output=True, timeout=60, check=True)
+    assert time.monotonic() - started < 20
+    assert _rss_kib(m.pid) - before < 32 * 1024, "the daemon grew while listing"
+    hole = os.path.join(tag, "chunk_1000")
+    st = os.stat(hole)
+    assert st.st_size == MiB and st.st_blocks <= 8  # one block: never taken for a hole
+    assert read(hole) == bytes(MiB)
+    assert os.stat(os.path.join(tag, "chunk_7")).st_blocks * 512 >= MiB
+    with open(os.path.join(tag, f"chunk_{last}"), "rb") as f:
+        f.seek(MiB - 1)
+        assert f.read() == b"x"

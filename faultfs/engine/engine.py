@@ -214,6 +214,14 @@ class Engine:
         """Whether a read of chunk ``index`` needs no source: staged, or the writes'."""
         return self.writes.touches(tag, index) or self.is_staged(tag, index)
 
+    def written_chunks(self, tag: Tag) -> list[int]:
+        """Indexes of the tag's chunks that hold writes, in order (one pass over them)."""
+        return self.writes.dirty_chunks(tag)
+
+    def chunk_written(self, tag: Tag, index: int) -> bool:
+        """Whether chunk ``index`` holds writes (a chunk past the source without is a hole)."""
+        return self.writes.is_dirty(tag, index)
+
     def here_bitmap(self, tag: Tag) -> bytes:
         """``chunk_here`` of every chunk of ``tag``, one bit each (chunk i: bit ``i % 8``,
         least significant first, of byte ``i // 8``)."""

@@ -110,6 +110,9 @@ class Writes:
     def is_dirty(self, tag: Tag, index: int) -> bool:
         return self.table.is_dirty(tag, index)
 
+    def dirty_chunks(self, tag: Tag) -> list[int]:
+        return self.table.dirty_chunks(tag)
+
     def touches(self, tag: Tag, index: int) -> bool:
         return self.table.touches(tag, index)
 

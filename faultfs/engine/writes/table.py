@@ -313,6 +313,11 @@ class DirtyTable:
     def is_dirty(self, tag: Tag, index: int) -> bool:
         return bool(self.blobs) and (tag.id, tag.layout.blob_name(index)) in self.blobs
 
+    def dirty_chunks(self, tag: Tag) -> list[int]:
+        """Indexes of the tag's dirty chunks, in order (one pass over the dirty blobs)."""
+        return sorted(b.index for (tag_id, _), b in self.blobs.items()
+                      if tag_id == tag.id and b.index is not None)
+
     def touches(self, tag: Tag, index: int) -> bool:
         """Whether a read of chunk ``index`` is the writes' (dirty, or past the source)."""
         return index >= tag.layout.num_blobs or self.is_dirty(tag, index)  # cheap when clean
