@@ -260,15 +260,32 @@ def test_changes_to_the_tree_are_refused_with_what_a_user_expects(mounter, sampl
             with pytest.raises(OSError) as info:
                 call(path)
             assert info.value.errno == errno.EPERM, (name, info.value)
-    with pytest.raises(OSError) as info:
-        os.rmdir(tag)
-    assert info.value.errno == errno.EPERM
-    for call in (lambda: os.mkdir(os.path.join(tag, "d")),
-                 lambda: os.symlink("x", os.path.join(tag, "l")),
-                 lambda: os.mkdir(os.path.join(m.path, "newtag"))):
+    expected = {  # as a local file system answers, and "not here" where it would take it
+        lambda: os.rmdir(tag): errno.ENOTEMPTY,  # a tag always holds its view
+        lambda: os.rmdir(os.path.join(tag, "chunk_0")): errno.ENOTDIR,
+        lambda: os.rmdir(os.path.join(tag, "nothing")): errno.ENOENT,
+        lambda: os.mkdir(os.path.join(tag, "chunk_0")): errno.EEXIST,
+        lambda: os.mkdir(os.path.join(tag, "d")): errno.EPERM,  # not EROFS: the mount is
+        lambda: os.symlink("x", os.path.join(tag, "l")): errno.EPERM,  # writable
+        lambda: os.link(os.path.join(tag, "chunk_0"), os.path.join(tag, "h")): errno.EPERM,
+        lambda: os.mkfifo(os.path.join(tag, "f")): errno.EPERM,
+        lambda: os.mkdir(os.path.join(m.path, "newtag")): errno.EPERM,
+        lambda: os.stat(os.path.join(tag, "n" * 256)): errno.ENAMETOOLONG,
+        lambda: open(os.path.join(tag, "n" * 256), "wb"): errno.ENAMETOOLONG,
+        lambda: os.mkdir(os.path.join(tag, "n" * 256)): errno.ENAMETOOLONG,
+    }
+    for call, want in expected.items():
         with pytest.raises(OSError) as info:
             call()
-        assert info.value.errno == errno.EROFS
+        assert info.value.errno == want, (want, info.value)
+    with open(os.path.join(tag, "n" * 255), "wb") as f:  # NAME_MAX itself is a name
+        f.write(b"ok")
+    ro = mounter(sample(MiB, name="ro.bin"), store=m.store + "-ro", args=["--read-only"])
+    for call in (lambda: os.mkdir(os.path.join(ro.tag("ro"), "d")),
+                 lambda: os.mkfifo(os.path.join(ro.tag("ro"), "f"))):
+        with pytest.raises(OSError) as info:
+            call()
+        assert info.value.errno == errno.EROFS  # where nothing is taken, it says so
     result = subprocess.run(["rm", "-f", os.path.join(tag, "chunk_1")], capture_output=True,
                             text=True)
     assert "Operation not permitted" in result.stderr and "not implemented" not in result.stderr

@@ -7,6 +7,8 @@ picks) no leading '.', which the mount keeps for its own entries (.faultfs, .pag
 
 from __future__ import annotations
 
+import errno
+
 from faultfs.errors import InvalidInput
 
 MAX_NAME_BYTES = 255  # NAME_MAX of every Linux file system
@@ -54,7 +56,8 @@ def check_name(name: str, what: str = "name", *, allow_dot: bool = False) -> str
         raise InvalidInput(f"{what} {name!r} {problem}")
     raw = name.encode("utf-8")
     if len(raw) > MAX_NAME_BYTES:
-        raise InvalidInput(f"{what} {name[:40]!r}... is {len(raw)} bytes, over {MAX_NAME_BYTES}")
+        raise InvalidInput(f"{what} {name[:40]!r}... is {len(raw)} bytes, over {MAX_NAME_BYTES}",
+                           errno.ENAMETOOLONG)
     if "/" in name:
         raise InvalidInput(f"{what} {name!r} contains '/'")
     if "\x00" in name:

@@ -183,7 +183,7 @@ class FaultOperations(pyfuse3.Operations):
 
     @fuse_boundary
     async def rmdir(self, parent_inode, name, ctx):
-        await self.files.change(parent_inode, os.fsdecode(name))
+        await self.files.remove_dir(parent_inode, os.fsdecode(name))
 
     @fuse_boundary
     async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):

@@ -277,15 +277,23 @@ class Files:
             await engine.rename_user(node.tag, name, new_name)
 
     async def change(self, parent: int, name: str) -> None:
-        """``mkdir``, ``rmdir``, ``mknod``, ``symlink``, ``link``: EPERM for what the mount
-        shows, EROFS for anything else — never "not implemented"."""
-        try:
-            await self.tree.lookup(parent, name)
-        except FaultfsError as exc:
-            if exc.errno != errno.ENOENT:
-                raise
-            raise read_only() from None
-        raise self._fixed(name)
+        """``mkdir``, ``mknod``, ``symlink``, ``link``: a tag holds files only. EEXIST for a
+        name the tree has, EPERM for a new one (EROFS only on a mount that takes no writes:
+        "read-only" on a writable mount reads as a mount gone bad) — never "not
+        implemented"."""
+        if await self._exists(parent, name):
+            raise FaultfsError(f"{name} exists", errno.EEXIST)
+        if not self.engine.writable:
+            raise read_only()
+        raise FaultfsError(f"{name}: a tag holds files only, no directories, links or "
+                           "special files", errno.EPERM)
+
+    async def remove_dir(self, parent: int, name: str) -> None:
+        """``rmdir``: a directory of the tree is never empty (a tag has its view; ``faultfs
+        forget`` removes one), so ENOTEMPTY, as for any full directory; ENOTDIR for a file."""
+        if not (await self._existing(parent, name)).is_dir:
+            raise FaultfsError(f"{name} is not a directory", errno.ENOTDIR)
+        raise FaultfsError(f"{name} is not empty", errno.ENOTEMPTY)
 
     async def _existing(self, parent: int, name: str) -> Node:
         return self.tree.node((await self.tree.lookup(parent, name)).inode)

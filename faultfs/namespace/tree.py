@@ -47,6 +47,7 @@ from faultfs.core.inodes import (
 )
 from faultfs.core.names import (
     CTL_NAME,
+    MAX_NAME_BYTES,
     PAGE_PREFIX,
     PAGEMAP_NAME,
     XATTR_SOURCE,
@@ -194,6 +195,9 @@ class Tree:
     # -- lookups and listings ----------------------------------------------------------------
 
     async def lookup(self, parent: int, name: str) -> Attributes:
+        if len(name.encode("utf-8", "surrogateescape")) > MAX_NAME_BYTES:
+            raise FaultfsError(f"{name[:40]}... is over {MAX_NAME_BYTES} bytes",
+                               errno.ENAMETOOLONG)
         if parent == ROOT:
             if name == CTL_NAME:
                 return self.attributes(self.node(CTL_DIR))
