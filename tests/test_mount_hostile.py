@@ -381,3 +381,25 @@ def test_a_tag_grown_to_16_tib_lists_and_du_costs_what_is_written(mounter, sampl
     with open(os.path.join(tag, f"chunk_{last}"), "rb") as f:
         f.seek(MiB - 1)
         assert f.read() == b"x"
+
+
+def test_du_of_a_sparse_user_blob_is_what_it_holds(mounter, sample):
+    """``truncate -s 1G`` of a user blob made ``du`` show 1 GiB while the store held under
+    1 MiB for it; a user blob's blocks are its parts, not its holes."""
+    m = mounter(sample(MiB), args=["--chunk-size", "1M"])
+    big = os.path.join(m.tag("field"), "big")
+    run("truncate", "-s", "1G", big)
+    st = os.stat(big)
+    assert st.st_size == 1 << 30 and 1 <= st.st_blocks * 512 <= 2 * MiB, st
+    with open(big, "r+b") as f:
+        f.seek(512 * MiB)
+        f.write(b"z" * (3 * MiB))
+    held = os.stat(big).st_blocks * 512
+    assert 3 * MiB <= held <= 6 * MiB, held
+    dense = os.path.join(m.tag("field"), "dense")
+    with open(dense, "wb") as f:
+        f.write(b"d" * (5 * MiB + 7))
+    assert os.stat(dense).st_blocks * 512 >= 5 * MiB + 7
+    du = subprocess.run(["du", "-s", "--block-size=1", m.tag("field")], capture_output=True,
+                        text=True, timeout=60, check=True)
+    assert int(du.stdout.split()[0]) < 64 * MiB, du.stdout

@@ -403,6 +403,10 @@ class Engine:
     def user_size(self, tag: Tag, name: str) -> int:
         return self.writes.user_size(tag, name)
 
+    def user_held(self, tag: Tag, name: str) -> int:
+        """Bytes a user blob's parts hold (its blocks: a hole between parts holds none)."""
+        return self.writes.user_held(tag, name)
+
     async def read_user(self, tag: Tag, name: str, off: int, size: int) -> bytes:
         return await self.writes.read_user(tag, name, off, size)
 

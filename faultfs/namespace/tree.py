@@ -393,8 +393,9 @@ class Tree:
             return Attributes(node.inode, mode, size, min(size, staged * cs), mtime)
         if node.kind == KIND_USER:
             name = engine.user_name(tag, node.index) or ""
-            size = engine.user_size(tag, name)
-            return Attributes(node.inode, mode, size, size, mtime)
+            size = engine.user_size(tag, name)  # blocks: its parts, not its holes
+            return Attributes(node.inode, mode, size, min(size, engine.user_held(tag, name)),
+                              mtime)
         map_mtime = self.pages.pagemap_mtime_ns(tag) or mtime
         if node.kind == KIND_PAGE:
             return Attributes(node.inode, mode, self.pages.page_size(tag),

@@ -137,6 +137,10 @@ class Writes:
             return 0
         return self.table.user_size(tag, uid, uid in self.states.tags[tag.id].parted)
 
+    def user_held(self, tag: Tag, name: str) -> int:
+        uid = self.states.user_id(tag, name)
+        return 0 if uid is None else self.table.user_held(tag, uid)
+
     def has_writes(self, tag: Tag) -> bool:
         return self.lifetime.has_writes(tag)
 

@@ -356,6 +356,10 @@ class DirtyTable:
             self._user_sizes[key] = size
         return size
 
+    def user_held(self, tag: Tag, uid: int) -> int:
+        """Bytes of the parts user blob ``uid`` has (a hole between its parts holds none)."""
+        return sum(blob.size for blob in self._parts.get((tag.id, uid), {}).values())
+
     def set_user_size(self, tag: Tag, uid: int, size: int | None, *, grown: bool = False) -> None:
         """Note user blob ``uid``'s size (None: work it out again when asked; ``grown``: at
         least ``size``, when it is known)."""
