@@ -308,7 +308,7 @@ class Journal:
                     if rec is not None:
                         stopped.append((rec.seq, rec.kind, rec.tag))
                 resume = start
-                for at in _magic_positions(self.ops, fd, start, size):
+                for at in magic_positions(self.ops, fd, start, size):
                     if at < resume:
                         continue  # inside a record found whole
                     rec, length, _ = read_record(self.ops, fd, at, size, seg)
@@ -610,7 +610,7 @@ def _pieces(ops: FileOps, fd: int, start: int, end: int) -> Iterator[bytes]:
         at += len(piece)
 
 
-def _magic_positions(ops: FileOps, fd: int, start: int, end: int) -> Iterator[int]:
+def magic_positions(ops: FileOps, fd: int, start: int, end: int) -> Iterator[int]:
     """Where a record's magic lies in bytes ``[start, end)``, in order."""
     at = start
     while at < end:
