@@ -128,7 +128,9 @@ def prepare(spec: MountSpec, config: Config, options: SourceOptions,
         warnings = ([recovered] if recovered else []) + problems.lines()
         if store.degraded:
             warnings.append(f"store {store.root} cannot be written ({store.degraded}): serving "
-                            "what is staged, reading the rest through from the sources")
+                            "what is staged, reading the rest through from the sources"
+                            + ("; writes get ENOSPC until space returns, then are taken and "
+                               "faults stored again" if store.full else ""))
             log.warning("%s", warnings[-1])
         if spec.page_size:
             for plan in plans:

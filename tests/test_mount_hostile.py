@@ -403,3 +403,62 @@ def test_du_of_a_sparse_user_blob_is_what_it_holds(mounter, sample):
     du = subprocess.run(["du", "-s", "--block-size=1", m.tag("field")], capture_output=True,
                         text=True, timeout=60, check=True)
     assert int(du.stdout.split()[0]) < 64 * MiB, du.stdout
+
+
+def test_a_mount_started_on_a_full_store_takes_writes_once_space_returns(
+        mounter, sample, small_fs, tmp_path):
+    """A mount started on a full store refused every write with EROFS for its whole life,
+    also after space was freed; a mount that fills up while it runs answers ENOSPC and
+    takes writes again when space returns, and so does this one now (faults are stored
+    again too)."""
+    import errno
+
+    from conftest import run_faultfs
+
+    src = sample(8 * MiB)
+    data = read(src)
+    cs = 256 * KiB
+    fs = small_fs(16 * 1024, inodes=200)
+    store = fs / "store"
+    m = mounter(src, store=str(store), args=["--chunk-size", "256K", "--prefetch-mb", "0"])
+    assert read(os.path.join(m.tag("field"), "chunk_0")) == data[:cs]
+    m.umount()
+    _fill(fs)
+    mnt = tmp_path / "mnt-full"
+    mnt.mkdir()
+    result = run_faultfs("mount", str(mnt), "--store", str(store), "--prefetch-mb", "0",
+                         "--reserve-mb", "0")
+    assert result.returncode == 0, result.stderr
+    view = mnt / "field" / "field.bin"
+    try:
+        fd = os.open(view, os.O_WRONLY)
+        try:
+            with pytest.raises(OSError) as info:
+                os.pwrite(fd, b"x" * 100_000, 100)
+        finally:
+            os.close(fd)
+        assert info.value.errno == errno.ENOSPC, info.value  # full, not read-only
+        assert "ENOSPC until space returns" in result.stderr, result.stderr
+        for name in os.listdir(fs):  # space returns
+            if name != "store":
+                os.unlink(fs / name)
+        with open(view, "r+b") as f:
+            f.seek(100)
+            f.write(b"written after")
+        index = 1  # a fault not stored probes the store again (every 5 s at most)
+        while json.loads(read(mnt / ".faultfs" / "stats"))["store_degraded"]:
+            assert index < 31, "the store stayed degraded"
+            assert read(mnt / "field" / f"chunk_{index}") == data[index * cs:(index + 1) * cs]
+            index += 1
+            time.sleep(0.4)
+        stored = json.loads(read(mnt / ".faultfs" / "stats"))["counters"]["stored"]
+        assert read(mnt / "field" / "chunk_31") == data[31 * cs:]
+        deadline = time.monotonic() + 10
+        while json.loads(read(mnt / ".faultfs" / "stats"))["counters"]["stored"] == stored:
+            assert time.monotonic() < deadline, "a fault after space returned was not stored"
+            time.sleep(0.05)
+    finally:
+        run_faultfs("umount", str(mnt), check=True)
+    m2 = mounter(store=str(store), mountpoint=str(mnt))
+    got = read(os.path.join(m2.tag("field"), "field.bin"))
+    assert got[100:113] == b"written after" and got[113:] == data[113:]

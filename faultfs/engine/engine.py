@@ -91,8 +91,9 @@ class Engine:
                                    self.stats)
         self._clean = CleanPath(self.tiers, self.faults, self._blob_bytes)
         self.writes = Writes(store.root, self._clean, self.pool, self.stats,
+                             # a full store takes writes: each gets ENOSPC until space returns
                              writable=(config.store_enabled and not config.read_only
-                                       and store.writable),
+                                       and (store.writable or store.full)),
                              fold_bytes=config.dirty_mb << 20,
                              journal_bytes=config.journal_mb << 20, ops=writes_ops)
         self._writes_open = False

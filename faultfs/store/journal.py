@@ -227,7 +227,11 @@ class Journal:
         of the whole-chunk records among it, so that their files can go there too — and
         ``set_aside`` (the attribute) says what was kept."""
         if writable:
-            self.ops.makedirs(self.dir)
+            try:
+                self.ops.makedirs(self.dir)
+            except OSError as exc:  # a full store: its first append makes it, or fails
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
         firsts = sorted(s for s in (_segment_seq(n) for n in self.ops.listdir(self.dir))
                         if s is not None)
         good_end: tuple[int, int] | None = None  # (segment, offset) after the last good record

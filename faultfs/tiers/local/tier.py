@@ -348,7 +348,8 @@ class LocalTier:
 
     async def put(self, key: BlobKey, data: Buffer) -> StoreOutcome:
         """Apply the store policy to a faulted blob and write it (on the pool)."""
-        if self.store.degraded:
+        if self.store.degraded and not (self.store.recheck_due
+                                        and await self.pool.run(self.store.recheck)):
             return self._count(StoreOutcome.SKIPPED_DEGRADED)
         outcome = self.policy.admit()
         if outcome is not None:
