@@ -28,6 +28,7 @@ from faultfs.fuse.mountpoint import prepare_mountpoint
 from faultfs.sources import SourceOptions, expand_sources
 from faultfs.store.blobstore import BlobStore
 from faultfs.tiers.objects import open_objects, probe
+from faultfs.tiers.sealed import SealedObjects, load_key
 
 log = logging.getLogger("faultfs")
 LOG_NAME = "faultfs.log"  # <store>/log/faultfs.log: the daemon's log
@@ -178,8 +179,9 @@ def open_sharing(config: Config, options: SourceOptions) -> SharedRegistry | Non
     registry fetched; None without one. One line of InvalidInput when it cannot be used."""
     if not config.shared_store:
         return None
-    objects = open_objects(config.shared_store, options,
-                           endpoint_url=config.shared_store_endpoint_url)
+    key = load_key(config.shared_store_key) if config.shared_store_key else None
+    objects = SealedObjects(open_objects(config.shared_store, options,
+                                         endpoint_url=config.shared_store_endpoint_url), key)
     probe(objects)
     sharing = SharedRegistry(objects)
     try:

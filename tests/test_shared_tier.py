@@ -12,7 +12,7 @@ import time
 import pytest
 from conftest import run_faultfs
 
-from faultfs.errors import CorruptionError
+from faultfs.errors import CorruptionError, InvalidInput
 from faultfs.store.blobfile import HEADER_LEN
 from faultfs.tiers.base import TierTag
 from faultfs.tiers.objects import LocalObjects
@@ -224,6 +224,41 @@ def test_local_objects_put_create_never_replaces(tmp_path):
     assert objects.get("fifo", limit=ANY) is None  # never blocks on a FIFO
     objects.delete("a/b")
     assert objects.list("a/") == [] and objects.get("a/b", limit=ANY) is None
+
+
+def test_sealed_objects_serve_only_what_the_key_sealed(tmp_path):
+    """With a cluster key, an object is used only when its seal verifies: not one a node
+    without the key put, not one forged with a trailer of its own, not a sealed object
+    moved to another key; without the key, a sealed object reads as its bytes."""
+    from faultfs.tiers.sealed import MAGIC, TRAILER_LEN, SealedObjects, load_key
+
+    (tmp_path / "k").write_text("ab" * 32)
+    (tmp_path / "other").write_text("cd" * 32)
+    plain = LocalObjects(str(tmp_path / "o"))
+    keyed = SealedObjects(plain, load_key(str(tmp_path / "k")))
+    other = SealedObjects(plain, load_key(str(tmp_path / "other")))
+    unkeyed = SealedObjects(plain, None)
+    assert keyed.put("a", b"data") and keyed.get("a", limit=4) == b"data"
+    assert len(plain.get("a", limit=ANY)) == 4 + TRAILER_LEN
+    assert unkeyed.get("a", limit=4) == b"data"
+    with pytest.raises(CorruptionError, match="does not verify"):
+        other.get("a", limit=4)  # another cluster's key
+    plain.put("b", plain.get("a", limit=ANY))  # moved: the key is under the seal
+    with pytest.raises(CorruptionError, match="does not verify"):
+        keyed.get("b", limit=4)
+    unkeyed.put("c", b"data")
+    with pytest.raises(CorruptionError, match="not sealed"):
+        keyed.get("c", limit=4)
+    plain.put("d", b"data" + MAGIC + os.urandom(32))
+    with pytest.raises(CorruptionError, match="does not verify"):
+        keyed.get("d", limit=4)
+    keyed.put("e", b"x" * 100)
+    assert len(keyed.get("e", limit=10)) == 11  # longer than its kind: refused by length
+    assert keyed.get("absent", limit=4) is None
+    for text in ("short", "", "x" * 5000):
+        (tmp_path / "bad").write_text(text)
+        with pytest.raises(InvalidInput, match="shared store key"):
+            load_key(str(tmp_path / "bad"))
 
 
 def test_tags_other_nodes_register_later_appear_on_a_live_mount(nodes, sample, tmp_path):
