@@ -39,9 +39,12 @@ class OsFileOps:
     files): a symbolic link where a file is opened is refused, never followed — a link
     planted in the store would have the daemon truncate and write its target."""
 
+    nofollow = 0  # (a subclass that makes no ``__init__`` call follows links)
+    what = "checkpoint file"  # what the files are, for the one-line errors
+
     def __init__(self, *, links: bool = True, what: str = "checkpoint file") -> None:
         self.nofollow = 0 if links else os.O_NOFOLLOW
-        self.what = what  # what the files are, for the one-line errors
+        self.what = what
 
     def exists(self, path: str) -> bool:
         return os.path.exists(path)
