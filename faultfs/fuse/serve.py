@@ -43,8 +43,9 @@ def serve(engine: Engine, mountpoint: str, *, ready: Callable[[], None] | None =
     options = set(pyfuse3.default_options)
     options.add("fsname=faultfs")
     options.add("subtype=faultfs")
-    if allow_other:
+    if allow_other:  # other users: the kernel checks the modes shown (a 0600 blob is private)
         options.add("allow_other")
+        options.add("default_permissions")
     if debug_fuse:
         options.add("debug")
     devices = fuse_device_fds()

@@ -53,6 +53,7 @@ from faultfs.core.names import (
     XATTR_SOURCE,
     XATTR_STAGED,
     XATTR_TAG,
+    is_hidden,
     parse_index,
 )
 from faultfs.engine import Engine, Tag
@@ -91,6 +92,7 @@ class Attributes:
     staged_bytes: int = 0  # st_blocks is this in 512-byte units (rounded up)
     mtime_ns: int = 0
     nlink: int = 1
+    atime_ns: int | None = None  # None: the mtime (only a user blob has its own)
     attr_timeout: float = ATTR_TIMEOUT
     entry_timeout: float = ENTRY_TIMEOUT
 
@@ -251,7 +253,7 @@ class Tree:
                 index = None
         if index is not None:
             return inodes.make(tag.id, KIND_CHUNK, index)
-        uid = engine.user_id(tag, name)
+        uid = None if is_hidden(name) else engine.user_id(tag, name)
         if uid is None:
             raise _missing()
         return inodes.make(tag.id, KIND_USER, uid)
@@ -318,7 +320,7 @@ class Tree:
         for index in grown[bisect_left(grown, max(pos - len(fixed), source)):]:
             if index >= n_chunks:
                 break
-            if engine.chunk_written(tag, index):  # (not reset since the listing started)
+            if engine.written_chunks(tag, index):  # (not reset since the listing started)
                 yield (len(fixed) + index, tag.layout.blob_name(index),
                        inodes.make(tag.id, KIND_CHUNK, index))
         pos = max(pos, len(fixed) + n_chunks)
@@ -361,8 +363,11 @@ class Tree:
 
     def attributes(self, node: Node) -> Attributes:
         if node.is_dir:
-            mtime = self.mounted_at if node.tag is None else int(node.tag.mtime * 1e9)
-            return Attributes(node.inode, stat.S_IFDIR | 0o755, mtime_ns=mtime, nlink=2)
+            if node.tag is None:
+                return Attributes(node.inode, stat.S_IFDIR | 0o755, mtime_ns=self.mounted_at,
+                                  nlink=2)
+            return Attributes(node.inode, stat.S_IFDIR | self.engine.attrs(node.tag, None)[0],
+                              mtime_ns=int(node.tag.mtime * 1e9), nlink=2)
         if node.inode == STATS_FILE:
             return Attributes(node.inode, stat.S_IFREG | 0o444, self.stats_size,
                               mtime_ns=time.time_ns(), attr_timeout=0)
@@ -385,7 +390,7 @@ class Tree:
             if node.index < tag.layout.num_blobs:
                 here = engine.chunk_here(tag, node.index)
             else:  # past the source: held only where written (a hole costs no blocks)
-                here = engine.chunk_written(tag, node.index)
+                here = bool(engine.written_chunks(tag, node.index))
             return Attributes(node.inode, mode, cs, cs if here else 0, mtime)
         if node.kind == KIND_VIEW:
             size = engine.view_size(tag)
@@ -394,8 +399,12 @@ class Tree:
         if node.kind == KIND_USER:
             name = engine.user_name(tag, node.index) or ""
             size = engine.user_size(tag, name)  # blocks: its parts, not its holes
-            return Attributes(node.inode, mode, size, min(size, engine.user_held(tag, name)),
-                              mtime)
+            bits, atime, own_mtime = engine.attrs(tag, node.index)
+            if not engine.writable:
+                bits &= ~0o222
+            return Attributes(node.inode, stat.S_IFREG | bits, size,
+                              min(size, engine.user_held(tag, name)), own_mtime,
+                              nlink=0 if is_hidden(name) else 1, atime_ns=atime)
         map_mtime = self.pages.pagemap_mtime_ns(tag) or mtime
         if node.kind == KIND_PAGE:
             return Attributes(node.inode, mode, self.pages.page_size(tag),

@@ -20,7 +20,8 @@ A record (little-endian), pinned by a golden-bytes test — change it and bump `
     22  reserved    u16  0
     24  off         u64  write/zero: offset in the blob; size: 0
     32  length      u64  write, reset: data bytes; zero: range length; size: the new size;
-                         blob: the payload bytes of its file; create/unlink/rename: 0
+                         blob: the payload bytes of its file; create: 0x10000 | its
+                         mode bits (0 in records made before modes: 0644); unlink/rename: 0
     40  data_xxh3   u64  xxh3_64 of the data (0 without data); blob: of the file's payload
     48  head_xxh3   u64  xxh3_64 of bytes [0, 48) + tag + name
     56  tag, name (UTF-8), then the data
