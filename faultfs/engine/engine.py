@@ -440,8 +440,8 @@ class Engine:
     async def exchange_users(self, tag: Tag, a: str, b: str) -> None:
         await self.writes.exchange_users(tag, a, b)
 
-    async def hide_user(self, tag: Tag, name: str) -> str:
-        return await self.writes.hide_user(tag, name)  # unlinked open: its hidden name
+    async def hide_user(self, tag: Tag, name: str, uid: int) -> str:
+        return await self.writes.hide_user(tag, name, uid)  # unlinked open: its hidden name
 
     async def reset(self, tag: Tag, names: list[str] | None = None) -> int:
         """``faultfs reset``: drop the writes of ``tag`` (of its blobs ``names``); how many

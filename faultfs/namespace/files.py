@@ -78,7 +78,7 @@ class BlobFile(PlainFile):
             self.files.open_count[self.inode] -= 1
             if not self.files.open_count[self.inode]:
                 del self.files.open_count[self.inode]
-                await self.files.last_closed(self)
+                await self.files.last_closed(self.tag, self.inode, self.index)
 
     def _user(self) -> str:
         name = self.engine.user_name(self.tag, self.index)
@@ -255,15 +255,24 @@ class Files:
             raise self._fixed(name)
         assert node.tag is not None
         if self.open_count.get(node.inode):
-            self.hidden[node.inode] = await self.engine.hide_user(node.tag, name)
+            await self._hide(node, name)
         else:
             await self.engine.unlink_user(node.tag, name)
 
-    async def last_closed(self, file: BlobFile) -> None:
-        """The last descriptor of ``file`` closed: an unlinked user blob goes now."""
-        hidden = self.hidden.pop(file.inode, None)
-        if hidden is not None and self.engine.user_id(file.tag, hidden) == file.index:
-            await self.engine.unlink_user(file.tag, hidden)
+    async def _hide(self, node: Node, name: str) -> None:
+        """Unlink user blob ``name`` (``node``: the blob it names) while it is open: hidden
+        until its last close, or unlinked now if that came while it was hidden."""
+        assert node.tag is not None
+        hidden = await self.engine.hide_user(node.tag, name, node.index)
+        self.hidden[node.inode] = hidden
+        if not self.open_count.get(node.inode):  # closed meanwhile: its release found none
+            await self.last_closed(node.tag, node.inode, node.index)
+
+    async def last_closed(self, tag: Tag, inode: int, uid: int) -> None:
+        """The last descriptor of user blob ``uid`` closed: if it was unlinked, it goes now."""
+        hidden = self.hidden.pop(inode, None)
+        if hidden is not None and self.engine.user_id(tag, hidden) == uid:
+            await self.engine.unlink_user(tag, hidden)
 
     async def rename(self, parent: int, name: str, new_parent: int, new_name: str,
                      flags: int = 0) -> None:
@@ -297,7 +306,7 @@ class Files:
                 # the replaced blob is open: the new name gets the renamed blob at once (one
                 # record), then the old name, holding the replaced one now, is unlinked so
                 await engine.exchange_users(node.tag, name, new_name)
-                self.hidden[target.inode] = await engine.hide_user(node.tag, name)
+                await self._hide(target, name)
             else:
                 await engine.rename_user(node.tag, name, new_name)
 

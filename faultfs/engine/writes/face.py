@@ -220,8 +220,8 @@ class Writes:
     async def rename_user(self, tag: Tag, old: str, new: str, *, replace: bool = True) -> None:
         await self.users.rename(tag, old, new, replace=replace)
 
-    async def hide_user(self, tag: Tag, name: str) -> str:
-        return await self.users.hide(tag, name)
+    async def hide_user(self, tag: Tag, name: str, uid: int) -> str:
+        return await self.users.hide(tag, name, uid)
 
     async def exchange_users(self, tag: Tag, a: str, b: str) -> None:
         await self.users.exchange(tag, a, b)

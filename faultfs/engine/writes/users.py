@@ -126,13 +126,15 @@ class UserBlobs:
         await self.sync.sync()
 
     @one_change
-    async def hide(self, tag: Tag, name: str) -> str:
+    async def hide(self, tag: Tag, name: str, uid: int) -> str:
         """Unlink user blob ``name`` while a file still has it open: it is renamed to a name
         the mount keeps for itself (never listed nor found; ``hidden_name``), one record, and
         reads and writes by its id go on until the last close unlinks it (``unlink``). A
-        mount drops whatever is left so after a crash (``drop_hidden``). The hidden name."""
+        mount drops whatever is left so after a crash (``drop_hidden``). The hidden name;
+        ENOENT when ``name`` is not user blob ``uid`` (any more)."""
         self.states.check_writable(tag)
-        uid = self.states.user_uid(tag, name)
+        if self.states.user_uid(tag, name) != uid:
+            raise FaultfsError(f"blob {name} of tag {tag.name} was replaced", errno.ENOENT)
         hidden = hidden_name(uid)
         append(self.journal, KIND_RENAME, tag.name, f"{name}\0{hidden}", RENAME_REPLACE, 0)
         self.renamed(tag, name, hidden, RENAME_REPLACE)
