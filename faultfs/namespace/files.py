@@ -364,6 +364,9 @@ class Files:
             name = self.engine.user_name(node.tag, node.index)
             if name is None:
                 raise FaultfsError("the blob was removed", errno.ENOENT)
+            if (atime_ns, mtime_ns) == (None, None) and mode in (
+                    None, self.engine.attrs(node.tag, node.index)[0]):
+                return  # nothing changes: fine on any mount
             if not self.engine.writable:
                 raise read_only()
             await self.engine.set_attrs(node.tag, name, mode=mode, atime_ns=atime_ns,
