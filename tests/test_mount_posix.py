@@ -12,6 +12,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 
@@ -123,8 +124,10 @@ def test_times_and_modes_of_each_user_blob_are_its_own(mounted):
     os.write(fd, b"a")
     os.close(fd)
     assert stat.S_IMODE(os.stat(a).st_mode) == 0o600, "the create mode is kept"
+    before = time.time_ns()
     run("touch", "-d", "2001-01-01 00:00:00 UTC", a)
     assert os.stat(a).st_mtime_ns == OLD and os.stat(a).st_atime_ns == OLD
+    assert os.stat(a).st_ctime_ns >= before - 10**9, "the change time went back with the mtime"
     with open(b, "wb") as f:
         f.write(b"b")
     assert os.stat(a).st_mtime_ns == OLD, "a write to b moved a's time"

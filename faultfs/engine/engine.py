@@ -420,9 +420,9 @@ class Engine:
     async def create_user(self, tag: Tag, name: str, mode: int = 0o644) -> None:
         await self.writes.create_user(tag, name, mode)
 
-    def attrs(self, tag: Tag, uid: int | None) -> tuple[int, int, int]:
-        """``(mode bits, atime_ns, mtime_ns)`` of user blob ``uid``, or (None) of the tag
-        directory (its times: 0, the tag's)."""
+    def attrs(self, tag: Tag, uid: int | None) -> tuple[int, int, int, int]:
+        """``(mode bits, atime_ns, mtime_ns, ctime_ns)`` of user blob ``uid``, or (None) of
+        the tag directory (its times: 0, the tag's)."""
         return self.writes.attrs(tag, uid)
 
     async def set_attrs(self, tag: Tag, name: str | None, *, mode: int | None = None,

@@ -68,7 +68,8 @@ def entry(attr: Attributes) -> pyfuse3.EntryAttributes:
     out.st_size = attr.size
     out.st_blocks = attr.blocks
     out.st_blksize = BLOCK_SIZE
-    out.st_mtime_ns = out.st_ctime_ns = attr.mtime_ns
+    out.st_mtime_ns = attr.mtime_ns
+    out.st_ctime_ns = attr.mtime_ns if attr.ctime_ns is None else attr.ctime_ns
     out.st_atime_ns = attr.mtime_ns if attr.atime_ns is None else attr.atime_ns
     out.entry_timeout = attr.entry_timeout
     out.attr_timeout = attr.attr_timeout

@@ -93,6 +93,7 @@ class Attributes:
     mtime_ns: int = 0
     nlink: int = 1
     atime_ns: int | None = None  # None: the mtime (only a user blob has its own)
+    ctime_ns: int | None = None  # likewise
     attr_timeout: float = ATTR_TIMEOUT
     entry_timeout: float = ENTRY_TIMEOUT
 
@@ -399,12 +400,12 @@ class Tree:
         if node.kind == KIND_USER:
             name = engine.user_name(tag, node.index) or ""
             size = engine.user_size(tag, name)  # blocks: its parts, not its holes
-            bits, atime, own_mtime = engine.attrs(tag, node.index)
+            bits, atime, own_mtime, ctime = engine.attrs(tag, node.index)
             if not engine.writable:
                 bits &= ~0o222
             return Attributes(node.inode, stat.S_IFREG | bits, size,
                               min(size, engine.user_held(tag, name)), own_mtime,
-                              nlink=0 if is_hidden(name) else 1, atime_ns=atime)
+                              nlink=0 if is_hidden(name) else 1, atime_ns=atime, ctime_ns=ctime)
         map_mtime = self.pages.pagemap_mtime_ns(tag) or mtime
         if node.kind == KIND_PAGE:
             return Attributes(node.inode, mode, self.pages.page_size(tag),

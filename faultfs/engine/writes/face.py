@@ -209,9 +209,9 @@ class Writes:
             return
         await self.users.set_attrs(tag, name, mode, atime_ns, mtime_ns)
 
-    def attrs(self, tag: Tag, uid: int | None) -> tuple[int, int, int]:
+    def attrs(self, tag: Tag, uid: int | None) -> tuple[int, int, int, int]:
         if uid is None:
-            return self.states.dir_mode(tag), 0, 0
+            return self.states.dir_mode(tag), 0, 0, 0
         return self.states.user_attrs(tag, uid)
 
     async def unlink_user(self, tag: Tag, name: str) -> None:

@@ -60,6 +60,7 @@ class TagStates:
         # dropped them all: its void mark must be saved before the journal lets it go)
         self.unsaved: set[int] = set()
         self._locks: dict[int, trio.Lock] = {}
+        self.changed_ns: dict[int, int] = {}  # tag id -> last chmod/utimensat of a user blob
 
     def of(self, tag: Tag) -> TagWrites:
         """``tag``'s write state, made (the source's size, nothing else) when it has none."""
@@ -125,16 +126,23 @@ class TagStates:
             tw.dir_mode = before
             raise
 
-    def user_attrs(self, tag: Tag, uid: int) -> tuple[int, int, int]:
-        """User blob ``uid``'s ``(mode bits, atime_ns, mtime_ns)``; one made before blobs had
-        their own (a version-1 state) is 0644 at the tag's time."""
+    def user_attrs(self, tag: Tag, uid: int) -> tuple[int, int, int, int]:
+        """User blob ``uid``'s ``(mode bits, atime_ns, mtime_ns, ctime_ns)``; one made before
+        blobs had their own (a version-1 state) is 0644 at the tag's time. The change time
+        is never before the last change of the tag's writes or modes and times this mount
+        saw (not kept: after a remount it is the tag's last write), so a tool that trusts it
+        (a backup's file cache) never takes a blob as unchanged when its times were set back."""
         tw = self.tags.get(tag.id)
         attrs = None if tw is None else tw.user_attrs.get(uid)
+        written = max(int(tag.mtime * 1e9), self.mtime_ns(tag))
         if attrs is None:
-            mtime = max(int(tag.mtime * 1e9), self.mtime_ns(tag))
-            return DEFAULT_MODE, mtime, mtime
+            return DEFAULT_MODE, written, written, written
         mode, atime, mtime = attrs
-        return mode, atime, mtime
+        return mode, atime, mtime, max(mtime, written, self.changed_ns.get(tag.id, 0))
+
+    def attrs_changed(self, tag: Tag) -> None:
+        """A mode or times of ``tag``'s user blobs were set now (their change time moves)."""
+        self.changed_ns[tag.id] = time.time_ns()
 
     def set_view_size(self, tag: Tag, tw: TagWrites, size: int) -> None:
         tw.view_size = size

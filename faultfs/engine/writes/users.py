@@ -85,11 +85,12 @@ class UserBlobs:
         uid = self.states.user_uid(tag, name)
         tw = self.states.of(tag)
         before = tw.user_attrs.get(uid)
-        attrs = list(self.states.user_attrs(tag, uid))
+        attrs = list(self.states.user_attrs(tag, uid)[:3])  # (not the change time)
         for i, value in enumerate((mode, atime_ns, mtime_ns)):
             if value is not None:
                 attrs[i] = value & MODE_BITS if i == 0 else value
         tw.user_attrs[uid] = attrs
+        self.states.attrs_changed(tag)
         try:
             await self.states.save(tag.id)
         except BaseException:
