@@ -110,6 +110,8 @@ class Config:
     # --shared-store-key FILE: the cluster key objects of the shared store are sealed with
     # (tiers/sealed.py); "" = none (checksums only)
     shared_store_key: str = ""
+    # --no-shared-claims / FAULTFS_SHARED_CLAIMS=0: no cross-node single flight (DESIGN §17)
+    shared_claims: bool = True
     metrics_addr: str = ""  # --metrics-addr HOST:PORT: Prometheus metrics over HTTP
     # FAULTFS_URING: staged reads through io_uring when the serving thread has other work
     # ("on"), for every read it can take ("always"), or never ("off", also "0")
@@ -179,6 +181,7 @@ class Config:
               shared_store: str | None = None,
               shared_store_endpoint_url: str | None = None,
               shared_store_key: str | None = None,
+              shared_claims: bool | None = None,
               metrics_addr: str | None = None, uring: str | None = None,
               uring_punt: bool | None = None, fuse_fastwait: bool | None = None,
               fuse_workers: int | None = None, fast_read: bool | None = None,
@@ -209,6 +212,8 @@ class Config:
             shared_store_key=(
                 shared_store_key if shared_store_key is not None
                 else (env_value("FAULTFS_SHARED_STORE_KEY", env) or "").strip()),
+            shared_claims=(shared_claims if shared_claims is not None
+                           else _env_flag("FAULTFS_SHARED_CLAIMS", True, env)),
             metrics_addr=(metrics_addr if metrics_addr is not None
                           else (env_value("FAULTFS_METRICS_ADDR", env) or "").strip()),
             uring=uring if uring is not None else _uring_mode(env),

@@ -27,6 +27,7 @@ from faultfs.fuse.exporter import parse_addr
 from faultfs.fuse.mountpoint import prepare_mountpoint
 from faultfs.sources import SourceOptions, expand_sources
 from faultfs.store.blobstore import BlobStore
+from faultfs.tiers.claims import open_claims
 from faultfs.tiers.objects import open_objects, probe
 from faultfs.tiers.sealed import SealedObjects, load_key
 
@@ -184,6 +185,8 @@ def open_sharing(config: Config, options: SourceOptions) -> SharedRegistry | Non
                                          endpoint_url=config.shared_store_endpoint_url), key)
     probe(objects)
     sharing = SharedRegistry(objects)
+    sharing.claim_store, sharing.mode_note = open_claims(objects, enabled=config.shared_claims)
+    log.info("%s", sharing.mode_note)
     try:
         sharing.fetch()
     except OSError as exc:
@@ -202,7 +205,9 @@ def run(spec: MountSpec, config: Config, options: SourceOptions, *,
     try:
         if log_to_store:
             attach_store_log(engine.store)
-        serve(engine, mountpoint, ready=lambda: ready(sorted(engine.tags), mountpoint, warnings),
+        notes = [engine.sharing.mode_note] if engine.sharing is not None else []
+        serve(engine, mountpoint,
+              ready=lambda: ready(sorted(engine.tags), mountpoint, warnings, notes),
               allow_other=spec.allow_other)
     finally:
         engine.store.release()

@@ -68,6 +68,9 @@ def register(sub) -> None:
                    help="the cluster key (a file of 32 or more secret bytes): objects of the "
                         "shared store are sealed with it, and only objects whose seal verifies "
                         "are used (default $FAULTFS_SHARED_STORE_KEY)")
+    m.add_argument("--no-shared-claims", action="store_true",
+                   help="do not claim blobs in the shared store before fetching them: nodes "
+                        "that miss one at the same moment each read it from the source")
     m.add_argument("--metrics-addr", metavar="HOST:PORT",
                    help="serve Prometheus metrics over HTTP here (a bare PORT: loopback)")
     m.add_argument("--io-threads", type=int, help="size of the I/O pool for blocking reads (default 32)")
@@ -124,6 +127,8 @@ def _mount_daemon(args: argparse.Namespace) -> int:
             info = json.loads(message[2:] or "{}")
             tags = ", ".join(info.get("tags", []))
             print(f"mounted {info.get('mountpoint', '')} (tags: {tags}; pid {proc.pid})")
+            for note in info.get("notes", []):
+                print(f"faultfs: {note}")
             for warning in info.get("warnings", []):
                 print(f"faultfs: warning: {warning}", file=sys.stderr)
             return 0
@@ -193,8 +198,10 @@ def _mount_here(args: argparse.Namespace) -> int:
                 pass
             ready_fd = None
 
-    def ready(tags: list[str], mountpoint: str, warnings: list[str]) -> None:
-        report("ok" + json.dumps({"mountpoint": mountpoint, "tags": tags, "warnings": warnings}))
+    def ready(tags: list[str], mountpoint: str, warnings: list[str],
+              notes: list[str] | None = None) -> None:
+        report("ok" + json.dumps({"mountpoint": mountpoint, "tags": tags, "warnings": warnings,
+                                  "notes": notes or []}))
 
     try:
         config = Config.build(store_dir=args.store, reserve_mb=args.reserve_mb,
@@ -210,6 +217,7 @@ def _mount_here(args: argparse.Namespace) -> int:
                               shared_store_endpoint_url=args.shared_store_endpoint_url,
                               shared_store_key=(os.path.abspath(args.shared_store_key)
                                                 if args.shared_store_key else None),
+                              shared_claims=False if args.no_shared_claims else None,
                               metrics_addr=args.metrics_addr)
         _setup_logging(args)
         options = SourceOptions(s3_region=args.s3_region, s3_profile=args.s3_profile,

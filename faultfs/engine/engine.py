@@ -52,6 +52,7 @@ from faultfs.store.blobfile import FLAG_DIRTY
 from faultfs.store.blobstore import BlobStore
 from faultfs.store.fileops import FileOps
 from faultfs.tiers.base import Buffer
+from faultfs.tiers.claimboard import ClaimBoard
 from faultfs.tiers.local import LocalTier
 from faultfs.tiers.memory import MemoryTier
 from faultfs.tiers.multilevel import TierStack
@@ -77,6 +78,8 @@ class Engine:
         self.pool = IoPool(config.io_threads)
         self.sharing = sharing  # --shared-store: registrations of every node (DESIGN §13)
         shared = None if sharing is None else SharedTier(sharing.objects, self.stats)
+        if shared is not None and sharing is not None and sharing.claim_store is not None:
+            shared.claims = ClaimBoard(sharing.claim_store, self.stats)
         policy = StorePolicy(store_enabled=config.store_enabled,
                              reserve_bytes=config.reserve_bytes, cache_size=config.cache_size,
                              backoff_faults=config.backoff_faults)

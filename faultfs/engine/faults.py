@@ -31,8 +31,10 @@ from faultfs.engine.tags import Tag
 from faultfs.errors import FaultfsError, SourceChanged, SourceError
 from faultfs.iopool import IoPool, run_in_thread
 from faultfs.stats import Stats
-from faultfs.tiers.base import Buffer
+from faultfs.tiers.base import BlobKey, Buffer
+from faultfs.tiers.claimboard import ClaimBoard, Held
 from faultfs.tiers.multilevel import TierStack
+from faultfs.tiers.shared import SharedTier
 
 log = logging.getLogger("faultfs.engine")
 
@@ -166,12 +168,16 @@ class Faulter:
             if not handed[i]:
                 flights[i].show(head)
 
+        held: list[Held] = []  # claims of this node on the windows it fetches
+        shared = self.tiers.shared
         try:
-            shared = self.tiers.shared
             if shared is not None:
                 got = await shared.load_run(keys)
+                if shared.claims is not None and shared.up and None in got:
+                    held = await self._coordinate(shared, shared.claims, tag, first, got)
             token = trio.lowlevel.current_trio_token()
             for lo, hi in _gaps(got):
+                read_from = time.monotonic()
                 if self.streams(tag):
                     def landed(j: int, data: Buffer, lo: int = lo) -> None:  # on the pool
                         token.run_sync_soon(hand, lo + j, data)
@@ -187,6 +193,9 @@ class Faulter:
                 else:
                     datas = await self._run(demand, self.read_source, tag, first + lo, hi - lo)
                 self._count_source_read(tag, first + lo, hi - lo)
+                if shared is not None and shared.claims is not None:
+                    shared.claims.observe((hi - lo) * tag.layout.chunk_size,
+                                          time.monotonic() - read_from)
                 got[lo:hi] = datas
                 from_source[lo:hi] = [True] * (hi - lo)
         except BaseException as exc:
@@ -210,13 +219,66 @@ class Faulter:
                     self.tiers.hold(key, data)
                 self.flights.settle([key], [flight])
             self.stats.latencies.append(time.monotonic() - started)
-        for key, data, fresh in zip(keys, got, from_source, strict=True):
+            if held and error is not None:  # nothing to publish: others may claim at once
+                assert shared is not None and shared.claims is not None
+                with trio.CancelScope(shield=True):
+                    await shared.claims.release(held)
+                held = []
+        fresh = []
+        for key, data, new in zip(keys, got, from_source, strict=True):
             if data is None:
                 continue
             await self.tiers.store(key, data)
-            if fresh and self.tiers.shared is not None:
-                self.tiers.shared.publish_soon(key, data)
+            if new and shared is not None:
+                fresh.append((key, data))
+                if not held:
+                    shared.publish_soon(key, data)
+        if held:
+            await self._publish_then_release(fresh, held)
         return flights
+
+    async def _coordinate(self, shared: SharedTier, board: ClaimBoard, tag: Tag, first: int,
+                          got: list[Buffer | None]) -> list[Held]:
+        """Claim the windows of the blobs in ``got`` still missing, or wait for other nodes
+        to bring them; fills ``got`` with what landed meanwhile. The claims held."""
+        tier_tag = shared.tags.get(tag.id)
+        if tier_tag is None:
+            return []
+        missing = [first + i for i, data in enumerate(got) if data is None]
+
+        async def load(indices: list[int]) -> dict[int, Buffer]:
+            datas = await shared.load_run([(tag.id, i) for i in indices])
+            return {i: d for i, d in zip(indices, datas, strict=True) if d is not None}
+
+        found, held = await board.coordinate(tier_tag, missing, load)
+        for index, data in found.items():
+            got[index - first] = data
+        return held
+
+    async def _publish_then_release(self, fresh: list[tuple[BlobKey, Buffer]],
+                                    held: list[Held]) -> None:
+        """Publish what this node fetched under its claims, then release them (behind the
+        reader when attached): a waiter that sees a claim gone finds its blobs."""
+        shared = self.tiers.shared
+        assert shared is not None and shared.claims is not None
+        board = shared.claims
+
+        async def run() -> None:
+            try:
+                async with trio.open_nursery() as nursery:
+                    for key, data in fresh:
+                        nursery.start_soon(shared.publish_counted, key, data)
+            except Exception:  # a background task must never take the mount down
+                log.exception("publishing claimed blobs failed")
+                self.stats.add("shared_publish_failures")
+            finally:
+                with trio.CancelScope(shield=True):
+                    await board.release(held)
+
+        if self._nursery is None:
+            await run()
+        else:
+            self._nursery.start_soon(run)
 
     async def _run(self, demand: bool, fn: Callable[..., T], *args: object) -> T:
         """``fn(*args)`` on a worker thread: the I/O pool, or the demand lane."""

@@ -12,6 +12,7 @@ the layout can fetch with one source read (``BlobLayout.coalesce``) of ``run_blo
 a full window keeps about ``GETS_IN_FLIGHT`` requests in flight, and a run is started only
 once that many blobs at the window's end are free (no trickle of one-blob requests as the
 reader moves on); each blob of a run reaches its readers as soon as it lands (``faults``).
+With claims in a shared store, a run also ends at a claim window's end (one claim a run).
 Staged blobs are read from the store in runs of up to ``LOAD_RUN_BYTES`` with one trip to the
 I/O pool.
 
@@ -36,6 +37,7 @@ from faultfs.engine.flights import Flight, Flights
 from faultfs.engine.tags import Tag
 from faultfs.iopool import IoPool
 from faultfs.stats import Stats
+from faultfs.tiers.claimboard import CLAIM_WINDOW_BYTES
 from faultfs.tiers.multilevel import TierStack
 
 log = logging.getLogger("faultfs.engine")
@@ -101,6 +103,7 @@ class Prefetcher:
         singles = OPENING_GETS if tag.window == 0 else 0
         tag.window = min(limit, max(max_run, FIRST_WINDOW_BYTES // cs, tag.window * 2))
         max_load = max(1, LOAD_RUN_BYTES // cs)
+        per = self._claim_window(cs)  # a run stops at a claim window's end: one claim each
         run_start, run_len = -1, 0
         load: list[int] = []  # adjacent staged blobs ahead, read from the store in one trip
         for ahead in range(index + 1, min(index + 1 + tag.window, layout.num_blobs)):
@@ -116,8 +119,9 @@ class Prefetcher:
                 load.append(ahead)
             wanted = not busy and not staged
             cap = 1 if singles > 0 else max_run
-            if wanted and run_len < cap and (
-                    run_len == 0 or layout.coalesce(run_start, run_len + 1) == run_len + 1):
+            if wanted and run_len < cap and (run_len == 0 or (
+                    layout.coalesce(run_start, run_len + 1) == run_len + 1
+                    and ahead % per != 0)):
                 if run_len == 0:
                     run_start = ahead
                 run_len += 1
@@ -133,6 +137,13 @@ class Prefetcher:
             self._start_fault(nursery, clean, run_start, run_len)
         if load:
             self._start_load(nursery, clean, load)
+
+    def _claim_window(self, chunk_size: int) -> int:
+        """Blobs per claim window of the shared store (DESIGN §17); a huge number without."""
+        shared = self.tiers.shared
+        if shared is None or shared.claims is None:
+            return 1 << 62
+        return max(1, CLAIM_WINDOW_BYTES // chunk_size)
 
     def _start_fault(self, nursery: trio.Nursery, tag: Tag, first: int, count: int) -> None:
         self.in_flight += count

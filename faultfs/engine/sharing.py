@@ -38,6 +38,7 @@ from faultfs.store.blobfile import FLAG_DIRTY
 from faultfs.store.blobstore import BlobStore
 from faultfs.store.registry import Registry
 from faultfs.store.tagstate import TagState, read_tag_state, write_tag_state
+from faultfs.tiers.claims import ClaimStore
 from faultfs.tiers.objects import Objects
 
 log = logging.getLogger("faultfs.shared")
@@ -85,6 +86,8 @@ class SharedRegistry:
         self.objects = objects
         self.entries: dict[str, SharedEntry] = {}  # by tag name, as of the last fetch
         self._seen: dict[str, SharedEntry | None] = {}  # by fault key: decoded (None: unusable)
+        self.claim_store: ClaimStore | None = None  # cross-node single flight (DESIGN §17)
+        self.mode_note = ""  # which mode of it, for the user at mount
 
     @property
     def url(self) -> str:

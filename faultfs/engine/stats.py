@@ -66,7 +66,8 @@ def _shared(tiers: TierStack) -> dict[str, Any]:
         return {}
     return {"url": shared.url, "up": shared.up, "publishes_pending": shared.pending,
             "publish_bytes_waiting": shared.waiting,
-            "sealed": bool(getattr(shared.objects, "sealed", False))}
+            "sealed": bool(getattr(shared.objects, "sealed", False)),
+            "claims": "off" if shared.claims is None else shared.claims.mode}
 
 
 def _dirty(writes: Writes, tag: Tag) -> dict[str, Any]:

@@ -26,6 +26,7 @@ import functools
 import hashlib
 import logging
 import time
+from typing import TYPE_CHECKING
 from urllib.parse import quote
 
 import trio
@@ -36,6 +37,9 @@ from faultfs.stats import Stats
 from faultfs.store.blobfile import HEADER_LEN, decode_header, encode_header
 from faultfs.tiers.base import BlobKey, Buffer, TierTag
 from faultfs.tiers.objects import Objects
+
+if TYPE_CHECKING:
+    from faultfs.tiers.claimboard import ClaimBoard
 
 log = logging.getLogger("faultfs.shared")
 
@@ -95,6 +99,7 @@ class SharedTier:
         self._idle: trio.Event | None = None
         self._loads: trio.CapacityLimiter | None = None
         self._publishes: trio.CapacityLimiter | None = None
+        self.claims: ClaimBoard | None = None  # cross-node single flight (DESIGN §17)
 
     async def _run(self, publishing: bool, fn, *args):
         if self._loads is None or self._publishes is None:
@@ -198,6 +203,15 @@ class SharedTier:
         self.waiting += len(payload)
         self.pending += 1
         self._nursery.start_soon(self._publish_behind, key, payload)
+
+    async def publish_counted(self, key: BlobKey, payload: Buffer) -> None:
+        """``publish``, counted among the publishes under way (``drain`` waits for it), its
+        failures logged: for blobs fetched under a claim, which other nodes wait for."""
+        if key[0] not in self.tags:
+            return
+        self.waiting += len(payload)
+        self.pending += 1
+        await self._publish_behind(key, payload)
 
     async def _publish_behind(self, key: BlobKey, payload: Buffer) -> None:
         try:

@@ -1,0 +1,301 @@
+"""Cross-node single flight: before a node reads blobs from the source it claims their window
+in the shared store; a node that finds another's live claim waits for the blobs to land there
+instead of fetching them itself (DESIGN §17). The object store is the only coordinator.
+
+A window is ``CLAIM_WINDOW_BYTES`` of adjacent blobs (aligned), so a sequential or prefetched
+run costs one claim (two where it straddles a boundary; prefetch runs stop at one), not one a
+blob. A claim says which blobs of the window its holder fetches, by whom, until when
+(``claims.Claim``).
+
+Invariants:
+- A node holds at most one claim per window; its own later faults of the window share it
+  (``_mine``, counted by users) and the last one releases it, after the blobs it fetched are
+  published, so a waiter that sees the claim gone finds them (or claims the window itself).
+- A claim's deadline is its holder's bound: ``lease`` = twice the node's own estimate of the
+  fetch, plus ``LEASE_SLACK_S``. After it, any node may take the claim over with a
+  conditional replace, and exactly one does; the blob is then fetched at most twice.
+- A waiter's wait is bounded by the claim's deadline and, per generation of the claim, by its
+  own estimate of fetching the blobs itself (``lease`` of its own measurements): then it
+  fetches them itself. A slow or dead peer costs latency, never a failure or wrong bytes.
+- Any failure of the store ends the coordination for that fault: the caller fetches from the
+  source (the shared tier's back-off keeps later faults from trying meanwhile).
+- A claim whose holder is past its deadline is never deleted by it unless it is still the
+  object it wrote (checked first); expired claims nobody needs are removed by ``faultfs gc``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import trio
+
+from faultfs.errors import CorruptionError
+from faultfs.iopool import run_in_thread
+from faultfs.stats import Stats
+from faultfs.tiers.base import Buffer, TierTag
+from faultfs.tiers.claims import Claim, ClaimStore, claim_key
+from faultfs.tiers.shared import version_hash
+
+log = logging.getLogger("faultfs.shared")
+
+CLAIM_WINDOW_BYTES = 8 << 20  # blobs claimed together: one prefetch run at most
+CLAIM_THREADS = 8  # claim requests have threads of their own, apart from loads and publishes
+LEASE_SLACK_S = 1.0  # a claim outlives its holder's estimate by this (and twice the estimate)
+LEASE_MAX_S = 60.0
+POLL_FIRST_S, POLL_MAX_S = 0.02, 0.2  # a waiter looks at the claim this often (doubling)
+FIRST_BYTE_S = 0.05  # a source request's first byte, before this node has measured any
+FIRST_RATE = 50e6  # bytes per second, likewise
+
+
+def node_id() -> str:
+    """This daemon among the nodes: host, process, and a random part (pids repeat)."""
+    return f"{socket.gethostname()[:40]}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+@dataclass
+class Held:
+    """A claim this node holds on one window."""
+
+    tag_id: int
+    window: int
+    key: str
+    etag: str
+    claim: Claim
+    users: int = 1
+
+
+Loader = Callable[[list[int]], Awaitable[dict[int, Buffer]]]
+
+
+class ClaimBoard:
+    def __init__(self, store: ClaimStore, stats: Stats, *, node: str | None = None) -> None:
+        self.store = store
+        self.stats = stats
+        self.node = node or node_id()
+        self.mode = store.mode
+        self._mine: dict[tuple[int, int], Held] = {}
+        self._limiter: trio.CapacityLimiter | None = None
+        self._seconds_per_byte = 1.0 / FIRST_RATE
+
+    # -- estimates ---------------------------------------------------------------------------
+
+    def observe(self, nbytes: int, seconds: float) -> None:
+        """A source read of this node: ``nbytes`` in ``seconds`` (the estimate follows it)."""
+        if nbytes > 0:
+            spb = max(0.0, seconds - FIRST_BYTE_S) / nbytes
+            self._seconds_per_byte = 0.8 * self._seconds_per_byte + 0.2 * spb
+
+    def lease(self, nbytes: int) -> float:
+        """How long fetching ``nbytes`` may take this node, generously."""
+        estimate = FIRST_BYTE_S + nbytes * self._seconds_per_byte
+        return min(LEASE_MAX_S, 2 * estimate + LEASE_SLACK_S)
+
+    # -- keys --------------------------------------------------------------------------------
+
+    @staticmethod
+    def window_blobs(tag: TierTag) -> int:
+        return max(1, CLAIM_WINDOW_BYTES // max(1, tag.blob_size))
+
+    def _key(self, tag: TierTag, window: int) -> str:
+        from urllib.parse import quote
+
+        fault = tag.key.split(":", 1)[-1] or quote(tag.name, safe="")
+        return claim_key(fault, version_hash(tag.version), window)
+
+    async def _io(self, fn, *args):
+        if self._limiter is None:
+            self._limiter = trio.CapacityLimiter(CLAIM_THREADS)
+        return await run_in_thread(self._limiter, fn, *args)
+
+    # -- the fault path ----------------------------------------------------------------------
+
+    async def coordinate(self, tag: TierTag, missing: list[int], load: Loader
+                         ) -> tuple[dict[int, Buffer], list[Held]]:
+        """Before blobs ``missing`` of ``tag`` are read from the source: claim their windows,
+        or wait for other nodes' claims on them. Returns the blobs that landed in the shared
+        store meanwhile (``load`` reads them) and the claims now held, which the caller
+        releases (``release``) once it has published what it fetched. Every blob not returned
+        is the caller's to fetch: under a claim it holds, or because the wait ended."""
+        per = self.window_blobs(tag)
+        windows: dict[int, list[int]] = {}
+        for index in missing:
+            windows.setdefault(index // per, []).append(index)
+        got: dict[int, Buffer] = {}
+        held: list[Held] = []
+
+        async def one(window: int, need: list[int]) -> None:
+            found, mine = await self._window(tag, window, need, load)
+            got.update(found)
+            if mine is not None:
+                held.append(mine)
+
+        if len(windows) == 1:
+            [(window, need)] = windows.items()
+            await one(window, need)
+        else:
+            async with trio.open_nursery() as nursery:
+                for window, need in windows.items():
+                    nursery.start_soon(one, window, need)
+        return got, held
+
+    async def _window(self, tag: TierTag, window: int, need: list[int], load: Loader
+                      ) -> tuple[dict[int, Buffer], Held | None]:
+        mine = self._mine.get((tag.id, window))
+        if mine is not None:
+            mine.users += 1
+            return {}, mine
+        key = self._key(tag, window)
+        nbytes = len(need) * tag.blob_size
+        got: dict[int, Buffer] = {}
+        waited_from: float | None = None
+        seen_gen: tuple[int, str] | None = None
+        give_up = 0.0
+        delay = POLL_FIRST_S
+        try:
+            while True:
+                mine = self._mine.get((tag.id, window))  # one of our faults claimed meanwhile
+                if mine is not None:
+                    mine.users += 1
+                    return got, mine
+                outcome = await self._attempt(tag, window, key, need)
+                if isinstance(outcome, Held):
+                    if outcome.claim.gen > 1:  # a takeover: some blobs may have landed
+                        got.update(await load(need))
+                        need = [i for i in need if i not in got]
+                    return got, outcome
+                claim, etag = outcome
+                now = time.monotonic()
+                if waited_from is None:
+                    waited_from = now
+                    self.stats.add("claim_waits")
+                if seen_gen != (claim.gen, etag):  # a new holder: a new bound
+                    seen_gen = (claim.gen, etag)
+                    give_up = now + self.lease(nbytes)
+                until = min(give_up, now + max(0.0, claim.deadline_ms / 1000 - time.time()))
+                while True:
+                    await trio.sleep(max(0.0, min(delay, until - time.monotonic())))
+                    delay = min(POLL_MAX_S, delay * 2)
+                    seen = await self._io(self.store.read, key)
+                    if seen is None or seen[1] != etag:  # released, or someone else's now
+                        break
+                    if time.monotonic() >= until:
+                        break
+                if seen is None:
+                    got.update(await load(need))
+                    need = [i for i in need if i not in got]
+                    if not need:
+                        return got, None
+                    continue  # not all there: claim the rest
+                if time.monotonic() >= give_up and not claim.expired(_now_ms()):
+                    self.stats.add("claim_waits_given_up")
+                    log.info("tag %s: window %d is still claimed by %s after %.1f s: "
+                             "fetching it here", tag.name, window, claim.node,
+                             time.monotonic() - waited_from)
+                    return got, None
+                # the claim expired or changed hands: try again (a takeover, or a new wait)
+        except OSError as exc:
+            self.stats.add("claim_errors")
+            log.warning("shared store %s: claims failed (%s): fetching from the source",
+                        tag.name, exc.strerror or exc)
+            return got, None
+        finally:
+            if waited_from is not None:
+                self.stats.add("claim_wait_ms", round(1000 * (time.monotonic() - waited_from)))
+
+    async def _attempt(self, tag: TierTag, window: int, key: str, need: list[int]
+                       ) -> Held | tuple[Claim, str]:
+        """Claim the window (create, or take over an expired claim), or say whose it is."""
+        for _ in range(8):  # the claim comes and goes between our requests: try again
+            claim = self._new_claim(tag, need, gen=1)
+            etag = await self._io(self.store.create, key, claim.encode())
+            if etag is not None:
+                self.stats.add("claims_won")
+                return self._hold(tag, window, key, etag, claim)
+            seen = await self._io(self.store.read, key)
+            if seen is None:
+                continue  # released meanwhile
+            raw, etag = seen
+            try:
+                theirs: Claim | None = Claim.decode(raw)
+            except CorruptionError as exc:
+                log.warning("tag %s: claim object %s is not one (%s): replacing it", tag.name,
+                            key, exc)
+                theirs = None
+            if theirs is not None and not theirs.expired(_now_ms()):
+                return theirs, etag
+            claim = self._new_claim(tag, need, gen=(theirs.gen + 1) if theirs else 1)
+            new = await self._io(self.store.replace, key, claim.encode(), etag)
+            if new is not None:
+                self.stats.add("claims_won")
+                self.stats.add("claim_takeovers")
+                log.info("tag %s: took over the expired claim of window %d from %s", tag.name,
+                         window, theirs.node if theirs else "?")
+                return self._hold(tag, window, key, new, claim)
+            # another node took it over first: its claim is live, wait on it
+        raise OSError(5, "the claim of a window kept changing")
+
+    def _new_claim(self, tag: TierTag, need: list[int], gen: int) -> Claim:
+        deadline = time.time() + self.lease(len(need) * tag.blob_size)
+        return Claim(self.node, gen, int(deadline * 1000), need[0], need[-1] - need[0] + 1)
+
+    def _hold(self, tag: TierTag, window: int, key: str, etag: str, claim: Claim) -> Held:
+        held = Held(tag.id, window, key, etag, claim)
+        self._mine[(tag.id, window)] = held
+        return held
+
+    # -- release -----------------------------------------------------------------------------
+
+    async def release(self, held: list[Held]) -> None:
+        """The caller is done with these claims (what it fetched is published): the last
+        user of each removes it. Failures are counted, never raised (the claim expires)."""
+        for h in held:
+            h.users -= 1
+            if h.users > 0:
+                continue
+            if self._mine.get((h.tag_id, h.window)) is h:
+                del self._mine[(h.tag_id, h.window)]
+            try:
+                if h.claim.expired(_now_ms() + 500):  # near or past its deadline: still ours?
+                    seen = await self._io(self.store.read, h.key)
+                    if seen is None or seen[1] != h.etag:
+                        continue  # taken over: the new holder's to remove
+                await self._io(self.store.delete, h.key)
+                self.stats.add("claims_released")
+            except OSError as exc:
+                self.stats.add("claim_errors")
+                log.warning("releasing claim %s failed (%s): it expires", h.key,
+                            exc.strerror or exc)
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def sweep(store: ClaimStore, *, dry_run: bool = False, grace_s: float = 60.0) -> list[str]:
+    """Remove claims past their deadline by more than ``grace_s`` and objects under the claim
+    prefix that are not claims (blocking; ``faultfs gc --shared-store``). The keys removed."""
+    from faultfs.tiers.claims import CLAIM_PREFIX
+
+    removed = []
+    cutoff = _now_ms() - int(grace_s * 1000)
+    for key in store.list(CLAIM_PREFIX):
+        if ".tmp-" in key:
+            continue
+        seen = store.read(key)
+        if seen is None:
+            continue
+        try:
+            stale = Claim.decode(seen[0]).expired(cutoff)
+        except CorruptionError:
+            stale = True
+        if stale:
+            if not dry_run:
+                store.delete(key)
+            removed.append(key)
+    return removed
