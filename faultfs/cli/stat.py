@@ -102,6 +102,11 @@ def _shared_lines(snap: dict, c: dict) -> list[str]:
         f"{'bytes from shared':<22}{format_size(c.get('shared_bytes_in', 0)):>12}    {'bytes to shared':<22}{format_size(c.get('shared_bytes_out', 0)):>12}",
         f"{'shared errors':<22}{c.get('shared_errors', 0):>12}    {'damaged objects':<22}{c.get('shared_damaged', 0):>12}",
         f"{'published by others':<22}{c.get('shared_publish_skipped', 0):>12}    {'publishes dropped':<22}{c.get('shared_publish_dropped', 0):>12}",
+        f"claims         {shared.get('claims', 'off')}  (fetch once per cluster)",
+        f"{'claims won':<22}{c.get('claims_won', 0):>12}    {'takeovers':<22}{c.get('claim_takeovers', 0):>12}",
+        f"{'waits on other nodes':<22}{c.get('claim_waits', 0):>12}    {'wait time':<22}{c.get('claim_wait_ms', 0) / 1000:>11.1f}s",
+        f"{'waits given up':<22}{c.get('claim_waits_given_up', 0):>12}    {'claim errors':<22}{c.get('claim_errors', 0):>12}",
+        f"{'bytes from source':<22}{format_size(c.get('source_bytes', 0)):>12}    {'claims released':<22}{c.get('claims_released', 0):>12}",
     ]
 
 

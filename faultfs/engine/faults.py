@@ -222,7 +222,7 @@ class Faulter:
             if held and error is not None:  # nothing to publish: others may claim at once
                 assert shared is not None and shared.claims is not None
                 with trio.CancelScope(shield=True):
-                    await shared.claims.release(held)
+                    await shared.claims.release(held, published=False)
                 held = []
         fresh = []
         for key, data, new in zip(keys, got, from_source, strict=True):
@@ -272,8 +272,7 @@ class Faulter:
                 log.exception("publishing claimed blobs failed")
                 self.stats.add("shared_publish_failures")
             finally:
-                with trio.CancelScope(shield=True):
-                    await board.release(held)
+                await board.release(held)
 
         if self._nursery is None:
             await run()

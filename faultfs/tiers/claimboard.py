@@ -16,7 +16,8 @@ Invariants:
   conditional replace, and exactly one does; the blob is then fetched at most twice.
 - A waiter's wait is bounded by the claim's deadline and, per generation of the claim, by its
   own estimate of fetching the blobs itself (``lease`` of its own measurements): then it
-  fetches them itself. A slow or dead peer costs latency, never a failure or wrong bytes.
+  takes the claim over (one waiter wins; the others wait on it, a new bound). A slow or dead
+  peer costs latency, never a failure or wrong bytes, and a blob is fetched twice at most.
 - Any failure of the store ends the coordination for that fault: the caller fetches from the
   source (the shared tier's back-off keeps later faults from trying meanwhile).
 - A claim whose holder is past its deadline is never deleted by it unless it is still the
@@ -48,6 +49,9 @@ CLAIM_WINDOW_BYTES = 8 << 20  # blobs claimed together: one prefetch run at most
 CLAIM_THREADS = 8  # claim requests have threads of their own, apart from loads and publishes
 LEASE_SLACK_S = 1.0  # a claim outlives its holder's estimate by this (and twice the estimate)
 LEASE_MAX_S = 60.0
+# a released claim stays this long marked published: a node whose miss came just before the
+# publish (its claim request after it) finds the blobs instead of claiming the window again
+LINGER_S = 3.0
 POLL_FIRST_S, POLL_MAX_S = 0.02, 0.2  # a waiter looks at the claim this often (doubling)
 FIRST_BYTE_S = 0.05  # a source request's first byte, before this node has measured any
 FIRST_RATE = 50e6  # bytes per second, likewise
@@ -82,6 +86,7 @@ class ClaimBoard:
         self._mine: dict[tuple[int, int], Held] = {}
         self._limiter: trio.CapacityLimiter | None = None
         self._seconds_per_byte = 1.0 / FIRST_RATE
+        self.linger_s = LINGER_S
 
     # -- estimates ---------------------------------------------------------------------------
 
@@ -157,19 +162,28 @@ class ClaimBoard:
         seen_gen: tuple[int, str] | None = None
         give_up = 0.0
         delay = POLL_FIRST_S
+        force = ""  # the tag of a claim to take over (its blobs are late or missing)
         try:
             while True:
                 mine = self._mine.get((tag.id, window))  # one of our faults claimed meanwhile
                 if mine is not None:
                     mine.users += 1
                     return got, mine
-                outcome = await self._attempt(tag, window, key, need)
+                outcome = await self._attempt(tag, window, key, need, force)
+                force = ""
                 if isinstance(outcome, Held):
                     if outcome.claim.gen > 1:  # a takeover: some blobs may have landed
                         got.update(await load(need))
                         need = [i for i in need if i not in got]
                     return got, outcome
                 claim, etag = outcome
+                if claim.published:  # its blobs are in the store
+                    got.update(await load(need))
+                    need = [i for i in need if i not in got]
+                    if not need:
+                        return got, None
+                    force = etag
+                    continue
                 now = time.monotonic()
                 if waited_from is None:
                     waited_from = now
@@ -193,11 +207,12 @@ class ClaimBoard:
                         return got, None
                     continue  # not all there: claim the rest
                 if time.monotonic() >= give_up and not claim.expired(_now_ms()):
+                    # as long as this node's own fetch would take: one waiter takes it over
                     self.stats.add("claim_waits_given_up")
                     log.info("tag %s: window %d is still claimed by %s after %.1f s: "
-                             "fetching it here", tag.name, window, claim.node,
+                             "taking it over", tag.name, window, claim.node,
                              time.monotonic() - waited_from)
-                    return got, None
+                    force = etag
                 # the claim expired or changed hands: try again (a takeover, or a new wait)
         except OSError as exc:
             self.stats.add("claim_errors")
@@ -208,9 +223,12 @@ class ClaimBoard:
             if waited_from is not None:
                 self.stats.add("claim_wait_ms", round(1000 * (time.monotonic() - waited_from)))
 
-    async def _attempt(self, tag: TierTag, window: int, key: str, need: list[int]
-                       ) -> Held | tuple[Claim, str]:
-        """Claim the window (create, or take over an expired claim), or say whose it is."""
+    async def _attempt(self, tag: TierTag, window: int, key: str, need: list[int],
+                       force: str = "") -> Held | tuple[Claim, str]:
+        """Claim the window (create, or take over an expired claim), or say whose it is.
+        ``force``: the tag of a live or published claim to take over too (the waiter's
+        bound passed, or the blobs of a published one were not all there); a claim that
+        replaced it meanwhile is waited on, not taken over."""
         for _ in range(8):  # the claim comes and goes between our requests: try again
             claim = self._new_claim(tag, need, gen=1)
             etag = await self._io(self.store.create, key, claim.encode())
@@ -227,15 +245,17 @@ class ClaimBoard:
                 log.warning("tag %s: claim object %s is not one (%s): replacing it", tag.name,
                             key, exc)
                 theirs = None
-            if theirs is not None and not theirs.expired(_now_ms()):
+            if theirs is not None and force != etag and (theirs.published
+                                                         or not theirs.expired(_now_ms())):
                 return theirs, etag
             claim = self._new_claim(tag, need, gen=(theirs.gen + 1) if theirs else 1)
             new = await self._io(self.store.replace, key, claim.encode(), etag)
             if new is not None:
                 self.stats.add("claims_won")
-                self.stats.add("claim_takeovers")
-                log.info("tag %s: took over the expired claim of window %d from %s", tag.name,
-                         window, theirs.node if theirs else "?")
+                if theirs is None or not theirs.published:
+                    self.stats.add("claim_takeovers")
+                    log.info("tag %s: took over the expired claim of window %d from %s",
+                             tag.name, window, theirs.node if theirs else "?")
                 return self._hold(tag, window, key, new, claim)
             # another node took it over first: its claim is live, wait on it
         raise OSError(5, "the claim of a window kept changing")
@@ -251,26 +271,58 @@ class ClaimBoard:
 
     # -- release -----------------------------------------------------------------------------
 
-    async def release(self, held: list[Held]) -> None:
-        """The caller is done with these claims (what it fetched is published): the last
-        user of each removes it. Failures are counted, never raised (the claim expires)."""
-        for h in held:
-            h.users -= 1
-            if h.users > 0:
-                continue
-            if self._mine.get((h.tag_id, h.window)) is h:
-                del self._mine[(h.tag_id, h.window)]
-            try:
-                if h.claim.expired(_now_ms() + 500):  # near or past its deadline: still ours?
-                    seen = await self._io(self.store.read, h.key)
-                    if seen is None or seen[1] != h.etag:
-                        continue  # taken over: the new holder's to remove
-                await self._io(self.store.delete, h.key)
+    async def release(self, held: list[Held], *, published: bool = True) -> None:
+        """The caller is done with these claims: the last user of each marks it published
+        (``published``: what it fetched is in the store) for ``linger_s``, then removes it;
+        or removes it at once (the fetch failed: another node may claim now). Failures are
+        counted, never raised (the claim expires)."""
+        markers: list[tuple[str, str]] = []
+        with trio.CancelScope(shield=True):
+            for h in held:
+                h.users -= 1
+                if h.users > 0:
+                    continue
+                if self._mine.get((h.tag_id, h.window)) is h:
+                    del self._mine[(h.tag_id, h.window)]
+                try:
+                    marker = await self._end(h, published)
+                except OSError as exc:
+                    self.stats.add("claim_errors")
+                    log.warning("releasing claim %s failed (%s): it expires", h.key,
+                                exc.strerror or exc)
+                    continue
                 self.stats.add("claims_released")
-            except OSError as exc:
-                self.stats.add("claim_errors")
-                log.warning("releasing claim %s failed (%s): it expires", h.key,
-                            exc.strerror or exc)
+                if marker is not None:
+                    markers.append((h.key, marker))
+        if not markers:
+            return
+        try:
+            await trio.sleep(self.linger_s)
+        finally:
+            with trio.CancelScope(shield=True):
+                for key, etag in markers:
+                    await self._remove_if(key, etag)
+
+    async def _end(self, h: Held, published: bool) -> str | None:
+        """Mark ``h`` published (its new tag) or delete it (None); leave it alone when it is
+        no longer ours (taken over after its deadline)."""
+        if published:
+            c = h.claim
+            done = Claim(c.node, c.gen, _now_ms() + int(self.linger_s * 1000) + 1000, c.first,
+                         c.count, published=True)
+            return await self._io(self.store.replace, h.key, done.encode(), h.etag)
+        await self._remove_if(h.key, h.etag)
+        return None
+
+    async def _remove_if(self, key: str, etag: str) -> None:
+        """Delete the claim at ``key`` if it is still the one of ``etag``."""
+        try:
+            seen = await self._io(self.store.read, key)
+            if seen is not None and seen[1] == etag:
+                await self._io(self.store.delete, key)
+        except OSError as exc:
+            self.stats.add("claim_errors")
+            log.warning("removing claim %s failed (%s): it expires", key, exc.strerror or exc)
 
 
 def _now_ms() -> int:

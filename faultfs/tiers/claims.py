@@ -4,10 +4,12 @@ offers for them (blocking; the claim board runs them on threads).
 
 A claim object lives at ``claims/<fault key>/<version hash>/<window>``, apart from the blob
 objects (``blobs/…``) and the registry, and is canonical JSON (sorted keys, no spaces):
-``{"count":N,"deadline_ms":T,"first":I,"gen":G,"node":"…","v":1}`` — the blobs
-``[first, first+count)`` of the window, the claimer's node id, the wall-clock deadline in
-milliseconds since the epoch after which any node may take it over, and the generation
-(1 when created, one more at each takeover). docs/FORMAT.md pins it.
+``{"count":N,"deadline_ms":T,"first":I,"gen":G,"node":"…","state":"fetching","v":1}`` — the
+blobs ``[first, first+count)`` of the window, the claimer's node id, the wall-clock deadline
+in milliseconds since the epoch after which any node may take it over, the generation (1 when
+created, one more at each takeover), and the state: ``fetching``, or ``published`` once the
+holder's blobs are in the store (kept a few seconds, so a node whose miss came just before
+the publish finds them instead of claiming the window again). docs/FORMAT.md pins it.
 
 Invariants:
 - ``create`` makes an object only where none is (``If-None-Match: *`` on S3; a hard link in
@@ -44,10 +46,12 @@ class Claim:
     deadline_ms: int
     first: int
     count: int
+    published: bool = False  # the holder's blobs are in the store: load them
 
     def encode(self) -> bytes:
         return json.dumps({"count": self.count, "deadline_ms": self.deadline_ms,
                            "first": self.first, "gen": self.gen, "node": self.node,
+                           "state": "published" if self.published else "fetching",
                            "v": CLAIM_VERSION}, sort_keys=True,
                           separators=(",", ":")).encode()
 
@@ -63,10 +67,12 @@ class Claim:
         if not isinstance(d, dict) or d.get("v") != CLAIM_VERSION:
             raise CorruptionError("claim object of an unknown version")
         ints = ("count", "deadline_ms", "first", "gen")
-        if (set(d) != {*ints, "node", "v"} or not isinstance(d["node"], str)
+        if (set(d) != {*ints, "node", "state", "v"} or not isinstance(d["node"], str)
+                or d["state"] not in ("fetching", "published")
                 or not all(type(d[k]) is int and d[k] >= 0 for k in ints)):
             raise CorruptionError("claim object has wrong fields")
-        return cls(d["node"], d["gen"], d["deadline_ms"], d["first"], d["count"])
+        return cls(d["node"], d["gen"], d["deadline_ms"], d["first"], d["count"],
+                   d["state"] == "published")
 
     def expired(self, now_ms: int) -> bool:
         return now_ms >= self.deadline_ms

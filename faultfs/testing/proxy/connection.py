@@ -169,14 +169,21 @@ class Conn:
                                    time.monotonic(), close=True)
                 return False
             rec.method = method
-            return await self._relay(rec, raw, method, keep_alive(version, headers), framing)
+            expects = "100-continue" in [v.lower() for v in headers.get("expect", ())]
+            return await self._relay(rec, raw, method, keep_alive(version, headers), framing,
+                                     expects)
         finally:
             self.stats.finish(rec)
 
     async def _relay(self, rec: RequestRecord, raw: bytes, method: str, keep: bool,
-                     framing: tuple[str, int]) -> bool:
+                     framing: tuple[str, int], expects: bool = False) -> bool:
         rule = self.faults.pick(method, rec.path)
         if rule is not None and rule.kind == "status":
+            if expects:  # the client waits for "100 Continue" before its body: answer now
+                self.stats.fault_struck(rec, "status")
+                await self._answer(rec, rule.status, rule.code, rule.message,
+                                   time.monotonic(), close=True)
+                return False
             await relay_body(self.client, framing, MAX_PIECE,
                              lambda d, final: self.discard(rec, d, final))
             self.stats.fault_struck(rec, "status")

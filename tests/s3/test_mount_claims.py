@@ -1,0 +1,304 @@
+"""Fetch once per cluster (DESIGN §17): several daemons, each with its own local store, one
+moto S3 server on loopback as the shared store; the source is an S3 object reached through a
+``LatencyProxy`` (a round trip and a capped bandwidth, so the nodes' fetches overlap). The
+nodes claim windows of blobs with conditional puts; counters prove who read the source, and
+every read is checked against what was uploaded."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from urllib.parse import urlsplit
+
+import boto3
+import pytest
+from conftest import run_faultfs
+
+from faultfs.testing.proxy import FaultPlan, FaultRule, LatencyProxy
+
+from .test_mount_s3 import payload, read
+
+pytestmark = [pytest.mark.mount, pytest.mark.s3]
+MiB = 1 << 20
+
+
+class Cluster:
+    def __init__(self, mounter, tmp_path, src_url: str, source_proxy: LatencyProxy,
+                 shared_url: str, shared_endpoint: str) -> None:
+        self.mounter = mounter
+        self.tmp_path = tmp_path
+        self.src_url = src_url
+        self.source_proxy = source_proxy
+        self.shared_url = shared_url
+        self.shared_endpoint = shared_endpoint
+
+    def args(self, *extra: str, prefetch: bool = False) -> list[str]:
+        return ["--chunk-size", "1M", *([] if prefetch else ["--prefetch-mb", "0"]),
+                "--s3-endpoint-url", self.source_proxy.url, "--shared-store", self.shared_url,
+                "--shared-store-endpoint-url", self.shared_endpoint, *extra]
+
+    def node(self, name: str, *extra: str, prefetch: bool = False):
+        return self.mounter(self.src_url, store=str(self.tmp_path / f"store-{name}"),
+                            args=self.args(*extra, prefetch=prefetch))
+
+
+@pytest.fixture
+def cluster(s3_env, s3_client, make_bucket, mounter, tmp_path):
+    """``cluster(data, delay_ms=, mbps=)``: the source object holding ``data`` behind a proxy,
+    a fresh shared-store bucket; ``.node(name)`` mounts a daemon."""
+    proxies = []
+
+    def make(data: bytes, *, delay_ms: float = 20, mbps: float = 40) -> Cluster:
+        src, shared = make_bucket(), make_bucket()
+        s3_client.put_object(Bucket=src, Key="run/field.bin", Body=data)
+        endpoint = urlsplit(s3_env)
+        proxy = LatencyProxy(endpoint.hostname, endpoint.port, delay_ms=delay_ms,
+                             conn_mbps=mbps).start()
+        proxies.append(proxy)
+        return Cluster(mounter, tmp_path, f"s3://{src}/run/field.bin", proxy,
+                       f"s3://{shared}/cluster", s3_env)
+
+    yield make
+    for p in proxies:
+        p.close()
+
+
+def at_once(fns) -> list:
+    """Run the callables in threads released together; their results (or exceptions)."""
+    start = threading.Barrier(len(fns))
+    out: list = [None] * len(fns)
+
+    def run(i: int) -> None:
+        start.wait()
+        try:
+            out[i] = fns[i]()
+        except Exception as exc:
+            out[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a reader hangs"
+    return out
+
+
+def pread(path: str, off: int = 0, size: int = MiB) -> bytes:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return os.pread(fd, size, off)
+    finally:
+        os.close(fd)
+
+
+def settled(m, timeout: float = 20.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while m.stats()["shared"]["publishes_pending"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return m.counters()
+
+
+def total(nodes, name: str) -> int:
+    return sum(settled(n)[name] for n in nodes)
+
+
+def shared_keys(c: Cluster, prefix: str) -> list[str]:
+    bucket, _, root = c.shared_url[5:].partition("/")
+    s3 = boto3.client("s3", endpoint_url=c.shared_endpoint)
+    out = s3.list_objects_v2(Bucket=bucket, Prefix=f"{root}/{prefix}").get("Contents", [])
+    return [o["Key"] for o in out]
+
+
+def plant_claim(c: Cluster, blob_key: str, window: int, node: str, deadline_s: float) -> str:
+    """A claim object of another node on ``window`` of the blobs beside ``blob_key``."""
+    bucket, _, _ = c.shared_url[5:].partition("/")
+    parts = blob_key.split("/")  # <root>/blobs/<fault>/<version>/<name>
+    key = "/".join([*parts[:-4], "claims", parts[-3], parts[-2], str(window)])
+    body = json.dumps({"count": 1, "deadline_ms": int((time.time() + deadline_s) * 1000),
+                       "first": window * 8, "gen": 1, "node": node, "state": "fetching",
+                       "v": 1},
+                      sort_keys=True, separators=(",", ":"))
+    boto3.client("s3", endpoint_url=c.shared_endpoint).put_object(Bucket=bucket, Key=key,
+                                                                  Body=body.encode())
+    return key
+
+
+def test_nodes_reading_at_once_read_the_source_once_and_the_mount_says_its_mode(
+        cluster, tmp_path):
+    data = payload(24 * MiB, 31)
+    c = cluster(data)
+    mnt = tmp_path / "mnt-said"
+    mnt.mkdir()
+    said = run_faultfs("mount", c.src_url, str(mnt), "--store", str(tmp_path / "store-said"),
+                       "--reserve-mb", "0", *c.args(), check=True)
+    assert "fetched once per cluster, claimed by conditional puts" in said.stdout
+    run_faultfs("umount", str(mnt), check=True)
+    nodes = [c.node(f"n{i}", prefetch=True) for i in range(3)]
+    views = [os.path.join(n.tag("field"), "field.bin") for n in nodes]
+    got = at_once([lambda v=v: read(v) for v in views])
+    assert all(g == data for g in got)
+    source = total(nodes, "source_bytes")
+    assert source <= 1.05 * len(data), f"the source served {source / len(data):.2f}x the object"
+    assert total(nodes, "claims_won") >= 3 and total(nodes, "claim_waits") >= 1
+    assert nodes[0].stats()["shared"]["claims"] == "conditional"
+    stat = run_faultfs("stat", nodes[0].path, check=True).stdout
+    assert "claims won" in stat and "waits on other nodes" in stat
+    time.sleep(4.5)  # released claims stay marked published for 3 s
+    assert shared_keys(c, "claims/") == []  # every claim released
+
+
+def test_two_nodes_claiming_one_blob_within_a_millisecond_fetch_it_once(cluster):
+    data = payload(16 * MiB, 32)
+    c = cluster(data)
+    a, b = c.node("a"), c.node("b")
+    paths = [os.path.join(n.tag("field"), "chunk_11") for n in (a, b)]
+    for attempt in range(3):  # a fresh blob each time: chunk 11, then 12, 13
+        name = f"chunk_{11 + attempt}"
+        paths = [os.path.join(n.tag("field"), name) for n in (a, b)]
+        got = at_once([lambda p=p: pread(p) for p in paths])
+        want = data[(11 + attempt) * MiB:(12 + attempt) * MiB]
+        assert got == [want, want]
+    assert total((a, b), "source_reads") == 3 and total((a, b), "claims_won") == 3
+    assert total((a, b), "claim_waits") == 3
+
+
+def test_an_expired_claim_is_taken_over_by_exactly_one_of_three_nodes(cluster):
+    data = payload(16 * MiB, 33)
+    c = cluster(data)
+    first = c.node("first")
+    assert pread(os.path.join(first.tag("field"), "chunk_0")) == data[:MiB]
+    settled(first)
+    [blob] = shared_keys(c, "blobs/")
+    nodes = [c.node(f"n{i}") for i in range(3)]
+    plant_claim(c, blob, 1, "dead-node", deadline_s=1.5)  # window 1: chunks 8..15
+    started = time.monotonic()
+    got = at_once([lambda n=n: pread(os.path.join(n.tag("field"), "chunk_9")) for n in nodes])
+    assert got == [data[9 * MiB:10 * MiB]] * 3
+    assert time.monotonic() - started < 15
+    assert total(nodes, "claim_takeovers") == 1
+    assert total(nodes, "source_reads") == 1 and total(nodes, "claim_waits") == 3
+
+
+def test_a_claimer_killed_mid_fetch_costs_one_more_fetch_never_wrong_bytes(cluster):
+    data = payload(16 * MiB, 34)
+    c = cluster(data, delay_ms=20, mbps=4)  # 1 MiB takes ~0.3 s from the source
+    a, b, d = c.node("a"), c.node("b"), c.node("d")
+    path = os.path.join(a.tag("field"), "chunk_3")
+    def doomed() -> None:
+        try:
+            pread(path)
+        except OSError:
+            pass  # its daemon is killed under it
+
+    killed = threading.Thread(target=doomed, daemon=True)
+    killed.start()
+    deadline = time.monotonic() + 10
+    while not a.counters()["claims_won"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert a.counters()["claims_won"] == 1
+    os.kill(a.pid, signal.SIGKILL)  # its claim stays behind, live until its deadline
+    a.pid = None
+    got = at_once([lambda n=n: pread(os.path.join(n.tag("field"), "chunk_3")) for n in (b, d)])
+    assert got == [data[3 * MiB:4 * MiB]] * 2
+    assert total((b, d), "claim_takeovers") == 1
+    assert total((b, d), "source_reads") == 1  # with the killed node's: twice at most
+    killed.join(timeout=30)
+
+
+def test_a_store_refusing_conditional_puts_runs_without_claims_and_reads_right(
+        cluster, s3_env, tmp_path):
+    data = payload(8 * MiB, 35)
+    c = cluster(data)
+    endpoint = urlsplit(s3_env)
+    refusing = FaultPlan(FaultRule("status", fraction=1.0, status=501, code="NotImplemented",
+                                   match=lambda method, path: method == "PUT"
+                                   and "/claims/" in path))
+    with LatencyProxy(endpoint.hostname, endpoint.port, delay_ms=0, conn_mbps=None) as proxy:
+        proxy.set_faults(refusing)
+        c.shared_endpoint = proxy.url
+        mnt = tmp_path / "mnt-said"
+        mnt.mkdir()
+        said = run_faultfs("mount", c.src_url, str(mnt), "--store", str(tmp_path / "s-said"),
+                           "--reserve-mb", "0", *c.args(), check=True)
+        assert "claims off" in said.stdout
+        run_faultfs("umount", str(mnt), check=True)
+        nodes = [c.node(f"n{i}", prefetch=True) for i in range(2)]
+        got = at_once([lambda n=n: read(os.path.join(n.tag("field"), "field.bin"))
+                       for n in nodes])
+        assert got == [data, data]
+        assert total(nodes, "claims_won") == 0
+        assert nodes[0].stats()["shared"]["claims"] == "off"
+
+
+def test_a_torn_or_foreign_blob_under_a_claim_is_refetched_never_served(cluster):
+    data = payload(16 * MiB, 36)
+    c = cluster(data)
+    first = c.node("first")
+    assert pread(os.path.join(first.tag("field"), "chunk_0")) == data[:MiB]
+    settled(first)
+    [blob] = shared_keys(c, "blobs/")
+    bucket = c.shared_url[5:].partition("/")[0]
+    s3 = boto3.client("s3", endpoint_url=c.shared_endpoint)
+    good = s3.get_object(Bucket=bucket, Key=blob)["Body"].read()
+    s3.put_object(Bucket=bucket, Key=blob[:-1] + "9", Body=good[:len(good) // 2])  # torn
+    s3.put_object(Bucket=bucket, Key=blob[:-1] + "10", Body=good)  # chunk_0's bytes: foreign
+    claim = plant_claim(c, blob, 1, "releasing-node", deadline_s=30)
+    threading.Timer(0.5, lambda: s3.delete_object(Bucket=bucket, Key=claim)).start()
+    b = c.node("b")
+    got = at_once([lambda i=i: pread(os.path.join(b.tag("field"), f"chunk_{i}"))
+                   for i in (9, 10)])
+    assert got == [data[9 * MiB:10 * MiB], data[10 * MiB:11 * MiB]]
+    counters = settled(b)
+    assert counters["shared_damaged"] >= 2 and counters["claim_waits"] >= 1
+    later = c.node("later")  # the republished objects are whole and right
+    assert pread(os.path.join(later.tag("field"), "chunk_9")) == data[9 * MiB:10 * MiB]
+    assert settled(later)["source_reads"] == 0
+
+
+def test_the_shared_store_stopped_and_restarted_mid_run_never_costs_a_right_byte(
+        s3_client, make_bucket, mounter, tmp_path, s3_env):
+    from moto.server import ThreadedMotoServer
+
+    data = payload(24 * MiB, 37)
+    src = make_bucket()
+    s3_client.put_object(Bucket=src, Key="run/field.bin", Body=data)
+    endpoint = urlsplit(s3_env)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    shared_endpoint = f"http://{host}:{port}"
+    boto3.client("s3", endpoint_url=shared_endpoint).create_bucket(Bucket="tier")
+    try:
+        with LatencyProxy(endpoint.hostname, endpoint.port, delay_ms=20,
+                          conn_mbps=20) as proxy:
+            c = Cluster(mounter, tmp_path, f"s3://{src}/run/field.bin", proxy, "s3://tier/c",
+                        shared_endpoint)
+            nodes = [c.node(f"n{i}", prefetch=True) for i in range(3)]
+
+            def outage() -> None:
+                time.sleep(0.4)
+                server.stop()
+                time.sleep(1.0)
+                server._server = None  # the same port again, an empty store behind it
+                ThreadedMotoServer.__init__(server, ip_address="127.0.0.1", port=port,
+                                            verbose=False)
+                server.start()
+                boto3.client("s3", endpoint_url=shared_endpoint).create_bucket(Bucket="tier")
+
+            stopper = threading.Thread(target=outage)
+            stopper.start()
+            started = time.monotonic()
+            got = at_once([lambda n=n: read(os.path.join(n.tag("field"), "field.bin"))
+                           for n in nodes])
+            stopper.join()
+            assert all(g == data for g in got), [type(g) for g in got]
+            assert time.monotonic() - started < 90
+            # after the outage the tier may be empty; every read still serves the source's bytes
+            fresh = c.node("after")
+            assert read(os.path.join(fresh.tag("field"), "field.bin")) == data
+    finally:
+        server.stop()

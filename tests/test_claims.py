@@ -1,0 +1,246 @@
+"""Claims of windows of blobs in a shared store (DESIGN §17), without a mount: the claim
+object's bytes, the directory store's conditional operations under racing threads, and the
+claim board's decisions (who fetches, who waits, who takes over) between boards standing for
+nodes, each with its own node id, over one directory."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import trio
+
+from faultfs.errors import CorruptionError
+from faultfs.stats import Stats
+from faultfs.tiers.base import TierTag
+from faultfs.tiers.claimboard import ClaimBoard, sweep
+from faultfs.tiers.claims import Claim, DirectoryClaims, open_claims, probe_claims
+from faultfs.tiers.objects import LocalObjects
+
+MiB = 1 << 20
+TAG = TierTag(id=1, name="field", version="v1", num_blobs=64, blob_size=MiB,
+              blob_name=lambda i: f"chunk_{i}", blob_index=lambda s: None,
+              key="fault:0123456789abcdef")
+
+
+def test_claim_bytes_are_pinned():
+    raw = Claim("host-1-ab", 3, 1_700_000_000_123, 8, 4).encode()
+    assert raw == (b'{"count":4,"deadline_ms":1700000000123,"first":8,"gen":3,'
+                   b'"node":"host-1-ab","state":"fetching","v":1}'), \
+        "claim format changed: bump the version"
+    assert Claim.decode(raw) == Claim("host-1-ab", 3, 1_700_000_000_123, 8, 4)
+    done = Claim("n", 1, 5, 0, 1, published=True)
+    assert done.encode() == (b'{"count":1,"deadline_ms":5,"first":0,"gen":1,"node":"n",'
+                             b'"state":"published","v":1}')
+    assert Claim.decode(done.encode()) == done
+
+
+@pytest.mark.parametrize(("raw", "why"), [
+    (b'{"count":4,"deadline_ms":1,"first":8,"gen":3,"node":"n","state":"fetching","v":2}', "unknown version"),
+    (b'{"count":4,"deadline_ms":1,"first":8,"gen":3,"node":"n","state":"fetching"}', "unknown version"),
+    (b'{"count":-1,"deadline_ms":1,"first":8,"gen":3,"node":"n","state":"fetching","v":1}', "wrong fields"),
+    (b'{"count":4,"deadline_ms":1,"first":8,"gen":true,"node":"n","state":"fetching","v":1}', "wrong fields"),
+    (b'{"count":4,"deadline_ms":1,"first":8,"gen":3,"node":"n","state":"done","v":1}', "wrong fields"),
+    (b'{"count":4,"deadline_ms":1,"fir', "not JSON"),
+    (b"\xff\xfe", "not JSON"),
+    (b"x" * 5000, "5000 bytes"),
+])
+def test_a_torn_or_foreign_claim_object_is_a_clear_error(raw, why):
+    with pytest.raises(CorruptionError, match=why):
+        Claim.decode(raw)
+
+
+def test_directory_claims_create_once_and_replace_only_what_was_read(tmp_path):
+    store = DirectoryClaims(LocalObjects(str(tmp_path)))
+    first = store.create("claims/a/b/0", b"one")
+    assert first is not None and store.create("claims/a/b/0", b"two") is None
+    assert store.read("claims/a/b/0") == (b"one", first)
+    assert store.replace("claims/a/b/0", b"two", "0-0-0") is None
+    assert store.read("claims/a/b/0")[0] == b"one"  # a lost replace put it back
+    second = store.replace("claims/a/b/0", b"two", first)
+    assert second is not None and store.read("claims/a/b/0")[0] == b"two"
+    assert store.replace("claims/a/b/0", b"three", first) is None  # stale tag
+    store.delete("claims/a/b/0")
+    assert store.read("claims/a/b/0") is None and store.list("claims/") == []
+    assert probe_claims(store)
+
+
+@pytest.mark.parametrize("op", ["create", "replace"])
+def test_of_threads_racing_for_one_claim_exactly_one_wins(tmp_path, op):
+    store = DirectoryClaims(LocalObjects(str(tmp_path)))
+    old = store.create("claims/k/v/0", b"old") if op == "replace" else None
+    start = threading.Barrier(8)
+    wins = []
+
+    def race(i: int) -> None:
+        start.wait()
+        body = f"node-{i}".encode()
+        got = store.create("claims/k/v/0", body) if op == "create" else \
+            store.replace("claims/k/v/0", body, old)
+        if got is not None:
+            wins.append(body)
+
+    threads = [threading.Thread(target=race, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(wins) == 1 and store.read("claims/k/v/0")[0] == wins[0]
+    assert [k for k in store.list("claims/")] == ["claims/k/v/0"]  # no temporary left
+
+
+class IgnoringClaims(DirectoryClaims):
+    """A store that ignores the conditions (some S3 look-alikes do): every create wins."""
+
+    def create(self, key, data):
+        self.objects.put(key, data)
+        return self.read(key)[1]
+
+
+def test_a_store_that_ignores_conditions_is_found_out_and_claims_are_off(tmp_path):
+    assert not probe_claims(IgnoringClaims(LocalObjects(str(tmp_path))))
+    store, note = open_claims(LocalObjects(str(tmp_path)))
+    assert store is not None and "exclusive creates" in note
+    store, note = open_claims(LocalObjects(str(tmp_path)), enabled=False)
+    assert store is None and "claims off" in note
+    assert LocalObjects(str(tmp_path)).list("claims/") == []
+
+
+# -- the board ---------------------------------------------------------------------------
+
+
+class Cluster:
+    """Boards standing for nodes over one directory, and the blob objects they publish."""
+
+    def __init__(self, root: str) -> None:
+        self.store = DirectoryClaims(LocalObjects(root))
+        self.blobs: dict[int, bytes] = {}
+        self.fetches: list[tuple[str, int]] = []
+
+    def board(self, name: str) -> ClaimBoard:
+        board = ClaimBoard(self.store, Stats(), node=name)
+        board.linger_s = 0.2  # released claims stay marked published this long
+        return board
+
+    async def load(self, indices: list[int]) -> dict:
+        return {i: self.blobs[i] for i in indices if i in self.blobs}
+
+    async def fault(self, board: ClaimBoard, indices: list[int], fetch_s: float = 0.05,
+                    die: bool = False) -> dict[int, bytes]:
+        """What a node's fault does: coordinate, fetch what is left, publish, release."""
+        got, held = await board.coordinate(TAG, indices, self.load)
+        out = dict(got)
+        left = [i for i in indices if i not in got]
+        if left:
+            await trio.sleep(fetch_s)
+            if die:
+                return out  # a killed claimer: nothing published, nothing released
+            for i in left:
+                self.fetches.append((board.node, i))
+                self.blobs[i] = out[i] = f"blob {i}".encode()
+        await board.release(held)
+        return out
+
+
+def test_nodes_claiming_one_window_at_once_fetch_it_once(tmp_path):
+    c = Cluster(str(tmp_path))
+    boards = [c.board(f"n{i}") for i in range(4)]
+    results = {}
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            for b in boards:
+                async def one(b=b):
+                    results[b.node] = await c.fault(b, [0, 1, 2], fetch_s=0.2)
+                nursery.start_soon(one)
+
+    trio.run(main)
+    assert sorted(i for _, i in c.fetches) == [0, 1, 2]  # once, by one node
+    assert all(r == {i: f"blob {i}".encode() for i in (0, 1, 2)} for r in results.values())
+    assert sum(b.stats.counters["claims_won"] for b in boards) == 1
+    assert sum(b.stats.counters["claim_waits"] for b in boards) == 3
+    assert sum(b.stats.counters["claims_released"] for b in boards) == 1
+    assert c.store.list("claims/") == []  # released
+
+
+def test_an_expired_claim_is_taken_over_by_exactly_one_of_three_nodes(tmp_path):
+    c = Cluster(str(tmp_path))
+    dead = c.board("dead")
+    boards = [c.board(f"n{i}") for i in range(3)]
+
+    async def main():
+        await c.fault(dead, [5], die=True)  # claimed, then killed: its claim stays
+        assert len(c.store.list("claims/")) == 1
+        async with trio.open_nursery() as nursery:
+            for b in boards:
+                nursery.start_soon(c.fault, b, [5])
+
+    started = time.monotonic()
+    trio.run(main)
+    assert c.fetches == [(c.fetches[0][0], 5)]  # one fetch besides the dead node's
+    assert sum(b.stats.counters["claim_takeovers"] for b in boards) == 1
+    assert time.monotonic() - started < dead.lease(MiB) + 2  # bounded by the dead claim's lease
+    assert c.store.list("claims/") == []
+
+
+def test_a_waiter_takes_over_a_live_slow_claim_after_its_own_estimate(tmp_path):
+    c = Cluster(str(tmp_path))
+    slow, waiter = c.board("slow"), c.board("waiter")
+    slow._seconds_per_byte = 1e-5  # a slow node: its lease is ~21 s
+    out = {}
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            async def claimer():
+                _, held = await slow.coordinate(TAG, [3], c.load)
+                await trio.sleep(2.5)
+                await slow.release(held)
+            nursery.start_soon(claimer)
+            await trio.sleep(0.05)
+            started = time.monotonic()
+            out["got"] = await c.fault(waiter, [3])
+            out["waited"] = time.monotonic() - started
+
+    trio.run(main)
+    assert out["got"] == {3: b"blob 3"} and c.fetches == [("waiter", 3)]
+    assert waiter.stats.counters["claim_waits_given_up"] == 1
+    assert waiter.stats.counters["claim_takeovers"] == 1
+    assert out["waited"] < waiter.lease(MiB) + 1  # its own bound, not the slow node's lease
+
+
+def test_a_foreign_object_where_a_claim_should_be_is_replaced(tmp_path):
+    c = Cluster(str(tmp_path))
+    LocalObjects(str(tmp_path)).put(c.board("x")._key(TAG, 0), b"\x00garbage")
+    b = c.board("n")
+    assert trio.run(c.fault, b, [1]) == {1: b"blob 1"}
+    assert b.stats.counters["claim_takeovers"] == 1 and c.store.list("claims/") == []
+
+
+def test_one_nodes_faults_share_its_claim_and_the_last_releases_it(tmp_path):
+    c = Cluster(str(tmp_path))
+    b = c.board("n")
+
+    async def main():
+        _, held1 = await b.coordinate(TAG, [0], c.load)
+        _, held2 = await b.coordinate(TAG, [1, 2], c.load)
+        assert held1 == held2 and held1[0].users == 2
+        await b.release(held1)
+        assert len(c.store.list("claims/")) == 1
+        await b.release(held2)
+        assert c.store.list("claims/") == []
+
+    trio.run(main)
+    assert b.stats.counters["claims_won"] == 1
+
+
+def test_sweep_removes_expired_and_foreign_claims_and_keeps_live_ones(tmp_path):
+    c = Cluster(str(tmp_path))
+    now = int(time.time() * 1000)
+    c.store.create("claims/f/v/0", Claim("a", 1, now - 120_000, 0, 1).encode())  # long expired
+    c.store.create("claims/f/v/1", Claim("b", 1, now + 60_000, 8, 1).encode())  # live
+    c.store.create("claims/f/v/2", b"not a claim")
+    assert sweep(c.store, dry_run=True) == ["claims/f/v/0", "claims/f/v/2"]
+    assert len(c.store.list("claims/")) == 3
+    assert sweep(c.store) == ["claims/f/v/0", "claims/f/v/2"]
+    assert c.store.list("claims/") == ["claims/f/v/1"]
