@@ -24,7 +24,12 @@ The proxies run in a child process, so the readers here do not share a GIL with 
 
 Bytes are verified once per configuration: the sha256 of a node's view after its read against the
 object's, and every random read against the generated file. Every mount, daemon, proxy, server
-and temporary directory is removed at exit, also on Ctrl-C or SIGTERM. The results replace the
+and temporary directory is removed at exit, also on Ctrl-C or SIGTERM. 3. Nodes started together (``scripts/bench_cluster.py``): 2, 4 and 8 nodes reading at once with
+   claims and without (--no-shared-claims), sequentially and with 8 random readers, against a
+   lone node; and a kill -9 of one of 4 nodes mid-read. --quick: a 32 MiB object, 2 and 4 nodes,
+   one rep, part 3 alone (claims need an endpoint with conditional puts: --server moto).
+
+The results replace the
 part of docs/benchmarks-shared.md after its results marker (--no-doc to skip).
 """
 
@@ -570,7 +575,8 @@ def flight(stats: dict) -> str:
     return f"[{stats['avg_in_flight']:.1f}, {stats['peak_in_flight']}]"
 
 
-def render(args, res1: dict | None, rows2: list[dict], size: int, meta: dict) -> str:
+def render(args, res1: dict | None, rows2: list[dict], size: int, meta: dict,
+           res3: dict | None = None) -> str:
     mib = size // MiB
     out = [f"Object: {mib} MiB of random bytes in S3 ({meta['server']} on 127.0.0.1); every "
            f"daemon reaches the source bucket and the shared-store bucket through its own "
@@ -659,6 +665,10 @@ def render(args, res1: dict | None, rows2: list[dict], size: int, meta: dict) ->
                        f"{methods_line(r['proxy']['source'])}; CPU {u['faultfs']:.1f} / "
                        f"{u['proxies']:.1f} / {u['s3']:.1f}")
         out.append("")
+    if res3:
+        from bench_cluster import render3
+
+        out += render3(args, res3, size)
     out += [f"Versions: {meta['server']}; {meta['faultfs']}.",
             f"Machine: {platform.platform()}, {os.cpu_count()} CPUs (shared with other jobs), "
             f"python {platform.python_version()}; total time {meta['elapsed']:.0f} s.", "",
@@ -683,7 +693,7 @@ def parse_args():
                    help="reader threads of the random cases, comma-separated (1,8)")
     p.add_argument("--nodes", type=int, default=4, help="nodes of part 2 (4)")
     p.add_argument("--node-reps", type=int, default=1, help="repetitions of part 2 (1)")
-    p.add_argument("--parts", default="1,2", help="which parts to run (1,2)")
+    p.add_argument("--parts", default="1,2,3", help="which parts to run (1,2,3)")
     p.add_argument("--latency-ms", type=float, default=20.0,
                    help="proxy delay before each response's first byte (20, as bench_s3)")
     p.add_argument("--conn-mbps", type=float, default=100.0,
@@ -701,7 +711,17 @@ def parse_args():
     p.add_argument("--cache", default=str(Path.home() / ".cache" / "faultfs-bench"),
                    help="where s3rver is installed")
     p.add_argument("--no-doc", action="store_true", help="do not rewrite the doc")
+    p.add_argument("--cluster-nodes", default="2,4,8",
+                   help="node counts of part 3, comma-separated (2,4,8)")
+    p.add_argument("--cluster-reps", type=int, default=3, help="repetitions of part 3 (3)")
+    p.add_argument("--quick", action="store_true",
+                   help="part 3 alone, 32 MiB, 2 and 4 nodes, one rep, moto, no doc")
     args = p.parse_args()
+    if args.quick:
+        args.parts, args.size_mb, args.cluster_nodes, args.cluster_reps = "3", 32, "2,4", 1
+        args.server, args.no_doc = "moto", True
+    args.cluster_counts = [int(n) for n in args.cluster_nodes.split(",") if n.strip()]
+    args.src_bucket = SRC_BUCKET
     args.threads = [int(t) for t in args.random_threads.split(",") if t.strip()]
     args.part_set = {int(x) for x in args.parts.split(",") if x.strip()}
     return args
@@ -766,6 +786,13 @@ def main() -> int:
         res1 = part1(args, work, env, endpoint, proxies, cpu, size, digest, original) \
             if 1 in args.part_set else None
         rows2 = part2(args, work, env, proxies, cpu, size, digest) if 2 in args.part_set else []
+        res3 = None
+        if 3 in args.part_set:
+            from bench_cluster import part3
+
+            res3 = part3(args, work, env, proxies, size, digest, Node=Node,
+                         timed_read=timed_read, drop_caches=drop_caches, check_view=check_view,
+                         bucket=SHARED_BUCKET, key=KEY, log=log)
 
         rev = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
                              text=True, cwd=ROOT).stdout.strip()
@@ -783,7 +810,7 @@ def main() -> int:
         meta = {"server": server, "proxy": proxy_text,
                 "faultfs": f"faultfs {__version__} ({rev or 'no git'})",
                 "command": command, "elapsed": time.monotonic() - started}
-        table = render(args, res1, rows2, size, meta)
+        table = render(args, res1, rows2, size, meta, res3)
         print(table)
         if not args.no_doc:
             write_doc(table)

@@ -179,7 +179,10 @@ def test_an_expired_claim_is_taken_over_by_exactly_one_of_three_nodes(tmp_path):
     started = time.monotonic()
     trio.run(main)
     assert c.fetches == [(c.fetches[0][0], 5)]  # one fetch besides the dead node's
-    assert sum(b.stats.counters["claim_takeovers"] for b in boards) == 1
+    # one node holds the window next: by a takeover, or (a directory's takeover moves the
+    # expired claim aside before it creates its own) by a create in that moment
+    assert sum(b.stats.counters["claims_won"] for b in boards) == 1
+    assert sum(b.stats.counters["claim_takeovers"] for b in boards) <= 1
     assert time.monotonic() - started < dead.lease(MiB) + 2  # bounded by the dead claim's lease
     assert c.store.list("claims/") == []
 

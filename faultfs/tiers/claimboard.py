@@ -11,11 +11,13 @@ Invariants:
 - A node holds at most one claim per window; its own later faults of the window share it
   (``_mine``, counted by users) and the last one releases it, after the blobs it fetched are
   published, so a waiter that sees the claim gone finds them (or claims the window itself).
-- A claim's deadline is its holder's bound: ``lease`` = twice the node's own estimate of the
-  fetch, plus ``LEASE_SLACK_S``. After it, any node may take the claim over with a
+- A claim's deadline is its holder's bound: ``lease`` = three times the node's own estimate
+  of the fetch (the fetch, its publish, the waiters' load), plus ``LEASE_SLACK_S``. After it, any node may take the claim over with a
   conditional replace, and exactly one does; the blob is then fetched at most twice.
-- A waiter's wait is bounded by the claim's deadline and, per generation of the claim, by its
-  own estimate of fetching the blobs itself (``lease`` of its own measurements): then it
+- A waiter takes each blob the holder publishes as soon as it lands (it polls them with the
+  claim). Its wait is bounded by the claim's deadline and, per generation of the claim and
+  since the last blob that landed, by its own estimate of fetching the rest itself (``lease``
+  of its own measurements): then it
   takes the claim over (one waiter wins; the others wait on it, a new bound). A slow or dead
   peer costs latency, never a failure or wrong bytes, and a blob is fetched twice at most.
 - Any failure of the store ends the coordination for that fault: the caller fetches from the
@@ -84,6 +86,9 @@ class ClaimBoard:
         self.node = node or node_id()
         self.mode = store.mode
         self._mine: dict[tuple[int, int], Held] = {}
+        # windows this node is claiming now: its other faults of them wait for the answer
+        # rather than find their own node's claim and wait on it as on another node's
+        self._claiming: dict[tuple[int, int], trio.Event] = {}
         self._limiter: trio.CapacityLimiter | None = None
         self._seconds_per_byte = 1.0 / FIRST_RATE
         self.linger_s = LINGER_S
@@ -99,7 +104,7 @@ class ClaimBoard:
     def lease(self, nbytes: int) -> float:
         """How long fetching ``nbytes`` may take this node, generously."""
         estimate = FIRST_BYTE_S + nbytes * self._seconds_per_byte
-        return min(LEASE_MAX_S, 2 * estimate + LEASE_SLACK_S)
+        return min(LEASE_MAX_S, 3 * estimate + LEASE_SLACK_S)
 
     # -- keys --------------------------------------------------------------------------------
 
@@ -165,11 +170,18 @@ class ClaimBoard:
         force = ""  # the tag of a claim to take over (its blobs are late or missing)
         try:
             while True:
+                while (tag.id, window) in self._claiming:
+                    await self._claiming[(tag.id, window)].wait()
                 mine = self._mine.get((tag.id, window))  # one of our faults claimed meanwhile
                 if mine is not None:
                     mine.users += 1
                     return got, mine
-                outcome = await self._attempt(tag, window, key, need, force)
+                claiming = self._claiming[(tag.id, window)] = trio.Event()
+                try:
+                    outcome = await self._attempt(tag, window, key, need, force)
+                finally:
+                    del self._claiming[(tag.id, window)]
+                    claiming.set()
                 force = ""
                 if isinstance(outcome, Held):
                     if outcome.claim.gen > 1:  # a takeover: some blobs may have landed
@@ -191,10 +203,20 @@ class ClaimBoard:
                 if seen_gen != (claim.gen, etag):  # a new holder: a new bound
                     seen_gen = (claim.gen, etag)
                     give_up = now + self.lease(nbytes)
-                until = min(give_up, now + max(0.0, claim.deadline_ms / 1000 - time.time()))
+                deadline = now + max(0.0, claim.deadline_ms / 1000 - time.time())
+                until = min(give_up, deadline)
                 while True:
                     await trio.sleep(max(0.0, min(delay, until - time.monotonic())))
                     delay = min(POLL_MAX_S, delay * 2)
+                    covered = [i for i in need if claim.first <= i < claim.first + claim.count]
+                    landed = await load(covered) if covered else {}
+                    if landed:  # the holder's blobs as each is published: it makes progress
+                        got.update(landed)
+                        need = [i for i in need if i not in got]
+                        if not need:
+                            return got, None
+                        give_up = time.monotonic() + self.lease(len(need) * tag.blob_size)
+                        until = min(give_up, deadline)
                     seen = await self._io(self.store.read, key)
                     if seen is None or seen[1] != etag:  # released, or someone else's now
                         break
@@ -284,6 +306,7 @@ class ClaimBoard:
                     continue
                 if self._mine.get((h.tag_id, h.window)) is h:
                     del self._mine[(h.tag_id, h.window)]
+                ending = self._claiming.setdefault((h.tag_id, h.window), trio.Event())
                 try:
                     marker = await self._end(h, published)
                 except OSError as exc:
@@ -291,6 +314,10 @@ class ClaimBoard:
                     log.warning("releasing claim %s failed (%s): it expires", h.key,
                                 exc.strerror or exc)
                     continue
+                finally:  # this node's faults of the window see it ended
+                    if self._claiming.get((h.tag_id, h.window)) is ending:
+                        del self._claiming[(h.tag_id, h.window)]
+                    ending.set()
                 self.stats.add("claims_released")
                 if marker is not None:
                     markers.append((h.key, marker))
