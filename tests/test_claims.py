@@ -247,3 +247,20 @@ def test_sweep_removes_expired_and_foreign_claims_and_keeps_live_ones(tmp_path):
     assert len(c.store.list("claims/")) == 3
     assert sweep(c.store) == ["claims/f/v/0", "claims/f/v/2"]
     assert c.store.list("claims/") == ["claims/f/v/1"]
+
+
+def test_faultfs_gc_removes_stray_claims_of_a_shared_store(tmp_path):
+    from conftest import run_faultfs
+
+    c = Cluster(str(tmp_path / "shared"))
+    now = int(time.time() * 1000)
+    c.store.create("claims/f/v/0", Claim("dead", 2, now - 120_000, 0, 1).encode())
+    c.store.create("claims/f/v/1", Claim("live", 1, now + 60_000, 8, 1).encode())
+    shown = run_faultfs("gc", "--shared-store", str(tmp_path / "shared"), "--dry-run", "-v",
+                        check=True).stdout
+    assert "would remove 1 stray claims" in shown and "claims/f/v/0" in shown
+    assert len(c.store.list("claims/")) == 2
+    run_faultfs("gc", "--shared-store", str(tmp_path / "shared"), check=True)
+    assert c.store.list("claims/") == ["claims/f/v/1"]
+    refused = run_faultfs("gc")
+    assert refused.returncode == 2 and "give a STORE" in refused.stderr

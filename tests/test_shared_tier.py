@@ -124,7 +124,9 @@ def test_a_damaged_object_is_never_served_and_is_replaced(nodes, sample, damage)
     b = nodes("b")
     assert read(os.path.join(b.tag("field"), "field.bin")) == data  # re-faulted, not served
     c = settled(b)
-    assert c["shared_damaged"] == 1 and c["source_reads"] == 1 and c["shared_publishes"] == 1
+    # found damaged on each look (the first, and the claim's: A's published marker sent B to
+    # load it again before it claimed the blob)
+    assert c["shared_damaged"] >= 1 and c["source_reads"] == 1 and c["shared_publishes"] == 1
     assert objects.get(victim, limit=ANY) == raw  # republished over it
 
 

@@ -8,6 +8,7 @@ Exit status: 0 done, 2 could not run (not a store, a live mount owns it, an I/O 
 from __future__ import annotations
 
 import argparse
+import sys
 import traceback
 
 from faultfs.cli.fsck import WalkProgress, failed
@@ -24,7 +25,13 @@ def register(sub) -> None:
         description="Remove the blobs of tags no longer registered, blobs staged from old "
                     "source versions and temp files of interrupted writes from STORE, which no "
                     "live mount may own. Dirty data is never touched.")
-    g.add_argument("store", metavar="STORE")
+    g.add_argument("store", metavar="STORE", nargs="?")
+    g.add_argument("--shared-store", metavar="URL",
+                   help="also (or only) remove stray claims from this shared store: claims "
+                        "past their deadline by a minute, and objects among them that are "
+                        "not claims (live claims are kept)")
+    g.add_argument("--shared-store-endpoint-url", metavar="URL",
+                   help="the shared store's S3 endpoint")
     g.add_argument("--dry-run", action="store_true", help="say what would be freed, remove nothing")
     g.add_argument("-v", "--verbose", action="store_true", help="one line per file freed")
     g.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -33,6 +40,13 @@ def register(sub) -> None:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
+    if args.store is None and not args.shared_store:
+        print("faultfs gc: give a STORE, a --shared-store URL, or both", file=sys.stderr)
+        return 2
+    if args.shared_store:
+        status = _gc_claims(args)
+        if status or args.store is None:
+            return status
     progress: WalkProgress | None = None
     try:
         root = check_store_root(args.store)
@@ -61,4 +75,32 @@ def cmd_gc(args: argparse.Namespace) -> int:
     if report.damaged:
         print(f"{report.damaged} damaged files left alone: `faultfs fsck --repair {root}` "
               "judges them")
+    return 0
+
+
+def _gc_claims(args: argparse.Namespace) -> int:
+    """Remove stray claims from the shared store (DESIGN §17)."""
+    from faultfs.sources import SourceOptions
+    from faultfs.tiers.claimboard import sweep
+    from faultfs.tiers.claims import claim_store
+    from faultfs.tiers.objects import open_objects
+
+    try:
+        objects = open_objects(args.shared_store, SourceOptions(),
+                               endpoint_url=args.shared_store_endpoint_url or "")
+        store = claim_store(objects)
+        if store is None:
+            print(f"gc {objects.url}: this kind of store has no claims")
+            return 0
+        removed = sweep(store, dry_run=args.dry_run)
+    except (FaultfsError, OSError) as exc:
+        if args.debug:
+            traceback.print_exc()
+        print(f"faultfs gc: shared store {args.shared_store}: {exc}", file=sys.stderr)
+        return 2
+    verb = "would remove" if args.dry_run else "removed"
+    print(f"gc {objects.url}: {verb} {len(removed)} stray claims")
+    if args.verbose:
+        for key in removed:
+            print(f"  {key}")
     return 0

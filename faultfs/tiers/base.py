@@ -17,6 +17,7 @@ Invariants every tier keeps:
 from __future__ import annotations
 
 import enum
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -55,6 +56,11 @@ class TierTag:
     blob_name: Callable[[int], str]
     blob_index: Callable[[str], int | None]
     key: str = ""  # the context's fault key: the shared tier's objects are named by it
+
+
+def version_hash(version: str) -> str:
+    """What names a source version in the shared store's keys (blob and claim objects)."""
+    return hashlib.sha256(version.encode("utf-8", "surrogateescape")).hexdigest()[:16]
 
 
 @dataclass(frozen=True)

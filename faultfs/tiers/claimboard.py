@@ -41,9 +41,8 @@ import trio
 from faultfs.errors import CorruptionError
 from faultfs.iopool import run_in_thread
 from faultfs.stats import Stats
-from faultfs.tiers.base import Buffer, TierTag
+from faultfs.tiers.base import Buffer, TierTag, version_hash
 from faultfs.tiers.claims import Claim, ClaimStore, claim_key
-from faultfs.tiers.shared import version_hash
 
 log = logging.getLogger("faultfs.shared")
 
@@ -182,9 +181,9 @@ class ClaimBoard:
                 finally:
                     del self._claiming[(tag.id, window)]
                     claiming.set()
-                force = ""
+                loaded, force = bool(force), ""  # a forced takeover follows a load
                 if isinstance(outcome, Held):
-                    if outcome.claim.gen > 1:  # a takeover: some blobs may have landed
+                    if outcome.claim.gen > 1 and not loaded:  # a takeover: some may have landed
                         got.update(await load(need))
                         need = [i for i in need if i not in got]
                     return got, outcome

@@ -23,7 +23,6 @@ Invariants:
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -35,7 +34,7 @@ from faultfs.errors import CorruptionError
 from faultfs.iopool import run_in_thread
 from faultfs.stats import Stats
 from faultfs.store.blobfile import HEADER_LEN, decode_header, encode_header
-from faultfs.tiers.base import BlobKey, Buffer, TierTag
+from faultfs.tiers.base import BlobKey, Buffer, TierTag, version_hash
 from faultfs.tiers.objects import Objects
 
 if TYPE_CHECKING:
@@ -48,10 +47,6 @@ PUBLISH_BUDGET = 256 << 20  # bytes of blobs waiting to be published
 # behind the readers must never take the threads a fault needs to read its source.
 LOAD_THREADS, PUBLISH_THREADS = 16, 4
 BACKOFF_FIRST_S, BACKOFF_MAX_S = 1.0, 30.0
-
-
-def version_hash(version: str) -> str:
-    return hashlib.sha256(version.encode("utf-8", "surrogateescape")).hexdigest()[:16]
 
 
 def blob_object_key(tag: TierTag, index: int) -> str:
