@@ -164,6 +164,7 @@ class ClaimBoard:
         got: dict[int, Buffer] = {}
         waited_from: float | None = None
         seen_gen: tuple[int, str] | None = None
+        progressed = False  # a blob of the current holder's claim landed
         give_up = 0.0
         delay = POLL_FIRST_S
         force = ""  # the tag of a claim to take over (its blobs are late or missing)
@@ -202,8 +203,11 @@ class ClaimBoard:
                 if seen_gen != (claim.gen, etag):  # a new holder: a new bound
                     seen_gen = (claim.gen, etag)
                     give_up = now + self.lease(nbytes)
+                    progressed = False
                 deadline = now + max(0.0, claim.deadline_ms / 1000 - time.time())
-                until = min(give_up, deadline)
+                # a holder whose blobs keep landing is slow, not dead: its deadline is not
+                # held against it; the waiter's own bound (renewed by each blob) still is
+                until = give_up if progressed else min(give_up, deadline)
                 while True:
                     await trio.sleep(max(0.0, min(delay, until - time.monotonic())))
                     delay = min(POLL_MAX_S, delay * 2)
@@ -215,7 +219,7 @@ class ClaimBoard:
                         if not need:
                             return got, None
                         give_up = time.monotonic() + self.lease(len(need) * tag.blob_size)
-                        until = min(give_up, deadline)
+                        until, progressed = give_up, True
                     seen = await self._io(self.store.read, key)
                     if seen is None or seen[1] != etag:  # released, or someone else's now
                         break
