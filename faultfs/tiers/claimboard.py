@@ -189,8 +189,9 @@ class ClaimBoard:
                         need = [i for i in need if i not in got]
                     return got, outcome
                 claim, etag = outcome
-                if claim.published:  # its blobs are in the store
-                    got.update(await load(need))
+                if claim.published:  # its blobs are in the store (those it fetched)
+                    covered = [i for i in need if claim.first <= i < claim.first + claim.count]
+                    got.update(await load(covered) if covered else {})
                     need = [i for i in need if i not in got]
                     if not need:
                         return got, None
