@@ -32,6 +32,7 @@ from typing import Any, Protocol
 
 from faultfs.errors import CorruptionError
 from faultfs.tiers.objects import FsspecObjects, LocalObjects, Objects
+from faultfs.tiers.sealed import SealedObjects
 
 CLAIM_PREFIX = "claims/"
 CLAIM_VERSION = 1
@@ -243,7 +244,11 @@ def _lost_race(exc: BaseException) -> bool:
 
 
 def claim_store(objects: Objects) -> ClaimStore | None:
-    """The claim operations the shared store offers, or None (mode ``off``)."""
+    """The claim operations the shared store offers, or None (mode ``off``). A sealed store's
+    claims are its plain objects: a claim holds no data (a forged one can make nodes wait
+    until its deadline, never serve bytes, which a node takes only from sealed blobs)."""
+    if isinstance(objects, SealedObjects):
+        objects = objects.objects
     if isinstance(objects, LocalObjects):
         return DirectoryClaims(objects)
     if isinstance(objects, FsspecObjects) and "s3" in _protocols(objects.fs):

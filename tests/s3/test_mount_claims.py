@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import threading
 import time
@@ -273,11 +274,14 @@ def test_the_shared_store_stopped_and_restarted_mid_run_never_costs_a_right_byte
     server.start()
     host, port = server.get_host_and_port()
     shared_endpoint = f"http://{host}:{port}"
-    boto3.client("s3", endpoint_url=shared_endpoint).create_bucket(Bucket="tier")
+    # (a bucket of its own: a second in-process moto server shares the first one's backend,
+    # so a common name would leave this test's registry entries to later tests)
+    tier = f"tier-{secrets.token_hex(4)}"
+    boto3.client("s3", endpoint_url=shared_endpoint).create_bucket(Bucket=tier)
     try:
         with LatencyProxy(endpoint.hostname, endpoint.port, delay_ms=20,
                           conn_mbps=20) as proxy:
-            c = Cluster(mounter, tmp_path, f"s3://{src}/run/field.bin", proxy, "s3://tier/c",
+            c = Cluster(mounter, tmp_path, f"s3://{src}/run/field.bin", proxy, f"s3://{tier}/c",
                         shared_endpoint)
             nodes = [c.node(f"n{i}", prefetch=True) for i in range(3)]
 
@@ -289,7 +293,7 @@ def test_the_shared_store_stopped_and_restarted_mid_run_never_costs_a_right_byte
                 ThreadedMotoServer.__init__(server, ip_address="127.0.0.1", port=port,
                                             verbose=False)
                 server.start()
-                boto3.client("s3", endpoint_url=shared_endpoint).create_bucket(Bucket="tier")
+                boto3.client("s3", endpoint_url=shared_endpoint).create_bucket(Bucket=tier)
 
             stopper = threading.Thread(target=outage)
             stopper.start()
