@@ -389,7 +389,7 @@ def test_user_blobs_are_created_renamed_and_unlinked(mounter, sample):
     os.unlink(os.path.join(tag, "gone.bin"))
     names = os.listdir(tag)
     assert "kept.txt" in names and "notes.txt" not in names and "gone.bin" not in names
-    for bad in ("chunk_0", "field.bin", ".hidden", "page:3"):
+    for bad in ("chunk_0", "field.bin", ".faultfs-x", "page:3"):
         with pytest.raises(OSError) as info:
             open(os.path.join(tag, bad), "xb")
         assert info.value.errno in (errno.EPERM, errno.EEXIST, errno.EINVAL), bad
