@@ -1,0 +1,269 @@
+"""One object opened through the protocol: its source pinned at the version it has now, its
+tag (named by the object *and* that version: a new version is a new tag, never a mix), and
+its chunks read from the shared store — a hit, a wait for another process's fault, or a
+fault of our own (DESIGN §5, §18).
+
+Invariants:
+- Bytes served are the pinned version's: from a blob whose header verified against this tag,
+  name and version and whose blocks verify as they are read, or just read from the pinned
+  source (which refuses to read another version). A failed fault raises; zeros are never
+  served.
+- One source read per blob per store: in this process by single-flight, across processes by
+  the blob's claim (``claims.py``); a blob is published whole (``BlobStore.publish``).
+- A blob that may not be stored (reserve, cap, back-off, a full file system) is served from
+  the bytes read; nothing partial is left.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import json
+import logging
+import os
+import threading
+from dataclasses import dataclass
+
+from faultfs.core.context import fnv1a64
+from faultfs.errors import CorruptionError, FaultfsError, StoreFull
+from faultfs.fsspec.claims import Claims
+from faultfs.fsspec.space import TAG_PREFIX, SharedSpace
+from faultfs.sources import Source
+from faultfs.store.blobstore import BlobStore, OpenBlob
+
+log = logging.getLogger("faultfs.fsspec")
+
+CLAIM_WAIT_S = 120.0  # the longest wait for another process's fault before reading through
+OPEN_BLOBS = 8  # blob files kept open per object for hits (random reads of one object)
+
+
+def tag_for(url: str, endpoint: str, version: str, chunk_size: int) -> str:
+    """The tag of ``url`` (reached at ``endpoint``) at ``version``, cut in ``chunk_size``."""
+    identity = json.dumps([url, endpoint, version, chunk_size], separators=(",", ":"))
+    return f"{TAG_PREFIX}{fnv1a64(identity.encode()):016x}"
+
+
+class Counters:
+    """What one file system did, by name (faults, hits, source bytes, stored, skipped ...);
+    thread-safe."""
+
+    def __init__(self) -> None:
+        self._counts: collections.Counter[str] = collections.Counter()
+        self._lock = threading.Lock()
+
+    def add(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._counts[name] += n
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+
+@dataclass
+class Shared:
+    """What every object of one file system uses: the store, its claims and space, the pool
+    that runs faults and read-aheads, the counters."""
+
+    store: BlobStore
+    claims: Claims
+    space: SharedSpace
+    pool: concurrent.futures.ThreadPoolExecutor
+    stats: Counters
+    store_enabled: bool = True
+
+
+class PinnedObject:
+    """A source object at one version, read through the shared store in chunks."""
+
+    def __init__(self, source: Source, tag: str, version: str, size: int, chunk_size: int,
+                 shared: Shared) -> None:
+        self.source = source
+        self.tag = tag
+        self.version = version
+        self.size = size
+        self.chunk_size = chunk_size
+        self.shared = shared
+        self._flights: dict[int, concurrent.futures.Future[bytes]] = {}
+        self._lock = threading.Lock()
+        self._open: dict[int, OpenBlob] = {}
+
+    @property
+    def num_chunks(self) -> int:
+        return -(-self.size // self.chunk_size)
+
+    def read(self, start: int, end: int, *, ahead: int = 0) -> bytes:
+        """Bytes ``[start, end)`` (clipped to the object); the ``ahead`` chunks after the
+        last one read are faulted in the background (a sequential reader's read-ahead)."""
+        end = min(end, self.size)
+        if start >= end:
+            return b""
+        cs = self.chunk_size
+        first, last = start // cs, (end - 1) // cs
+        for index in range(last + 1, min(last + 1 + ahead, self.num_chunks)):
+            self._start_fault(index)
+        if first == last:
+            return self._chunk_bytes(first, start - first * cs, end - start)
+        # several chunks: their faults run at once (each on the pool), then the pieces join
+        for index in range(first + 1, last + 1):
+            if self._hit(index, 0, 0) is None:
+                self._start_fault(index)
+        parts = []
+        for index in range(first, last + 1):
+            lo = max(start, index * cs) - index * cs
+            hi = min(end, (index + 1) * cs) - index * cs
+            parts.append(self._chunk_bytes(index, lo, hi - lo))
+        return b"".join(parts)
+
+    def close(self) -> None:
+        with self._lock:
+            blobs, self._open = list(self._open.values()), {}
+        for blob in blobs:
+            blob.close()
+
+    # -- one chunk -------------------------------------------------------------------------
+
+    def _chunk_bytes(self, index: int, off: int, size: int) -> bytes:
+        data = self._hit(index, off, size)
+        if data is not None:
+            self.shared.stats.add("hits")
+            return data
+        whole = self._fault(index)
+        return bytes(memoryview(whole)[off:off + size])
+
+    def _hit(self, index: int, off: int, size: int) -> bytes | None:
+        """Bytes of a staged, verified blob, or None (absent, stale, damaged: dropped)."""
+        with self._lock:
+            blob = self._open.get(index)
+        if blob is None:
+            blob = self.shared.store.open_blob(self.tag, str(index), source_version=self.version)
+            if blob is None:
+                return None
+            self._keep_open(index, blob)
+            try:
+                st = os.fstat(blob.fd)
+                self.shared.space.touch(self.shared.store.blob_path(self.tag, str(index)),
+                                        st.st_mtime)
+            except OSError:
+                pass
+        if size == 0:
+            return b""
+        try:
+            data = blob.pread(size, off)
+        except CorruptionError:
+            with self._lock:
+                self._open.pop(index, None)
+            self.shared.store.discard_damaged(self.tag, str(index), ino=blob.ino)
+            blob.close()
+            self.shared.stats.add("damaged_dropped")
+            return None
+        except OSError:  # closed under us by another thread's eviction of the open file
+            return None
+        return data
+
+    def _keep_open(self, index: int, blob: OpenBlob) -> None:
+        with self._lock:
+            old = self._open.pop(index, None)
+            self._open[index] = blob
+            spilled = []
+            while len(self._open) > OPEN_BLOBS:
+                spilled.append(self._open.pop(next(iter(self._open))))
+        for other in ([old] if old is not None else []) + spilled:
+            other.close()
+
+    def _start_fault(self, index: int) -> concurrent.futures.Future[bytes]:
+        with self._lock:
+            flight = self._flights.get(index)
+            if flight is not None:
+                return flight
+            if index in self._open:
+                done: concurrent.futures.Future[bytes] = concurrent.futures.Future()
+                done.set_result(b"")
+                return done
+            flight = self.shared.pool.submit(self._fault_here, index)
+            self._flights[index] = flight
+        flight.add_done_callback(lambda _: self._landed(index))
+        return flight
+
+    def _landed(self, index: int) -> None:
+        with self._lock:
+            self._flights.pop(index, None)
+
+    def _fault(self, index: int) -> bytes:
+        """The whole chunk ``index``: joined to a fault in flight here, else faulted."""
+        with self._lock:
+            flight = self._flights.get(index)
+        if flight is not None:
+            data = flight.result()
+            if data:
+                return data
+        # a read-ahead stored it (and returned no bytes), or nothing was in flight
+        hit = self._hit(index, 0, self._chunk_len(index))
+        if hit is not None:
+            self.shared.stats.add("hits")
+            return hit
+        return self._fault_here(index)
+
+    def _chunk_len(self, index: int) -> int:
+        return min(self.chunk_size, self.size - index * self.chunk_size)
+
+    def _fault_here(self, index: int) -> bytes:
+        """Fault chunk ``index`` under its claim: another process's fault is waited for and
+        read from the store; else the source is read and the blob published."""
+        shared, name, length = self.shared, str(index), self._chunk_len(index)
+        if not shared.store_enabled or not shared.store.writable:
+            return self._from_source(index, length)
+        claim = shared.claims.acquire(
+            self.tag, name, deadline_s=CLAIM_WAIT_S,
+            done=lambda: os.path.exists(shared.store.blob_path(self.tag, name)))
+        if claim is None:  # published by another process meanwhile (or it took too long)
+            hit = self._hit(index, 0, length)
+            if hit is not None:
+                shared.stats.add("claim_waits")
+                return hit
+            return self._from_source(index, length)
+        try:
+            hit = self._hit(index, 0, length)  # published just before we held the claim
+            if hit is not None:
+                shared.stats.add("claim_waits")
+                return hit
+            data = self._from_source(index, length)
+            self._store(name, data, claim)
+            return data
+        finally:
+            claim.release()
+
+    def _from_source(self, index: int, length: int) -> bytes:
+        stats = self.shared.stats
+        stats.add("faults")
+        data = self.source.pread(index * self.chunk_size, length)
+        if len(data) != length:
+            raise FaultfsError(f"source {self.source.url} returned {len(data)} bytes of chunk "
+                               f"{index} instead of {length}: it changed or was cut short")
+        stats.add("source_reads")
+        stats.add("source_bytes", length)
+        return bytes(data)
+
+    def _store(self, name: str, data: bytes, claim) -> None:
+        shared = self.shared
+        skipped = shared.space.admit(len(data))
+        if skipped is not None:
+            shared.stats.add(f"skipped_{skipped}")
+            return
+        try:
+            tmp = shared.store.temp_path(self.tag)
+            claim.record(tmp)  # a kill -9 from here on leaves tmp to the next claimer
+            shared.store.publish(self.tag, name, data, tmp, source_version=self.version)
+        except StoreFull:
+            shared.space.give_back(len(data))
+            shared.space.full()
+            shared.stats.add("store_failures")
+            return
+        except (OSError, FaultfsError) as exc:
+            shared.space.give_back(len(data))
+            shared.stats.add("store_failures")
+            log.warning("store %s: blob %s of %s not stored: %s", shared.store.root, name,
+                        self.tag, exc)
+            return
+        shared.stats.add("stored")
+        shared.stats.add("stored_bytes", len(data))
