@@ -29,12 +29,14 @@ from faultfs.errors import CorruptionError, FaultfsError, StoreFull
 from faultfs.fsspec.claims import Claims
 from faultfs.fsspec.space import TAG_PREFIX, SharedSpace
 from faultfs.sources import Source
+from faultfs.store.blobfile import HEADER_LEN
 from faultfs.store.blobstore import BlobStore, OpenBlob
 
 log = logging.getLogger("faultfs.fsspec")
 
 CLAIM_WAIT_S = 120.0  # the longest wait for another process's fault before reading through
 OPEN_BLOBS = 8  # blob files kept open per object for hits (random reads of one object)
+KEPT_FLIGHTS = 32  # finished faults whose bytes wait for their reader, per object
 
 
 def tag_for(url: str, endpoint: str, version: str, chunk_size: int) -> str:
@@ -101,12 +103,14 @@ class PinnedObject:
         cs = self.chunk_size
         first, last = start // cs, (end - 1) // cs
         for index in range(last + 1, min(last + 1 + ahead, self.num_chunks)):
-            self._start_fault(index)
+            if index not in self._open and index not in self._flights and not os.path.exists(
+                    self.shared.store.blob_path(self.tag, str(index))):
+                self._start_fault(index)
         if first == last:
             return self._chunk_bytes(first, start - first * cs, end - start)
         # several chunks: their faults run at once (each on the pool), then the pieces join
         for index in range(first + 1, last + 1):
-            if self._hit(index, 0, 0) is None:
+            if index not in self._open and self._hit(index, 0, 0) is None:
                 self._start_fault(index)
         parts = []
         for index in range(first, last + 1):
@@ -120,11 +124,12 @@ class PinnedObject:
             blobs, self._open = list(self._open.values()), {}
         for blob in blobs:
             blob.close()
+        self.source.close()
 
     # -- one chunk -------------------------------------------------------------------------
 
     def _chunk_bytes(self, index: int, off: int, size: int) -> bytes:
-        data = self._hit(index, off, size)
+        data = None if index in self._flights else self._hit(index, off, size)
         if data is not None:
             self.shared.stats.add("hits")
             return data
@@ -172,33 +177,27 @@ class PinnedObject:
             other.close()
 
     def _start_fault(self, index: int) -> concurrent.futures.Future[bytes]:
+        """A fault of chunk ``index`` on the pool (or the one in flight). Its bytes wait in
+        ``_flights`` for the reader that takes them (``_fault``), so a chunk that could not
+        be stored is not read twice; the oldest finished ones go past ``KEPT_FLIGHTS``."""
         with self._lock:
             flight = self._flights.get(index)
             if flight is not None:
                 return flight
-            if index in self._open:
-                done: concurrent.futures.Future[bytes] = concurrent.futures.Future()
-                done.set_result(b"")
-                return done
+            done = [i for i, f in self._flights.items() if f.done()]
+            for old in done[:max(0, len(self._flights) - KEPT_FLIGHTS)]:
+                del self._flights[old]
             flight = self.shared.pool.submit(self._fault_here, index)
             self._flights[index] = flight
-        flight.add_done_callback(lambda _: self._landed(index))
         return flight
 
-    def _landed(self, index: int) -> None:
-        with self._lock:
-            self._flights.pop(index, None)
-
     def _fault(self, index: int) -> bytes:
-        """The whole chunk ``index``: joined to a fault in flight here, else faulted."""
+        """The whole chunk ``index``: taken from a fault in flight here, else faulted."""
         with self._lock:
-            flight = self._flights.get(index)
+            flight = self._flights.pop(index, None)
         if flight is not None:
-            data = flight.result()
-            if data:
-                return data
-        # a read-ahead stored it (and returned no bytes), or nothing was in flight
-        hit = self._hit(index, 0, self._chunk_len(index))
+            return flight.result()
+        hit = self._hit(index, 0, self._chunk_len(index))  # stored by a read-ahead's holder
         if hit is not None:
             self.shared.stats.add("hits")
             return hit
@@ -246,7 +245,8 @@ class PinnedObject:
 
     def _store(self, name: str, data: bytes, claim) -> None:
         shared = self.shared
-        skipped = shared.space.admit(len(data))
+        need = len(data) + HEADER_LEN  # what the blob file takes
+        skipped = shared.space.admit(need)
         if skipped is not None:
             shared.stats.add(f"skipped_{skipped}")
             return
@@ -255,12 +255,12 @@ class PinnedObject:
             claim.record(tmp)  # a kill -9 from here on leaves tmp to the next claimer
             shared.store.publish(self.tag, name, data, tmp, source_version=self.version)
         except StoreFull:
-            shared.space.give_back(len(data))
+            shared.space.give_back(need)
             shared.space.full()
             shared.stats.add("store_failures")
             return
         except (OSError, FaultfsError) as exc:
-            shared.space.give_back(len(data))
+            shared.space.give_back(need)
             shared.stats.add("store_failures")
             log.warning("store %s: blob %s of %s not stored: %s", shared.store.root, name,
                         self.tag, exc)

@@ -68,9 +68,11 @@ class SharedSpace:
         with self._locked() as fd:
             total = _read_total(fd)
             if total is None or total + need > self.cache_size:
-                total = self._evict(need)
+                total, walked = self._evict(need, total or 0)
                 if total + need > self.cache_size:
-                    _write_total(fd, total)
+                    # what is left is in flight or drift a killed process left: the files
+                    # say how much is really there; this blob reads through
+                    _write_total(fd, walked)
                     return SKIPPED_CAP
             _write_total(fd, total + need)
         return None
@@ -121,24 +123,28 @@ class SharedSpace:
                 found.append((entry.path, st.st_size, st.st_mtime))
         return found
 
-    def _evict(self, need: int) -> int:
+    def _evict(self, need: int, counted: int) -> tuple[int, int]:
         """Walk the blob files; evict the least recently used until ``need`` more bytes fit
-        under ``LOW_WATER`` of the cap. The total left (the true one, drift corrected)."""
+        under ``LOW_WATER`` of the cap. ``counted``: the running total, which also holds the
+        blobs admitted and being written now (not files yet). Returns the total left and
+        the bytes the files left hold."""
         files = self._walk()
-        total = sum(size for _, size, _ in files)
+        walked = sum(size for _, size, _ in files)
+        total = max(walked, counted)
         target = int(self.cache_size * LOW_WATER)
         if total + need <= self.cache_size:
-            return total
+            return total, walked
         for path, size, _ in sorted(files, key=lambda f: f[2]):
             if total + need <= target:
                 break
             try:
                 os.unlink(path)
             except FileNotFoundError:
-                pass  # another process evicted it
+                continue  # another process evicted it
             total -= size
+            walked -= size
             self.evicted += 1
-        return total
+        return total, walked
 
     def _locked(self) -> _Locked:
         return _Locked(self._lock_path)

@@ -1,0 +1,351 @@
+"""faultfs:: as an fsspec file system over local targets (DESIGN §18): fsspec's behaviour kept
+(checked against the target file system on the same objects), a changed source is a new tag,
+many processes share one store (one source read per blob, kill -9 mid-fault, a full store, a
+cap across processes, a live mount beside them), hostile options refused in one line.
+S3 targets: tests/s3/test_fsspec_s3.py."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import fsspec
+import pytest
+
+from faultfs.fsspec import FaultFileSystem, OptionError, ReadOnlyError
+
+MiB = 1 << 20
+
+# a child process: read an object through faultfs:: and print its digest and counters
+CHILD = r"""
+import hashlib, json, sys, time
+import fsspec
+store, path, chunk, start_at = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
+extra = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {}
+fs = fsspec.filesystem("faultfs", target_protocol="file", store=store, reserve_mb=0,
+                       chunk_size=chunk, skip_instance_cache=True, **extra)
+while time.time() < start_at:
+    time.sleep(0.001)
+with fs.open(path) as f:
+    data = f.read()
+print(json.dumps({"sha": hashlib.sha256(data).hexdigest(), "stats": fs.stats()}))
+"""
+
+
+def child(store: str, path: str, chunk: str, start_at: float = 0.0,
+          extra: dict | None = None) -> subprocess.Popen:
+    args = [sys.executable, "-c", CHILD, store, path, chunk, str(start_at)]
+    if extra:
+        args.append(json.dumps(extra))
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc: subprocess.Popen) -> dict:
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    return json.loads(out)
+
+
+def content(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def sha(path: str) -> str:
+    import hashlib
+
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def leftovers(store: str) -> list[str]:
+    """Temporary blob files and claims left in ``store``."""
+    out = []
+    for base, _, names in os.walk(store):
+        for name in names:
+            if name.endswith(".tmp") or os.path.basename(base) == "claims":
+                out.append(os.path.join(base, name))
+    return out
+
+
+@pytest.fixture
+def ffs(tmp_path):
+    def make(**options) -> FaultFileSystem:
+        options.setdefault("store", str(tmp_path / "store"))
+        options.setdefault("reserve_mb", 0)
+        options.setdefault("chunk_size", "64k")
+        return fsspec.filesystem("faultfs", target_protocol="file", skip_instance_cache=True,
+                                 **options)
+
+    return make
+
+
+def test_reads_behave_like_the_target(ffs, sample, tmp_path):
+    """Seeks, reads, readline, readinto, reads past the end and info against the target fs,
+    on the same objects, through cold and warm chunks."""
+    paths = [sample(size, f"obj{size}.bin") for size in (0, 1, 65536, 300_001)]
+    fs, plain = ffs(), fsspec.filesystem("file")
+    rng = random.Random(7)
+    for path in paths:
+        assert fs.info(path)["size"] == plain.info(path)["size"]
+        assert fs.size(path) == os.path.getsize(path)
+        with fs.open(path, "rb") as ours, plain.open(path, "rb") as ref:
+            assert ours.size == os.path.getsize(path)
+            for _ in range(150):
+                op = rng.choice(["seek", "read", "readline", "readinto", "tell"])
+                if op == "seek":
+                    whence = rng.choice([0, 1, 2])
+                    off = rng.randrange(-50, ours.size + 50) if whence else rng.randrange(
+                        0, ours.size + 100)
+                    try:
+                        expect = ref.seek(off, whence)
+                    except (ValueError, OSError):  # a local file's OSError is fsspec's ValueError
+                        with pytest.raises((ValueError, OSError)):
+                            ours.seek(off, whence)
+                        continue
+                    if expect < 0:
+                        continue
+                    assert ours.seek(off, whence) == expect
+                elif op == "read":
+                    n = rng.choice([-1, 0, 1, 100, 4096, 70_000])
+                    assert ours.read(n) == ref.read(n)
+                elif op == "readline":
+                    assert ours.readline() == ref.readline()
+                elif op == "readinto":
+                    a, b = bytearray(rng.randrange(1, 9000)), bytearray(0)
+                    b = bytearray(len(a))
+                    assert ours.readinto(a) == ref.readinto(b)
+                    assert a == b
+                assert ours.tell() == ref.tell()
+    assert sorted(fs.ls(str(tmp_path), detail=False)) == sorted(
+        plain.ls(str(tmp_path), detail=False))
+    assert fs.glob(str(tmp_path / "obj*.bin")) == plain.glob(str(tmp_path / "obj*.bin"))
+    big = paths[-1]
+    data = content(big)
+    assert fs.cat_file(big, 1000, 200_000) == data[1000:200_000]
+    assert fs.cat_ranges([big, big, paths[2]], [0, 299_000, 5], [10, None, -5]) == [
+        data[:10], data[299_000:], content(paths[2])[5:-5]]
+    stats = fs.stats()
+    assert stats["hits"] > 0 and stats["faults"] > 0
+
+
+def test_chained_url_and_open_modes(sample, tmp_path):
+    path = sample(3 * MiB + 17)
+    store = str(tmp_path / "store")
+    with fsspec.open(f"faultfs::file://{path}", faultfs={"store": store, "reserve_mb": 0}) as f:
+        assert f.read() == content(path)
+    fs, inner = fsspec.core.url_to_fs(f"faultfs::file://{path}",
+                                      faultfs={"store": store, "reserve_mb": 0})
+    assert isinstance(fs, FaultFileSystem) and inner == path
+    for mode in ("wb", "ab", "r+b", "xb"):
+        with pytest.raises(ReadOnlyError) as err:
+            fs.open(path, mode)
+        assert "\n" not in str(err.value) and "mount" in str(err.value)
+    for call in (lambda: fs.rm(path), lambda: fs.pipe_file(path, b"x"),
+                 lambda: fs.mv(path, path + "2"), lambda: fs.mkdir(str(tmp_path / "d")),
+                 lambda: fs.put_file(path, path + "3"), lambda: fs.touch(path + "4")):
+        with pytest.raises(ReadOnlyError):
+            call()
+    assert content(path) == content(path) and not os.path.exists(path + "2")
+
+
+def test_a_changed_source_is_a_new_tag_never_a_mix(ffs, tmp_path):
+    path = tmp_path / "obj.bin"
+    old, new = os.urandom(256 * 1024), os.urandom(256 * 1024)
+    path.write_bytes(old)
+    fs = ffs()
+    first = fs.open(str(path))
+    assert first.read(1000) == old[:1000]  # chunk 0 staged from the old version
+    time.sleep(0.01)
+    path.write_bytes(new)  # same size, new mtime: a new version
+    with fs.open(str(path)) as second:
+        assert second.read() == new
+    first.seek(0)
+    assert first.read(1000) == old[:1000]  # its own staged chunk: the old version's bytes
+    first.seek(200_000)
+    with pytest.raises(Exception) as err:  # never the new version's bytes under the old pin
+        first.read(10)
+    assert "changed" in str(err.value)
+    tags = os.listdir(tmp_path / "store" / "tags")
+    assert len([t for t in tags if t.startswith("t-fsspec-")]) == 2
+
+
+@pytest.mark.parametrize(("options", "words"), [
+    ({"bogus": 1}, "no option 'bogus'"),
+    ({"chunk_size": "abc"}, "chunk_size"),
+    ({"chunk_size": 1}, "not in [4 KiB, 1 GiB]"),
+    ({"chunk_size": "2G"}, "not in [4 KiB, 1 GiB]"),
+    ({"cache_size": -1}, "cache_size"),
+    ({"reserve_mb": "lots"}, "reserve_mb"),
+    ({"store": "s3://bucket/cache"}, "local directory"),
+    ({"store": 12}, "local directory"),
+    ({"read_ahead": -2}, "read_ahead"),
+])
+def test_hostile_options_refused_in_one_line(tmp_path, options, words):
+    options.setdefault("store", str(tmp_path / "store"))
+    with pytest.raises(OptionError) as err:
+        fsspec.filesystem("faultfs", target_protocol="file", skip_instance_cache=True, **options)
+    assert words in str(err.value) and "\n" not in str(err.value)
+    assert not (tmp_path / "store").exists()  # nothing written
+
+
+@pytest.mark.parametrize(("kwargs", "words"), [
+    ({}, "needs a target"),
+    ({"target_protocol": "faultfs"}, "over itself"),
+    ({"target_protocol": "no-such-protocol"}, "no-such-protocol"),
+    ({"target_protocol": "file", "target_options": "x"}, "must be a dict"),
+    ({"target_protocol": "file", "fs": fsspec.filesystem("memory")}, "not both"),
+])
+def test_hostile_targets_refused_in_one_line(tmp_path, kwargs, words):
+    with pytest.raises(OptionError) as err:
+        FaultFileSystem(store=str(tmp_path / "store"), skip_instance_cache=True, **kwargs)
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_hostile_paths_refused(ffs, sample, tmp_path):
+    fs = ffs()
+    with pytest.raises(OptionError):
+        fs.open(sample(10) + "\x00x")
+    with pytest.raises(OptionError):
+        fs.open("faultfs::memory://x::file:///etc/passwd")
+    with pytest.raises(FileNotFoundError):
+        fs.info(str(tmp_path / "absent"))
+
+
+def test_eight_processes_fault_one_blob_once(sample, tmp_path):
+    """8 processes open one store at once and read the same 8 MiB blob: one source read."""
+    path = sample(8 * MiB)
+    store = str(tmp_path / "store")
+    start = time.time() + 1.5  # every child is up and waiting by then
+    procs = [child(store, path, "8M", start) for _ in range(8)]
+    results = [finish(p) for p in procs]
+    assert {r["sha"] for r in results} == {sha(path)}
+    assert sum(r["stats"].get("source_bytes", 0) for r in results) == 8 * MiB
+    assert sum(r["stats"].get("faults", 0) for r in results) == 1
+    assert leftovers(store) == []
+
+
+def test_kill_9_mid_fault_leaves_nothing_torn_or_leaked(sample, tmp_path):
+    """A process killed while it writes a blob: the next reader gets the right bytes at once
+    (the claim died with it), and its temporary file is gone."""
+    path = sample(96 * MiB)
+    store = str(tmp_path / "store")
+    for _attempt in range(20):
+        proc = child(store, path, "96M")
+        tag_root = os.path.join(store, "tags")
+        seen = None
+        deadline = time.time() + 60
+        while seen is None and proc.poll() is None and time.time() < deadline:
+            for base, _, names in os.walk(tag_root):
+                seen = next((os.path.join(base, n) for n in names if n.endswith(".tmp")), seen)
+        if seen is None:  # it finished before we saw its temporary file: drop it, again
+            proc.communicate()
+            for base, _, names in os.walk(tag_root):
+                for n in names:
+                    os.unlink(os.path.join(base, n))
+            continue
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate()
+        break
+    else:
+        pytest.skip("no kill landed mid-write in 20 tries (the machine wrote too fast)")
+    assert os.path.exists(seen)  # what a kill -9 mid-write leaves
+    began = time.time()
+    result = finish(child(store, path, "96M"))
+    assert result["sha"] == sha(path)
+    assert time.time() - began < 60  # it never waited for the dead claim
+    assert leftovers(store) == []  # the dead one's temporary file and claim are gone
+
+
+def test_a_held_claim_is_waited_for_not_read_twice(sample, tmp_path):
+    """While one process holds a blob's claim, another waits for the blob instead of
+    reading the source; when the holder is killed, the waiter faults it itself."""
+    path = sample(MiB)
+    store = str(tmp_path / "store")
+    fs = fsspec.filesystem("faultfs", target_protocol="file", store=store, reserve_mb=0,
+                           chunk_size="1M", skip_instance_cache=True)
+    obj = fs.pin(path)
+    obj.close()
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, os, sys, time\n"
+        "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)\n"
+        "fcntl.flock(fd, fcntl.LOCK_EX)\nprint('held', flush=True)\ntime.sleep(60)\n"),
+        os.path.join(store, "claims", f"{obj.tag}.0")], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    waiter = child(store, path, "1M")
+    time.sleep(1.0)
+    assert waiter.poll() is None  # waiting on the claim, not reading the source
+    holder.kill()
+    holder.communicate()
+    result = finish(waiter)
+    assert result["sha"] == sha(path) and result["stats"]["faults"] == 1
+    fd = os.open(os.path.join(store, "claims"), os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    os.close(fd)
+
+
+def test_reserve_and_a_full_store_read_through(sample, tmp_path):
+    path = sample(6 * MiB)
+    fs = fsspec.filesystem("faultfs", target_protocol="file", store=str(tmp_path / "s1"),
+                           reserve_mb=1 << 30, chunk_size="1M", skip_instance_cache=True)
+    with fs.open(path) as f:
+        assert f.read() == content(path)
+    assert fs.stats().get("stored", 0) == 0 and fs.stats()["skipped_reserve"] == 6
+    small = tmp_path / "small"
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(small)],
+                      capture_output=True).returncode:
+        pytest.skip("a small tmpfs cannot be mounted here (needs root)")
+    try:
+        fs = fsspec.filesystem("faultfs", target_protocol="file", store=str(small / "store"),
+                               reserve_mb=0, chunk_size="1M", skip_instance_cache=True)
+        with fs.open(path) as f:
+            assert f.read() == content(path)
+        stats = fs.stats()
+        # the reserve line (free space, read as the writes go) or ENOSPC itself stopped it
+        refused = stats.get("store_failures", 0) + stats.get("skipped_reserve", 0)
+        assert refused >= 1 and 1 <= stats.get("stored", 0) < 6
+        assert leftovers(str(small / "store")) == []
+        with fs.open(path) as f:  # what was stored is served; the rest reads through
+            assert f.read() == content(path)
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
+
+
+def test_cap_holds_across_processes(sample, tmp_path):
+    """Four processes each read their own 4 MiB object into a store capped at 6 MiB: the
+    store ends within the cap, and each process read the right bytes."""
+    store = str(tmp_path / "store")
+    paths = [sample(4 * MiB, f"o{i}.bin", seed=i) for i in range(4)]
+    start = time.time() + 1.5
+    procs = [child(store, p, "512k", start, {"cache_size": "6M"}) for p in paths]
+    results = [finish(p) for p in procs]
+    assert [r["sha"] for r in results] == [sha(p) for p in paths]
+    fs = fsspec.filesystem("faultfs", target_protocol="file", store=store, reserve_mb=0,
+                           skip_instance_cache=True, cache_size="6M")
+    used = fs._shared_here().space.usage()
+    assert used <= 6 * MiB + 4 * (512 << 10)  # the cap, and at most one blob in flight each
+    assert sum(r["stats"].get("stored", 0) for r in results) >= 12
+
+
+def test_a_store_shared_with_a_live_mount(mounter, sample, tmp_path):
+    """A mount serves from a store while processes read through faultfs:: into it."""
+    mounted = sample(3 * MiB, "mounted.bin", seed=1)
+    other = sample(5 * MiB, "other.bin", seed=2)
+    store = str(tmp_path / "store")
+    mnt = mounter(mounted, store=store)
+    procs = [child(store, other, "1M") for _ in range(3)] + [child(store, mounted, "1M")]
+    with open(os.path.join(mnt.path, "mounted", "mounted.bin"), "rb") as f:
+        assert f.read() == content(mounted)
+    results = [finish(p) for p in procs]
+    assert [r["sha"] for r in results] == [sha(other)] * 3 + [sha(mounted)]
+    assert sum(r["stats"].get("faults", 0) for r in results[:3]) == 5
+    assert mnt.counters()["faults"] >= 3
+    with open(os.path.join(mnt.path, "mounted", "mounted.bin"), "rb") as f:
+        assert f.read() == content(mounted)
