@@ -150,7 +150,10 @@ class FaultFileSystem(_Base):
         path = self._checked(path)
         url = self.target.unstrip_protocol(path)
         options = SourceOptions(storage_options=dict(self.target_options))
-        source = open_source(url, options)
+        try:
+            source = open_source(url, options)
+        except FaultfsError as exc:
+            raise as_oserror(exc, path) from None
         version = source.pinned
         shared = self._shared_here()
         tag = tag_for(source.url, _endpoint(self.target_protocol, self.target_options),
@@ -300,11 +303,22 @@ class FaultFile(AbstractBufferedFile):
         else:
             self._ahead = 0
         self._next = end
-        return self._obj.read(start, end, ahead=self._ahead)
+        try:
+            return self._obj.read(start, end, ahead=self._ahead)
+        except FaultfsError as exc:
+            raise as_oserror(exc, self.path) from None
 
     def close(self) -> None:
         super().close()
         self._obj.close()
+
+
+def as_oserror(exc: FaultfsError, path: str) -> OSError:
+    """A library error as the OSError an fsspec caller expects (FileNotFoundError for a
+    missing object ...), with its one-line message."""
+    if isinstance(exc, OSError):
+        return exc
+    return OSError(exc.errno, exc.message, path)  # picks the subclass (ENOENT: FileNotFound)
 
 
 def _target(protocol: str | None, options: dict | None, fs: fsspec.AbstractFileSystem | None
