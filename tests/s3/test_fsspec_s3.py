@@ -27,9 +27,8 @@ def payload(size: int, seed: int) -> bytes:
 
 
 @pytest.fixture
-def bucket(make_bucket, s3_client):
-    name = make_bucket(versioned=True)
-    yield name
+def bucket(make_bucket):
+    return make_bucket(versioned=True)
 
 
 def faultfs(store, **more) -> FaultFileSystem:
