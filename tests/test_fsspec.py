@@ -173,7 +173,7 @@ def test_a_changed_source_is_a_new_tag_never_a_mix(ffs, tmp_path):
         first.read(10)
     assert "changed" in str(err.value)
     tags = os.listdir(tmp_path / "store" / "tags")
-    assert len([t for t in tags if t.startswith("t-fsspec-")]) == 2
+    assert len([t for t in tags if t.startswith("t-.fsspec-")]) == 2
 
 
 @pytest.mark.parametrize(("options", "words"), [
@@ -332,6 +332,31 @@ def test_cap_holds_across_processes(sample, tmp_path):
     used = fs._shared_here().space.usage()
     assert used <= 6 * MiB + 4 * (512 << 10)  # the cap, and at most one blob in flight each
     assert sum(r["stats"].get("stored", 0) for r in results) >= 12
+
+
+def test_fsck_knows_the_protocols_blobs_and_the_cap_spares_a_mounts(mounter, sample, tmp_path):
+    """The protocol's tags need no registry entry (fsck is clean, gc keeps them), and its cap
+    never evicts a blob of a mount's tag in the same store."""
+    from conftest import run_faultfs
+
+    store = str(tmp_path / "store")
+    mounted = sample(2 * MiB, "mounted.bin", seed=3)
+    mnt = mounter(mounted, store=store, args=["--chunk-size", "1M"])
+    with open(os.path.join(mnt.path, "mounted", "mounted.bin"), "rb") as f:
+        assert f.read() == content(mounted)
+    pid = mnt.pid
+    mnt.umount()
+    mnt.pid = pid
+    assert mnt.wait_gone()  # its lock is free: fsck and gc may walk the store
+    for i in range(3):
+        finish(child(store, sample(MiB, f"o{i}.bin", seed=10 + i), "256k", 0.0,
+                     {"cache_size": "1M"}))
+    mount_blobs = os.listdir(os.path.join(store, "tags", "t-mounted"))
+    assert {"b-chunk_0", "b-chunk_1"} <= set(mount_blobs)  # the cap took none of them
+    fsck = run_faultfs("fsck", store)
+    assert fsck.returncode == 0, fsck.stdout + fsck.stderr
+    gc = run_faultfs("gc", "--dry-run", store)
+    assert "would free 0 files" in gc.stdout, gc.stdout
 
 
 def test_a_store_shared_with_a_live_mount(mounter, sample, tmp_path):

@@ -25,9 +25,10 @@ import threading
 from dataclasses import dataclass
 
 from faultfs.core.context import fnv1a64
+from faultfs.core.names import PROTOCOL_TAG_PREFIX
 from faultfs.errors import CorruptionError, FaultfsError, StoreFull
 from faultfs.fsspec.claims import Claims
-from faultfs.fsspec.space import TAG_PREFIX, SharedSpace
+from faultfs.fsspec.space import SharedSpace
 from faultfs.sources import Source
 from faultfs.store.blobfile import HEADER_LEN
 from faultfs.store.blobstore import BlobStore, OpenBlob
@@ -42,7 +43,7 @@ KEPT_FLIGHTS = 32  # finished faults whose bytes wait for their reader, per obje
 def tag_for(url: str, endpoint: str, version: str, chunk_size: int) -> str:
     """The tag of ``url`` (reached at ``endpoint``) at ``version``, cut in ``chunk_size``."""
     identity = json.dumps([url, endpoint, version, chunk_size], separators=(",", ":"))
-    return f"{TAG_PREFIX}{fnv1a64(identity.encode()):016x}"
+    return f"{PROTOCOL_TAG_PREFIX}{fnv1a64(identity.encode()):016x}"
 
 
 class Counters:

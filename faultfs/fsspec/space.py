@@ -13,7 +13,7 @@ the file system, not from one process's memory.
 - A store the file system refused (ENOSPC) is left alone for the next ``backoff_faults``
   faults of this process, which read through.
 
-Invariants: only clean blobs of the protocol's tags (``TAG_PREFIX``) are ever evicted —
+Invariants: only clean blobs of the protocol's tags (``PROTOCOL_TAG_PREFIX``) are ever evicted —
 a mount's blobs, dirty data and the journal are the mount's. An evicted blob a reader holds
 open stays readable to it (unlink keeps the inode).
 """
@@ -25,9 +25,10 @@ import os
 import struct
 import time
 
-from faultfs.store.blobstore import BlobStore
+from faultfs.core.names import PROTOCOL_TAG_PREFIX
+from faultfs.store.blobstore import BlobStore, encode_component
 
-TAG_PREFIX = "fsspec-"  # the protocol's tags: fsspec-<16 hex of object + version>
+TAG_DIR_PREFIX = encode_component("t-", PROTOCOL_TAG_PREFIX)  # their directories in tags/
 USAGE = "fsspec-usage"  # u64 little-endian: bytes of the protocol's blob files
 SPACE_LOCK = "fsspec-space.lock"
 TOUCH_AFTER_S = 30.0  # a hit moves its blob up the LRU at most this often (one utime)
@@ -105,7 +106,8 @@ class SharedSpace:
         tags = os.path.join(self.store.root, "tags")
         found = []
         try:
-            dirs = [e for e in os.scandir(tags) if e.name.startswith("t-" + TAG_PREFIX)]
+            dirs = [e for e in os.scandir(tags) if e.name.startswith(TAG_DIR_PREFIX)
+                    and e.is_dir(follow_symlinks=False)]
         except FileNotFoundError:
             return []
         for directory in dirs:
@@ -114,7 +116,7 @@ class SharedSpace:
             except (FileNotFoundError, NotADirectoryError):
                 continue
             for entry in entries:
-                if not entry.name.startswith("b-"):
+                if not entry.name.startswith("b-") or not entry.is_file(follow_symlinks=False):
                     continue
                 try:
                     st = entry.stat(follow_symlinks=False)

@@ -115,7 +115,7 @@ def test_a_new_object_version_is_a_new_tag(s3_client, bucket, tmp_path):
     first.seek(0)
     assert first.read() == old  # its pinned version, the staged chunk and the rest alike
     first.close()
-    tags = [t for t in os.listdir(tmp_path / "store" / "tags") if t.startswith("t-fsspec-")]
+    tags = [t for t in os.listdir(tmp_path / "store" / "tags") if t.startswith("t-.fsspec-")]
     assert len(tags) == 2
 
 
