@@ -298,7 +298,7 @@ class FaultFile(AbstractBufferedFile):
                          cache_type=cache_type, cache_options=cache_options, size=obj.size)
 
     def _fetch_range(self, start: int, end: int) -> bytes:
-        if start == self._next:
+        if start == self._next or start == 0:  # a read from the start is taken as sequential
             self._ahead = min(max(1, self._ahead * 2), self.fs.read_ahead)
         else:
             self._ahead = 0

@@ -37,7 +37,7 @@ log = logging.getLogger("faultfs.fsspec")
 
 CLAIM_WAIT_S = 120.0  # the longest wait for another process's fault before reading through
 OPEN_BLOBS = 8  # blob files kept open per object for hits (random reads of one object)
-KEPT_FLIGHTS = 32  # finished faults whose bytes wait for their reader, per object
+KEPT_FLIGHTS = 16  # finished faults whose bytes wait for their reader, per object
 
 
 def tag_for(url: str, endpoint: str, version: str, chunk_size: int) -> str:
@@ -188,31 +188,49 @@ class PinnedObject:
             done = [i for i, f in self._flights.items() if f.done()]
             for old in done[:max(0, len(self._flights) - KEPT_FLIGHTS)]:
                 del self._flights[old]
-            flight = self.shared.pool.submit(self._fault_here, index)
+            flight = concurrent.futures.Future()
             self._flights[index] = flight
+        self.shared.pool.submit(self._fault_into, index, flight)
         return flight
+
+    def _fault_into(self, index: int, landed: concurrent.futures.Future[bytes]) -> None:
+        """Run on the pool: fault chunk ``index``, its bytes handed to ``landed`` as soon as
+        they are read (its store write follows, off the reader's path)."""
+        if not landed.set_running_or_notify_cancel():
+            return
+        try:
+            self._fault_here(index, landed)
+        except BaseException as exc:
+            if not landed.done():
+                landed.set_exception(exc)
+            elif not isinstance(exc, Exception):
+                raise
 
     def _fault(self, index: int) -> bytes:
         """The whole chunk ``index``: taken from a fault in flight here, else faulted."""
         with self._lock:
             flight = self._flights.pop(index, None)
-        if flight is not None:
-            return flight.result()
-        hit = self._hit(index, 0, self._chunk_len(index))  # stored by a read-ahead's holder
-        if hit is not None:
-            self.shared.stats.add("hits")
-            return hit
-        return self._fault_here(index)
+        if flight is None:
+            hit = self._hit(index, 0, self._chunk_len(index))  # stored by a read-ahead's holder
+            if hit is not None:
+                self.shared.stats.add("hits")
+                return hit
+            self._start_fault(index)
+            with self._lock:
+                flight = self._flights.pop(index)
+        return flight.result()
 
     def _chunk_len(self, index: int) -> int:
         return min(self.chunk_size, self.size - index * self.chunk_size)
 
-    def _fault_here(self, index: int) -> bytes:
-        """Fault chunk ``index`` under its claim: another process's fault is waited for and
-        read from the store; else the source is read and the blob published."""
+    def _fault_here(self, index: int, landed: concurrent.futures.Future[bytes]) -> None:
+        """Fault chunk ``index`` under its claim into ``landed``: another process's fault is
+        waited for and read from the store; else the source is read, the bytes handed over,
+        and the blob published."""
         shared, name, length = self.shared, str(index), self._chunk_len(index)
         if not shared.store_enabled or not shared.store.writable:
-            return self._from_source(index, length)
+            landed.set_result(self._from_source(index, length))
+            return
         claim = shared.claims.acquire(
             self.tag, name, deadline_s=CLAIM_WAIT_S,
             done=lambda: os.path.exists(shared.store.blob_path(self.tag, name)))
@@ -220,16 +238,17 @@ class PinnedObject:
             hit = self._hit(index, 0, length)
             if hit is not None:
                 shared.stats.add("claim_waits")
-                return hit
-            return self._from_source(index, length)
+            landed.set_result(hit if hit is not None else self._from_source(index, length))
+            return
         try:
             hit = self._hit(index, 0, length)  # published just before we held the claim
             if hit is not None:
                 shared.stats.add("claim_waits")
-                return hit
+                landed.set_result(hit)
+                return
             data = self._from_source(index, length)
+            landed.set_result(data)
             self._store(name, data, claim)
-            return data
         finally:
             claim.release()
 
