@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import (  # noqa: E402
+from benchlib import (
     S3_KEY_ID,
     S3_REGION,
     S3_SECRET,
@@ -320,7 +320,7 @@ def main() -> int:
         import hashlib
 
         pieces = {}
-        for case, (n, procs) in RANDOM.items():
+        for n, procs in RANDOM.values():
             for i in range(procs):
                 rng = random.Random(1000 + i)
                 for _ in range(args.rand_ops):

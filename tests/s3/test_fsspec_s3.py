@@ -172,3 +172,18 @@ def test_credentials_in_urls_never_reach_the_store(s3_client, bucket, tmp_path, 
         for name in names:
             with open(os.path.join(base, name), "rb") as f:
                 assert fake_aws.secret.encode() not in f.read()
+
+
+def test_the_example_runs(tmp_path):
+    """examples/fsspec_s3.py: xarray and pandas through faultfs::s3:// against its own moto."""
+    pytest.importorskip("xarray")
+    pytest.importorskip("h5netcdf")
+    example = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "fsspec_s3.py")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(AWS_CONFIG_FILE=str(tmp_path / "none"), AWS_SHARED_CREDENTIALS_FILE=str(
+        tmp_path / "none"), AWS_EC2_METADATA_DISABLED="true", TMPDIR=str(tmp_path))
+    out = subprocess.run([sys.executable, example], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "mean temperature at hour 12" in out.stdout and "refused:" in out.stdout
+    assert "table: 100000 rows" in out.stdout
