@@ -13,8 +13,9 @@ times (medians reported); the systems take turns within each run:
 - each again warm: the same case in new processes over the cache directory the cold case left;
 - shared8: 8 processes read the whole object at once through one cache directory: the bytes
   the proxy served, over the object's size.
-Each system with its defaults: faultfs:: (4 MiB chunks, read-ahead 4), blockcache:: and
-simplecache:: over s3fs, plain s3fs (50 MiB readahead blocks). Every read is checked against
+Each system with its defaults: faultfs:: (4 MiB chunks, read-ahead 4; 8 processes share one
+store), blockcache:: and simplecache:: over s3fs (8 processes: a cache directory each — one
+shared by 8 readers gave simplecache:: wrong bytes), plain s3fs (50 MiB readahead blocks). Every read is checked against
 the object. The results section of docs/benchmarks-fsspec.md is rewritten (--no-doc to skip).
 --quick: a 64 MiB object, 48 random reads per process, one run (a test may call it).
 """
@@ -150,8 +151,14 @@ def readers(system: str, proxy: Proxy, cache: Path, case: str, key: str, size: i
             ops: int, procs: int, env: dict) -> list[dict]:
     """``procs`` reader processes of one case, started together; their JSON answers."""
     start_at = time.time() + 1.0 + 0.1 * procs  # every interpreter is up by then
+    # fsspec's caches are not safe for processes sharing a directory (simplecache:: served
+    # wrong bytes to 8 readers of one directory here): each process gets its own, as a
+    # careful user must; faultfs:: processes share one store, as they are meant to
+    dirs = [cache if system == "faultfs" or procs == 1 else cache / str(i) for i in range(procs)]
+    for d in dirs:
+        d.mkdir(exist_ok=True)
     children = [subprocess.Popen(
-        [sys.executable, "-c", READER, system, proxy.url, str(cache), case,
+        [sys.executable, "-c", READER, system, proxy.url, str(dirs[i]), case,
          f"{BUCKET}/{key}", str(size), str(n), str(ops), str(1000 + i), str(start_at),
          S3_KEY_ID, S3_SECRET, S3_REGION],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd="/")

@@ -155,6 +155,34 @@ def test_chained_url_and_open_modes(sample, tmp_path):
     assert content(path) == content(path) and not os.path.exists(path + "2")
 
 
+def test_text_mode_pickling_and_forked_workers(ffs, tmp_path):
+    """Text mode wraps the binary file as fsspec does; the file system pickles (Dask ships it
+    to workers) and works in a forked child after the parent used it (a DataLoader worker):
+    the child builds its own pool instead of waiting on the parent's threads."""
+    import multiprocessing
+    import pickle
+
+    path = tmp_path / "lines.txt"
+    path.write_text("".join(f"line {i}\n" for i in range(50_000)))
+    fs = ffs()
+    with fs.open(str(path), "r") as f:
+        assert f.readline() == "line 0\n"
+        f.seek(0)
+        assert f.read() == path.read_text()
+    again = pickle.loads(pickle.dumps(fs))
+    assert again.cat_file(str(path), 0, 12) == b"line 0\nline "
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(2) as pool:
+        sizes = pool.map(_read_len, [(fs, str(path))] * 4)
+    assert sizes == [path.stat().st_size] * 4
+
+
+def _read_len(args) -> int:
+    fs, path = args
+    with fs.open(path) as f:
+        return len(f.read())
+
+
 def test_a_changed_source_is_a_new_tag_never_a_mix(ffs, tmp_path):
     path = tmp_path / "obj.bin"
     old, new = os.urandom(256 * 1024), os.urandom(256 * 1024)

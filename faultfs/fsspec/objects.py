@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from faultfs.core.context import fnv1a64
 from faultfs.core.names import PROTOCOL_TAG_PREFIX
 from faultfs.errors import CorruptionError, FaultfsError, StoreFull
-from faultfs.fsspec.claims import Claims
+from faultfs.fsspec.claims import Claim, Claims
 from faultfs.fsspec.space import SharedSpace
 from faultfs.sources import Source
 from faultfs.store.blobfile import HEADER_LEN
@@ -195,42 +195,50 @@ class PinnedObject:
 
     def _fault_into(self, index: int, landed: concurrent.futures.Future[bytes]) -> None:
         """Run on the pool: fault chunk ``index``, its bytes handed to ``landed`` as soon as
-        they are read (its store write follows, off the reader's path)."""
+        they are read (its store write follows, off the reader's path). The flight stays in
+        ``_flights`` until its blob is published, so a read meanwhile takes the bytes from
+        memory; a chunk that was not stored stays there for its reader."""
         if not landed.set_running_or_notify_cancel():
             return
         try:
-            self._fault_here(index, landed)
+            stored = self._fault_here(index, landed)
         except BaseException as exc:
             if not landed.done():
                 landed.set_exception(exc)
             elif not isinstance(exc, Exception):
                 raise
+            return
+        if stored:
+            with self._lock:
+                if self._flights.get(index) is landed:
+                    del self._flights[index]
 
     def _fault(self, index: int) -> bytes:
-        """The whole chunk ``index``: taken from a fault in flight here, else faulted."""
+        """The whole chunk ``index``: from a fault in flight (or just landed) here, else
+        faulted."""
         with self._lock:
-            flight = self._flights.pop(index, None)
+            flight = self._flights.get(index)
         if flight is None:
             hit = self._hit(index, 0, self._chunk_len(index))  # stored by a read-ahead's holder
             if hit is not None:
                 self.shared.stats.add("hits")
                 return hit
-            self._start_fault(index)
-            with self._lock:
-                flight = self._flights.pop(index)
+            flight = self._start_fault(index)
+        else:
+            self.shared.stats.add("memory_hits" if flight.done() else "joined")
         return flight.result()
 
     def _chunk_len(self, index: int) -> int:
         return min(self.chunk_size, self.size - index * self.chunk_size)
 
-    def _fault_here(self, index: int, landed: concurrent.futures.Future[bytes]) -> None:
+    def _fault_here(self, index: int, landed: concurrent.futures.Future[bytes]) -> bool:
         """Fault chunk ``index`` under its claim into ``landed``: another process's fault is
         waited for and read from the store; else the source is read, the bytes handed over,
-        and the blob published."""
+        and the blob published. Whether the blob is in the store now."""
         shared, name, length = self.shared, str(index), self._chunk_len(index)
         if not shared.store_enabled or not shared.store.writable:
             landed.set_result(self._from_source(index, length))
-            return
+            return False
         claim = shared.claims.acquire(
             self.tag, name, deadline_s=CLAIM_WAIT_S,
             done=lambda: os.path.exists(shared.store.blob_path(self.tag, name)))
@@ -239,16 +247,16 @@ class PinnedObject:
             if hit is not None:
                 shared.stats.add("claim_waits")
             landed.set_result(hit if hit is not None else self._from_source(index, length))
-            return
+            return hit is not None
         try:
             hit = self._hit(index, 0, length)  # published just before we held the claim
             if hit is not None:
                 shared.stats.add("claim_waits")
                 landed.set_result(hit)
-                return
+                return True
             data = self._from_source(index, length)
             landed.set_result(data)
-            self._store(name, data, claim)
+            return self._store(name, data, claim)
         finally:
             claim.release()
 
@@ -263,13 +271,13 @@ class PinnedObject:
         stats.add("source_bytes", length)
         return bytes(data)
 
-    def _store(self, name: str, data: bytes, claim) -> None:
+    def _store(self, name: str, data: bytes, claim: Claim) -> bool:
         shared = self.shared
         need = len(data) + HEADER_LEN  # what the blob file takes
         skipped = shared.space.admit(need)
         if skipped is not None:
             shared.stats.add(f"skipped_{skipped}")
-            return
+            return False
         try:
             tmp = shared.store.temp_path(self.tag)
             claim.record(tmp)  # a kill -9 from here on leaves tmp to the next claimer
@@ -278,12 +286,13 @@ class PinnedObject:
             shared.space.give_back(need)
             shared.space.full()
             shared.stats.add("store_failures")
-            return
+            return False
         except (OSError, FaultfsError) as exc:
             shared.space.give_back(need)
             shared.stats.add("store_failures")
             log.warning("store %s: blob %s of %s not stored: %s", shared.store.root, name,
                         self.tag, exc)
-            return
+            return False
         shared.stats.add("stored")
         shared.stats.add("stored_bytes", len(data))
+        return True
