@@ -34,6 +34,7 @@ while time.time() < start_at:
     time.sleep(0.001)
 with fs.open(path) as f:
     data = f.read()
+fs.drain()
 print(json.dumps({"sha": hashlib.sha256(data).hexdigest(), "stats": fs.stats()}))
 """
 
@@ -324,6 +325,7 @@ def test_reserve_and_a_full_store_read_through(sample, tmp_path):
                            reserve_mb=1 << 30, chunk_size="1M", skip_instance_cache=True)
     with fs.open(path) as f:
         assert f.read() == content(path)
+    assert fs.drain(timeout=60)
     assert fs.stats().get("stored", 0) == 0 and fs.stats()["skipped_reserve"] == 6
     small = tmp_path / "small"
     small.mkdir()
@@ -335,6 +337,7 @@ def test_reserve_and_a_full_store_read_through(sample, tmp_path):
                                reserve_mb=0, chunk_size="1M", skip_instance_cache=True)
         with fs.open(path) as f:
             assert f.read() == content(path)
+        assert fs.drain(timeout=60)
         stats = fs.stats()
         # the reserve line (free space, read as the writes go) or ENOSPC itself stopped it
         refused = stats.get("store_failures", 0) + stats.get("skipped_reserve", 0)
@@ -402,3 +405,48 @@ def test_a_store_shared_with_a_live_mount(mounter, sample, tmp_path):
     assert mnt.counters()["faults"] >= 3
     with open(os.path.join(mnt.path, "mounted", "mounted.bin"), "rb") as f:
         assert f.read() == content(mounted)
+
+
+def test_the_shared_tier_serves_chunks_another_node_faulted(sample, tmp_path):
+    """Two nodes (two stores) with one shared store: the second reads nothing from the
+    source; a damaged object is a miss, faulted from the source and published again."""
+    path = sample(3 * MiB)
+    shared = tmp_path / "shared"
+
+    def node(name: str) -> FaultFileSystem:
+        return fsspec.filesystem("faultfs", target_protocol="file", store=str(tmp_path / name),
+                                 reserve_mb=0, chunk_size="1M", shared_store=str(shared),
+                                 skip_instance_cache=True)
+
+    a = node("a")
+    assert a.cat_file(path) == content(path)
+    assert a.drain(timeout=60)  # publishes run behind the reader
+    assert a.stats()["shared_publishes"] == 3 and a.stats()["shared_miss"] == 3
+    b = node("b")
+    assert b.cat_file(path) == content(path)
+    assert b.stats().get("source_bytes", 0) == 0 and b.stats()["shared_hit"] == 3
+    objects = sorted(os.path.join(d, n) for d, _, names in os.walk(shared / "blobs")
+                     for n in names)
+    assert len(objects) == 3
+    with open(objects[1], "r+b") as f:  # a payload byte of one object goes bad
+        f.seek(4096 + 1000)
+        byte = f.read(1)
+        f.seek(4096 + 1000)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    c = node("c")
+    assert c.cat_file(path) == content(path)
+    assert c.drain(timeout=60)
+    stats = c.stats()
+    assert stats["shared_damaged"] == 1 and stats["source_bytes"] == MiB
+    assert stats["shared_publishes"] == 1  # the good bytes replace the damaged object
+    d = node("d")
+    assert d.cat_file(path) == content(path) and d.stats().get("source_bytes", 0) == 0
+
+
+@pytest.mark.parametrize(("value", "words"), [(12, "must be a URL"),
+                                               ("/proc/no/such/dir", "shared store")])
+def test_a_bad_shared_store_is_refused_in_one_line(tmp_path, value, words):
+    with pytest.raises(OptionError) as err:
+        fsspec.filesystem("faultfs", target_protocol="file", store=str(tmp_path / "s"),
+                          shared_store=value, skip_instance_cache=True)
+    assert words in str(err.value) and "\n" not in str(err.value)

@@ -6,7 +6,8 @@ installed.
 Rooms: ``filesystem`` (the fsspec face: options, passthrough of listings, pinned opens,
 writes refused), ``objects`` (one pinned object's chunks: hit, wait, fault, publish),
 ``claims`` (a per-blob lock file: one source read per blob per store), ``space`` (reserve,
-cap and LRU read from the file system). Public here: ``FaultFileSystem``, ``FaultFile`` and
+cap and LRU read from the file system), ``shared`` (the shared tier: chunks other nodes
+faulted, in an object store). Public here: ``FaultFileSystem``, ``FaultFile`` and
 the errors it raises.
 """
 

@@ -36,9 +36,11 @@ from faultfs.core.units import parse_size
 from faultfs.errors import FaultfsError, InvalidInput
 from faultfs.fsspec.claims import Claims
 from faultfs.fsspec.objects import Counters, PinnedObject, Shared, tag_for
+from faultfs.fsspec.shared import SharedBlobs
 from faultfs.fsspec.space import SharedSpace
 from faultfs.sources import SourceOptions, open_source
 from faultfs.store.blobstore import BlobStore
+from faultfs.tiers.objects import open_objects, probe
 
 try:  # fsspec >= 2025.9 marks file systems made to sit over another
     from fsspec.implementations.chained import ChainedFileSystem as _Base
@@ -80,12 +82,14 @@ class FaultFileSystem(_Base):
                  chunk_size: int | str = DEFAULT_CHUNK, reserve_mb: int = DEFAULT_RESERVE_MB,
                  cache_size: int | str = 0, read_ahead: int = DEFAULT_READ_AHEAD,
                  io_threads: int = DEFAULT_IO_THREADS, no_store: bool = False,
+                 shared_store: str | None = None, shared_store_endpoint_url: str = "",
                  **kwargs: Any) -> None:
         unknown = sorted(set(kwargs) - FSSPEC_OPTIONS)
         if unknown:
             raise OptionError(f"faultfs:: has no option {unknown[0]!r} (options: store, "
                               "chunk_size, cache_size, reserve_mb, read_ahead, io_threads, "
-                              "no_store, target_protocol, target_options)")
+                              "no_store, shared_store, shared_store_endpoint_url, "
+                              "target_protocol, target_options)")
         kwargs.pop("fo", None)
         super().__init__(**kwargs)
         self.target, self.target_protocol, self.target_options = _target(
@@ -105,6 +109,10 @@ class FaultFileSystem(_Base):
             raise OptionError(f"faultfs:: store {store_dir!r} must be a local directory "
                               "(a shared object store is the mount's --shared-store)")
         self.store_dir = os.path.abspath(os.path.expanduser(store_dir))
+        if shared_store is not None and not isinstance(shared_store, str):
+            raise OptionError(f"faultfs:: shared_store must be a URL, not {shared_store!r}")
+        self.shared_store = shared_store or ""
+        self.shared_store_endpoint_url = str(shared_store_endpoint_url or "")
         self._pid = -1
         self._shared: Shared | None = None
         self._here = threading.Lock()
@@ -137,9 +145,28 @@ class FaultFileSystem(_Base):
             space = SharedSpace(store, reserve_bytes=self.reserve_bytes,
                                 cache_size=self.cache_size)
             pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix="faultfs-fsspec")
-            self._shared = Shared(store, claims, space, pool, Counters(), self.store_enabled)
+            self._shared = Shared(store, claims, space, pool, Counters(), self.store_enabled,
+                                  self._tier())
             self._pid = os.getpid()
             return self._shared
+
+    def _tier(self) -> SharedBlobs | None:
+        """The shared tier of ``shared_store``, checked (listed, written, read); one line when
+        it cannot be used."""
+        if not self.shared_store:
+            return None
+        try:
+            objects = open_objects(self.shared_store, SourceOptions(),
+                                   endpoint_url=self.shared_store_endpoint_url)
+            probe(objects)
+        except InvalidInput as exc:
+            raise OptionError(f"faultfs:: {exc.message}") from None
+        return SharedBlobs(objects)
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait for this process's faults, store writes and publishes under way (they run
+        behind the readers); True when all ended. A process exiting waits for them anyway."""
+        return self._shared_here().drain(timeout)
 
     def stats(self) -> dict[str, int]:
         """What this file system did in this process: faults, hits, source bytes, stored ..."""

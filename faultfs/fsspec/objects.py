@@ -22,12 +22,14 @@ import json
 import logging
 import os
 import threading
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from faultfs.core.context import fnv1a64
 from faultfs.core.names import PROTOCOL_TAG_PREFIX
 from faultfs.errors import CorruptionError, FaultfsError, StoreFull
 from faultfs.fsspec.claims import Claim, Claims
+from faultfs.fsspec.shared import SharedBlobs, chunk_tag
 from faultfs.fsspec.space import SharedSpace
 from faultfs.sources import Source
 from faultfs.store.blobfile import HEADER_LEN
@@ -74,6 +76,19 @@ class Shared:
     pool: concurrent.futures.ThreadPoolExecutor
     stats: Counters
     store_enabled: bool = True
+    tier: SharedBlobs | None = None  # shared_store: blobs other nodes faulted (shared.py)
+    running: set[concurrent.futures.Future[None]] = field(default_factory=set)
+
+    def submit(self, fn: Callable[..., None], *args: object) -> None:
+        """Run ``fn`` on the pool; ``drain`` waits for it."""
+        task = self.pool.submit(fn, *args)
+        self.running.add(task)
+        task.add_done_callback(self.running.discard)
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait for faults, stores and publishes under way; True when all ended."""
+        _, left = concurrent.futures.wait(list(self.running), timeout=timeout)
+        return not left
 
 
 class PinnedObject:
@@ -190,7 +205,7 @@ class PinnedObject:
                 del self._flights[old]
             flight = concurrent.futures.Future()
             self._flights[index] = flight
-        self.shared.pool.submit(self._fault_into, index, flight)
+        self.shared.submit(self._fault_into, index, flight)
         return flight
 
     def _fault_into(self, index: int, landed: concurrent.futures.Future[bytes]) -> None:
@@ -237,7 +252,7 @@ class PinnedObject:
         and the blob published. Whether the blob is in the store now."""
         shared, name, length = self.shared, str(index), self._chunk_len(index)
         if not shared.store_enabled or not shared.store.writable:
-            landed.set_result(self._from_source(index, length))
+            landed.set_result(self._from_shared(index, length)[0])
             return False
         claim = shared.claims.acquire(
             self.tag, name, deadline_s=CLAIM_WAIT_S,
@@ -254,11 +269,36 @@ class PinnedObject:
                 shared.stats.add("claim_waits")
                 landed.set_result(hit)
                 return True
-            data = self._from_source(index, length)
+            data, origin = self._from_shared(index, length)
             landed.set_result(data)
-            return self._store(name, data, claim)
+            stored = self._store(name, data, claim)
+            if origin:  # read from the source: other nodes may want it
+                self._publish(index, data, replace=origin == "damaged")
+            return stored
         finally:
             claim.release()
+
+    def _from_shared(self, index: int, length: int) -> tuple[bytes, str]:
+        """The chunk from the shared tier, or from the source; with "" when it came from the
+        tier, else what the tier said ("miss", "damaged", ...; "none": no tier)."""
+        tier = self.shared.tier
+        if tier is None:
+            return self._from_source(index, length), "none"
+        data, said = tier.load(self._chunk_tag(index, length), index)
+        self.shared.stats.add(f"shared_{said}")
+        if data is not None:
+            self.shared.stats.add("shared_bytes", len(data))
+            return data, ""
+        return self._from_source(index, length), said
+
+    def _publish(self, index: int, data: bytes, *, replace: bool) -> None:
+        tier = self.shared.tier
+        if tier is not None and tier.publish(self._chunk_tag(index, len(data)), index, data,
+                                             replace=replace):
+            self.shared.stats.add("shared_publishes")
+
+    def _chunk_tag(self, index: int, length: int):
+        return chunk_tag(self.tag, self.version, self.num_chunks, length)
 
     def _from_source(self, index: int, length: int) -> bytes:
         stats = self.shared.stats

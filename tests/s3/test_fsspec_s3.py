@@ -129,6 +129,7 @@ while time.time() < start_at:
     time.sleep(0.001)
 with fs.open(url) as f:
     data = f.read()
+fs.drain()
 print(json.dumps({"sha": hashlib.sha256(data).hexdigest(), "stats": fs.stats()}))
 """
 
