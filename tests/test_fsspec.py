@@ -450,3 +450,32 @@ def test_a_bad_shared_store_is_refused_in_one_line(tmp_path, value, words):
         fsspec.filesystem("faultfs", target_protocol="file", store=str(tmp_path / "s"),
                           shared_store=value, skip_instance_cache=True)
     assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_pin_ttl_reuses_a_recent_pin_and_never_mixes(ffs, tmp_path):
+    """With pin_ttl, an object pinned a moment ago (by any process) opens at that version
+    without asking its source; if it changed meanwhile, staged chunks read the old version and
+    a chunk that must be faulted is refused — never the new bytes under the old pin."""
+    path = tmp_path / "obj.bin"
+    old, new = os.urandom(256 * 1024), os.urandom(256 * 1024)
+    path.write_bytes(old)
+    fs = ffs(pin_ttl=60)
+    with fs.open(str(path)) as f:
+        assert f.read(70_000) == old[:70_000]  # chunks 0 and 1 staged
+    assert fs.drain(timeout=60)
+    again = ffs(pin_ttl=60)
+    with again.open(str(path)) as f:
+        assert f.read(70_000) == old[:70_000]
+    assert again.stats()["pins_reused"] == 1 and again.stats().get("faults", 0) == 0
+    time.sleep(0.01)
+    path.write_bytes(new)
+    with again.open(str(path)) as f:  # within the ttl: the old pin
+        assert f.read(1000) == old[:1000]
+        f.seek(200_000)
+        with pytest.raises(OSError, match="changed"):
+            f.read(10)
+    fresh = ffs()  # pin_ttl 0 (the default): the version it has now
+    with fresh.open(str(path)) as f:
+        assert f.read() == new
+    with pytest.raises(OptionError):
+        ffs(pin_ttl=-1)

@@ -22,8 +22,11 @@ Invariants:
 from __future__ import annotations
 
 import errno
+import functools
+import json
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
 
@@ -36,9 +39,11 @@ from faultfs.core.units import parse_size
 from faultfs.errors import FaultfsError, InvalidInput
 from faultfs.fsspec.claims import Claims
 from faultfs.fsspec.objects import Counters, PinnedObject, Shared, tag_for
+from faultfs.fsspec.pins import PinRecords
 from faultfs.fsspec.shared import SharedBlobs
 from faultfs.fsspec.space import SharedSpace
-from faultfs.sources import SourceOptions, open_source
+from faultfs.sources import Source, SourceOptions, open_source
+from faultfs.sources.secrets import display_url
 from faultfs.store.blobstore import BlobStore
 from faultfs.tiers.objects import open_objects, probe
 
@@ -83,12 +88,12 @@ class FaultFileSystem(_Base):
                  cache_size: int | str = 0, read_ahead: int = DEFAULT_READ_AHEAD,
                  io_threads: int = DEFAULT_IO_THREADS, no_store: bool = False,
                  shared_store: str | None = None, shared_store_endpoint_url: str = "",
-                 **kwargs: Any) -> None:
+                 pin_ttl: float = 0, **kwargs: Any) -> None:
         unknown = sorted(set(kwargs) - FSSPEC_OPTIONS)
         if unknown:
             raise OptionError(f"faultfs:: has no option {unknown[0]!r} (options: store, "
                               "chunk_size, cache_size, reserve_mb, read_ahead, io_threads, "
-                              "no_store, shared_store, shared_store_endpoint_url, "
+                              "no_store, shared_store, shared_store_endpoint_url, pin_ttl, "
                               "target_protocol, target_options)")
         kwargs.pop("fo", None)
         super().__init__(**kwargs)
@@ -102,6 +107,10 @@ class FaultFileSystem(_Base):
         self.read_ahead = _count(read_ahead, "read_ahead")
         self.io_threads = max(1, _count(io_threads, "io_threads"))
         self.store_enabled = not no_store
+        if isinstance(pin_ttl, bool) or not isinstance(pin_ttl, (int, float)) or not (
+                0 <= pin_ttl < float("inf")):
+            raise OptionError(f"faultfs:: pin_ttl {pin_ttl!r} is not a number of seconds >= 0")
+        self.pin_ttl = float(pin_ttl)
         if store is not None and not isinstance(store, (str, os.PathLike)):
             raise OptionError(f"faultfs:: store must be a local directory, not {store!r}")
         store_dir = os.fspath(store) if store is not None else default_store_dir()
@@ -145,8 +154,8 @@ class FaultFileSystem(_Base):
             space = SharedSpace(store, reserve_bytes=self.reserve_bytes,
                                 cache_size=self.cache_size)
             pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix="faultfs-fsspec")
-            self._shared = Shared(store, claims, space, pool, Counters(), self.store_enabled,
-                                  self._tier())
+            self._shared = Shared(store, claims, space, pool, Counters(), PinRecords(store.root),
+                                  self.store_enabled, self._tier())
             self._pid = os.getpid()
             return self._shared
 
@@ -173,18 +182,28 @@ class FaultFileSystem(_Base):
         return self._shared_here().stats.snapshot()
 
     def pin(self, path: str) -> PinnedObject:
-        """``path`` opened at the version it has now, read through the store."""
+        """``path`` opened at the version it has now (or had less than ``pin_ttl`` seconds
+        ago), read through the store."""
         path = self._checked(path)
         url = self.target.unstrip_protocol(path)
         options = SourceOptions(storage_options=dict(self.target_options))
-        try:
-            source = open_source(url, options)
-        except FaultfsError as exc:
-            raise as_oserror(exc, path) from None
-        version = source.pinned
         shared = self._shared_here()
-        tag = tag_for(source.url, _endpoint(self.target_protocol, self.target_options),
-                      version.to_text(), self.chunk_size)
+        endpoint = _endpoint(self.target_protocol, self.target_options)
+        identity = json.dumps([display_url(url), endpoint, self.chunk_size])
+        version = shared.pins.fresh(identity, self.pin_ttl)
+        source: Source | Callable[[], Source]
+        if version is None:
+            try:
+                source = open_source(url, options)
+            except FaultfsError as exc:
+                raise as_oserror(exc, path) from None
+            version = source.pinned  # type: ignore[attr-defined]
+            if self.pin_ttl > 0:
+                shared.pins.record(identity, version)
+        else:
+            source = functools.partial(open_source, url, options)
+            shared.stats.add("pins_reused")
+        tag = tag_for(display_url(url), endpoint, version.to_text(), self.chunk_size)
         return PinnedObject(source, tag, version.to_text(), version.size, self.chunk_size,
                             shared)
 

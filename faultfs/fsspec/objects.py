@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 
 from faultfs.core.context import fnv1a64
 from faultfs.core.names import PROTOCOL_TAG_PREFIX
-from faultfs.errors import CorruptionError, FaultfsError, StoreFull
+from faultfs.errors import CorruptionError, FaultfsError, SourceChanged, StoreFull
 from faultfs.fsspec.claims import Claim, Claims
+from faultfs.fsspec.pins import PinRecords
 from faultfs.fsspec.shared import SharedBlobs, chunk_tag
 from faultfs.fsspec.space import SharedSpace
 from faultfs.sources import Source
@@ -75,6 +76,7 @@ class Shared:
     space: SharedSpace
     pool: concurrent.futures.ThreadPoolExecutor
     stats: Counters
+    pins: PinRecords
     store_enabled: bool = True
     tier: SharedBlobs | None = None  # shared_store: blobs other nodes faulted (shared.py)
     running: set[concurrent.futures.Future[None]] = field(default_factory=set)
@@ -94,9 +96,12 @@ class Shared:
 class PinnedObject:
     """A source object at one version, read through the shared store in chunks."""
 
-    def __init__(self, source: Source, tag: str, version: str, size: int, chunk_size: int,
-                 shared: Shared) -> None:
-        self.source = source
+    def __init__(self, source: Source | Callable[[], Source], tag: str, version: str,
+                 size: int, chunk_size: int, shared: Shared) -> None:
+        # the source, or how to open it when a chunk must be faulted (a pin taken from a
+        # recent record: ``pins.py``)
+        self._source: Source | None = None if callable(source) else source
+        self._opener = source if callable(source) else None
         self.tag = tag
         self.version = version
         self.size = size
@@ -140,7 +145,23 @@ class PinnedObject:
             blobs, self._open = list(self._open.values()), {}
         for blob in blobs:
             blob.close()
-        self.source.close()
+        if self._source is not None:
+            self._source.close()
+
+    @property
+    def source(self) -> Source:
+        """The source, opened now if the pin came from a record; SourceChanged when the
+        object is no longer the version pinned."""
+        with self._lock:
+            if self._source is None:
+                assert self._opener is not None
+                source = self._opener()
+                if source.pinned.to_text() != self.version:  # type: ignore[attr-defined]
+                    source.close()
+                    raise SourceChanged(f"source {source.url} changed since it was pinned "
+                                        f"({self.version}); open it again")
+                self._source = source
+            return self._source
 
     # -- one chunk -------------------------------------------------------------------------
 
