@@ -156,6 +156,31 @@ def test_chained_url_and_open_modes(sample, tmp_path):
     assert content(path) == content(path) and not os.path.exists(path + "2")
 
 
+def test_threads_reading_one_object_at_once(ffs, sample):
+    """Threads reading one pinned object at once (faults, hits, blob files kept open and
+    let go): every byte right, no blob taken for damaged."""
+    import concurrent.futures
+
+    path = sample(2 * MiB + 333)
+    data = content(path)
+    fs = ffs(chunk_size="64k")
+    obj = fs.pin(path)
+
+    def reader(seed: int) -> None:
+        rng = random.Random(seed)
+        for _ in range(300):
+            start = rng.randrange(0, len(data))
+            end = min(len(data), start + rng.choice([1, 4096, 70_000, 300_000]))
+            assert obj.read(start, end, ahead=rng.choice([0, 2])) == data[start:end]
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        for done in [pool.submit(reader, seed) for seed in range(8)]:
+            done.result()
+    assert fs.drain(timeout=60)
+    obj.close()
+    assert fs.stats().get("damaged_dropped", 0) == 0
+
+
 def test_text_mode_pickling_and_forked_workers(ffs, tmp_path):
     """Text mode wraps the binary file as fsspec does; the file system pickles (Dask ships it
     to workers) and works in a forked child after the parent used it (a DataLoader worker):

@@ -93,6 +93,16 @@ class Shared:
         return not left
 
 
+@dataclass
+class _Held:
+    """A blob file kept open for hits, and how many reads of it are under way."""
+
+    blob: OpenBlob
+    users: int = 0
+    closing: bool = False  # dropped from the open set: closed when its last read ends
+    closed: bool = False
+
+
 class PinnedObject:
     """A source object at one version, read through the shared store in chunks."""
 
@@ -109,7 +119,8 @@ class PinnedObject:
         self.shared = shared
         self._flights: dict[int, concurrent.futures.Future[bytes]] = {}
         self._lock = threading.Lock()
-        self._open: dict[int, OpenBlob] = {}
+        self._source_lock = threading.Lock()  # held while a recorded pin's source opens
+        self._open: dict[int, _Held] = {}
 
     @property
     def num_chunks(self) -> int:
@@ -142,9 +153,11 @@ class PinnedObject:
 
     def close(self) -> None:
         with self._lock:
-            blobs, self._open = list(self._open.values()), {}
-        for blob in blobs:
-            blob.close()
+            held, self._open = list(self._open.values()), {}
+            for one in held:
+                one.closing = True
+        for one in held:
+            self._let_go(one, release=False)
         if self._source is not None:
             self._source.close()
 
@@ -152,7 +165,7 @@ class PinnedObject:
     def source(self) -> Source:
         """The source, opened now if the pin came from a record; SourceChanged when the
         object is no longer the version pinned."""
-        with self._lock:
+        with self._source_lock:
             if self._source is None:
                 assert self._opener is not None
                 source = self._opener()
@@ -175,43 +188,65 @@ class PinnedObject:
 
     def _hit(self, index: int, off: int, size: int) -> bytes | None:
         """Bytes of a staged, verified blob, or None (absent, stale, damaged: dropped)."""
-        with self._lock:
-            blob = self._open.get(index)
-        if blob is None:
-            blob = self.shared.store.open_blob(self.tag, str(index), source_version=self.version)
-            if blob is None:
-                return None
-            self._keep_open(index, blob)
-            try:
-                st = os.fstat(blob.fd)
-                self.shared.space.touch(self.shared.store.blob_path(self.tag, str(index)),
-                                        st.st_mtime)
-            except OSError:
-                pass
-        if size == 0:
-            return b""
+        held = self._hold(index)
+        if held is None:
+            return None
         try:
-            data = blob.pread(size, off)
-        except CorruptionError:
-            with self._lock:
-                self._open.pop(index, None)
-            self.shared.store.discard_damaged(self.tag, str(index), ino=blob.ino)
-            blob.close()
-            self.shared.stats.add("damaged_dropped")
-            return None
-        except OSError:  # closed under us by another thread's eviction of the open file
-            return None
-        return data
+            if size == 0:
+                return b""
+            try:
+                return held.blob.pread(size, off)
+            except CorruptionError:
+                with self._lock:
+                    if self._open.get(index) is held:
+                        del self._open[index]
+                        held.closing = True
+                self.shared.store.discard_damaged(self.tag, str(index), ino=held.blob.ino)
+                self.shared.stats.add("damaged_dropped")
+                return None
+        finally:
+            self._let_go(held)
 
-    def _keep_open(self, index: int, blob: OpenBlob) -> None:
+    def _hold(self, index: int) -> _Held | None:
+        """The blob file of chunk ``index``, kept open (at most ``OPEN_BLOBS``) and held for
+        a read: a file is closed only once no read of it is under way (``_let_go``)."""
         with self._lock:
-            old = self._open.pop(index, None)
-            self._open[index] = blob
-            spilled = []
-            while len(self._open) > OPEN_BLOBS:
-                spilled.append(self._open.pop(next(iter(self._open))))
-        for other in ([old] if old is not None else []) + spilled:
-            other.close()
+            held = self._open.get(index)
+            if held is not None:
+                held.users += 1
+                return held
+        blob = self.shared.store.open_blob(self.tag, str(index), source_version=self.version)
+        if blob is None:
+            return None
+        try:
+            self.shared.space.touch(self.shared.store.blob_path(self.tag, str(index)),
+                                    os.fstat(blob.fd).st_mtime)
+        except OSError:
+            pass
+        spilled = []
+        with self._lock:
+            held = self._open.get(index)
+            if held is None:  # else another thread opened it meanwhile: use that one
+                held = self._open[index] = _Held(blob)
+                blob = None
+                while len(self._open) > OPEN_BLOBS:
+                    spilled.append(self._open.pop(next(iter(self._open))))
+                    spilled[-1].closing = True
+            held.users += 1
+        if blob is not None:
+            blob.close()
+        for other in spilled:
+            self._let_go(other, release=False)
+        return held
+
+    def _let_go(self, held: _Held, *, release: bool = True) -> None:
+        with self._lock:
+            if release:
+                held.users -= 1
+            close = held.closing and held.users == 0 and not held.closed
+            held.closed = held.closed or close
+        if close:
+            held.blob.close()
 
     def _start_fault(self, index: int) -> concurrent.futures.Future[bytes]:
         """A fault of chunk ``index`` on the pool (or the one in flight). Its bytes wait in
