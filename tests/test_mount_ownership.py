@@ -28,6 +28,9 @@ def test_modes_for_directories_files_and_read_only_files():
     assert owner.mode(stat.S_IFDIR | 0o755) == stat.S_IFDIR | 0o750
     assert owner.mode(stat.S_IFREG | 0o644) == stat.S_IFREG | 0o640
     assert owner.mode(stat.S_IFREG | 0o444) == stat.S_IFREG | 0o440  # never promises a write
+    # a mode someone chose (a blob created 0600, a chmod) is its own: private stays private
+    assert owner.mode(stat.S_IFREG | 0o600) == stat.S_IFREG | 0o600
+    assert owner.mode(stat.S_IFDIR | 0o700) == stat.S_IFDIR | 0o700
     unset = Ownership(OWNER, GROUP)
     assert unset.mode(stat.S_IFREG | 0o444) == stat.S_IFREG | 0o444
     assert unset.mode(stat.S_IFDIR | 0o755) == stat.S_IFDIR | 0o755
@@ -135,6 +138,9 @@ def test_every_entry_answers_with_the_owner_and_modes(open_mnt, mounter, sample)
     root = mnt.path
     with open(os.path.join(root, "field", "mine.txt"), "wb") as f:  # a user blob
         f.write(b"hello")
+    os.chmod(os.path.join(root, "field", "mine.txt"), 0o644)  # the default bits
+    fd = os.open(os.path.join(root, "field", "private.txt"), os.O_CREAT | os.O_WRONLY, 0o600)
+    os.close(fd)
     entries = {
         "root": (root, 0o750, stat.S_IFDIR), "tag": (f"{root}/field", 0o750, stat.S_IFDIR),
         "chunk": (f"{root}/field/chunk_1", 0o640, stat.S_IFREG),
@@ -144,6 +150,7 @@ def test_every_entry_answers_with_the_owner_and_modes(open_mnt, mounter, sample)
         "user blob": (f"{root}/field/mine.txt", 0o640, stat.S_IFREG),
         "control dir": (f"{root}/.faultfs", 0o750, stat.S_IFDIR),
         "stats": (f"{root}/.faultfs/stats", 0o440, stat.S_IFREG),  # never writable
+        "private blob": (f"{root}/field/private.txt", 0o600, stat.S_IFREG),  # its own mode
     }
     for what, (path, mode, kind) in entries.items():
         st = os.stat(path)
@@ -158,6 +165,10 @@ def test_every_entry_answers_with_the_owner_and_modes(open_mnt, mounter, sample)
     assert as_user(STRANGER, GROUP, chunk, "write") == str(errno.EACCES)  # ... not write
     assert as_user(STRANGER, STRANGER, f"{root}/field", "list") == str(errno.EACCES)
     assert as_user(STRANGER, STRANGER, chunk, "read") == str(errno.EACCES)
+    assert as_user(STRANGER, GROUP, f"{root}/field/private.txt", "read") == str(errno.EACCES)
+    os.chown(chunk, OWNER, GROUP)  # to what it shows: nothing changes, fine
+    with pytest.raises(PermissionError):
+        os.chown(chunk, STRANGER, GROUP)
 
 
 @pytest.mark.mount

@@ -3,11 +3,13 @@
 
 Invariants:
 - Every entry answers with the same owner: the daemon's user and group unless told.
-- Directories (tags, the root, ``.faultfs``) get ``dir_mode``; regular files (chunks, views,
-  pages, user blobs, ``.pagemap``, the control files) get ``file_mode`` — less its write
-  bits where the tree says the file cannot be written (a read-only mount, the stats), so a
-  mode never promises a write the mount refuses.
-- Unset: the tree's own bits (directories 0755, files 0644 or 0444).
+- The modes replace the mount's default bits: directories (the root, tags, ``.faultfs``)
+  the tree shows 0755 get ``dir_mode``; regular files it shows 0644 or 0444 (chunks, views,
+  pages, ``.pagemap``, the stats, user blobs created 0644) get ``file_mode`` — less its write
+  bits where the tree says the file cannot be written (0444: a read-only mount, the stats),
+  so a mode never promises a write the mount refuses. A mode a user gave an entry (a blob
+  created 0600, a ``chmod``) is its own and is shown as it is: a private file stays private.
+- Unset: the tree's own bits.
 - The kernel checks the bits (``default_permissions``): a user the modes deny is denied;
   ``--allow-other`` still decides whether users other than the mounting one get in at all.
 """
@@ -21,6 +23,8 @@ from faultfs.errors import InvalidInput
 
 MAX_ID = (1 << 32) - 2  # (uid_t)-1 means "no change" to the kernel: never an owner
 WRITE_BITS = 0o222
+DEFAULT_DIR = 0o755  # the bits the tree gives a directory nobody chose a mode for
+DEFAULT_FILES = (0o644, 0o444)  # ... and a file (0444: it cannot be written)
 PERMISSION_BITS = 0o7777
 
 
@@ -52,11 +56,12 @@ class Ownership:
 
     def mode(self, mode: int) -> int:
         """The mode an entry answers with, from the tree's ``mode``."""
+        bits = stat.S_IMODE(mode)
         if stat.S_ISDIR(mode):
-            if self.dir_mode is None:
+            if self.dir_mode is None or bits != DEFAULT_DIR:
                 return mode
             return stat.S_IFDIR | self.dir_mode
-        if self.file_mode is None:
+        if self.file_mode is None or bits not in DEFAULT_FILES:
             return mode
         bits = self.file_mode
         if not mode & WRITE_BITS:  # the tree says it cannot be written

@@ -68,7 +68,9 @@ def entry(attr: Attributes, owner: Ownership) -> pyfuse3.EntryAttributes:
     out.st_size = attr.size
     out.st_blocks = attr.blocks
     out.st_blksize = BLOCK_SIZE
-    out.st_atime_ns = out.st_mtime_ns = out.st_ctime_ns = attr.mtime_ns
+    out.st_mtime_ns = attr.mtime_ns
+    out.st_ctime_ns = attr.mtime_ns if attr.ctime_ns is None else attr.ctime_ns
+    out.st_atime_ns = attr.mtime_ns if attr.atime_ns is None else attr.atime_ns
     out.entry_timeout = attr.entry_timeout
     out.attr_timeout = attr.attr_timeout
     return out
@@ -136,7 +138,8 @@ class FaultOperations(pyfuse3.Operations):
 
     @fuse_boundary
     async def create(self, parent_inode, name, mode, flags, ctx):
-        handle, attr = await self.files.create(parent_inode, os.fsdecode(name), flags)
+        handle, attr = await self.files.create(parent_inode, os.fsdecode(name), flags,
+                                               mode & 0o7777)
         return file_info(self.handles.add(handle), handle), entry(attr, self.ownership)
 
     @fuse_boundary
@@ -163,9 +166,14 @@ class FaultOperations(pyfuse3.Operations):
     async def setattr(self, inode, attr, fields, fh, ctx):
         if fields.update_size:
             await self.files.set_size(inode, attr.st_size, self.handles.get(fh))
-        elif fields.update_mode or fields.update_uid or fields.update_gid:
-            raise FaultfsError("modes and owners are the mount's", errno.EPERM)
-        # times: the tree's, taken as set
+        if ((fields.update_uid and attr.st_uid != self.ownership.uid)
+                or (fields.update_gid and attr.st_gid != self.ownership.gid)):
+            raise FaultfsError("every entry belongs to the mount's owner", errno.EPERM)
+        if fields.update_mode or fields.update_atime or fields.update_mtime:
+            await self.files.set_attrs(
+                inode, mode=attr.st_mode & 0o7777 if fields.update_mode else None,
+                atime_ns=attr.st_atime_ns if fields.update_atime else None,
+                mtime_ns=attr.st_mtime_ns if fields.update_mtime else None)
         return entry(await self.tree.getattr(inode), self.ownership)
 
     @fuse_boundary
@@ -188,7 +196,7 @@ class FaultOperations(pyfuse3.Operations):
 
     @fuse_boundary
     async def rmdir(self, parent_inode, name, ctx):
-        await self.files.change(parent_inode, os.fsdecode(name))
+        await self.files.remove_dir(parent_inode, os.fsdecode(name))
 
     @fuse_boundary
     async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):

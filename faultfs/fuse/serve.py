@@ -45,8 +45,9 @@ def serve(engine: Engine, mountpoint: str, *, ready: Callable[[], None] | None =
     options = set(pyfuse3.default_options)
     options.add("fsname=faultfs")
     options.add("subtype=faultfs")
-    if allow_other:
+    if allow_other:  # other users: the kernel checks the modes shown (a 0600 blob is private)
         options.add("allow_other")
+        options.add("default_permissions")
     if debug_fuse:
         options.add("debug")
     devices = fuse_device_fds()
@@ -63,9 +64,11 @@ def serve(engine: Engine, mountpoint: str, *, ready: Callable[[], None] | None =
     # the session's device (libfuse's own descriptor: opened first), for range invalidations
     opened = sorted(set(fuse_device_fds()) - set(devices))
     ops.invalidator.device_fd = opened[0] if opened else None
+    ended = False
     try:
         record.write()
         trio.run(_serve_async, engine, ops, mountpoint, ready, fd)
+        ended = True  # every write folded (``_serve_with``)
     except BaseException:
         # never touch the mountpoint from this thread here: nothing answers it any more
         log.exception("the serving loop of %s stopped on an error; unmounting", mountpoint)
@@ -74,7 +77,8 @@ def serve(engine: Engine, mountpoint: str, *, ready: Callable[[], None] | None =
         ops.invalidator.device_fd = None
         ops.files.coherence.close()
         pyfuse3.close(unmount=True)
-        record.remove()
+        if ended:  # left behind otherwise: `faultfs umount` says the unmount did not finish
+            record.remove()
         engine.close()
 
 
