@@ -21,6 +21,7 @@ import threading
 import time
 
 from faultfs.errors import CorruptionError
+from faultfs.store.blobfile import HEADER_LEN
 from faultfs.tiers.base import TierTag
 from faultfs.tiers.objects import Objects
 from faultfs.tiers.shared import blob_object_key, decode_blob_object, encode_blob_object
@@ -55,8 +56,9 @@ class SharedBlobs:
         "error", "down")."""
         if time.monotonic() < self._down_until:
             return None, "down"
+        limit = HEADER_LEN + tag.blob_size  # what a blob object of this chunk can be
         try:
-            raw = self.objects.get(blob_object_key(tag, index))
+            raw = self.objects.get(blob_object_key(tag, index), limit=limit)
         except OSError as exc:
             self._failed("load", exc)
             return None, "error"
@@ -64,6 +66,9 @@ class SharedBlobs:
         if raw is None:
             return None, "miss"
         try:
+            if len(raw) > limit:
+                raise CorruptionError(f"object is larger than a blob of this chunk ({limit} "
+                                      "bytes)")
             return bytes(decode_blob_object(tag, index, raw)), "hit"
         except CorruptionError as exc:
             log.warning("shared store %s: blob %s of %s is damaged (%s): faulted again",
