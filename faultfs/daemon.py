@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from faultfs.config import Config
 from faultfs.core.context import MAX_CHUNK_SIZE, FaultContext
 from faultfs.core.names import check_tag_name
+from faultfs.core.ownership import Ownership
 from faultfs.core.pagemap import MAX_PAGE_SIZE
 from faultfs.engine import Engine, default_tag_name
 from faultfs.engine.sharing import SharedRegistry, publish_tags
@@ -49,6 +50,7 @@ class MountSpec:
     format: str = "binary"
     page_size: int = 0
     allow_other: bool = False
+    ownership: Ownership | None = None  # --uid, --gid, --file-mode, --dir-mode, --umask
 
     def check(self) -> None:
         if self.tag is not None:
@@ -208,7 +210,7 @@ def run(spec: MountSpec, config: Config, options: SourceOptions, *,
         notes = [engine.sharing.mode_note] if engine.sharing is not None else []
         serve(engine, mountpoint,
               ready=lambda: ready(sorted(engine.tags), mountpoint, warnings, notes),
-              allow_other=spec.allow_other)
+              allow_other=spec.allow_other, ownership=spec.ownership)
     finally:
         engine.store.release()
     log.info("unmounted %s", mountpoint)

@@ -3,7 +3,7 @@ layer importing a higher one, and the rooms of the write path reached only throu
 engine's face from above it.
 
     errors < core < config, buffers, stats, iopool, progress < store < sources < assimilators
-      < tiers < engine, stream < namespace < fuse < control_client < daemon, warm < export
+      < tiers < engine, stream, fsspec < namespace < fuse < control_client < daemon, warm < export
       < cli < testing
 
 Every import counts, also one inside a function or under ``TYPE_CHECKING`` (a lazy or typing
@@ -27,7 +27,7 @@ LAYERS = [
     ["faultfs.sources"],
     ["assimilators"],
     ["faultfs.tiers"],
-    ["faultfs.engine", "faultfs.stream"],
+    ["faultfs.engine", "faultfs.stream", "faultfs.fsspec"],
     ["faultfs.namespace"],
     ["faultfs.fuse"],
     ["faultfs.control_client"],  # requests to a live mount: warm asks it what is staged
@@ -40,7 +40,7 @@ RANK = {unit: rank for rank, layer in enumerate(LAYERS) for unit in layer}
 # packages of private rooms behind one face (STYLE, "One face, private rooms"): a module outside
 # such a package, tests included, imports the package, never one of its rooms
 FACES = ["faultfs.stream.partition", "faultfs.stream.shuffle", "faultfs.testing.proxy",
-         "faultfs.store.fsck", "faultfs.tiers.local"]
+         "faultfs.store.fsck", "faultfs.tiers.local", "faultfs.fsspec"]
 UNLAYERED = ("faultfs",)  # the package's own __init__ (its version) may be imported by anyone
 # faces whose rooms tests may open, and why (code never may)
 ROOMS_OPEN_TO_TESTS = {

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from faultfs.core.ownership import MAX_ID, parse_mode
 from faultfs.core.units import parse_size
 from faultfs.errors import InvalidInput
 
@@ -32,6 +33,40 @@ def range_arg(text: str) -> tuple[int, int]:
         return parse_size(off, "range offset"), parse_size(size or "0", "range size")
     except InvalidInput as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def mode_arg(what: str):
+    """An argparse type for octal modes and masks: ``0640``, ``640``, ``0o640``."""
+    def parse(text: str) -> int:
+        try:
+            return parse_mode(text, what)
+        except InvalidInput as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return parse
+
+
+def owner_arg(kind: str):
+    """An argparse type for ``--uid`` (a number or a user name) and ``--gid`` (a number or a
+    group name)."""
+    def parse(text: str) -> int:
+        if text.isdigit():
+            value = int(text)
+            if value > MAX_ID:
+                raise argparse.ArgumentTypeError(f"{kind} {text} is not in [0, {MAX_ID}]")
+            return value
+        try:
+            if kind == "uid":
+                import pwd
+
+                return pwd.getpwnam(text).pw_uid
+            import grp
+
+            return grp.getgrnam(text).gr_gid
+        except KeyError:
+            what = "user" if kind == "uid" else "group"
+            raise argparse.ArgumentTypeError(f"{kind} {text!r} is no number and no {what} "
+                                             "of this system") from None
+    return parse
 
 
 class OneLineParser(argparse.ArgumentParser):

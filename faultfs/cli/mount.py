@@ -16,8 +16,9 @@ import sys
 import tempfile
 import time
 
-from faultfs.cli.common import EXIT_ERROR, range_arg, size_arg
+from faultfs.cli.common import EXIT_ERROR, mode_arg, owner_arg, range_arg, size_arg
 from faultfs.config import Config
+from faultfs.core.ownership import Ownership
 from faultfs.errors import FaultfsError
 
 log = logging.getLogger("faultfs")
@@ -86,6 +87,17 @@ def register(sub) -> None:
     m.add_argument("--s3-profile", default="", help="AWS profile for S3 credentials")
     m.add_argument("--anon", action="store_true", help="read remote sources anonymously")
     m.add_argument("--allow-other", action="store_true", help="let other users read the mount")
+    m.add_argument("--uid", type=owner_arg("uid"),
+                   help="owner of every entry: a user id or name (default: the daemon's user)")
+    m.add_argument("--gid", type=owner_arg("gid"),
+                   help="group of every entry: a group id or name (default: the daemon's group)")
+    m.add_argument("--file-mode", type=mode_arg("file mode"), metavar="OCTAL",
+                   help="permission bits of files (write bits dropped where a file cannot be "
+                        "written; default 0644, 0444 read-only)")
+    m.add_argument("--dir-mode", type=mode_arg("dir mode"), metavar="OCTAL",
+                   help="permission bits of directories (default 0755)")
+    m.add_argument("--umask", type=mode_arg("umask"), metavar="OCTAL",
+                   help="files 0666 and directories 0777 less these bits (the modes above win)")
     m.add_argument("--foreground", "-f", action="store_true", help="stay in the foreground")
     m.add_argument("--debug", action="store_true", help="debug logging and tracebacks")
     m.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
@@ -229,7 +241,7 @@ def _mount_here(args: argparse.Namespace) -> int:
             sources=tuple(sources), mountpoint=mountpoint, tag=args.tag,
             chunk_size=args.chunk_size, blob_prefix=args.blob_prefix, range_off=range_off,
             range_size=range_size, format=args.format, page_size=args.page_size,
-            allow_other=args.allow_other)
+            allow_other=args.allow_other, ownership=ownership_of(args))
         daemon.run(spec, config, options, ready=ready, log_to_store=args.ready_fd is not None)
     except FaultfsError as exc:
         if args.debug:
@@ -245,3 +257,15 @@ def _mount_here(args: argparse.Namespace) -> int:
             raise
         return EXIT_ERROR
     return 0
+
+
+def ownership_of(args: argparse.Namespace) -> Ownership | None:
+    """The owner and modes of every entry the flags ask for; None: the defaults."""
+    if (args.uid, args.gid, args.file_mode, args.dir_mode, args.umask) == (None,) * 5:
+        return None
+    uid = os.getuid() if args.uid is None else args.uid
+    gid = os.getgid() if args.gid is None else args.gid
+    if args.umask is not None:
+        return Ownership.with_umask(uid, gid, args.umask, file_mode=args.file_mode,
+                                    dir_mode=args.dir_mode)
+    return Ownership(uid, gid, args.file_mode, args.dir_mode)

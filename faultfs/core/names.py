@@ -24,6 +24,10 @@ HIDDEN_PREFIX = ".faultfs"
 XATTR_STAGED = "user.faultfs.staged"
 XATTR_TAG = "user.faultfs.tag"
 XATTR_SOURCE = "user.faultfs.source"
+# Tags of the faultfs:: protocol (DESIGN §18) in a store shared with mounts: ".fsspec-" and 16
+# hex digits of the object and its version. No user picks such a name (a leading '.' is
+# refused), so the protocol's cap evicts only its own blobs and fsck knows them from a mount's.
+PROTOCOL_TAG_PREFIX = ".fsspec-"
 MAX_INDEX_DIGITS = 12  # a blob index fits 36 bits (core.inodes): 12 decimal digits at most
 
 
@@ -99,3 +103,10 @@ def check_blob_prefix(prefix: str) -> str:
         raise InvalidInput(f"blob prefix {prefix!r} would name chunks like pages or hidden "
                            f"entries (it must not start with {PAGE_PREFIX!r} or '.')")
     return prefix
+
+
+def is_protocol_tag(name: str) -> bool:
+    """Whether ``name`` is a tag of the faultfs:: protocol (``PROTOCOL_TAG_PREFIX`` + 16 hex)."""
+    rest = name[len(PROTOCOL_TAG_PREFIX):]
+    return (name.startswith(PROTOCOL_TAG_PREFIX) and len(rest) == 16
+            and all(c in "0123456789abcdef" for c in rest))

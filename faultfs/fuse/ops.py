@@ -15,6 +15,7 @@ import os
 from collections.abc import Callable
 
 from faultfs.core.names import XATTR_SOURCE, XATTR_STAGED, XATTR_TAG
+from faultfs.core.ownership import Ownership
 from faultfs.engine import Engine
 from faultfs.errors import FaultfsError
 from faultfs.fuse.handles import HandleTable
@@ -31,7 +32,6 @@ from faultfs.namespace import (
 )
 
 log = logging.getLogger("faultfs.fuse")
-UID, GID = os.getuid(), os.getgid()  # every entry belongs to the daemon's user
 WRITEBACK_FH = 1 << 63  # _fastread.c: set in the fh of a WRITE of cached pages written back
 PAGE_MASK = 4095
 XATTR_OURS = b"user.faultfs."  # every attribute the tree has starts so (core.names)
@@ -58,13 +58,13 @@ def fuse_boundary(fn):
     return wrapper
 
 
-def entry(attr: Attributes) -> pyfuse3.EntryAttributes:
+def entry(attr: Attributes, owner: Ownership) -> pyfuse3.EntryAttributes:
     out = pyfuse3.EntryAttributes()
     out.st_ino = attr.inode
-    out.st_mode = attr.mode
+    out.st_mode = owner.mode(attr.mode)
     out.st_nlink = attr.nlink
-    out.st_uid = UID
-    out.st_gid = GID
+    out.st_uid = owner.uid
+    out.st_gid = owner.gid
     out.st_size = attr.size
     out.st_blocks = attr.blocks
     out.st_blksize = BLOCK_SIZE
@@ -83,9 +83,12 @@ def file_info(fh: int, handle: OpenFile) -> pyfuse3.FileInfo:
 class FaultOperations(pyfuse3.Operations):
     """pyfuse3 operations over a ``Tree`` of an ``Engine``."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, ownership: Ownership | None = None) -> None:
         super().__init__()
         self.engine = engine
+        # every entry's owner and bits (--uid, --gid, --file-mode, --dir-mode, --umask);
+        # default: the daemon's user, the tree's bits
+        self.ownership = ownership or Ownership(os.getuid(), os.getgid())
         self.tree = Tree(engine)
         self.files = Files(self.tree)
         self.handles = HandleTable()
@@ -101,11 +104,11 @@ class FaultOperations(pyfuse3.Operations):
 
     @fuse_boundary
     async def lookup(self, parent_inode, name, ctx=None):
-        return entry(await self.tree.lookup(parent_inode, os.fsdecode(name)))
+        return entry(await self.tree.lookup(parent_inode, os.fsdecode(name)), self.ownership)
 
     @fuse_boundary
     async def getattr(self, inode, ctx=None):
-        return entry(await self.tree.getattr(inode))
+        return entry(await self.tree.getattr(inode), self.ownership)
 
     async def forget(self, inode_list):
         return  # computed inodes: nothing was allocated, nothing to release
@@ -119,7 +122,8 @@ class FaultOperations(pyfuse3.Operations):
     @fuse_boundary
     async def readdir(self, fh, start_id, token):
         for pos, name, attr in await self.tree.listing(fh, start_id):
-            if not pyfuse3.readdir_reply(token, os.fsencode(name), entry(attr), pos + 1):
+            if not pyfuse3.readdir_reply(token, os.fsencode(name), entry(attr, self.ownership),
+                                         pos + 1):
                 break
 
     async def releasedir(self, fh):
@@ -136,7 +140,7 @@ class FaultOperations(pyfuse3.Operations):
     async def create(self, parent_inode, name, mode, flags, ctx):
         handle, attr = await self.files.create(parent_inode, os.fsdecode(name), flags,
                                                mode & 0o7777)
-        return file_info(self.handles.add(handle), handle), entry(attr)
+        return file_info(self.handles.add(handle), handle), entry(attr, self.ownership)
 
     @fuse_boundary
     async def read(self, fh, off, size):
@@ -162,15 +166,15 @@ class FaultOperations(pyfuse3.Operations):
     async def setattr(self, inode, attr, fields, fh, ctx):
         if fields.update_size:
             await self.files.set_size(inode, attr.st_size, self.handles.get(fh))
-        if ((fields.update_uid and attr.st_uid != UID)
-                or (fields.update_gid and attr.st_gid != GID)):
-            raise FaultfsError("every entry belongs to the mount's user", errno.EPERM)
+        if ((fields.update_uid and attr.st_uid != self.ownership.uid)
+                or (fields.update_gid and attr.st_gid != self.ownership.gid)):
+            raise FaultfsError("every entry belongs to the mount's owner", errno.EPERM)
         if fields.update_mode or fields.update_atime or fields.update_mtime:
             await self.files.set_attrs(
                 inode, mode=attr.st_mode & 0o7777 if fields.update_mode else None,
                 atime_ns=attr.st_atime_ns if fields.update_atime else None,
                 mtime_ns=attr.st_mtime_ns if fields.update_mtime else None)
-        return entry(await self.tree.getattr(inode))
+        return entry(await self.tree.getattr(inode), self.ownership)
 
     @fuse_boundary
     async def fsync(self, fh, datasync):

@@ -19,6 +19,7 @@ import trio
 
 from faultfs.config import STATS_INTERVAL_S
 from faultfs.core.names import CTL_NAME
+from faultfs.core.ownership import Ownership
 from faultfs.engine import Engine
 from faultfs.errors import FaultfsError
 from faultfs.fuse import fastwait
@@ -35,11 +36,12 @@ DRAIN_TIMEOUT_S = 20.0  # pending store writes get this long after an unmount (<
 
 
 def serve(engine: Engine, mountpoint: str, *, ready: Callable[[], None] | None = None,
-          allow_other: bool = False, debug_fuse: bool = False) -> None:
+          allow_other: bool = False, debug_fuse: bool = False,
+          ownership: Ownership | None = None) -> None:
     """Mount ``engine`` at ``mountpoint`` and serve until unmounted (blocking)."""
     raise_fd_limit()
     bound_malloc()
-    ops = FaultOperations(engine)
+    ops = FaultOperations(engine, ownership)
     options = set(pyfuse3.default_options)
     options.add("fsname=faultfs")
     options.add("subtype=faultfs")

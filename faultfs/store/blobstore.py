@@ -265,6 +265,19 @@ class BlobStore:
         return self._writer.put_new(tag, name, payload, flags=flags,
                                     source_version=source_version)
 
+    def temp_path(self, tag: str) -> str:
+        """A fresh temporary name in ``tag``'s directory for ``publish``
+        (``BlobWriter.temp_path``)."""
+        self._require_writable()
+        return self._writer.temp_path(tag)
+
+    def publish(self, tag: str, name: str, payload: bytes | memoryview, tmp: str, *,
+                source_version: str = "") -> int:
+        """Stage a clean blob atomically for readers in other processes, through ``tmp``;
+        bytes written (``BlobWriter.publish``: fsynced, renamed; StoreFull when full)."""
+        self._require_writable()
+        return self._writer.publish(tag, name, payload, tmp, source_version=source_version)
+
     def read_header(self, path: str) -> BlobHeader | None:
         """The verified header of a blob file; None when it is absent, damaged or foreign."""
         return self._opener.read_header(path)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import secrets
 
 from faultfs.errors import StoreFull
 from faultfs.store import direct
@@ -113,6 +114,38 @@ class BlobWriter:
                 raise StoreFull(f"store {self.root} is full") from None
             raise
         os.close(fd)
+        return len(header) + (len(payload) if with_payload else 0)
+
+    def temp_path(self, tag: str) -> str:
+        """A fresh temporary name in ``tag``'s directory (made if needed) for ``publish``:
+        the caller may record it first, so whoever finds it left by a crash removes it."""
+        return os.path.join(self.make_tag_dir(tag), f"t-{secrets.token_hex(8)}.tmp")
+
+    def publish(self, tag: str, name: str, payload: bytes | memoryview, tmp: str, *,
+                source_version: str = "") -> int:
+        """Stage a clean blob for readers in other processes: written whole to ``tmp``
+        (``temp_path``), fsynced, renamed over the blob's name, so a reader opens the whole
+        verified blob or none (DESIGN §18). The directory is not fsynced: after a power loss
+        the blob is absent or whole. StoreFull on ENOSPC/EDQUOT; nothing partial stays."""
+        header, with_payload = encode_header(tag, name, payload, flags=0,
+                                             source_version=source_version)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                         | os.O_CLOEXEC, 0o600)
+            try:
+                write_parts(fd, [header, payload] if with_payload else [header])
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, blob_path(self.root, tag, name))
+        except OSError as exc:
+            unlink_quietly(tmp)
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise StoreFull(f"store {self.root} is full") from None
+            raise
+        except BaseException:
+            unlink_quietly(tmp)
+            raise
         return len(header) + (len(payload) if with_payload else 0)
 
     def write_tag_state(self, tag: str, state: dict) -> None:

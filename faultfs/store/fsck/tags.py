@@ -6,7 +6,8 @@ Invariants:
 - A blob file's header must name the tag of its directory and the blob its file name says;
   blobs of a tag the registry does not know, or registered for another context, are
   *orphaned* (kept while a registered clone names the tag as its parent: they are that
-  clone's clean chunks, ``KEEP_CLONED``).
+  clone's clean chunks, ``KEEP_CLONED``). A tag of the faultfs:: protocol
+  (``core.names.is_protocol_tag``) needs no registry entry: its name pins its object.
 - Dirty data (the pagemap, a dirty blob) is never dropped (``KEEP_DIRTY``), unless it is not
   a file at all (a FIFO where the pagemap should be holds no data).
 - An orphaned tag's directory is pruned once emptied (``prune``: only after something was
@@ -19,6 +20,7 @@ import os
 from collections.abc import Callable, Iterator
 
 from faultfs.core.context import is_fault_key
+from faultfs.core.names import is_protocol_tag
 from faultfs.core.pagemap import MAX_PAGEMAP_TEXT, parse
 from faultfs.store.entries import TAG_STATE, encode_component
 from faultfs.store.fsck.blobs import BlobReader, blob_name
@@ -89,7 +91,8 @@ class TagDirs:
             if state_doc is not None and not is_fault_key(str(state_doc.get("key"))):
                 state_problem = "names no fault key"
         orphan = ""
-        if not keys:
+        if not keys and not (tag is not None and is_protocol_tag(tag)):
+            # a faultfs:: tag needs no entry: its name pins its object and version
             orphan = f"tag {label} has no registry entry"
         elif state_doc is not None and not state_problem and state_doc["key"] not in keys:
             orphan = (f"tag {label} was staged for context {state_doc['key']}, but it is "

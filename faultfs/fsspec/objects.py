@@ -1,0 +1,394 @@
+"""One object opened through the protocol: its source pinned at the version it has now, its
+tag (named by the object *and* that version: a new version is a new tag, never a mix), and
+its chunks read from the shared store — a hit, a wait for another process's fault, or a
+fault of our own (DESIGN §5, §18).
+
+Invariants:
+- Bytes served are the pinned version's: from a blob whose header verified against this tag,
+  name and version and whose blocks verify as they are read, or just read from the pinned
+  source (which refuses to read another version). A failed fault raises; zeros are never
+  served.
+- One source read per blob per store: in this process by single-flight, across processes by
+  the blob's claim (``claims.py``); a blob is published whole (``BlobStore.publish``).
+- A blob that may not be stored (reserve, cap, back-off, a full file system) is served from
+  the bytes read; nothing partial is left.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import json
+import logging
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from faultfs.core.context import fnv1a64
+from faultfs.core.names import PROTOCOL_TAG_PREFIX
+from faultfs.errors import CorruptionError, FaultfsError, SourceChanged, StoreFull
+from faultfs.fsspec.claims import Claim, Claims
+from faultfs.fsspec.pins import PinRecords
+from faultfs.fsspec.shared import SharedBlobs, chunk_tag
+from faultfs.fsspec.space import SharedSpace
+from faultfs.sources import Source
+from faultfs.store.blobfile import HEADER_LEN
+from faultfs.store.blobstore import BlobStore, OpenBlob
+
+log = logging.getLogger("faultfs.fsspec")
+
+CLAIM_WAIT_S = 120.0  # the longest wait for another process's fault before reading through
+OPEN_BLOBS = 8  # blob files kept open per object for hits (random reads of one object)
+KEPT_FLIGHTS = 16  # finished faults whose bytes wait for their reader, per object
+
+
+def tag_for(url: str, endpoint: str, version: str, chunk_size: int) -> str:
+    """The tag of ``url`` (reached at ``endpoint``) at ``version``, cut in ``chunk_size``."""
+    identity = json.dumps([url, endpoint, version, chunk_size], separators=(",", ":"))
+    return f"{PROTOCOL_TAG_PREFIX}{fnv1a64(identity.encode()):016x}"
+
+
+class Counters:
+    """What one file system did, by name (faults, hits, source bytes, stored, skipped ...);
+    thread-safe."""
+
+    def __init__(self) -> None:
+        self._counts: collections.Counter[str] = collections.Counter()
+        self._lock = threading.Lock()
+
+    def add(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._counts[name] += n
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+
+@dataclass
+class Shared:
+    """What every object of one file system uses: the store, its claims and space, the pool
+    that runs faults and read-aheads, the counters."""
+
+    store: BlobStore
+    claims: Claims
+    space: SharedSpace
+    pool: concurrent.futures.ThreadPoolExecutor
+    stats: Counters
+    pins: PinRecords
+    store_enabled: bool = True
+    tier: SharedBlobs | None = None  # shared_store: blobs other nodes faulted (shared.py)
+    running: set[concurrent.futures.Future[None]] = field(default_factory=set)
+
+    def submit(self, fn: Callable[..., None], *args: object) -> None:
+        """Run ``fn`` on the pool; ``drain`` waits for it."""
+        task = self.pool.submit(fn, *args)
+        self.running.add(task)
+        task.add_done_callback(self.running.discard)
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait for faults, stores and publishes under way; True when all ended."""
+        _, left = concurrent.futures.wait(list(self.running), timeout=timeout)
+        return not left
+
+
+@dataclass
+class _Held:
+    """A blob file kept open for hits, and how many reads of it are under way."""
+
+    blob: OpenBlob
+    users: int = 0
+    closing: bool = False  # dropped from the open set: closed when its last read ends
+    closed: bool = False
+
+
+class PinnedObject:
+    """A source object at one version, read through the shared store in chunks."""
+
+    def __init__(self, source: Source | Callable[[], Source], tag: str, version: str,
+                 size: int, chunk_size: int, shared: Shared) -> None:
+        # the source, or how to open it when a chunk must be faulted (a pin taken from a
+        # recent record: ``pins.py``)
+        self._source: Source | None = None if callable(source) else source
+        self._opener = source if callable(source) else None
+        self.tag = tag
+        self.version = version
+        self.size = size
+        self.chunk_size = chunk_size
+        self.shared = shared
+        self._flights: dict[int, concurrent.futures.Future[bytes]] = {}
+        self._lock = threading.Lock()
+        self._source_lock = threading.Lock()  # held while a recorded pin's source opens
+        self._open: dict[int, _Held] = {}
+
+    @property
+    def num_chunks(self) -> int:
+        return -(-self.size // self.chunk_size)
+
+    def read(self, start: int, end: int, *, ahead: int = 0) -> bytes:
+        """Bytes ``[start, end)`` (clipped to the object); the ``ahead`` chunks after the
+        last one read are faulted in the background (a sequential reader's read-ahead)."""
+        end = min(end, self.size)
+        if start >= end:
+            return b""
+        cs = self.chunk_size
+        first, last = start // cs, (end - 1) // cs
+        for index in range(last + 1, min(last + 1 + ahead, self.num_chunks)):
+            if index not in self._open and index not in self._flights and not os.path.exists(
+                    self.shared.store.blob_path(self.tag, str(index))):
+                self._start_fault(index)
+        if first == last:
+            return self._chunk_bytes(first, start - first * cs, end - start)
+        # several chunks: their faults run at once (each on the pool), then the pieces join
+        for index in range(first + 1, last + 1):
+            if index not in self._open and self._hit(index, 0, 0) is None:
+                self._start_fault(index)
+        parts = []
+        for index in range(first, last + 1):
+            lo = max(start, index * cs) - index * cs
+            hi = min(end, (index + 1) * cs) - index * cs
+            parts.append(self._chunk_bytes(index, lo, hi - lo))
+        return b"".join(parts)
+
+    def close(self) -> None:
+        with self._lock:
+            held, self._open = list(self._open.values()), {}
+            for one in held:
+                one.closing = True
+        for one in held:
+            self._let_go(one, release=False)
+        if self._source is not None:
+            self._source.close()
+
+    @property
+    def source(self) -> Source:
+        """The source, opened now if the pin came from a record; SourceChanged when the
+        object is no longer the version pinned."""
+        with self._source_lock:
+            if self._source is None:
+                assert self._opener is not None
+                source = self._opener()
+                if source.pinned.to_text() != self.version:  # type: ignore[attr-defined]
+                    source.close()
+                    raise SourceChanged(f"source {source.url} changed since it was pinned "
+                                        f"({self.version}); open it again")
+                self._source = source
+            return self._source
+
+    # -- one chunk -------------------------------------------------------------------------
+
+    def _chunk_bytes(self, index: int, off: int, size: int) -> bytes:
+        data = None if index in self._flights else self._hit(index, off, size)
+        if data is not None:
+            self.shared.stats.add("hits")
+            return data
+        whole = self._fault(index)
+        return bytes(memoryview(whole)[off:off + size])
+
+    def _hit(self, index: int, off: int, size: int) -> bytes | None:
+        """Bytes of a staged, verified blob, or None (absent, stale, damaged: dropped)."""
+        held = self._hold(index)
+        if held is None:
+            return None
+        try:
+            if size == 0:
+                return b""
+            try:
+                return held.blob.pread(size, off)
+            except CorruptionError:
+                with self._lock:
+                    if self._open.get(index) is held:
+                        del self._open[index]
+                        held.closing = True
+                self.shared.store.discard_damaged(self.tag, str(index), ino=held.blob.ino)
+                self.shared.stats.add("damaged_dropped")
+                return None
+        finally:
+            self._let_go(held)
+
+    def _hold(self, index: int) -> _Held | None:
+        """The blob file of chunk ``index``, kept open (at most ``OPEN_BLOBS``) and held for
+        a read: a file is closed only once no read of it is under way (``_let_go``)."""
+        with self._lock:
+            held = self._open.get(index)
+            if held is not None:
+                held.users += 1
+                return held
+        blob = self.shared.store.open_blob(self.tag, str(index), source_version=self.version)
+        if blob is None:
+            return None
+        try:
+            self.shared.space.touch(self.shared.store.blob_path(self.tag, str(index)),
+                                    os.fstat(blob.fd).st_mtime)
+        except OSError:
+            pass
+        spilled = []
+        with self._lock:
+            held = self._open.get(index)
+            if held is None:  # else another thread opened it meanwhile: use that one
+                held = self._open[index] = _Held(blob)
+                blob = None
+                while len(self._open) > OPEN_BLOBS:
+                    spilled.append(self._open.pop(next(iter(self._open))))
+                    spilled[-1].closing = True
+            held.users += 1
+        if blob is not None:
+            blob.close()
+        for other in spilled:
+            self._let_go(other, release=False)
+        return held
+
+    def _let_go(self, held: _Held, *, release: bool = True) -> None:
+        with self._lock:
+            if release:
+                held.users -= 1
+            close = held.closing and held.users == 0 and not held.closed
+            held.closed = held.closed or close
+        if close:
+            held.blob.close()
+
+    def _start_fault(self, index: int) -> concurrent.futures.Future[bytes]:
+        """A fault of chunk ``index`` on the pool (or the one in flight). Its bytes wait in
+        ``_flights`` for the reader that takes them (``_fault``), so a chunk that could not
+        be stored is not read twice; the oldest finished ones go past ``KEPT_FLIGHTS``."""
+        with self._lock:
+            flight = self._flights.get(index)
+            if flight is not None:
+                return flight
+            done = [i for i, f in self._flights.items() if f.done()]
+            for old in done[:max(0, len(self._flights) - KEPT_FLIGHTS)]:
+                del self._flights[old]
+            flight = concurrent.futures.Future()
+            self._flights[index] = flight
+        self.shared.submit(self._fault_into, index, flight)
+        return flight
+
+    def _fault_into(self, index: int, landed: concurrent.futures.Future[bytes]) -> None:
+        """Run on the pool: fault chunk ``index``, its bytes handed to ``landed`` as soon as
+        they are read (its store write follows, off the reader's path). The flight stays in
+        ``_flights`` until its blob is published, so a read meanwhile takes the bytes from
+        memory; a chunk that was not stored stays there for its reader."""
+        if not landed.set_running_or_notify_cancel():
+            return
+        try:
+            stored = self._fault_here(index, landed)
+        except BaseException as exc:
+            if not landed.done():
+                landed.set_exception(exc)
+            elif not isinstance(exc, Exception):
+                raise
+            return
+        if stored:
+            with self._lock:
+                if self._flights.get(index) is landed:
+                    del self._flights[index]
+
+    def _fault(self, index: int) -> bytes:
+        """The whole chunk ``index``: from a fault in flight (or just landed) here, else
+        faulted."""
+        with self._lock:
+            flight = self._flights.get(index)
+        if flight is None:
+            hit = self._hit(index, 0, self._chunk_len(index))  # stored by a read-ahead's holder
+            if hit is not None:
+                self.shared.stats.add("hits")
+                return hit
+            flight = self._start_fault(index)
+        else:
+            self.shared.stats.add("memory_hits" if flight.done() else "joined")
+        return flight.result()
+
+    def _chunk_len(self, index: int) -> int:
+        return min(self.chunk_size, self.size - index * self.chunk_size)
+
+    def _fault_here(self, index: int, landed: concurrent.futures.Future[bytes]) -> bool:
+        """Fault chunk ``index`` under its claim into ``landed``: another process's fault is
+        waited for and read from the store; else the source is read, the bytes handed over,
+        and the blob published. Whether the blob is in the store now."""
+        shared, name, length = self.shared, str(index), self._chunk_len(index)
+        if not shared.store_enabled or not shared.store.writable:
+            landed.set_result(self._from_shared(index, length)[0])
+            return False
+        claim = shared.claims.acquire(
+            self.tag, name, deadline_s=CLAIM_WAIT_S,
+            done=lambda: os.path.exists(shared.store.blob_path(self.tag, name)))
+        if claim is None:  # published by another process meanwhile (or it took too long)
+            hit = self._hit(index, 0, length)
+            if hit is not None:
+                shared.stats.add("claim_waits")
+            landed.set_result(hit if hit is not None else self._from_source(index, length))
+            return hit is not None
+        try:
+            hit = self._hit(index, 0, length)  # published just before we held the claim
+            if hit is not None:
+                shared.stats.add("claim_waits")
+                landed.set_result(hit)
+                return True
+            data, origin = self._from_shared(index, length)
+            landed.set_result(data)
+            stored = self._store(name, data, claim)
+            if origin:  # read from the source: other nodes may want it
+                self._publish(index, data, replace=origin == "damaged")
+            return stored
+        finally:
+            claim.release()
+
+    def _from_shared(self, index: int, length: int) -> tuple[bytes, str]:
+        """The chunk from the shared tier, or from the source; with "" when it came from the
+        tier, else what the tier said ("miss", "damaged", ...; "none": no tier)."""
+        tier = self.shared.tier
+        if tier is None:
+            return self._from_source(index, length), "none"
+        data, said = tier.load(self._chunk_tag(index, length), index)
+        self.shared.stats.add(f"shared_{said}")
+        if data is not None:
+            self.shared.stats.add("shared_bytes", len(data))
+            return data, ""
+        return self._from_source(index, length), said
+
+    def _publish(self, index: int, data: bytes, *, replace: bool) -> None:
+        tier = self.shared.tier
+        if tier is not None and tier.publish(self._chunk_tag(index, len(data)), index, data,
+                                             replace=replace):
+            self.shared.stats.add("shared_publishes")
+
+    def _chunk_tag(self, index: int, length: int):
+        return chunk_tag(self.tag, self.version, self.num_chunks, length)
+
+    def _from_source(self, index: int, length: int) -> bytes:
+        stats = self.shared.stats
+        stats.add("faults")
+        data = self.source.pread(index * self.chunk_size, length)
+        if len(data) != length:
+            raise FaultfsError(f"source {self.source.url} returned {len(data)} bytes of chunk "
+                               f"{index} instead of {length}: it changed or was cut short")
+        stats.add("source_reads")
+        stats.add("source_bytes", length)
+        return bytes(data)
+
+    def _store(self, name: str, data: bytes, claim: Claim) -> bool:
+        shared = self.shared
+        need = len(data) + HEADER_LEN  # what the blob file takes
+        skipped = shared.space.admit(need)
+        if skipped is not None:
+            shared.stats.add(f"skipped_{skipped}")
+            return False
+        try:
+            tmp = shared.store.temp_path(self.tag)
+            claim.record(tmp)  # a kill -9 from here on leaves tmp to the next claimer
+            shared.store.publish(self.tag, name, data, tmp, source_version=self.version)
+        except StoreFull:
+            shared.space.give_back(need)
+            shared.space.full()
+            shared.stats.add("store_failures")
+            return False
+        except (OSError, FaultfsError) as exc:
+            shared.space.give_back(need)
+            shared.stats.add("store_failures")
+            log.warning("store %s: blob %s of %s not stored: %s", shared.store.root, name,
+                        self.tag, exc)
+            return False
+        shared.stats.add("stored")
+        shared.stats.add("stored_bytes", len(data))
+        return True

@@ -1,0 +1,369 @@
+"""bench_fsspec: faultfs:: against fsspec's own caches (blockcache::, simplecache::) and plain
+s3fs, all reading one S3 object through a latency proxy, in one run (DESIGN §18, issue 47).
+
+One S3 endpoint on 127.0.0.1 (s3rver, or moto when node/npm are missing), reached through
+faultfs.testing.proxy.LatencyProxy in a process of its own (--latency-ms before each
+response's first byte, --conn-mbps per connection). Every case runs in fresh reader
+processes (nothing of a previous case in their memory) with a fresh cache directory, --runs
+times (medians reported); the systems take turns within each run:
+- seq: one sequential read of the whole --size-mb object with 1 MiB reads (open included);
+- rand4k1 / rand4k8 / rand64k1 / rand64k8: --rand-ops reads of 4 KiB or 64 KiB at random
+  aligned offsets, in 1 process or 8 processes at once on one cache directory (ops/s);
+- h5py: h5py.File(fs.open(...)) reads a whole chunked, gzip-compressed dataset (--h5-mb);
+- each again warm: the same case in new processes over the cache directory the cold case left;
+- shared8: 8 processes read the whole object at once through one cache directory: the bytes
+  the proxy served, over the object's size.
+Each system with its defaults: faultfs:: (4 MiB chunks, read-ahead 4; 8 processes share one
+store; every open pins the object with a HEAD), faultfs-ttl (the same with pin_ttl=60: an
+object pinned in the last minute by any process opens without asking S3), blockcache:: and simplecache:: over s3fs (8 processes: a cache directory each — one
+shared by 8 readers gave simplecache:: wrong bytes), plain s3fs (50 MiB readahead blocks). Every read is checked against
+the object. The results section of docs/benchmarks-fsspec.md is rewritten (--no-doc to skip).
+--quick: a 64 MiB object, 48 random reads per process, one run (a test may call it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchlib import (
+    S3_KEY_ID,
+    S3_REGION,
+    S3_SECRET,
+    aws_env,
+    ensure_bucket,
+    log,
+    s3_client,
+    start_s3_server,
+    stop_process,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "benchmarks-fsspec.md"
+BEGIN, END = "<!-- bench_fsspec results: begin -->", "<!-- bench_fsspec results: end -->"
+BUCKET, KEY, H5_KEY = "faultfs-bench", "run42/field.bin", "run42/chunks.h5"
+SYSTEMS = ("faultfs", "faultfs-ttl", "blockcache", "simplecache", "s3fs")
+OURS = ("faultfs", "faultfs-ttl")
+CASES = ("seq", "rand4k1", "rand4k8", "rand64k1", "rand64k8", "h5py")
+RANDOM = {"rand4k1": (4096, 1), "rand4k8": (4096, 8), "rand64k1": (65536, 1),
+          "rand64k8": (65536, 8)}
+CASE_TIMEOUT_S = 600.0
+WHO = "bench_fsspec"
+
+# One reader process: open the object through one system and run one case; prints JSON.
+READER = r"""
+import hashlib, json, random, sys, time
+import fsspec
+system, endpoint, cache, case, key, size, n, ops, seed, start_at = sys.argv[1:11]
+size, n, ops, seed, start_at = int(size), int(n), int(ops), int(seed), float(start_at)
+s3 = {"endpoint_url": endpoint, "key": sys.argv[11], "secret": sys.argv[12],
+      "client_kwargs": {"region_name": sys.argv[13]}, "use_listings_cache": False}
+if case == "h5py":
+    import h5py
+if system in ("faultfs", "faultfs-ttl"):
+    fs = fsspec.filesystem("faultfs", target_protocol="s3", target_options=s3, store=cache,
+                           reserve_mb=0, pin_ttl=60 if system == "faultfs-ttl" else 0)
+elif system in ("blockcache", "simplecache"):
+    fs = fsspec.filesystem(system, target_protocol="s3", target_options=s3,
+                           cache_storage=cache)
+else:
+    fs = fsspec.filesystem("s3", **s3)
+while time.time() < start_at:
+    time.sleep(0.001)
+began = time.perf_counter()
+out = {}
+if case in ("seq", "shared8"):
+    h = hashlib.sha256()
+    with fs.open(key, "rb") as f:
+        while True:
+            block = f.read(1 << 20)
+            if not block:
+                break
+            h.update(block)
+    out["sha"] = h.hexdigest()
+elif case == "h5py":
+    with fs.open(key, "rb") as f, h5py.File(f, "r") as h5:
+        data = h5["field"][...]
+    out["sum"] = float(data.sum(dtype="f8"))
+else:
+    rng = random.Random(seed)
+    got = []
+    with fs.open(key, "rb") as f:
+        for _ in range(ops):
+            off = rng.randrange(0, size // n) * n
+            f.seek(off)
+            got.append((off, hashlib.sha256(f.read(n)).hexdigest()))
+    out["got"] = got
+out["seconds"] = time.perf_counter() - began
+print(json.dumps(out))
+"""
+
+PROXY = r"""
+import json, sys
+from faultfs.testing.proxy import LatencyProxy
+host, port, delay, conn = sys.argv[1:]
+proxy = LatencyProxy(host, int(port), delay_ms=float(delay), conn_mbps=float(conn) or None,
+                     lifetime_s=6 * 3600, max_connections=512, idle_timeout_s=120)
+with proxy:
+    print(proxy.url, flush=True)
+    for _ in sys.stdin:
+        s = proxy.stats(log=True)
+        proxy.reset_stats()
+        gets = [r for r in s["log"] if r["method"] == "GET"]
+        print(json.dumps({"gets": len(gets),
+                          "get_bytes": sum(r["response_bytes"] for r in gets)}), flush=True)
+"""
+
+
+class Proxy:
+    def __init__(self, upstream: str, delay_ms: float, conn_mbps: float, work: Path) -> None:
+        host, _, port = upstream.removeprefix("http://").partition(":")
+        with open(work / "proxy.log", "wb") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", PROXY, host, port, str(delay_ms), str(conn_mbps)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
+                cwd=ROOT, start_new_session=True)
+        assert self.proc.stdout is not None
+        self.url = self.proc.stdout.readline().strip()
+        if not self.url.startswith("http://"):
+            raise SystemExit(f"{WHO}: the proxy did not start (see {work}/proxy.log)")
+
+    def window(self) -> dict:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write("stats\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        stop_process(self.proc)
+
+
+def readers(system: str, proxy: Proxy, cache: Path, case: str, key: str, size: int, n: int,
+            ops: int, procs: int, env: dict) -> list[dict]:
+    """``procs`` reader processes of one case, started together; their JSON answers."""
+    start_at = time.time() + 1.0 + 0.1 * procs  # every interpreter is up by then
+    # fsspec's caches are not safe for processes sharing a directory (simplecache:: served
+    # wrong bytes to 8 readers of one directory here): each process gets its own, as a
+    # careful user must; faultfs:: processes share one store, as they are meant to
+    dirs = [cache if system in OURS or procs == 1 else cache / str(i) for i in range(procs)]
+    for d in dirs:
+        d.mkdir(exist_ok=True)
+    children = [subprocess.Popen(
+        [sys.executable, "-c", READER, system, proxy.url, str(dirs[i]), case,
+         f"{BUCKET}/{key}", str(size), str(n), str(ops), str(1000 + i), str(start_at),
+         S3_KEY_ID, S3_SECRET, S3_REGION],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd="/")
+        for i in range(procs)]
+    out = []
+    for child in children:
+        stdout, stderr = child.communicate(timeout=CASE_TIMEOUT_S)
+        if child.returncode != 0:
+            raise SystemExit(f"{WHO}: {system} {case} failed: {stderr.strip()[-800:]}")
+        out.append(json.loads(stdout))
+    return out
+
+
+def check(case: str, answers: list[dict], expect: dict) -> None:
+    for answer in answers:
+        if case in ("seq", "shared8"):
+            assert answer["sha"] == expect["sha"], f"{case}: wrong bytes"
+        elif case == "h5py":
+            assert answer["sum"] == expect["h5sum"], f"{case}: wrong values"
+        else:
+            for off, digest in answer["got"]:
+                assert digest == expect["pieces"][(off, RANDOM[case][0])], f"{case}: wrong bytes"
+
+
+def measure(args, proxy: Proxy, work: Path, env: dict, expect: dict) -> dict:
+    """results[(system, case, warm)] = list of values (seconds, or ops/s for random cases)."""
+    results: dict[tuple[str, str, bool], list[float]] = {}
+    source: dict[tuple[str, str, bool], list[int]] = {}
+    for run in range(args.runs):
+        for system in args.systems[run % len(args.systems):] + args.systems[:run % len(
+                args.systems)]:
+            for case in args.cases:
+                cache = work / f"cache-{system}-{case}-{run}"
+                cache.mkdir()
+                key = H5_KEY if case == "h5py" else KEY
+                size = expect["h5size"] if case == "h5py" else args.size_mb << 20
+                n, procs = RANDOM.get(case, (0, 1))
+                for warm in (False, True):
+                    proxy.window()
+                    answers = readers(system, proxy, cache, case, key, size, n, args.rand_ops,
+                                      procs, env)
+                    check(case, answers, expect)
+                    took = max(a["seconds"] for a in answers)
+                    value = (args.rand_ops * procs / took) if case in RANDOM else took
+                    results.setdefault((system, case, warm), []).append(value)
+                    source.setdefault((system, case, warm), []).append(
+                        proxy.window()["get_bytes"])
+                    log(f"run {run + 1} {system:11s} {case:8s} {'warm' if warm else 'cold'}: "
+                        f"{value:9.2f} {'ops/s' if case in RANDOM else 's'}", WHO)
+                shutil.rmtree(cache, ignore_errors=True)
+    shared = []
+    for run in range(args.runs):
+        cache = work / f"cache-shared8-{run}"
+        cache.mkdir()
+        proxy.window()
+        answers = readers("faultfs", proxy, cache, "shared8", KEY, args.size_mb << 20, 0, 0, 8,
+                          env)
+        check("shared8", answers, expect)
+        shared.append(proxy.window()["get_bytes"] / (args.size_mb << 20))
+        shutil.rmtree(cache, ignore_errors=True)
+    return {"results": results, "source": source, "shared8": shared}
+
+
+def render(args, measured: dict, meta: dict) -> str:
+    res = measured["results"]
+    med = {k: statistics.median(v) for k, v in res.items()}
+    lines = [BEGIN, "",
+             f"Run {meta['when']} on {meta['machine']}: {meta['server']} through the latency "
+             f"proxy ({args.latency_ms:g} ms before each response, {args.conn_mbps:g} MB/s per "
+             f"connection); object {args.size_mb} MiB, HDF5 dataset {args.h5_mb} MiB "
+             f"(gzip-compressed, {meta['h5size'] >> 20} MiB stored); {args.rand_ops} random "
+             f"reads per process; {args.runs} run(s), medians"
+             + (" (--quick)" if args.quick else "") + ".", "",
+             "Seconds (seq, h5py; lower is better) or reads per second (random; higher is "
+             "better), cold (empty cache directory) and warm (new processes over the cache "
+             "the cold case left):", "",
+             "| case | " + " | ".join(args.systems) + " |",
+             "| --- |" + " ---: |" * len(args.systems)]
+    for case in args.cases:
+        for warm in (False, True):
+            unit = "ops/s" if case in RANDOM else "s"
+            cells = [f"{med[(s, case, warm)]:.2f}" for s in args.systems]
+            lines.append(f"| {case} {'warm' if warm else 'cold'} ({unit}) | "
+                         + " | ".join(cells) + " |")
+    others = [s for s in args.systems if s not in OURS]
+    for ours in [s for s in OURS if s in args.systems]:
+        if not others:
+            break
+        lines += ["", f"{ours} against each (speed-up: >1 means it is faster; target ≥ 1.5 "
+                  "cold, ≥ 2 warm):", "",
+                  "| case | " + " | ".join(f"vs {s}" for s in others) + " |",
+                  "| --- |" + " ---: |" * len(others)]
+        for case in args.cases:
+            for warm in (False, True):
+                cells = []
+                for s in others:
+                    mine, theirs = med[(ours, case, warm)], med[(s, case, warm)]
+                    ratio = mine / theirs if case in RANDOM else theirs / mine
+                    target = 2.0 if warm else 1.5
+                    cells.append(f"{ratio:.2f}×" + ("" if ratio >= target else " (below)"))
+                lines.append(f"| {case} {'warm' if warm else 'cold'} | " + " | ".join(cells)
+                             + " |")
+    src = {k: statistics.median(v) for k, v in measured["source"].items()}
+    lines += ["", "Bytes the proxy served per case, over the object (cold / warm):", "",
+              "| case | " + " | ".join(args.systems) + " |",
+              "| --- |" + " ---: |" * len(args.systems)]
+    for case in args.cases:
+        total = meta["h5size"] if case == "h5py" else args.size_mb << 20
+        cells = [f"{src[(s, case, False)] / total:.2f} / {src[(s, case, True)] / total:.2f}"
+                 for s in args.systems]
+        lines.append(f"| {case} | " + " | ".join(cells) + " |")
+    lines += ["", f"8 processes reading the whole object at once through one faultfs:: store: "
+              f"the source served {statistics.median(measured['shared8']):.3f}× the object "
+              f"(target ≤ 1.05×; runs: "
+              + ", ".join(f"{x:.3f}" for x in measured["shared8"]) + ").", "", END]
+    return "\n".join(lines)
+
+
+def h5_object(path: Path, mib: int) -> float:
+    import h5py
+    import numpy
+
+    rng = numpy.random.default_rng(4)
+    n = (mib << 20) // 4
+    data = (rng.standard_normal(n).astype("f4") * 100).round(1)  # compressible, like a field
+    with h5py.File(path, "w") as f:
+        f.create_dataset("field", data=data, chunks=(1 << 18,), compression="gzip",
+                         compression_opts=4)
+    return float(data.sum(dtype="f8"))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="a 64 MiB object, 48 random reads per process, one run")
+    parser.add_argument("--size-mb", type=int, default=256, help="object size in MiB (256)")
+    parser.add_argument("--h5-mb", type=int, default=64, help="HDF5 dataset MiB (64)")
+    parser.add_argument("--runs", type=int, help="repetitions (3; --quick: 1)")
+    parser.add_argument("--rand-ops", type=int, default=200, help="random reads per process")
+    parser.add_argument("--latency-ms", type=float, default=20.0)
+    parser.add_argument("--conn-mbps", type=float, default=100.0)
+    parser.add_argument("--server", choices=("s3rver", "moto"), default="s3rver")
+    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--cache", default=str(Path.home() / ".cache" / "faultfs-bench"))
+    parser.add_argument("--no-doc", action="store_true")
+    args = parser.parse_args()
+    if args.quick:
+        args.size_mb, args.h5_mb, args.rand_ops = 64, 16, 48
+    args.runs = args.runs or (1 if args.quick else 3)
+    args.systems = [s for s in args.systems.split(",") if s]
+    args.cases = [c for c in args.cases.split(",") if c]
+    unknown = sorted(set(args.systems) - set(SYSTEMS)) + sorted(set(args.cases) - set(CASES))
+    if unknown:
+        parser.error(f"unknown system or case: {', '.join(unknown)}")
+    work = Path(tempfile.mkdtemp(prefix="bench-fsspec-"))
+    env = aws_env(work)
+    server = proxy = None
+    try:
+        endpoint, what, server = start_s3_server(args.server, work, Path(args.cache), BUCKET,
+                                                 WHO)
+        client = s3_client(endpoint)
+        ensure_bucket(client, BUCKET)
+        data = random.Random(1).randbytes(args.size_mb << 20)
+        client.put_object(Bucket=BUCKET, Key=KEY, Body=data)
+        h5 = work / "chunks.h5"
+        h5sum = h5_object(h5, args.h5_mb)
+        client.upload_file(str(h5), BUCKET, H5_KEY)
+        import hashlib
+
+        pieces = {}
+        for n, procs in RANDOM.values():
+            for i in range(procs):
+                rng = random.Random(1000 + i)
+                for _ in range(args.rand_ops):
+                    off = rng.randrange(0, (args.size_mb << 20) // n) * n
+                    pieces[(off, n)] = hashlib.sha256(data[off:off + n]).hexdigest()
+        expect = {"sha": hashlib.sha256(data).hexdigest(), "h5sum": h5sum,
+                  "h5size": h5.stat().st_size, "pieces": pieces}
+        del data
+        proxy = Proxy(endpoint, args.latency_ms, args.conn_mbps, work)
+        measured = measure(args, proxy, work, env, expect)
+        meta = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                "machine": f"{os.cpu_count()} cores", "server": what,
+                "h5size": expect["h5size"]}
+        text = render(args, measured, meta)
+        print(text)
+        if not args.no_doc:
+            doc = DOC.read_text() if DOC.exists() else ""
+            if BEGIN in doc and END in doc:
+                doc = doc[:doc.index(BEGIN)] + text + doc[doc.index(END) + len(END):]
+            else:
+                doc = doc + "\n" + text + "\n"
+            DOC.write_text(doc)
+    finally:
+        if proxy is not None:
+            proxy.close()
+        if server is not None:
+            stop_process(server)
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,506 @@
+"""faultfs:: as an fsspec file system over local targets (DESIGN §18): fsspec's behaviour kept
+(checked against the target file system on the same objects), a changed source is a new tag,
+many processes share one store (one source read per blob, kill -9 mid-fault, a full store, a
+cap across processes, a live mount beside them), hostile options refused in one line.
+S3 targets: tests/s3/test_fsspec_s3.py."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import fsspec
+import pytest
+
+from faultfs.fsspec import FaultFileSystem, OptionError, ReadOnlyError
+
+MiB = 1 << 20
+
+# a child process: read an object through faultfs:: and print its digest and counters
+CHILD = r"""
+import hashlib, json, sys, time
+import fsspec
+store, path, chunk, start_at = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
+extra = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {}
+fs = fsspec.filesystem("faultfs", target_protocol="file", store=store, reserve_mb=0,
+                       chunk_size=chunk, skip_instance_cache=True, **extra)
+while time.time() < start_at:
+    time.sleep(0.001)
+with fs.open(path) as f:
+    data = f.read()
+fs.drain()
+print(json.dumps({"sha": hashlib.sha256(data).hexdigest(), "stats": fs.stats()}))
+"""
+
+
+def child(store: str, path: str, chunk: str, start_at: float = 0.0,
+          extra: dict | None = None) -> subprocess.Popen:
+    args = [sys.executable, "-c", CHILD, store, path, chunk, str(start_at)]
+    if extra:
+        args.append(json.dumps(extra))
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc: subprocess.Popen) -> dict:
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    return json.loads(out)
+
+
+def content(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def sha(path: str) -> str:
+    import hashlib
+
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def leftovers(store: str) -> list[str]:
+    """Temporary blob files and claims left in ``store``."""
+    out = []
+    for base, _, names in os.walk(store):
+        for name in names:
+            if name.endswith(".tmp") or os.path.basename(base) == "claims":
+                out.append(os.path.join(base, name))
+    return out
+
+
+@pytest.fixture
+def ffs(tmp_path):
+    def make(**options) -> FaultFileSystem:
+        options.setdefault("store", str(tmp_path / "store"))
+        options.setdefault("reserve_mb", 0)
+        options.setdefault("chunk_size", "64k")
+        return fsspec.filesystem("faultfs", target_protocol="file", skip_instance_cache=True,
+                                 **options)
+
+    return make
+
+
+def test_reads_behave_like_the_target(ffs, sample, tmp_path):
+    """Seeks, reads, readline, readinto, reads past the end and info against the target fs,
+    on the same objects, through cold and warm chunks."""
+    paths = [sample(size, f"obj{size}.bin") for size in (0, 1, 65536, 300_001)]
+    fs, plain = ffs(), fsspec.filesystem("file")
+    rng = random.Random(7)
+    for path in paths:
+        assert fs.info(path)["size"] == plain.info(path)["size"]
+        assert fs.size(path) == os.path.getsize(path)
+        with fs.open(path, "rb") as ours, plain.open(path, "rb") as ref:
+            assert ours.size == os.path.getsize(path)
+            for _ in range(150):
+                op = rng.choice(["seek", "read", "readline", "readinto", "tell"])
+                if op == "seek":
+                    whence = rng.choice([0, 1, 2])
+                    off = rng.randrange(-50, ours.size + 50) if whence else rng.randrange(
+                        0, ours.size + 100)
+                    try:
+                        expect = ref.seek(off, whence)
+                    except (ValueError, OSError):  # a local file's OSError is fsspec's ValueError
+                        with pytest.raises((ValueError, OSError)):
+                            ours.seek(off, whence)
+                        continue
+                    if expect < 0:
+                        continue
+                    assert ours.seek(off, whence) == expect
+                elif op == "read":
+                    n = rng.choice([-1, 0, 1, 100, 4096, 70_000])
+                    assert ours.read(n) == ref.read(n)
+                elif op == "readline":
+                    assert ours.readline() == ref.readline()
+                elif op == "readinto":
+                    a, b = bytearray(rng.randrange(1, 9000)), bytearray(0)
+                    b = bytearray(len(a))
+                    assert ours.readinto(a) == ref.readinto(b)
+                    assert a == b
+                assert ours.tell() == ref.tell()
+    assert sorted(fs.ls(str(tmp_path), detail=False)) == sorted(
+        plain.ls(str(tmp_path), detail=False))
+    assert fs.glob(str(tmp_path / "obj*.bin")) == plain.glob(str(tmp_path / "obj*.bin"))
+    big = paths[-1]
+    data = content(big)
+    assert fs.cat_file(big, 1000, 200_000) == data[1000:200_000]
+    assert fs.cat_ranges([big, big, paths[2]], [0, 299_000, 5], [10, None, -5]) == [
+        data[:10], data[299_000:], content(paths[2])[5:-5]]
+    stats = fs.stats()
+    assert stats["hits"] > 0 and stats["faults"] > 0
+
+
+def test_chained_url_and_open_modes(sample, tmp_path):
+    path = sample(3 * MiB + 17)
+    store = str(tmp_path / "store")
+    with fsspec.open(f"faultfs::file://{path}", faultfs={"store": store, "reserve_mb": 0}) as f:
+        assert f.read() == content(path)
+    fs, inner = fsspec.core.url_to_fs(f"faultfs::file://{path}",
+                                      faultfs={"store": store, "reserve_mb": 0})
+    assert isinstance(fs, FaultFileSystem) and inner == path
+    for mode in ("wb", "ab", "r+b", "xb"):
+        with pytest.raises(ReadOnlyError) as err:
+            fs.open(path, mode)
+        assert "\n" not in str(err.value) and "mount" in str(err.value)
+    for call in (lambda: fs.rm(path), lambda: fs.pipe_file(path, b"x"),
+                 lambda: fs.mv(path, path + "2"), lambda: fs.mkdir(str(tmp_path / "d")),
+                 lambda: fs.put_file(path, path + "3"), lambda: fs.touch(path + "4")):
+        with pytest.raises(ReadOnlyError):
+            call()
+    assert content(path) == content(path) and not os.path.exists(path + "2")
+
+
+def test_threads_reading_one_object_at_once(ffs, sample):
+    """Threads reading one pinned object at once (faults, hits, blob files kept open and
+    let go): every byte right, no blob taken for damaged."""
+    import concurrent.futures
+
+    path = sample(2 * MiB + 333)
+    data = content(path)
+    fs = ffs(chunk_size="64k")
+    obj = fs.pin(path)
+
+    def reader(seed: int) -> None:
+        rng = random.Random(seed)
+        for _ in range(300):
+            start = rng.randrange(0, len(data))
+            end = min(len(data), start + rng.choice([1, 4096, 70_000, 300_000]))
+            assert obj.read(start, end, ahead=rng.choice([0, 2])) == data[start:end]
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        for done in [pool.submit(reader, seed) for seed in range(8)]:
+            done.result()
+    assert fs.drain(timeout=60)
+    obj.close()
+    assert fs.stats().get("damaged_dropped", 0) == 0
+
+
+def test_text_mode_pickling_and_forked_workers(ffs, tmp_path):
+    """Text mode wraps the binary file as fsspec does; the file system pickles (Dask ships it
+    to workers) and works in a forked child after the parent used it (a DataLoader worker):
+    the child builds its own pool instead of waiting on the parent's threads."""
+    import multiprocessing
+    import pickle
+
+    path = tmp_path / "lines.txt"
+    path.write_text("".join(f"line {i}\n" for i in range(50_000)))
+    fs = ffs()
+    with fs.open(str(path), "r") as f:
+        assert f.readline() == "line 0\n"
+        f.seek(0)
+        assert f.read() == path.read_text()
+    again = pickle.loads(pickle.dumps(fs))
+    assert again.cat_file(str(path), 0, 12) == b"line 0\nline "
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(2) as pool:
+        sizes = pool.map(_read_len, [(fs, str(path))] * 4)
+    assert sizes == [path.stat().st_size] * 4
+
+
+def _read_len(args) -> int:
+    fs, path = args
+    with fs.open(path) as f:
+        return len(f.read())
+
+
+def test_a_changed_source_is_a_new_tag_never_a_mix(ffs, tmp_path):
+    path = tmp_path / "obj.bin"
+    old, new = os.urandom(256 * 1024), os.urandom(256 * 1024)
+    path.write_bytes(old)
+    fs = ffs()
+    first = fs.open(str(path))
+    assert first.read(1000) == old[:1000]  # chunk 0 staged from the old version
+    time.sleep(0.01)
+    path.write_bytes(new)  # same size, new mtime: a new version
+    with fs.open(str(path)) as second:
+        assert second.read() == new
+    first.seek(0)
+    assert first.read(1000) == old[:1000]  # its own staged chunk: the old version's bytes
+    first.seek(200_000)
+    with pytest.raises(Exception) as err:  # never the new version's bytes under the old pin
+        first.read(10)
+    assert "changed" in str(err.value)
+    tags = os.listdir(tmp_path / "store" / "tags")
+    assert len([t for t in tags if t.startswith("t-.fsspec-")]) == 2
+
+
+@pytest.mark.parametrize(("options", "words"), [
+    ({"bogus": 1}, "no option 'bogus'"),
+    ({"chunk_size": "abc"}, "chunk_size"),
+    ({"chunk_size": 1}, "not in [4 KiB, 1 GiB]"),
+    ({"chunk_size": "2G"}, "not in [4 KiB, 1 GiB]"),
+    ({"cache_size": -1}, "cache_size"),
+    ({"reserve_mb": "lots"}, "reserve_mb"),
+    ({"store": "s3://bucket/cache"}, "local directory"),
+    ({"store": 12}, "local directory"),
+    ({"read_ahead": -2}, "read_ahead"),
+])
+def test_hostile_options_refused_in_one_line(tmp_path, options, words):
+    options.setdefault("store", str(tmp_path / "store"))
+    with pytest.raises(OptionError) as err:
+        fsspec.filesystem("faultfs", target_protocol="file", skip_instance_cache=True, **options)
+    assert words in str(err.value) and "\n" not in str(err.value)
+    assert not (tmp_path / "store").exists()  # nothing written
+
+
+@pytest.mark.parametrize(("kwargs", "words"), [
+    ({}, "needs a target"),
+    ({"target_protocol": "faultfs"}, "over itself"),
+    ({"target_protocol": "no-such-protocol"}, "no-such-protocol"),
+    ({"target_protocol": "file", "target_options": "x"}, "must be a dict"),
+    ({"target_protocol": "file", "fs": fsspec.filesystem("memory")}, "not both"),
+])
+def test_hostile_targets_refused_in_one_line(tmp_path, kwargs, words):
+    with pytest.raises(OptionError) as err:
+        FaultFileSystem(store=str(tmp_path / "store"), skip_instance_cache=True, **kwargs)
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_hostile_paths_refused(ffs, sample, tmp_path):
+    fs = ffs()
+    with pytest.raises(OptionError):
+        fs.open(sample(10) + "\x00x")
+    with pytest.raises(OptionError):
+        fs.open("faultfs::memory://x::file:///etc/passwd")
+    with pytest.raises(FileNotFoundError):
+        fs.info(str(tmp_path / "absent"))
+
+
+def test_eight_processes_fault_one_blob_once(sample, tmp_path):
+    """8 processes open one store at once and read the same 8 MiB blob: one source read."""
+    path = sample(8 * MiB)
+    store = str(tmp_path / "store")
+    start = time.time() + 1.5  # every child is up and waiting by then
+    procs = [child(store, path, "8M", start) for _ in range(8)]
+    results = [finish(p) for p in procs]
+    assert {r["sha"] for r in results} == {sha(path)}
+    assert sum(r["stats"].get("source_bytes", 0) for r in results) == 8 * MiB
+    assert sum(r["stats"].get("faults", 0) for r in results) == 1
+    assert leftovers(store) == []
+
+
+def test_kill_9_mid_fault_leaves_nothing_torn_or_leaked(sample, tmp_path):
+    """A process killed while it writes a blob: the next reader gets the right bytes at once
+    (the claim died with it), and its temporary file is gone."""
+    path = sample(96 * MiB)
+    store = str(tmp_path / "store")
+    for _attempt in range(20):
+        proc = child(store, path, "96M")
+        tag_root = os.path.join(store, "tags")
+        seen = None
+        deadline = time.time() + 60
+        while seen is None and proc.poll() is None and time.time() < deadline:
+            for base, _, names in os.walk(tag_root):
+                seen = next((os.path.join(base, n) for n in names if n.endswith(".tmp")), seen)
+        if seen is None:  # it finished before we saw its temporary file: drop it, again
+            proc.communicate()
+            for base, _, names in os.walk(tag_root):
+                for n in names:
+                    os.unlink(os.path.join(base, n))
+            continue
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate()
+        break
+    else:
+        pytest.skip("no kill landed mid-write in 20 tries (the machine wrote too fast)")
+    assert os.path.exists(seen)  # what a kill -9 mid-write leaves
+    began = time.time()
+    result = finish(child(store, path, "96M"))
+    assert result["sha"] == sha(path)
+    assert time.time() - began < 60  # it never waited for the dead claim
+    assert leftovers(store) == []  # the dead one's temporary file and claim are gone
+
+
+def test_a_held_claim_is_waited_for_not_read_twice(sample, tmp_path):
+    """While one process holds a blob's claim, another waits for the blob instead of
+    reading the source; when the holder is killed, the waiter faults it itself."""
+    path = sample(MiB)
+    store = str(tmp_path / "store")
+    fs = fsspec.filesystem("faultfs", target_protocol="file", store=store, reserve_mb=0,
+                           chunk_size="1M", skip_instance_cache=True)
+    obj = fs.pin(path)
+    obj.close()
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, os, sys, time\n"
+        "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)\n"
+        "fcntl.flock(fd, fcntl.LOCK_EX)\nprint('held', flush=True)\ntime.sleep(60)\n"),
+        os.path.join(store, "claims", f"{obj.tag}.0")], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    waiter = child(store, path, "1M")
+    time.sleep(1.0)
+    assert waiter.poll() is None  # waiting on the claim, not reading the source
+    holder.kill()
+    holder.communicate()
+    result = finish(waiter)
+    assert result["sha"] == sha(path) and result["stats"]["faults"] == 1
+    fd = os.open(os.path.join(store, "claims"), os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    os.close(fd)
+
+
+def test_reserve_and_a_full_store_read_through(sample, tmp_path):
+    path = sample(6 * MiB)
+    fs = fsspec.filesystem("faultfs", target_protocol="file", store=str(tmp_path / "s1"),
+                           reserve_mb=1 << 30, chunk_size="1M", skip_instance_cache=True)
+    with fs.open(path) as f:
+        assert f.read() == content(path)
+    assert fs.drain(timeout=60)
+    assert fs.stats().get("stored", 0) == 0 and fs.stats()["skipped_reserve"] == 6
+    small = tmp_path / "small"
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(small)],
+                      capture_output=True).returncode:
+        pytest.skip("a small tmpfs cannot be mounted here (needs root)")
+    try:
+        fs = fsspec.filesystem("faultfs", target_protocol="file", store=str(small / "store"),
+                               reserve_mb=0, chunk_size="1M", skip_instance_cache=True)
+        with fs.open(path) as f:
+            assert f.read() == content(path)
+        assert fs.drain(timeout=60)
+        stats = fs.stats()
+        # the reserve line (free space, read as the writes go) or ENOSPC itself stopped it
+        refused = stats.get("store_failures", 0) + stats.get("skipped_reserve", 0)
+        assert refused >= 1 and 1 <= stats.get("stored", 0) < 6
+        assert leftovers(str(small / "store")) == []
+        with fs.open(path) as f:  # what was stored is served; the rest reads through
+            assert f.read() == content(path)
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
+
+
+def test_cap_holds_across_processes(sample, tmp_path):
+    """Four processes each read their own 4 MiB object into a store capped at 6 MiB: the
+    store ends within the cap, and each process read the right bytes."""
+    store = str(tmp_path / "store")
+    paths = [sample(4 * MiB, f"o{i}.bin", seed=i) for i in range(4)]
+    start = time.time() + 1.5
+    procs = [child(store, p, "512k", start, {"cache_size": "6M"}) for p in paths]
+    results = [finish(p) for p in procs]
+    assert [r["sha"] for r in results] == [sha(p) for p in paths]
+    fs = fsspec.filesystem("faultfs", target_protocol="file", store=store, reserve_mb=0,
+                           skip_instance_cache=True, cache_size="6M")
+    used = fs._shared_here().space.usage()
+    assert used <= 6 * MiB + 4 * (512 << 10)  # the cap, and at most one blob in flight each
+    assert sum(r["stats"].get("stored", 0) for r in results) >= 12
+
+
+def test_fsck_knows_the_protocols_blobs_and_the_cap_spares_a_mounts(mounter, sample, tmp_path):
+    """The protocol's tags need no registry entry (fsck is clean, gc keeps them), and its cap
+    never evicts a blob of a mount's tag in the same store."""
+    from conftest import run_faultfs
+
+    store = str(tmp_path / "store")
+    mounted = sample(2 * MiB, "mounted.bin", seed=3)
+    mnt = mounter(mounted, store=store, args=["--chunk-size", "1M"])
+    with open(os.path.join(mnt.path, "mounted", "mounted.bin"), "rb") as f:
+        assert f.read() == content(mounted)
+    pid = mnt.pid
+    mnt.umount()
+    mnt.pid = pid
+    assert mnt.wait_gone()  # its lock is free: fsck and gc may walk the store
+    for i in range(3):
+        finish(child(store, sample(MiB, f"o{i}.bin", seed=10 + i), "256k", 0.0,
+                     {"cache_size": "1M"}))
+    mount_blobs = os.listdir(os.path.join(store, "tags", "t-mounted"))
+    assert {"b-chunk_0", "b-chunk_1"} <= set(mount_blobs)  # the cap took none of them
+    fsck = run_faultfs("fsck", store)
+    assert fsck.returncode == 0, fsck.stdout + fsck.stderr
+    gc = run_faultfs("gc", "--dry-run", store)
+    assert "would free 0 files" in gc.stdout, gc.stdout
+
+
+def test_a_store_shared_with_a_live_mount(mounter, sample, tmp_path):
+    """A mount serves from a store while processes read through faultfs:: into it."""
+    mounted = sample(3 * MiB, "mounted.bin", seed=1)
+    other = sample(5 * MiB, "other.bin", seed=2)
+    store = str(tmp_path / "store")
+    mnt = mounter(mounted, store=store)
+    procs = [child(store, other, "1M") for _ in range(3)] + [child(store, mounted, "1M")]
+    with open(os.path.join(mnt.path, "mounted", "mounted.bin"), "rb") as f:
+        assert f.read() == content(mounted)
+    results = [finish(p) for p in procs]
+    assert [r["sha"] for r in results] == [sha(other)] * 3 + [sha(mounted)]
+    assert sum(r["stats"].get("faults", 0) for r in results[:3]) == 5
+    assert mnt.counters()["faults"] >= 3
+    with open(os.path.join(mnt.path, "mounted", "mounted.bin"), "rb") as f:
+        assert f.read() == content(mounted)
+
+
+def test_the_shared_tier_serves_chunks_another_node_faulted(sample, tmp_path):
+    """Two nodes (two stores) with one shared store: the second reads nothing from the
+    source; a damaged object is a miss, faulted from the source and published again."""
+    path = sample(3 * MiB)
+    shared = tmp_path / "shared"
+
+    def node(name: str) -> FaultFileSystem:
+        return fsspec.filesystem("faultfs", target_protocol="file", store=str(tmp_path / name),
+                                 reserve_mb=0, chunk_size="1M", shared_store=str(shared),
+                                 skip_instance_cache=True)
+
+    a = node("a")
+    assert a.cat_file(path) == content(path)
+    assert a.drain(timeout=60)  # publishes run behind the reader
+    assert a.stats()["shared_publishes"] == 3 and a.stats()["shared_miss"] == 3
+    b = node("b")
+    assert b.cat_file(path) == content(path)
+    assert b.stats().get("source_bytes", 0) == 0 and b.stats()["shared_hit"] == 3
+    objects = sorted(os.path.join(d, n) for d, _, names in os.walk(shared / "blobs")
+                     for n in names)
+    assert len(objects) == 3
+    with open(objects[1], "r+b") as f:  # a payload byte of one object goes bad
+        f.seek(4096 + 1000)
+        byte = f.read(1)
+        f.seek(4096 + 1000)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    c = node("c")
+    assert c.cat_file(path) == content(path)
+    assert c.drain(timeout=60)
+    stats = c.stats()
+    assert stats["shared_damaged"] == 1 and stats["source_bytes"] == MiB
+    assert stats["shared_publishes"] == 1  # the good bytes replace the damaged object
+    d = node("d")
+    assert d.cat_file(path) == content(path) and d.stats().get("source_bytes", 0) == 0
+
+
+@pytest.mark.parametrize(("value", "words"), [(12, "must be a URL"),
+                                               ("/proc/no/such/dir", "shared store")])
+def test_a_bad_shared_store_is_refused_in_one_line(tmp_path, value, words):
+    with pytest.raises(OptionError) as err:
+        fsspec.filesystem("faultfs", target_protocol="file", store=str(tmp_path / "s"),
+                          shared_store=value, skip_instance_cache=True)
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_pin_ttl_reuses_a_recent_pin_and_never_mixes(ffs, tmp_path):
+    """With pin_ttl, an object pinned a moment ago (by any process) opens at that version
+    without asking its source; if it changed meanwhile, staged chunks read the old version and
+    a chunk that must be faulted is refused — never the new bytes under the old pin."""
+    path = tmp_path / "obj.bin"
+    old, new = os.urandom(256 * 1024), os.urandom(256 * 1024)
+    path.write_bytes(old)
+    fs = ffs(pin_ttl=60)
+    with fs.open(str(path)) as f:
+        assert f.read(70_000) == old[:70_000]  # chunks 0 and 1 staged
+    assert fs.drain(timeout=60)
+    again = ffs(pin_ttl=60)
+    with again.open(str(path)) as f:
+        assert f.read(70_000) == old[:70_000]
+    assert again.stats()["pins_reused"] == 1 and again.stats().get("faults", 0) == 0
+    time.sleep(0.01)
+    path.write_bytes(new)
+    with again.open(str(path)) as f:  # within the ttl: the old pin
+        assert f.read(1000) == old[:1000]
+        f.seek(200_000)
+        with pytest.raises(OSError, match="changed"):
+            f.read(10)
+    fresh = ffs()  # pin_ttl 0 (the default): the version it has now
+    with fresh.open(str(path)) as f:
+        assert f.read() == new
+    with pytest.raises(OptionError):
+        ffs(pin_ttl=-1)
