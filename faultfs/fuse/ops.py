@@ -13,13 +13,14 @@ import functools
 import logging
 import os
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from faultfs.core.names import XATTR_SOURCE, XATTR_STAGED, XATTR_TAG
 from faultfs.engine import Engine
 from faultfs.errors import FaultfsError
-from faultfs.fuse.handles import HandleTable
+from faultfs.fuse.handles import REOPEN_MASK, HandleTable
 from faultfs.fuse.invalidate import Invalidator
-from faultfs.fuse.lowlevel import pyfuse3
+from faultfs.fuse.lowlevel import native, pyfuse3
 from faultfs.namespace import (
     BLOCK_SIZE,
     RENAME_EXCHANGE,
@@ -27,8 +28,12 @@ from faultfs.namespace import (
     Attributes,
     Files,
     OpenFile,
+    PlainFile,
     Tree,
 )
+
+if TYPE_CHECKING:
+    from faultfs.fuse.handover import SessionState
 
 log = logging.getLogger("faultfs.fuse")
 UID, GID = os.getuid(), os.getgid()  # every entry belongs to the daemon's user
@@ -78,15 +83,45 @@ def file_info(fh: int, handle: OpenFile) -> pyfuse3.FileInfo:
     return pyfuse3.FileInfo(fh=fh, direct_io=handle.direct_io, keep_cache=handle.keep_cache)
 
 
-class FaultOperations(pyfuse3.Operations):
-    """pyfuse3 operations over a ``Tree`` of an ``Engine``."""
+class LostFile(PlainFile):
+    """A handle the kernel held across a takeover that could not be opened again (its file
+    was removed meanwhile): its number stays taken until the kernel releases it."""
 
-    def __init__(self, engine: Engine) -> None:
+    keep_cache = False
+    direct_io = True
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+    async def read(self, off: int, size: int):
+        raise FaultfsError(f"the file could not be opened again after a restart: {self.why}",
+                           errno.EIO)
+
+    async def write(self, off: int, data: bytes, *, cached: bool = False) -> int:
+        return await self.read(off, len(data))
+
+
+class FaultOperations(pyfuse3.Operations):
+    """pyfuse3 operations over a ``Tree`` of an ``Engine``.
+
+    With a session state (a holder keeps the mount, fuse/handover.py) every open handle is
+    kept there, and a request that changes the tree is remembered with its result just before
+    it is answered: when the kernel resends one the dead daemon carried out (its unique marked
+    resent), it is answered from there, not done twice."""
+
+    def __init__(self, engine: Engine, session: SessionState | None = None) -> None:
         super().__init__()
         self.engine = engine
         self.tree = Tree(engine)
         self.files = Files(self.tree)
-        self.handles = HandleTable()
+        self.handles = HandleTable(session)
+        self.session = session
+        # the unique of the request being handled: read first thing in a handler, before
+        # any await (pyfuse3 runs a handler up to its first await right after receiving it)
+        self._unique = native.current_unique if session is not None and native else None
+        self.tree.daemon_info = self.daemon_info
+        if session is not None:  # entries' times must not change under the kernel's caches
+            self.tree.mounted_at = int(session.describe()["mount_started"] * 1e9)
         self.invalidator = Invalidator()
         self.files.coherence.drop = self.invalidator.drop
         self.files.invalidate_entry = self.invalidator.entry
@@ -123,29 +158,88 @@ class FaultOperations(pyfuse3.Operations):
     async def releasedir(self, fh):
         return
 
+    # -- the session across daemons (fuse/handover.py) ------------------------------------------
+
+    def daemon_info(self) -> dict:
+        """Who serves the mount: ``faultfs stat``'s daemon line."""
+        info = {"pid": os.getpid(), "started": self.engine.stats.started, "holder": False,
+                "takeovers": 0}
+        if self.session is not None:
+            info.update(self.session.describe(), holder=True)
+            info["started"] = info.pop("daemon_started") or info["started"]
+        return info
+
+    def unique(self) -> int:
+        return self._unique() if self._unique is not None else 0
+
+    def done_before(self, unique: int) -> int | None:
+        """The result of a resent request the dead daemon carried out, else None."""
+        return None if self.session is None else self.session.answer(unique)
+
+    def answering(self, unique: int, result: int = 0) -> None:
+        if self.session is not None and unique:
+            self.session.answered(unique, result)
+
+    async def restore(self) -> int:
+        """Open again every handle the kernel held when the mount was taken over."""
+        if self.session is None:
+            return 0
+        for fh, inode, flags in self.session.handles():
+            try:
+                handle = await self.files.open(inode, flags & REOPEN_MASK)
+            except FaultfsError as exc:
+                log.warning("file handle %d (inode %d) cannot be opened again: %s", fh, inode,
+                            exc)
+                handle = LostFile(str(exc))
+            else:
+                if self.file_opened is not None:
+                    self.file_opened(handle)
+            self.handles.put(fh, handle)
+        self.handles.restored()
+        return len(self.handles)
+
+    # -- files ----------------------------------------------------------------------------------
+
     @fuse_boundary
     async def open(self, inode, flags, ctx):
         handle = await self.files.open(inode, flags)
         if self.file_opened is not None:
             self.file_opened(handle)
-        return file_info(self.handles.add(handle), handle)
+        return file_info(self.handles.add(handle, inode, flags), handle)
 
     @fuse_boundary
     async def create(self, parent_inode, name, mode, flags, ctx):
-        handle, attr = await self.files.create(parent_inode, os.fsdecode(name), flags)
-        return file_info(self.handles.add(handle), handle), entry(attr)
+        unique = self.unique()
+        inode = self.done_before(unique)
+        if inode is not None:  # created by the dead daemon: open what it made
+            handle = await self.files.open(inode, flags & REOPEN_MASK)
+            attr = await self.tree.getattr(inode)
+        else:
+            handle, attr = await self.files.create(parent_inode, os.fsdecode(name), flags)
+        fi = file_info(self.handles.add(handle, attr.inode, flags), handle)
+        self.answering(unique, attr.inode)
+        return fi, entry(attr)
 
     @fuse_boundary
     async def read(self, fh, off, size):
         return await self.handles[fh].read(off, size)
 
     async def write(self, fh, off, buf):
+        unique = self.unique()
+        if unique >> 63:  # resent: answered from the session when it was done already
+            done = self.done_before(unique)
+            if done is not None:
+                return done
         try:  # fuse_boundary inline: a write is the hottest request, one frame less
             if fh & WRITEBACK_FH:  # cached pages written back (marked by the fast read path)
-                return await self.handles[fh ^ WRITEBACK_FH].write(off, buf, cached=True)
-            if not self.writebacks_marked and not (off | len(buf)) & PAGE_MASK:
-                return await self.handles[fh].write(off, buf, cached=True)  # (as good a guess)
-            return await self.handles[fh].write(off, buf)
+                n = await self.handles[fh ^ WRITEBACK_FH].write(off, buf, cached=True)
+            elif not self.writebacks_marked and not (off | len(buf)) & PAGE_MASK:
+                n = await self.handles[fh].write(off, buf, cached=True)  # (as good a guess)
+            else:
+                n = await self.handles[fh].write(off, buf)
+            if unique:
+                self.answering(unique, n)
+            return n
         except FaultfsError as exc:
             log.debug("write: %s", exc)
             raise pyfuse3.FUSEError(exc.errno) from None
@@ -157,8 +251,10 @@ class FaultOperations(pyfuse3.Operations):
 
     @fuse_boundary
     async def setattr(self, inode, attr, fields, fh, ctx):
-        if fields.update_size:
+        unique = self.unique()
+        if fields.update_size and self.done_before(unique) is None:
             await self.files.set_size(inode, attr.st_size, self.handles.get(fh))
+            self.answering(unique)
         elif fields.update_mode or fields.update_uid or fields.update_gid:
             raise FaultfsError("modes and owners are the mount's", errno.EPERM)
         return entry(await self.tree.getattr(inode))  # times: the tree's, taken as set
@@ -179,7 +275,10 @@ class FaultOperations(pyfuse3.Operations):
 
     @fuse_boundary
     async def unlink(self, parent_inode, name, ctx):
-        await self.files.remove(parent_inode, os.fsdecode(name))
+        unique = self.unique()
+        if self.done_before(unique) is None:
+            await self.files.remove(parent_inode, os.fsdecode(name))
+            self.answering(unique)
 
     @fuse_boundary
     async def rmdir(self, parent_inode, name, ctx):
@@ -187,8 +286,11 @@ class FaultOperations(pyfuse3.Operations):
 
     @fuse_boundary
     async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
-        await self.files.rename(parent_inode_old, os.fsdecode(name_old), parent_inode_new,
-                                os.fsdecode(name_new), flags)
+        unique = self.unique()
+        if self.done_before(unique) is None:
+            await self.files.rename(parent_inode_old, os.fsdecode(name_old), parent_inode_new,
+                                    os.fsdecode(name_new), flags)
+            self.answering(unique)
 
     @fuse_boundary
     async def mkdir(self, parent_inode, name, mode, ctx):
