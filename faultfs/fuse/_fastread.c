@@ -54,6 +54,11 @@
 #define MAX_READERS 64
 /* libfuse's own receive buffer: FUSE_MAX_MAX_PAGES pages and a page for the headers */
 #define REQ_BUF (256 * 4096 + 4096)
+/* PREFAULTED: request buffers are touched whole when made. The kernel copies a request into
+   the reader's buffer after taking it off its queue, pinning the buffer's pages; a page not
+   present is pinned the slow way, which fails once the process is being killed, and the kernel
+   then ends the request with EIO instead of leaving it for the next daemon (fs/fuse/dev.c,
+   fuse_dev_do_read). Present pages are pinned without that check. */
 #define ENDED_COUNT (1ULL << 62) /* the queue's count once the connection ended: always readable */
 #define WAKE_SIGNAL (SIGRTMIN + 5) /* ends a reader's blocking read when the readers stop */
 /* set in the fh of a WRITE the kernel sends to write back cached pages (FUSE_WRITE_CACHE):
@@ -224,6 +229,7 @@ static size_t init_len_;
 static char takeover_init_[INIT_MAX]; /* takeover(): the INIT to queue at the next session */
 static size_t takeover_len_;
 static uint64_t current_unique_; /* the unique of the request receive_buf handed out last */
+static int resend_errno_ = -1;   /* how the takeover's resend went: -1 not sent, 0, errno */
 
 static void slot_release(slot_t *s) { /* lock_ held */
     if (--s->refs == 0) {
@@ -238,7 +244,9 @@ static char *take_buffer(void) {
     if (nspare_)
         b = spare_[--nspare_];
     pthread_mutex_unlock(&lock_);
-    return b ? b : malloc(REQ_BUF);
+    if (!b && (b = malloc(REQ_BUF)))
+        memset(b, 0, REQ_BUF); /* every page present: see PREFAULTED */
+    return b;
 }
 
 static void give_buffer(char *b) {
@@ -527,6 +535,17 @@ static void stop_readers(void) {
     ended_ = 0;
 }
 
+/* FUSE_NOTIFY_RESEND (7, Linux >= 6.9): the requests read from this connection and not
+   answered go back to its pending queue, their unique marked with bit 63. 0 or -errno. */
+static int send_resend(void) {
+    struct fuse_out_header out = {sizeof out, 7, 0};
+    ssize_t n;
+    while ((n = write(fuse_fd_, &out, sizeof out)) < 0 && errno == EINTR) {
+    }
+    resend_errno_ = n < 0 ? errno : 0;
+    return -resend_errno_;
+}
+
 static int start_readers(struct fuse_session *se, int fd) {
     struct sigaction wake;
     memset(&wake, 0, sizeof wake);
@@ -555,6 +574,9 @@ static int start_readers(struct fuse_session *se, int fd) {
             enqueue(mem, takeover_len_);
         }
         takeover_len_ = 0;
+        /* before any reader reads: a request read here first and resent after would come
+           twice, and the reply to the first copy would be refused */
+        send_resend();
     }
     for (nreaders_ = 0; nreaders_ < want_readers_; nreaders_++)
         if (pthread_create(&readers_[nreaders_], NULL, reader, (void *)(intptr_t)nreaders_))
@@ -899,19 +921,12 @@ static PyObject *py_current_unique(PyObject *self, PyObject *args) {
 static PyObject *py_resend(PyObject *self, PyObject *args) {
     (void)self;
     (void)args;
-    if (fuse_fd_ < 0) {
-        PyErr_SetString(PyExc_RuntimeError, "no FUSE session is read by this library");
-        return NULL;
-    }
-    /* FUSE_NOTIFY_RESEND (7, Linux >= 6.9): requests read from this connection and not
-       answered go back to its pending queue, their unique marked with bit 63 */
-    struct fuse_out_header out = {sizeof out, 7, 0};
-    ssize_t n;
-    while ((n = write(fuse_fd_, &out, sizeof out)) < 0 && errno == EINTR) {
-    }
-    if (n < 0)
+    /* sent when the session started (start_readers): how it went */
+    if (resend_errno_ > 0) {
+        errno = resend_errno_;
         return PyErr_SetFromErrno(PyExc_OSError);
-    Py_RETURN_NONE;
+    }
+    return PyBool_FromLong(resend_errno_ == 0);
 }
 
 static PyObject *py_pause(PyObject *self, PyObject *args) {
@@ -932,7 +947,8 @@ static PyMethodDef methods[] = {
     {"current_unique", py_current_unique, METH_NOARGS,
      "The unique of the request last handed to pyfuse3 (read first thing in a handler)"},
     {"resend", py_resend, METH_NOARGS,
-     "Ask the kernel to resend the requests read from this connection and not answered"},
+     "Whether the kernel was asked to resend what the dead daemon read (at a takeover's "
+     "start); OSError when it refused"},
     {"prepare", py_prepare, METH_VARARGS,
      "prepare(threads): the next FUSE session is read by that many threads of this library"},
     {"queue_fd", py_queue_fd, METH_NOARGS,

@@ -262,8 +262,11 @@ class Handover:
     def wait_go(self) -> bool:
         """A standby daemon (loaded, nothing opened): say so, then wait until the holder says
         the old daemon is gone. False when the holder went away instead."""
-        self.link.send(STANDBY)
-        return self.link.wait_for(GO) is not None
+        try:
+            self.link.send(STANDBY)
+            return self.link.wait_for(GO) is not None
+        except OSError:  # the holder is gone (the mount ended while this one loaded)
+            return False
 
     def armed(self, device: int, minor: int | None, mountpoint: str, init: bytes | None) -> None:
         """The first daemon's mount answers: the holder keeps the connection from now on."""

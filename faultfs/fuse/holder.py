@@ -57,6 +57,8 @@ STANDBY_WAIT_S = 120.0  # a replacement daemon has this long to load (imports, c
 HANDOVER_WAIT_S = 120.0  # the old daemon has this long to finish, fold and exit (then: kill)
 READY_WAIT_S = 300.0  # a replacement has this long to recover the store and serve
 TICK_S = 1.0  # how often the holder looks whether the connection still lives
+# A standby daemon is started (loaded: imports, arguments) once a daemon serves, so that a
+# crash costs only the store's recovery, not a Python start (FAULTFS_STANDBY=0: none)
 
 
 def control_path(run_dir: str, minor: int) -> str:
@@ -75,6 +77,21 @@ class Daemon:
     def pid(self) -> int:
         return self.proc.pid
 
+    def exit_code(self) -> int | None:
+        """Its exit status once it is gone, else None. A daemon whose main thread exited is
+        gone even when a thread of it still waits in the kernel (a request it made to its own
+        mount cannot be abandoned, and keeps it from being reaped until a new daemon answers
+        it): that one counts as killed (-9)."""
+        code = self.proc.poll()
+        if code is not None:
+            return code
+        try:
+            with open(f"/proc/{self.pid}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return None
+        return -signal.SIGKILL if state == b"Z" else None
+
     def wait_word(self, want: str, timeout: float) -> dict | None:
         """The next message that is ``want``, when it comes within ``timeout`` s."""
         return self.link.wait_for(want, timeout)
@@ -90,8 +107,11 @@ class Holder:
         self.minor: int | None = None
         self.mountpoint = ""
         self.daemon: Daemon | None = None
+        self.standby: Daemon | None = None  # loaded, waiting for GO (a crash's replacement)
+        self.want_standby = os.environ.get("FAULTFS_STANDBY", "1") not in ("0", "no", "off")
         self.control: socket.socket | None = None
         self.crashes: collections.deque[float] = collections.deque()
+        self.dying: list[Daemon] = []  # gone, not yet reaped (see Daemon.exit_code)
         self.ending = False
         self.restarts_max = int(os.environ.get("FAULTFS_RESTARTS_MAX", RESTARTS_MAX))
         self.window_s = float(os.environ.get("FAULTFS_RESTART_WINDOW_S", RESTART_WINDOW_S))
@@ -171,6 +191,8 @@ class Holder:
         while True:
             daemon = self.daemon
             watch: list = [daemon.link] if daemon else []
+            if self.standby is not None:
+                watch.append(self.standby.link)
             if self.control is not None:
                 watch.append(self.control)
             readable = select.select(watch, [], [], TICK_S)[0] if watch else []
@@ -179,13 +201,18 @@ class Holder:
                     self.serve_control()
                 elif daemon is not None and source is daemon.link:
                     self.hear(daemon)
+                elif self.standby is not None and source is self.standby.link:
+                    self.hear_standby()
             if self.connection_ended():
                 log.info("the FUSE connection of %s ended: the holder exits", self.mountpoint)
                 self.finish()
                 return 0
+            self.dying = [d for d in self.dying if d.proc.poll() is None]
             daemon = self.daemon
-            if daemon is not None and daemon.proc.poll() is not None:
-                code = daemon.proc.returncode
+            code = daemon.exit_code() if daemon is not None else None
+            if daemon is not None and code is not None:
+                if daemon.proc.returncode is None:
+                    self.dying.append(daemon)
                 self.daemon = None
                 if self.device is None:
                     return code  # it never mounted (the mount command said why) or failed early
@@ -210,6 +237,7 @@ class Holder:
         word = msg.get("word")
         if word == ARMED:
             self.arm(msg, fds)
+            self.prepare_standby()
         else:
             for fd in fds:
                 os.close(fd)
@@ -217,6 +245,7 @@ class Holder:
                 self.ending = True
             elif word == READY:
                 log.info("daemon %d serves %s", daemon.pid, self.mountpoint)
+                self.prepare_standby()
 
     def crashed(self, daemon: Daemon, code: int) -> None:
         how = (f"was killed by signal {-code}" if code < 0 else f"exited with status {code}")
@@ -236,9 +265,41 @@ class Holder:
                       how, len(self.crashes), _nth(len(self.crashes)), self.window_s)
             self.give_up()
             return
-        log.warning("the daemon %d of %s %s: starting a new one to take the mount over",
-                    daemon.pid, self.mountpoint, how)
-        self.daemon = self.spawn(takeover=True)
+        log.warning("the daemon %d of %s %s: %s to take the mount over", daemon.pid,
+                    self.mountpoint, how,
+                    f"letting the standby daemon {self.standby.pid} in" if self.standby
+                    else "starting a new daemon")
+        self.daemon = self.replacement()
+        try:
+            self.daemon.link.send(GO)
+        except OSError:
+            pass  # it died meanwhile: the loop sees its exit
+
+    def prepare_standby(self) -> None:
+        """Start loading the daemon that replaces the serving one when it goes."""
+        if self.want_standby and self.standby is None and self.device is not None:
+            self.standby = self.spawn(takeover=True, standby=True)
+
+    def replacement(self) -> Daemon:
+        """The standby daemon (started now when there is none)."""
+        new, self.standby = self.standby, None
+        if new is None or new.proc.poll() is not None:
+            new = self.spawn(takeover=True, standby=True)
+        return new
+
+    def hear_standby(self) -> None:
+        standby = self.standby
+        assert standby is not None
+        try:
+            msg, fds = standby.link.receive()
+        except (OSError, ValueError):
+            msg, fds = None, []
+        for fd in fds:
+            os.close(fd)
+        if msg is None:  # it died before it was needed: the next crash starts one afresh
+            log.warning("the standby daemon %d of %s exited (%s)", standby.pid, self.mountpoint,
+                        standby.proc.wait())
+            self.standby = None
 
     def give_up(self) -> None:
         """End the connection: nothing waits on a mount nobody will serve."""
@@ -249,6 +310,11 @@ class Holder:
         self.finish()
 
     def finish(self) -> None:
+        if self.standby is not None:  # it exits when its link ends
+            self.standby.link.sock.close()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.standby.proc.wait(10)
+            self.standby = None
         if self.device is not None:
             os.close(self.device)
             self.device = None
@@ -292,6 +358,8 @@ class Holder:
         if old is None or self.device is None:
             return {"ok": False, "error": "no daemon serves this mount right now"}
         t0 = time.monotonic()
+        # not the standby: it runs the code installed when it started; an upgrade wants the
+        # code installed now (the standby is replaced too, below)
         new = self.spawn(takeover=True, standby=True)
         if new.wait_word(STANDBY, STANDBY_WAIT_S) is None:
             _end(new.proc)
@@ -313,6 +381,11 @@ class Holder:
             return {"ok": False, "error": "the new daemon did not take the mount over (see the "
                                           "store's log); the holder restarts it"}
         t_ready = time.monotonic()
+        if self.standby is not None:  # loaded with the old code: load the new
+            old_standby, self.standby = self.standby, None
+            old_standby.link.sock.close()
+            old_standby.proc.wait()
+        self.prepare_standby()
         log.info("restarted the daemon of %s: pid %d -> %d (loaded in %.2f s; the mount "
                  "waited %.2f s)", self.mountpoint, old.pid, new.pid, t_loaded - t0,
                  t_ready - t_loaded)

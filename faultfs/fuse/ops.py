@@ -12,6 +12,7 @@ import errno
 import functools
 import logging
 import os
+import signal
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -101,6 +102,44 @@ class LostFile(PlainFile):
         return await self.read(off, len(data))
 
 
+CRASH_AT = "FAULTFS_CRASH_AT"  # the crash sweep's seam (tests): "write:after", "open:before"…
+CRASH_ARM = ".arm-crash"  # a lookup of this name arms it (so that the mount's own setup does not)
+CRASHABLE = ("lookup", "getattr", "open", "read", "write", "fsync", "flush", "setattr",
+             "create", "rename", "unlink", "release")
+
+
+def arm_crash(ops: FaultOperations, spec: str) -> None:
+    """Make the daemon kill itself (SIGKILL) in the first handler ``spec`` names after a lookup
+    of ``CRASH_ARM``: ``before`` it does anything, or ``after`` it carried the request out and
+    just before its reply is sent. The crash sweep of tests/test_mount_restart.py drives it;
+    unset, nothing is wrapped."""
+    name, _, when = spec.partition(":")
+    if name not in CRASHABLE or when not in ("before", "after"):
+        return
+    original, lookup = getattr(ops, name), ops.lookup
+    armed = [False]
+
+    async def arming(parent_inode, name_, ctx=None):
+        if name_ == CRASH_ARM.encode():
+            armed[0] = True
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        return await (crashing if name == "lookup" else lookup)(parent_inode, name_, ctx)
+
+    async def crashing(*args, **kwargs):
+        if armed[0] and when == "before":
+            os.kill(os.getpid(), signal.SIGKILL)
+        result = await original(*args, **kwargs)
+        if armed[0]:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return result
+
+    log.warning("%s=%s: this daemon kills itself in its first %s after a lookup of %s",
+                CRASH_AT, spec, name, CRASH_ARM)
+    ops.lookup = arming  # type: ignore[method-assign]
+    if name != "lookup":
+        setattr(ops, name, crashing)
+
+
 class FaultOperations(pyfuse3.Operations):
     """pyfuse3 operations over a ``Tree`` of an ``Engine``.
 
@@ -122,6 +161,7 @@ class FaultOperations(pyfuse3.Operations):
         self.tree.daemon_info = self.daemon_info
         if session is not None:  # entries' times must not change under the kernel's caches
             self.tree.mounted_at = int(session.describe()["mount_started"] * 1e9)
+
         self.invalidator = Invalidator()
         self.files.coherence.drop = self.invalidator.drop
         self.files.invalidate_entry = self.invalidator.entry
@@ -169,6 +209,11 @@ class FaultOperations(pyfuse3.Operations):
             info["started"] = info.pop("daemon_started") or info["started"]
         return info
 
+    def serving(self) -> None:
+        """The mount answers (and the holder keeps it): the crash sweep's seam may arm."""
+        if self.session is not None and not self.session.takeovers:  # its replacement lives
+            arm_crash(self, os.environ.get(CRASH_AT, ""))
+
     def unique(self) -> int:
         return self._unique() if self._unique is not None else 0
 
@@ -202,10 +247,17 @@ class FaultOperations(pyfuse3.Operations):
 
     @fuse_boundary
     async def open(self, inode, flags, ctx):
+        unique = self.unique()
+        done = self.done_before(unique)
+        kept = self.handles.get(done) if done is not None else None
+        if kept is not None:  # opened by the dead daemon (and opened again): that handle
+            return file_info(done, kept)
         handle = await self.files.open(inode, flags)
         if self.file_opened is not None:
             self.file_opened(handle)
-        return file_info(self.handles.add(handle, inode, flags), handle)
+        fh = self.handles.add(handle, inode, flags)
+        self.answering(unique, fh)
+        return file_info(fh, handle)
 
     @fuse_boundary
     async def create(self, parent_inode, name, mode, flags, ctx):
@@ -269,7 +321,11 @@ class FaultOperations(pyfuse3.Operations):
 
     @fuse_boundary
     async def release(self, fh):
-        handle = self.handles.pop(fh)
+        unique = self.unique()
+        if self.done_before(unique) is not None:
+            return  # released by the dead daemon: fh may be a new open's number by now
+        self.answering(unique)  # first: a kill in between leaves a handle kept, never one
+        handle = self.handles.pop(fh)  # released twice (a new open may have its number)
         if handle is not None:
             await handle.release()
 

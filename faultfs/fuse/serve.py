@@ -13,6 +13,8 @@ import json
 import logging
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -77,7 +79,13 @@ def serve(engine: Engine, mountpoint: str, *, ready: Callable[[], None] | None =
     except RuntimeError as exc:
         raise FaultfsError(f"mounting {mountpoint} failed: {exc}", errno.EIO) from None
     if held is not None and held.takeover:
-        native.resend()  # what the dead daemon read and did not answer comes again
+        # what the dead daemon read and did not answer comes again (asked by the library
+        # before its readers read anything)
+        try:
+            native.resend()
+        except OSError as exc:
+            log.error("the kernel refused to resend what the dead daemon read (%s): those "
+                      "requests wait until the mount is aborted", exc.strerror)
         held.state.taken_over()
         log.info("took over the mount at %s (takeover %d)", mountpoint, held.state.takeovers)
     record = DaemonRecord(mountpoint)  # who serves it (fuse/daemons.py)
@@ -208,7 +216,7 @@ async def _serve_with(engine: Engine, ops: FaultOperations, mountpoint: str,
         if restored:
             log.info("%d open file handle(s) opened again", restored)
         nursery.start_soon(_announce_ready, mountpoint, ready, engine.config.readahead_kb,
-                           served)
+                           served, ops)
         nursery.start_soon(served.watch)
         with fastwait.installed(pyfuse3, fd, engine.stats,
                                 engine.config.fuse_fastwait):
@@ -230,13 +238,26 @@ async def _serve_with(engine: Engine, ops: FaultOperations, mountpoint: str,
 
 
 async def _announce_ready(mountpoint: str, ready: Callable[[], None] | None,
-                          engine_readahead_kb: int, served: Served) -> None:
-    """Report readiness once a request through the kernel has been answered."""
-    await trio.to_thread.run_sync(os.stat, os.path.join(mountpoint, CTL_NAME, "stats"))
+                          engine_readahead_kb: int, served: Served,
+                          ops: FaultOperations) -> None:
+    """Report readiness once a request through the kernel has been answered.
+
+    The request is made by a child process, never by this one: a request this daemon made to
+    its own mount and then died with could not be abandoned (the kernel waits out a request a
+    daemon has read), so its thread would keep the dead daemon from exiting, and the holder
+    from seeing it go."""
+    probe = [sys.executable, "-I", "-S", "-c", "import os, sys; os.stat(sys.argv[1])",
+             os.path.join(mountpoint, CTL_NAME, "stats")]
+    done = await trio.run_process(probe, check=False, stdin=subprocess.DEVNULL,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    if done.returncode != 0:
+        raise FaultfsError(f"the mount at {mountpoint} does not answer", errno.EIO)
     readahead_kb = engine_readahead_kb
-    if readahead_kb:
-        await trio.to_thread.run_sync(set_readahead, mountpoint, readahead_kb)
+    entry = find_mount(mountpoint)
+    if readahead_kb and entry is not None:
+        await trio.to_thread.run_sync(set_readahead, mountpoint, entry.minor, readahead_kb)
     await served.announce(mountpoint)
+    ops.serving()
     log.info("mounted at %s", mountpoint)
     if ready is not None:
         ready()
@@ -274,12 +295,12 @@ def raise_fd_limit(want: int = 65536) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
 
 
-def set_readahead(mountpoint: str, kb: int) -> bool:
+def set_readahead(mountpoint: str, minor: int, kb: int) -> bool:
     """Raise the kernel's readahead for this mount (root only): with the default 128 KiB
     the kernel sends 128 KiB requests one or two at a time; 1 MiB+ lets it send 1 MiB
-    requests (FUSE's largest) several at once."""
-    dev = os.stat(mountpoint).st_dev
-    path = f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb"
+    requests (FUSE's largest) several at once. (A FUSE mount's device is 0:minor, from
+    mountinfo: a stat of the mount would be a request to this daemon.)"""
+    path = f"/sys/class/bdi/0:{minor}/read_ahead_kb"
     try:
         with open(path, "w") as f:
             f.write(str(kb))
