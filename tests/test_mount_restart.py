@@ -8,6 +8,7 @@ that misses one aborts the connection, so nothing here can hang the suite."""
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 import signal
@@ -320,6 +321,11 @@ def test_a_shared_writable_map_keeps_working_across_a_kill_9(mounter, sample):
     arr[:4096] = 7
     arr.flush()
     old = kill_daemon(m)
+    # written once the killed daemon is gone, before its replacement serves: a request the
+    # kernel hands a daemon in the instant it dies is ended with EIO (docs/decisions.md)
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{old}") and time.monotonic() < deadline:
+        time.sleep(0.005)
 
     def write_more():
         arr[MiB:MiB + 4096] = 9
@@ -383,3 +389,21 @@ def test_h5py_reading_a_dataset_never_sees_the_daemon_killed(mounter, tmp_path):
             proc.kill()
     assert proc.returncode == 0, err
     assert out.startswith("reads ")
+
+
+def test_locks_held_across_a_kill_9_still_exclude(mounter, sample):
+    m = mounter(sample(1 * MiB))
+    path = os.path.join(m.tag("field"), "field.bin")
+    held = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as HDF5 takes it
+        old = kill_daemon(m)
+        other = within(m, os.open, path, os.O_RDONLY)
+        try:
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(other)
+        served_again(m, old)
+    finally:
+        os.close(held)
