@@ -207,7 +207,7 @@ def run(spec: MountSpec, config: Config, options: SourceOptions, *,
     from faultfs.fuse.serve import serve  # pyfuse3: only in the process that serves
 
     if held is not None and held.standby and not held.wait_go():
-        log.info("the holder went away before this daemon took over: exiting")
+        log.debug("the holder went away before this daemon took over: exiting")
         return
     engine, mountpoint, warnings = prepare(spec, config, options,
                                            takeover=held is not None and held.takeover)

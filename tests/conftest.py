@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from faultfs.fuse import daemons
 from faultfs.testing.httpd import RangeHttpServer
 from faultfs.testing.mountview import MountView
 
@@ -91,15 +92,7 @@ class Mount(MountView):
 
     def holder(self) -> int | None:
         """The pid of the holder that keeps this mount across daemon crashes, if any."""
-        if self.pid is None:
-            return None
-        try:
-            with open(f"/proc/{self.pid}/stat", "rb") as f:
-                parent = int(f.read().rsplit(b")", 1)[1].split()[1])
-            with open(f"/proc/{parent}/cmdline", "rb") as f:
-                return parent if b"faultfs.fuse.holder" in f.read() else None
-        except (OSError, ValueError, IndexError):
-            return None
+        return None if self.pid is None else daemons.holder_of(self.pid)
 
     def crash(self) -> None:
         """The mount dies with its daemon, as a crash without a holder: kill -9 the holder

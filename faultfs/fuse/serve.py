@@ -99,14 +99,14 @@ def serve(engine: Engine, mountpoint: str, *, ready: Callable[[], None] | None =
               else opened[0] if opened else None)
     ops.invalidator.device_fd = device
     unmount = True
+    served = Served(held, device)
     try:
         record.write()
-        trio.run(_serve_async, engine, ops, mountpoint, ready, fd, fast,
-                 Served(held, device))
+        trio.run(_serve_async, engine, ops, mountpoint, ready, fd, fast, served)
         unmount = held is None or held.ending
     except BaseException:
         # never touch the mountpoint from this thread here: nothing answers it any more
-        if held is None:
+        if not served.armed:  # no holder keeps the connection: the mount goes with us
             log.exception("the serving loop of %s stopped on an error; unmounting", mountpoint)
         else:
             log.exception("the serving loop of %s stopped on an error; the holder starts a "
@@ -138,6 +138,8 @@ class Served:
     def __init__(self, held: Handover | None, device: int | None) -> None:
         self.held = held
         self.device = device
+        # the holder keeps the connection (it took this daemon's, or handed it over)
+        self.armed = held is not None and held.takeover
 
     async def announce(self, mountpoint: str) -> None:
         """Tell the holder this daemon serves the mount (the first: with its connection)."""
@@ -154,6 +156,7 @@ class Served:
                         "mount entry or INIT seen): a crash ends it", mountpoint)
             return
         held.armed(self.device, entry.minor, mountpoint, init)
+        self.armed = True
         if not held.state.resend:
             log.warning("this kernel cannot resend requests a dead daemon read "
                         "(FUSE_NOTIFY_RESEND, Linux >= 6.9): a crash of the daemon ends the "
