@@ -107,6 +107,9 @@ class Config:
     journal_mb: int = JOURNAL_MB
     shared_store: str = ""  # --shared-store URL (DESIGN §13); "" = none
     shared_store_endpoint_url: str = ""  # when the shared store's S3 endpoint is not the sources'
+    # --shared-store-key FILE: the cluster key objects of the shared store are sealed with
+    # (tiers/sealed.py); "" = none (checksums only)
+    shared_store_key: str = ""
     metrics_addr: str = ""  # --metrics-addr HOST:PORT: Prometheus metrics over HTTP
     # FAULTFS_URING: staged reads through io_uring when the serving thread has other work
     # ("on"), for every read it can take ("always"), or never ("off", also "0")
@@ -175,6 +178,7 @@ class Config:
               dirty_mb: int | None = None, journal_mb: int | None = None,
               shared_store: str | None = None,
               shared_store_endpoint_url: str | None = None,
+              shared_store_key: str | None = None,
               metrics_addr: str | None = None, uring: str | None = None,
               uring_punt: bool | None = None, fuse_fastwait: bool | None = None,
               fuse_workers: int | None = None, fast_read: bool | None = None,
@@ -202,6 +206,9 @@ class Config:
             shared_store_endpoint_url=(
                 shared_store_endpoint_url if shared_store_endpoint_url is not None
                 else (env_value("FAULTFS_SHARED_STORE_ENDPOINT_URL", env) or "").strip()),
+            shared_store_key=(
+                shared_store_key if shared_store_key is not None
+                else (env_value("FAULTFS_SHARED_STORE_KEY", env) or "").strip()),
             metrics_addr=(metrics_addr if metrics_addr is not None
                           else (env_value("FAULTFS_METRICS_ADDR", env) or "").strip()),
             uring=uring if uring is not None else _uring_mode(env),

@@ -30,6 +30,7 @@ from faultfs.fuse.mountpoint import prepare_mountpoint
 from faultfs.sources import SourceOptions, expand_sources
 from faultfs.store.blobstore import BlobStore
 from faultfs.tiers.objects import open_objects, probe
+from faultfs.tiers.sealed import SealedObjects, load_key
 
 if TYPE_CHECKING:
     from faultfs.fuse.handover import Handover
@@ -137,7 +138,9 @@ def prepare(spec: MountSpec, config: Config, options: SourceOptions, *,
         warnings = ([recovered] if recovered else []) + problems.lines()
         if store.degraded:
             warnings.append(f"store {store.root} cannot be written ({store.degraded}): serving "
-                            "what is staged, reading the rest through from the sources")
+                            "what is staged, reading the rest through from the sources"
+                            + ("; writes get ENOSPC until space returns, then are taken and "
+                               "faults stored again" if store.full else ""))
             log.warning("%s", warnings[-1])
         if spec.page_size and not takeover:
             for plan in plans:
@@ -185,8 +188,9 @@ def open_sharing(config: Config, options: SourceOptions) -> SharedRegistry | Non
     registry fetched; None without one. One line of InvalidInput when it cannot be used."""
     if not config.shared_store:
         return None
-    objects = open_objects(config.shared_store, options,
-                           endpoint_url=config.shared_store_endpoint_url)
+    key = load_key(config.shared_store_key) if config.shared_store_key else None
+    objects = SealedObjects(open_objects(config.shared_store, options,
+                                         endpoint_url=config.shared_store_endpoint_url), key)
     probe(objects)
     sharing = SharedRegistry(objects)
     try:

@@ -252,9 +252,14 @@ def warm(
     os.makedirs(os.path.dirname(os.path.abspath(state)), exist_ok=True)
     report = WarmReport(os.fspath(target), state, tags=len(tags))
     started = time.monotonic()
+    from faultfs.store.fileops import OsFileOps
     from faultfs.store.metadata import DualMetadataManager  # numpy: only when warming
 
-    with DualMetadataManager.open(state) as meta:
+    # the default checkpoint lies in the store: opened as the store's files are, never
+    # through a link (one given by the user is theirs to place)
+    in_store = None if state_path is not None else OsFileOps(links=False,
+                                                             what="warm checkpoint")
+    with DualMetadataManager.open(state, ops=in_store) as meta:
         start = meta.coord
         if meta.is_fresh:
             start = StreamCoordinate()

@@ -383,6 +383,7 @@ class _PausedStateSave(OsFileOps):
     waits (on its I/O thread) for ``go``: the save's temporary file is in the directory."""
 
     def __init__(self) -> None:
+        super().__init__(links=False, what="dirty file")  # as the store's own
         self.armed = False
         self.renaming, self.go = threading.Event(), threading.Event()
 

@@ -197,6 +197,26 @@ def test_cache_cap_evicts_least_recently_used_clean_blobs(store):
     assert src.reads == 4
 
 
+def test_a_store_over_its_cap_at_mount_is_trimmed_to_it(store):
+    """A store holding more clean blobs than ``--cache-size`` allows when it is opened (the
+    cap lowered, a blob stored as its daemon died) is brought under the cap at the mount,
+    and every byte still reads right."""
+    data = payload(CS * 5)
+    make_source(data)
+    eng = engine_for(store)
+    tag = eng.register(ctx_for())
+    trio.run(eng.read_view, tag, 0, len(data))
+    eng.close()
+    assert len(store.list_blobs("t")) == 5
+    eng2 = engine_for(store, cache_size=2 * (CS + 4096))
+    [tag2] = eng2.recover()
+    assert eng2.tiers.local.capacity().used <= 2 * (CS + 4096)
+    assert len(store.list_blobs("t")) == 2 == eng2.staged_count(tag2)
+    assert eng2.stats.counters["evicted"] == 3
+    assert bytes(trio.run(eng2.read_view, tag2, 0, len(data))) == data
+    eng2.close()
+
+
 def test_remount_recovers_tags_and_hits_with_zero_source_reads(store):
     data = payload(CS * 3 + 5)
     make_source(data)

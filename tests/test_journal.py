@@ -440,3 +440,23 @@ def test_a_write_records_data_reads_back_verified_until_its_segment_is_trimmed(t
         f.write(b"N")
     with pytest.raises(CorruptionError):
         j2.read_data(*third[:2], 3, third[2])
+
+
+def test_a_segment_that_is_a_link_is_refused_and_its_target_left_alone(tmp_path):
+    """The journal (and the dirty files) open nothing through a symbolic link: a segment
+    replaced by one had its target cut to nothing at the replay and journal records
+    appended to it."""
+    from faultfs.errors import InvalidInput
+    from faultfs.store.dirty import DirtyFiles
+
+    victim = tmp_path.parent.parent / "victim"
+    victim.write_bytes(b"not the store's")
+    os.symlink(victim, tmp_path / segment_name(1))
+    with pytest.raises(InvalidInput, match="symbolic link"):
+        list(Journal(str(tmp_path)).replay())
+    assert victim.read_bytes() == b"not the store's"
+    files = DirtyFiles(str(tmp_path.parent.parent))
+    files.write("t", "b", b"x" * 100, 1)
+    os.symlink(victim, files.direct_path("t", 7))
+    with pytest.raises(InvalidInput, match="symbolic link"):
+        files.ops.open(files.direct_path("t", 7), os.O_RDONLY)

@@ -39,13 +39,16 @@ LAYERS = [
 RANK = {unit: rank for rank, layer in enumerate(LAYERS) for unit in layer}
 # packages of private rooms behind one face (STYLE, "One face, private rooms"): a module outside
 # such a package, tests included, imports the package, never one of its rooms
-FACES = ["faultfs.stream.partition", "faultfs.testing.proxy", "faultfs.store.fsck",
-         "faultfs.tiers.local"]
+FACES = ["faultfs.stream.partition", "faultfs.stream.shuffle", "faultfs.testing.proxy",
+         "faultfs.store.fsck", "faultfs.tiers.local"]
 UNLAYERED = ("faultfs",)  # the package's own __init__ (its version) may be imported by anyone
 # faces whose rooms tests may open, and why (code never may)
 ROOMS_OPEN_TO_TESTS = {
     "faultfs.stream.partition": "its format and crash tests pin the sidecar's bytes and "
                                 "patch the steps of a repartition",
+    "faultfs.stream.shuffle": "its format tests pin the shuffle record's and the carried "
+                              "rest's bytes, and its resume test counts the blocks a restart "
+                              "reads and hashes",
 }
 WRITES = "faultfs.engine.writes"  # a package of rooms: the engine calls it, nothing above does
 FACE_ONLY = ("faultfs.namespace", "faultfs.fuse")  # they call the engine, never a room of it

@@ -76,6 +76,8 @@ def test_commit_round_trip_and_ping_pong(tmp_path):
     with DualMetadataManager.open(meta) as m:
         assert (m.epoch, m.committed_batch_id, m.coord, m.dedup_count) == (3, 5, C1, 4)
         assert m.committed_hashes().tolist() == [1, 2, 3, 2**64 - 1]
+        assert m.committed_hashes(2).tolist() == [3, 2**64 - 1]  # a shuffled epoch's own
+        assert m.committed_hashes(4).tolist() == m.committed_hashes(9).tolist() == []
         assert m.recovery.active == "A"
 
 

@@ -260,15 +260,32 @@ def test_changes_to_the_tree_are_refused_with_what_a_user_expects(mounter, sampl
             with pytest.raises(OSError) as info:
                 call(path)
             assert info.value.errno == errno.EPERM, (name, info.value)
-    with pytest.raises(OSError) as info:
-        os.rmdir(tag)
-    assert info.value.errno == errno.EPERM
-    for call in (lambda: os.mkdir(os.path.join(tag, "d")),
-                 lambda: os.symlink("x", os.path.join(tag, "l")),
-                 lambda: os.mkdir(os.path.join(m.path, "newtag"))):
+    expected = {  # as a local file system answers, and "not here" where it would take it
+        lambda: os.rmdir(tag): errno.ENOTEMPTY,  # a tag always holds its view
+        lambda: os.rmdir(os.path.join(tag, "chunk_0")): errno.ENOTDIR,
+        lambda: os.rmdir(os.path.join(tag, "nothing")): errno.ENOENT,
+        lambda: os.mkdir(os.path.join(tag, "chunk_0")): errno.EEXIST,
+        lambda: os.mkdir(os.path.join(tag, "d")): errno.EPERM,  # not EROFS: the mount is
+        lambda: os.symlink("x", os.path.join(tag, "l")): errno.EPERM,  # writable
+        lambda: os.link(os.path.join(tag, "chunk_0"), os.path.join(tag, "h")): errno.EPERM,
+        lambda: os.mkfifo(os.path.join(tag, "f")): errno.EPERM,
+        lambda: os.mkdir(os.path.join(m.path, "newtag")): errno.EPERM,
+        lambda: os.stat(os.path.join(tag, "n" * 256)): errno.ENAMETOOLONG,
+        lambda: open(os.path.join(tag, "n" * 256), "wb"): errno.ENAMETOOLONG,
+        lambda: os.mkdir(os.path.join(tag, "n" * 256)): errno.ENAMETOOLONG,
+    }
+    for call, want in expected.items():
         with pytest.raises(OSError) as info:
             call()
-        assert info.value.errno == errno.EROFS
+        assert info.value.errno == want, (want, info.value)
+    with open(os.path.join(tag, "n" * 255), "wb") as f:  # NAME_MAX itself is a name
+        f.write(b"ok")
+    ro = mounter(sample(MiB, name="ro.bin"), store=m.store + "-ro", args=["--read-only"])
+    for call in (lambda: os.mkdir(os.path.join(ro.tag("ro"), "d")),
+                 lambda: os.mkfifo(os.path.join(ro.tag("ro"), "f"))):
+        with pytest.raises(OSError) as info:
+            call()
+        assert info.value.errno == errno.EROFS  # where nothing is taken, it says so
     result = subprocess.run(["rm", "-f", os.path.join(tag, "chunk_1")], capture_output=True,
                             text=True)
     assert "Operation not permitted" in result.stderr and "not implemented" not in result.stderr
@@ -321,3 +338,147 @@ def test_names_that_are_not_utf8_and_unparsable_urls_are_one_clear_line(tmp_path
         assert message in lines[0] and "unexpected" not in lines[0], lines
     result = run_faultfs("warm", os.fsdecode(bad))
     assert result.returncode == 1 and "Traceback" not in result.stderr
+
+
+def _rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+def test_a_tag_grown_to_16_tib_lists_and_du_costs_what_is_written(mounter, sample):
+    """One byte written at 2^44-1 made the tag list 16.7 M chunk_N names: ls, find and du
+    never finished, and the daemon grew by hundreds of MiB. A tag lists the source's chunks
+    and those written past it; a hole is still found by name and holds no blocks."""
+    src = sample(3 * MiB)
+    m = mounter(src, args=["--chunk-size", "1M"])
+    tag = m.tag("field")
+    view = os.path.join(tag, "field.bin")
+    fd = os.open(view, os.O_WRONLY)
+    try:
+        os.pwrite(fd, b"x", (1 << 44) - 1)
+        os.pwrite(fd, b"y" * 10, 7 * MiB)
+    finally:
+        os.close(fd)
+    before = _rss_kib(m.pid)
+    last = (1 << 44) // MiB - 1
+    listed = sorted(os.listdir(tag))
+    assert listed == sorted(["field.bin", "chunk_0", "chunk_1", "chunk_2", "chunk_7",
+                             f"chunk_{last}"])
+    found = subprocess.run(["find", tag], capture_output=True, text=True, timeout=60)
+    assert len(found.stdout.splitlines()) == 7
+    du = subprocess.run(["du", "-s", "--block-size=1", tag], capture_output=True, text=True,
+                        timeout=60)
+    assert int(du.stdout.split()[0]) < 64 * MiB, du.stdout  # not 16 TiB: what is held
+    subprocess.run(["ls", "-l", tag], capture_output=True, timeout=60, check=True)
+    assert _rss_kib(m.pid) - before < 32 * 1024, "the daemon grew while listing"
+    hole = os.path.join(tag, "chunk_1000")
+    st = os.stat(hole)
+    assert st.st_size == MiB and st.st_blocks <= 8  # one block: never taken for a hole
+    assert read(hole) == bytes(MiB)
+    assert os.stat(os.path.join(tag, "chunk_7")).st_blocks * 512 >= MiB
+    with open(os.path.join(tag, f"chunk_{last}"), "rb") as f:
+        f.seek(MiB - 1)
+        assert f.read() == b"x"
+
+
+def test_growing_a_view_whose_chunk_was_opened_costs_what_is_written(mounter, sample):
+    """``ftruncate`` of the view to 16 TiB after a chunk of the tag was opened dropped the
+    kernel's cache of every chunk the growth spans, one range per chunk: the whole mount froze
+    for 38-43 s and the daemon took 4.4 GiB, a read of another tag waiting 34 s. It costs
+    what the opened names hold now; growing, shrinking and growing again."""
+    src, other = sample(4 * MiB), sample(MiB, name="other.bin")
+    m = mounter(src, other, args=["--chunk-size", "1M"])
+    tag = m.tag("field")
+    read(os.path.join(tag, "chunk_0"))
+    before = _rss_kib(m.pid)
+    fd = os.open(os.path.join(tag, "field.bin"), os.O_RDWR)
+    try:
+        for size in (1 << 44, 4 * MiB, 1 << 44):
+            os.ftruncate(fd, size)
+            assert read(os.path.join(m.tag("other"), "chunk_0")) == read(other)[:MiB]
+        assert os.pread(fd, 4, 1 << 43) == bytes(4)
+    finally:
+        os.close(fd)
+    assert _rss_kib(m.pid) - before < 64 * 1024, "the daemon grew with the view's size"
+    assert len(os.listdir(tag)) == 5  # the view and the source's 4 chunks
+
+
+def test_du_of_a_sparse_user_blob_is_what_it_holds(mounter, sample):
+    """``truncate -s 1G`` of a user blob made ``du`` show 1 GiB while the store held under
+    1 MiB for it; a user blob's blocks are its parts, not its holes."""
+    m = mounter(sample(MiB), args=["--chunk-size", "1M"])
+    big = os.path.join(m.tag("field"), "big")
+    run("truncate", "-s", "1G", big)
+    st = os.stat(big)
+    assert st.st_size == 1 << 30 and 1 <= st.st_blocks * 512 <= 2 * MiB, st
+    with open(big, "r+b") as f:
+        f.seek(512 * MiB)
+        f.write(b"z" * (3 * MiB))
+    held = os.stat(big).st_blocks * 512
+    assert 3 * MiB <= held <= 6 * MiB, held
+    dense = os.path.join(m.tag("field"), "dense")
+    with open(dense, "wb") as f:
+        f.write(b"d" * (5 * MiB + 7))
+    assert os.stat(dense).st_blocks * 512 >= 5 * MiB + 7
+    du = subprocess.run(["du", "-s", "--block-size=1", m.tag("field")], capture_output=True,
+                        text=True, timeout=60, check=True)
+    assert int(du.stdout.split()[0]) < 64 * MiB, du.stdout
+
+
+def test_a_mount_started_on_a_full_store_takes_writes_once_space_returns(
+        mounter, sample, small_fs, tmp_path):
+    """A mount started on a full store refused every write with EROFS for its whole life,
+    also after space was freed; a mount that fills up while it runs answers ENOSPC and
+    takes writes again when space returns, and so does this one now (faults are stored
+    again too)."""
+    import errno
+
+    from conftest import run_faultfs
+
+    src = sample(8 * MiB)
+    data = read(src)
+    cs = 256 * KiB
+    fs = small_fs(16 * 1024, inodes=200)
+    store = fs / "store"
+    m = mounter(src, store=str(store), args=["--chunk-size", "256K", "--prefetch-mb", "0"])
+    assert read(os.path.join(m.tag("field"), "chunk_0")) == data[:cs]
+    m.umount()
+    _fill(fs)
+    mnt = tmp_path / "mnt-full"
+    mnt.mkdir()
+    result = run_faultfs("mount", str(mnt), "--store", str(store), "--prefetch-mb", "0",
+                         "--reserve-mb", "0")
+    assert result.returncode == 0, result.stderr
+    view = mnt / "field" / "field.bin"
+    try:
+        fd = os.open(view, os.O_WRONLY)
+        try:
+            with pytest.raises(OSError) as info:
+                os.pwrite(fd, b"x" * 100_000, 100)
+        finally:
+            os.close(fd)
+        assert info.value.errno == errno.ENOSPC, info.value  # full, not read-only
+        assert "ENOSPC until space returns" in result.stderr, result.stderr
+        for name in os.listdir(fs):  # space returns
+            if name != "store":
+                os.unlink(fs / name)
+        with open(view, "r+b") as f:
+            f.seek(100)
+            f.write(b"written after")
+        index = 1  # a fault not stored probes the store again (every 5 s at most)
+        while json.loads(read(mnt / ".faultfs" / "stats"))["store_degraded"]:
+            assert index < 31, "the store stayed degraded"
+            assert read(mnt / "field" / f"chunk_{index}") == data[index * cs:(index + 1) * cs]
+            index += 1
+            time.sleep(0.4)
+        stored = json.loads(read(mnt / ".faultfs" / "stats"))["counters"]["stored"]
+        assert read(mnt / "field" / "chunk_31") == data[31 * cs:]
+        deadline = time.monotonic() + 10
+        while json.loads(read(mnt / ".faultfs" / "stats"))["counters"]["stored"] == stored:
+            assert time.monotonic() < deadline, "a fault after space returned was not stored"
+            time.sleep(0.05)
+    finally:
+        run_faultfs("umount", str(mnt), check=True)
+    m2 = mounter(store=str(store), mountpoint=str(mnt))
+    got = read(os.path.join(m2.tag("field"), "field.bin"))
+    assert got[100:113] == b"written after" and got[113:] == data[113:]

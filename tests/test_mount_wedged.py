@@ -147,3 +147,35 @@ def test_umount_of_a_mount_that_is_not_faultfs_is_refused(small_fs):
     done = run_faultfs("umount", str(fs), timeout=COMMAND_TIMEOUT)
     assert done.returncode != 0 and "not a faultfs one" in done.stderr, done.stderr
     assert os.path.ismount(fs)
+
+
+def test_umount_says_so_when_the_daemon_is_killed_before_its_unmount_finished(mounter, sample):
+    """``faultfs umount`` returned 0 when the daemon was killed while it folded the journal
+    at the unmount: the mount was gone, its writes not folded (kept in the journal, nothing
+    lost), and the user was told nothing."""
+    src = sample(64 * 64 * KiB)
+    m = mounter(src, args=["--chunk-size", "64K", "--journal-mb", "1024"])
+    view = os.path.join(m.tag("field"), "field.bin")
+    fd = os.open(view, os.O_WRONLY)
+    try:  # a write into each of 64 chunks: the unmount folds 64 blobs, each over its source
+        for i in range(64):
+            os.pwrite(fd, b"w%02d" % i, i * 64 * KiB + 100)
+    finally:
+        os.close(fd)
+    pid = m.pid
+    umount = subprocess.Popen([sys.executable, "-m", "faultfs.cli", "umount", m.path],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    deadline = time.monotonic() + COMMAND_TIMEOUT
+    while os.path.ismount(m.path) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    os.kill(pid, signal.SIGKILL)  # the mount is gone: the daemon is folding
+    _, err = umount.communicate(timeout=COMMAND_TIMEOUT)
+    m.pid = None
+    assert umount.returncode != 0, err
+    assert "ended before it finished" in err and "journal" in err, err
+    assert len(err.strip().splitlines()) == 1, err
+    m2 = mounter(store=m.store, mountpoint=m.path)
+    data = read(os.path.join(m2.tag("field"), "field.bin"))
+    assert all(data[i * 64 * KiB + 100:i * 64 * KiB + 103] == b"w%02d" % i for i in range(64))
+    run_faultfs("umount", m2.path, check=True)  # a clean unmount says nothing

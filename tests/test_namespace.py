@@ -154,6 +154,38 @@ def test_a_tag_of_a_million_chunks_lists_from_any_position_at_once(tmp_path):
     engine.close()
 
 
+def test_a_view_grown_sparsely_lists_the_chunks_written_not_every_one_it_could_hold(tree):
+    """One byte written at 2^44-1 grew the view to 2^44 / CS chunks and the tag listed every
+    one of them; it lists the source's chunks and those written past it (a hole is still
+    found by name, reads zeros and holds no blocks)."""
+    files = Files(tree)
+    field = run(tree.lookup, ROOT, "field").inode
+    view = run(tree.lookup, field, "field.bin").inode
+    last = (1 << 44) // CS - 1
+
+    async def write(off: int, data: bytes) -> None:
+        handle = await files.open(view, os.O_RDWR)
+        assert await handle.write(off, data) == len(data)
+        await handle.release()
+
+    run(write, (1 << 44) - 1, b"x")
+    listed = names(tree, field)
+    assert listed == ["field.bin", "chunk_0", "chunk_1", "chunk_2", "chunk_3", f"chunk_{last}"]
+    assert names(tree, field, start=4) == ["chunk_3", f"chunk_{last}"]
+    assert names(tree, field, start=6)[:1] == [f"chunk_{last}"]
+    run(write, 9 * CS, b"y")
+    assert names(tree, field)[-2:] == ["chunk_9", f"chunk_{last}"]
+    assert run(tree.getattr, run(tree.lookup, field, "chunk_9").inode).staged_bytes == CS
+    hole = run(tree.lookup, field, "chunk_100")
+    assert hole.size == CS and hole.staged_bytes == 0 and hole.blocks == 1
+    run(consistent_listing, tree, field)
+
+
+async def consistent_listing(tree: Tree, directory: int) -> None:
+    for _, name, attr in await tree.listing(directory, 0):
+        assert (await tree.lookup(directory, name)).inode == attr.inode
+
+
 def test_rename_flags_are_honoured_or_refused_never_ignored(tree):
     """renameat2 at the namespace: the kernel refuses some flag mixes itself, the namespace
     refuses them too (both flags, RENAME_WHITEOUT, unknown bits: EINVAL), before any change."""

@@ -12,13 +12,14 @@ import time
 import pytest
 from conftest import run_faultfs
 
-from faultfs.errors import CorruptionError
+from faultfs.errors import CorruptionError, InvalidInput
 from faultfs.store.blobfile import HEADER_LEN
 from faultfs.tiers.base import TierTag
 from faultfs.tiers.objects import LocalObjects
 from faultfs.tiers.shared import blob_object_key, decode_blob_object, encode_blob_object
 
 MiB = 1 << 20
+ANY = 64 << 20  # the objects these tests read back are smaller
 pytestmark = pytest.mark.mount
 NODE = ["--chunk-size", "1M", "--prefetch-mb", "0"]
 
@@ -115,16 +116,16 @@ def test_a_damaged_object_is_never_served_and_is_replaced(nodes, sample, damage)
     keys = [k for k in objects.list("blobs/")]
     assert len(keys) == 3
     victim = sorted(keys)[1]
-    raw = objects.get(victim)
+    raw = objects.get(victim, limit=ANY)
     bad = {"garbage": b"not a blob" * 100, "truncated": raw[:HEADER_LEN + 100],
            "flipped": raw[:HEADER_LEN + 5] + bytes([raw[HEADER_LEN + 5] ^ 1]) + raw[HEADER_LEN + 6:],
-           "other-blob": objects.get(sorted(keys)[0])}[damage]
+           "other-blob": objects.get(sorted(keys)[0], limit=ANY)}[damage]
     objects.put(victim, bad)
     b = nodes("b")
     assert read(os.path.join(b.tag("field"), "field.bin")) == data  # re-faulted, not served
     c = settled(b)
     assert c["shared_damaged"] == 1 and c["source_reads"] == 1 and c["shared_publishes"] == 1
-    assert objects.get(victim) == raw  # republished over it
+    assert objects.get(victim, limit=ANY) == raw  # republished over it
 
 
 def test_a_tag_name_another_context_owns_is_refused_and_nothing_changes(nodes, sample, tmp_path):
@@ -216,13 +217,48 @@ def test_local_objects_put_create_never_replaces(tmp_path):
     objects = LocalObjects(str(tmp_path / "o"))
     assert objects.put("a/b", b"1", create=True)
     assert not objects.put("a/b", b"2", create=True)
-    assert objects.get("a/b") == b"1"
+    assert objects.get("a/b", limit=ANY) == b"1"
     assert objects.put("a/b", b"3")
-    assert objects.get("a/b") == b"3" and objects.list("a/") == ["a/b"]
+    assert objects.get("a/b", limit=ANY) == b"3" and objects.list("a/") == ["a/b"]
     os.mkfifo(tmp_path / "o" / "fifo")
-    assert objects.get("fifo") is None  # never blocks on a FIFO
+    assert objects.get("fifo", limit=ANY) is None  # never blocks on a FIFO
     objects.delete("a/b")
-    assert objects.list("a/") == [] and objects.get("a/b") is None
+    assert objects.list("a/") == [] and objects.get("a/b", limit=ANY) is None
+
+
+def test_sealed_objects_serve_only_what_the_key_sealed(tmp_path):
+    """With a cluster key, an object is used only when its seal verifies: not one a node
+    without the key put, not one forged with a trailer of its own, not a sealed object
+    moved to another key; without the key, a sealed object reads as its bytes."""
+    from faultfs.tiers.sealed import MAGIC, TRAILER_LEN, SealedObjects, load_key
+
+    (tmp_path / "k").write_text("ab" * 32)
+    (tmp_path / "other").write_text("cd" * 32)
+    plain = LocalObjects(str(tmp_path / "o"))
+    keyed = SealedObjects(plain, load_key(str(tmp_path / "k")))
+    other = SealedObjects(plain, load_key(str(tmp_path / "other")))
+    unkeyed = SealedObjects(plain, None)
+    assert keyed.put("a", b"data") and keyed.get("a", limit=4) == b"data"
+    assert len(plain.get("a", limit=ANY)) == 4 + TRAILER_LEN
+    assert unkeyed.get("a", limit=4) == b"data"
+    with pytest.raises(CorruptionError, match="does not verify"):
+        other.get("a", limit=4)  # another cluster's key
+    plain.put("b", plain.get("a", limit=ANY))  # moved: the key is under the seal
+    with pytest.raises(CorruptionError, match="does not verify"):
+        keyed.get("b", limit=4)
+    unkeyed.put("c", b"data")
+    with pytest.raises(CorruptionError, match="not sealed"):
+        keyed.get("c", limit=4)
+    plain.put("d", b"data" + MAGIC + os.urandom(32))
+    with pytest.raises(CorruptionError, match="does not verify"):
+        keyed.get("d", limit=4)
+    keyed.put("e", b"x" * 100)
+    assert len(keyed.get("e", limit=10)) == 11  # longer than its kind: refused by length
+    assert keyed.get("absent", limit=4) is None
+    for text in ("short", "", "x" * 5000):
+        (tmp_path / "bad").write_text(text)
+        with pytest.raises(InvalidInput, match="shared store key"):
+            load_key(str(tmp_path / "bad"))
 
 
 def test_tags_other_nodes_register_later_appear_on_a_live_mount(nodes, sample, tmp_path):

@@ -248,6 +248,23 @@ def test_default_state_path(monkeypatch, tmp_path):
     assert default_state_path(tmp_path / "other") != p
 
 
+def test_the_default_checkpoint_is_never_opened_through_a_link(mount, tmp_path, monkeypatch):
+    """The default checkpoint lies in the store (or the cache): a link planted there (at the
+    checkpoint or its temporary name) is refused, its target untouched."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    state = default_state_path(mount)
+    os.makedirs(os.path.dirname(state))
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"not a checkpoint")
+    for planted in (state + ".tmp", state):
+        os.symlink(victim, planted)
+        with pytest.raises(InvalidInput, match="symbolic link"):
+            warm(mount, progress=False, read_blob=recorder(mount))
+        assert victim.read_bytes() == b"not a checkpoint"
+        os.unlink(planted)
+    assert warm(mount, progress=False, read_blob=recorder(mount)).completed
+
+
 # ---------------------------------------------------------------------------------------------
 # the CLI handlers
 

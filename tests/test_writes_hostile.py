@@ -356,3 +356,32 @@ def test_a_damaged_record_head_sets_the_rest_of_the_journal_aside_never_deletes_
         assert read(os.path.join(m.store, "writes", "damaged", kept)).count(b"third") == 1
     finally:
         m2.close()
+
+
+
+def test_a_journal_segment_replaced_by_a_link_refuses_the_mount_and_its_target_is_untouched(
+        mounter, sample, tmp_path):
+    """Every file the daemon opens in the store refuses to follow a link: a journal segment
+    replaced by one after a kill -9 had the daemon (root) cut its target to nothing at the
+    next mount and append journal records to it."""
+    m, _ = _written_then_killed(mounter, sample, [(MiB + 100, b"dirty")])
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"not the store's " * 1000)
+    journal = os.path.join(m.store, "writes", "journal")
+    path = os.path.join(journal, sorted(os.listdir(journal))[-1])
+    os.unlink(path)
+    os.symlink(victim, path)
+    r = run_faultfs("mount", m.path, "--store", m.store, "--reserve-mb", "0")
+    if r.returncode == 0:
+        m2 = Mount(m.path, m.store)
+        try:
+            write_at(os.path.join(m2.tag("field"), "field.bin"), 3 * MiB, b"written after")
+            m2.umount()
+        finally:
+            m2.close()
+    assert read(victim) == b"not the store's " * 1000, "the link's target was written"
+    assert r.returncode != 0 and "symbolic link" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert os.path.islink(path), "the link was not kept for the user to look at"
+    doc = json.loads(run_faultfs("fsck", m.store, "--json").stdout)
+    assert any(os.path.basename(path) in p["path"] for p in doc["problems"]), doc["problems"]

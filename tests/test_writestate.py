@@ -4,6 +4,7 @@ document refused with the same words by a mount and by ``faultfs fsck``."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
@@ -33,10 +34,34 @@ GOLDEN_V1 = (
     b' "voided_blobs": {\n  "u:1": 9\n }\n}')
 
 
+STATE_V2 = dataclasses.replace(
+    STATE_V1, user_attrs={3: [0o600, 978_307_200_000_000_000, 978_307_200_000_000_001],
+                          1: [0o755, 5, 6]}, dir_mode=0o700)
+
+GOLDEN_V2 = (
+    b'{\n "ancestors": [\n  "parent",\n  "grandparent"\n ],\n "damaged_blobs": {\n'
+    b'  "chunk_2": {\n   "reason": "a write in the journal does not verify",\n'
+    b'   "size": 4096\n  }\n },\n "dir_mode": 448,\n "mtime_ns": 1700000000123456789,\n'
+    b' "next_user": 4,\n "parted": [\n  3\n ],\n "user_attrs": {\n  "1": [\n   493,\n'
+    b'   5,\n   6\n  ],\n  "3": [\n   384,\n   978307200000000000,\n'
+    b'   978307200000000001\n  ]\n },\n "users": {\n  "b": 1,\n  "notes.txt": 3\n },\n'
+    b' "version": 2,\n "view_seq": 41,\n "view_size": 12293,\n "voided": 7,\n'
+    b' "voided_blobs": {\n  "u:1": 9\n }\n}')
+
+
 def test_the_serialised_form_is_pinned_byte_for_byte():
     assert CS == 4096  # (the golden bytes name it)
-    assert encode(STATE_V1) == GOLDEN_V1, "format changed: bump the version"
-    assert VERSION == 1, "a new version: pin its bytes here, and keep reading version 1"
+    assert encode(STATE_V2) == GOLDEN_V2, "format changed: bump the version"
+    assert VERSION == 2, "a new version: pin its bytes here, and keep reading versions 1, 2"
+    # version 2 without user blob modes and times is version 1 but for its number
+    assert encode(STATE_V1) == GOLDEN_V1.replace(b'"version": 1', b'"version": 2')
+
+
+def test_a_state_version_1_wrote_still_reads():
+    """What faultfs wrote before user blobs had modes and times reads as it was: its user
+    blobs take 0644 and the tag's time (``TagStates.user_attrs``)."""
+    assert WriteState.parse(json.loads(GOLDEN_V1), 0) == STATE_V1
+    assert WriteState.parse(json.loads(GOLDEN_V2), 0) == STATE_V2
 
 
 def test_a_state_reads_back_as_written():
@@ -95,10 +120,18 @@ CORRUPT = [
     ({"damaged_blobs": {"chunk_1": {}}}, "field damaged_blobs gives chunk_1 no reason"),
     ({"damaged_blobs": {"chunk_1": {"reason": "r", "size": -1}}},
      "field damaged_blobs.chunk_1.size is -1, not an integer in [0, 2**63)"),
-    (_v1(version=2), "version 2 is not one this faultfs reads (1)"),
-    (_v1(version=0), "version 0 is not one this faultfs reads (1)"),
-    (_v1(version="1"), "version '1' is not one this faultfs reads (1)"),
-    (_v1(version=None), "version None is not one this faultfs reads (1)"),
+    (_v1(version=3), "version 3 is not one this faultfs reads (1, 2)"),
+    (_v1(version=0), "version 0 is not one this faultfs reads (1, 2)"),
+    (_v1(version="1"), "version '1' is not one this faultfs reads (1, 2)"),
+    (_v1(version=None), "version None is not one this faultfs reads (1, 2)"),
+    ({"user_attrs": []}, "field user_attrs is not a table of user blob ids"),
+    ({"user_attrs": {"3": [0o644, 1]}}, "field user_attrs gives 3 no [mode, atime, mtime]"),
+    ({"user_attrs": {"3": [0o644, -1, 1]}},
+     "field user_attrs.3 is -1, not an integer in [0, 2**63)"),
+    ({"user_attrs": {"3": [0o170644, 1, 1]}},
+     "field user_attrs.3 has mode 0o170644, past 0o7777"),
+    ({"user_attrs": {"x": [0o644, 1, 1]}}, "field user_attrs names 'x', not a user blob id"),
+    ({"dir_mode": 0o40755}, "field dir_mode is 0o40755, past 0o7777"),
     (_without("view_size"), "field view_size is missing"),
     (_without("users"), "field users is missing"),
     (_without("voided_blobs"), "field voided_blobs is missing"),

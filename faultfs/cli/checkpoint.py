@@ -4,6 +4,10 @@ Invariants:
 - ``checkpoint show`` never writes: it reads the 128-byte .meta (and the size of its WAL) and
   reports each slot as valid or why not, which slot recovery would pick, and the coordinate.
   An unrecoverable file is still described, then reported as a CorruptionError.
+- A shuffled stream's state has a shuffle record beside it (``FILE.meta.shuffle``): its seed,
+  window and shards, both slots, and the one that pairs with the active ``.meta`` slot (the
+  epoch, window and position a resume continues at) are reported too, and a record that is
+  damaged or does not pair makes the checkpoint unrecoverable, as a shuffled stream finds it.
 """
 
 from __future__ import annotations
@@ -95,7 +99,50 @@ def describe_checkpoint(path: str) -> tuple[dict[str, Any], CorruptionError | No
                 )
                 info["recoverable"] = False
                 info["reason"] = error.message
-    return info, error
+    shuffle_error = _describe_shuffle(info, path, recovery)
+    return info, error or shuffle_error
+
+
+def _describe_shuffle(
+    info: dict[str, Any], path: str, recovery: Recovery | None
+) -> CorruptionError | None:
+    """The shuffle record beside ``path``, if there is one, into ``info["shuffle"]``."""
+    from faultfs.stream.shuffle import decode, read_record
+
+    record = path + ".shuffle"
+    data = read_record(record)
+    if data is None:
+        return None
+    out: dict[str, Any] = {"file": record}
+    info["shuffle"] = out
+    try:
+        header, slots = decode(data, record)
+    except CorruptionError as err:
+        out["error"] = err.message
+        return err
+    g = header.geometry
+    out.update(seed=g.seed, block_bytes=g.block_bytes, window_blocks=g.window_blocks,
+               shards=len(header.sizes), shard_bytes=sum(header.sizes))
+    out["slots"] = [
+        {"slot": name, "status": why} if slot is None else
+        {"slot": name, "status": why, "meta_epoch": slot.meta_epoch, "epoch": slot.epoch,
+         "window": slot.window, "position": slot.position, "dedup_base": slot.dedup_base,
+         "generation": slot.generation, "finished": slot.finished}
+        for name, (slot, why) in zip("AB", slots, strict=True)
+    ]
+    if recovery is None:
+        return None
+    paired = [s for s in out["slots"] if s.get("meta_epoch") == recovery.slot.epoch]
+    if not paired:
+        err = CorruptionError(
+            f"{record}: no shuffle slot for checkpoint epoch {recovery.slot.epoch} of {path}"
+        )
+        out["error"] = err.message
+        info["recoverable"] = False
+        info["reason"] = err.message
+        return err
+    out["active"] = paired[0]["slot"]
+    return None
 
 
 def _format(info: dict[str, Any]) -> str:
@@ -129,6 +176,29 @@ def _format(info: dict[str, Any]) -> str:
             f", {wal['uncommitted_bytes']} uncommitted bytes" if "uncommitted_bytes" in wal else ""
         )
         lines.append(f"  dedup WAL: {wal['file']} {wal['size']} bytes{extra}")
+    sh = info.get("shuffle")
+    if sh is not None:
+        if "seed" not in sh:
+            lines.append(f"  shuffle record: {sh['file']}: {sh['error']}")
+            return "\n".join(lines)
+        lines.append(
+            f"  shuffle record: {sh['file']}  seed {sh['seed']}  windows of "
+            f"{sh['window_blocks']} x {sh['block_bytes']} bytes  {sh['shards']} shards, "
+            f"{sh['shard_bytes']} bytes"
+        )
+        for s in sh["slots"]:
+            if "epoch" in s:
+                place = ("finished" if s["finished"]
+                         else f"window {s['window']}  position {s['position']}")
+                state = (f"valid    checkpoint epoch {s['meta_epoch']}  epoch {s['epoch']}  "
+                         f"{place}  dedup_base {s['dedup_base']}  generation {s['generation']}")
+            else:
+                state = s["status"]
+            lines.append(f"    slot {s['slot']} {state}")
+        if "active" in sh:
+            lines.append(f"    pairs with the active checkpoint: slot {sh['active']}")
+        elif "error" in sh:
+            lines.append(f"    {sh['error']}")
     return "\n".join(lines)
 
 

@@ -2,7 +2,9 @@
 (``faultfs.store.fsck``), print one line per problem and a summary table.
 
 Exit status: 0 clean, 1 problems found (also when ``--repair`` fixed them), 2 could not run
-(not a store, a live mount owns it, an I/O error): one line on stderr.
+(not a store, a live mount owns it, an I/O error): one line on stderr. What a crash leaves
+and the next mount clears (a torn journal tail, an unanswered write's file, temp files) is
+listed as ``leftover`` and is no problem.
 """
 
 from __future__ import annotations
@@ -15,7 +17,15 @@ import traceback
 from faultfs.core.units import format_size
 from faultfs.errors import FaultfsError
 from faultfs.progress import ProgressBar
-from faultfs.store.fsck import AREAS, Finding, FsckReport, check_store_root, fsck, measure
+from faultfs.store.fsck import (
+    AREAS,
+    LEFTOVER,
+    Finding,
+    FsckReport,
+    check_store_root,
+    fsck,
+    measure,
+)
 
 EXIT_CLEAN, EXIT_PROBLEMS, EXIT_CANNOT = 0, 1, 2
 MAX_JSON_PROBLEMS = 10_000  # --json lists this many problems (memory stays flat), counts the rest
@@ -85,6 +95,7 @@ def failed(command: str, exc: BaseException, *, as_json: bool, store: str) -> in
 
 def cmd_fsck(args: argparse.Namespace) -> int:
     problems: list[dict] = []
+    leftovers: list[dict] = []
     omitted = 0
     progress: WalkProgress | None = None
     try:
@@ -95,14 +106,15 @@ def cmd_fsck(args: argparse.Namespace) -> int:
             nonlocal omitted
             assert progress is not None
             progress.advance(finding.size)
-            if not finding.problem:
+            if not finding.problem and finding.status != LEFTOVER:
                 return
+            listed = problems if finding.problem else leftovers
             if not args.json:
                 progress.clear()
                 print(finding.describe(root), flush=True)
-            elif len(problems) < MAX_JSON_PROBLEMS:
-                problems.append(finding.to_doc(root))
-            else:
+            elif len(listed) < MAX_JSON_PROBLEMS:
+                listed.append(finding.to_doc(root))
+            elif finding.problem:
                 omitted += 1
 
         report = fsck(root, repair=args.repair, on_finding=seen)
@@ -115,7 +127,9 @@ def cmd_fsck(args: argparse.Namespace) -> int:
     progress.finish()
     code = EXIT_CLEAN if report.clean else EXIT_PROBLEMS
     if args.json:
-        print(json.dumps(to_doc(report, problems, omitted, code), indent=1, sort_keys=True))
+        doc = to_doc(report, problems, omitted, code)
+        doc["leftovers"] = leftovers
+        print(json.dumps(doc, indent=1, sort_keys=True))
     else:
         print(render(report))
     return code
@@ -131,7 +145,7 @@ def to_doc(report: FsckReport, problems: list[dict], omitted: int, code: int) ->
 
 def render(report: FsckReport) -> str:
     """The summary table and the verdict."""
-    cols = ("checked", "ok", "damaged", "stale", "orphaned")
+    cols = ("checked", "ok", "damaged", "stale", "orphaned", "leftover")
     lines = ["", f"{'':<18}" + "".join(f"{c:>10}" for c in cols) + f"{'bytes':>12}"]
     for name, row in [*((a, report.rows[a]) for a in AREAS), ("total", report.total)]:
         doc = row.to_doc()
@@ -139,8 +153,10 @@ def render(report: FsckReport) -> str:
                      + f"{format_size(row.bytes):>12}")
     total = report.total
     if report.clean:
+        left = (f"; {report.leftovers} left by a crash, which the next mount clears"
+                if report.leftovers else "")
         lines.append(f"store {report.root} is clean: {total.checked} files, "
-                     f"{format_size(total.bytes)} checked")
+                     f"{format_size(total.bytes)} checked{left}")
         return "\n".join(lines)
     kept = ", ".join(f"{n} {why}" for why, n in sorted(report.kept_why.items()))
     if report.repair:

@@ -64,6 +64,10 @@ def register(sub) -> None:
                         "default $FAULTFS_SHARED_STORE)")
     m.add_argument("--shared-store-endpoint-url", metavar="URL",
                    help="the shared store's S3 endpoint, when it is not the sources'")
+    m.add_argument("--shared-store-key", metavar="FILE",
+                   help="the cluster key (a file of 32 or more secret bytes): objects of the "
+                        "shared store are sealed with it, and only objects whose seal verifies "
+                        "are used (default $FAULTFS_SHARED_STORE_KEY)")
     m.add_argument("--metrics-addr", metavar="HOST:PORT",
                    help="serve Prometheus metrics over HTTP here (a bare PORT: loopback)")
     m.add_argument("--io-threads", type=int, help="size of the I/O pool for blocking reads (default 32)")
@@ -233,6 +237,8 @@ def _mount_here(args: argparse.Namespace) -> int:
                               dirty_mb=args.dirty_mb, journal_mb=args.journal_mb,
                               shared_store=args.shared_store,
                               shared_store_endpoint_url=args.shared_store_endpoint_url,
+                              shared_store_key=(os.path.abspath(args.shared_store_key)
+                                                if args.shared_store_key else None),
                               metrics_addr=args.metrics_addr)
         _setup_logging(args)
         options = SourceOptions(s3_region=args.s3_region, s3_profile=args.s3_profile,

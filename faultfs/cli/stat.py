@@ -106,6 +106,8 @@ def _shared_lines(snap: dict, c: dict) -> list[str]:
     if not shared:
         return []
     state = "up" if shared.get("up", True) else "DOWN (reading from the sources)"
+    if shared.get("sealed"):
+        state += ", sealed: only objects sealed with the cluster key are used"
     return [
         "",
         f"shared store   {shared.get('url')}  ({state}, {shared.get('publishes_pending', 0)} "

@@ -6,6 +6,7 @@ For effective chunk size ``cs``, range ``[r0, r1)``: blob ``i`` holds source byt
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from faultfs.core.context import MAX_CHUNK_SIZE, MAX_INT
@@ -96,3 +97,20 @@ def zero_fill(data: bytes | memoryview, size: int) -> bytes | memoryview:
     if len(data) == size:
         return data
     return bytes(data) + bytes(size - len(data))
+
+
+def here_bits(chunks: int, source: int, here: Callable[[int], bool]) -> bytes:
+    """A bitmap of ``chunks`` chunks (chunk i: bit ``i % 8``, least significant first, of
+    byte ``i // 8``): ``here(i)`` for the first ``source``; past them every chunk is the
+    writes' (however far the view grew), all set, whole bytes at once."""
+    bits = bytearray((chunks + 7) // 8)
+    source = min(chunks, source)
+    for index in range(source):
+        if here(index):
+            bits[index >> 3] |= 1 << (index & 7)
+    lo, hi = -(-source // 8), chunks // 8
+    if hi > lo:
+        bits[lo:hi] = b"\xff" * (hi - lo)
+    for index in (*range(source, min(chunks, lo * 8)), *range(max(hi * 8, source), chunks)):
+        bits[index >> 3] |= 1 << (index & 7)
+    return bytes(bits)

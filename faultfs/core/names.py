@@ -1,11 +1,14 @@
 """Name rules for tags and blobs: what a directory entry of the mount may be called.
 
 A valid name is 1..255 bytes of valid UTF-8 with no '/', NUL or other control character (a
-newline would break every listing and log line), not '.' or '..', and (for names the user
-picks) no leading '.', which the mount keeps for its own entries (.faultfs, .pagemap).
+newline would break every listing and log line), not '.' or '..'. Tag names may not start with '.' (the root keeps ``.faultfs``); a user
+blob's may, except the names the tree itself uses: ``.pagemap`` and anything starting with
+``.faultfs`` (the mount's own hidden names, ``HIDDEN_PREFIX``).
 """
 
 from __future__ import annotations
+
+import errno
 
 from faultfs.errors import InvalidInput
 
@@ -14,6 +17,8 @@ MAX_NAME_BYTES = 255  # NAME_MAX of every Linux file system
 CTL_NAME = ".faultfs"  # the control directory at the root: stats, registry
 PAGEMAP_NAME = ".pagemap"  # a tag's pagemap text
 PAGE_PREFIX = "page:"  # page N of a tag is "page:N"
+# a user blob named so is the mount's own (an unlinked one still open): never listed nor found
+HIDDEN_PREFIX = ".faultfs"
 # Extended attributes of a tag's files (mounts with --xattrs): "1"/"0" for a chunk, "here/total"
 # chunks for a view (here: staged, dirty or grown; total: with the chunks the view grew).
 XATTR_STAGED = "user.faultfs.staged"
@@ -54,7 +59,8 @@ def check_name(name: str, what: str = "name", *, allow_dot: bool = False) -> str
         raise InvalidInput(f"{what} {name!r} {problem}")
     raw = name.encode("utf-8")
     if len(raw) > MAX_NAME_BYTES:
-        raise InvalidInput(f"{what} {name[:40]!r}... is {len(raw)} bytes, over {MAX_NAME_BYTES}")
+        raise InvalidInput(f"{what} {name[:40]!r}... is {len(raw)} bytes, over {MAX_NAME_BYTES}",
+                           errno.ENAMETOOLONG)
     if "/" in name:
         raise InvalidInput(f"{what} {name!r} contains '/'")
     if "\x00" in name:
@@ -64,6 +70,11 @@ def check_name(name: str, what: str = "name", *, allow_dot: bool = False) -> str
     if not allow_dot and name.startswith("."):
         raise InvalidInput(f"{what} {name!r} starts with '.', which faultfs keeps for itself")
     return name
+
+
+def is_hidden(name: str) -> bool:
+    """Whether ``name`` is one the mount keeps for itself inside a tag (never a user's)."""
+    return name.startswith(HIDDEN_PREFIX)
 
 
 def check_tag_name(name: str) -> str:

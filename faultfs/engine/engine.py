@@ -31,6 +31,7 @@ from contextlib import AbstractAsyncContextManager
 import trio
 
 from faultfs.config import Config
+from faultfs.core.chunks import here_bits
 from faultfs.core.context import FaultContext
 from faultfs.core.names import check_tag_name
 from faultfs.core.pagemap import MAX_PAGEMAP_TEXT
@@ -91,8 +92,9 @@ class Engine:
                                    self.stats)
         self._clean = CleanPath(self.tiers, self.faults, self._blob_bytes)
         self.writes = Writes(store.root, self._clean, self.pool, self.stats,
+                             # a full store takes writes: each gets ENOSPC until space returns
                              writable=(config.store_enabled and not config.read_only
-                                       and store.writable),
+                                       and (store.writable or store.full)),
                              fold_bytes=config.dirty_mb << 20,
                              journal_bytes=config.journal_mb << 20, ops=writes_ops)
         self._writes_open = False
@@ -214,23 +216,18 @@ class Engine:
         """Whether a read of chunk ``index`` needs no source: staged, or the writes'."""
         return self.writes.touches(tag, index) or self.is_staged(tag, index)
 
+    def written_chunks(self, tag: Tag, index: int | None = None) -> list[int]:
+        """Indexes of the tag's chunks that hold writes, in order (``index``: of that chunk
+        alone; a chunk past the source without writes is a hole)."""
+        if index is not None:
+            return [index] if self.writes.is_dirty(tag, index) else []
+        return self.writes.dirty_chunks(tag)
+
     def here_bitmap(self, tag: Tag) -> bytes:
         """``chunk_here`` of every chunk of ``tag``, one bit each (chunk i: bit ``i % 8``,
         least significant first, of byte ``i // 8``)."""
-        chunks = self.writes.num_chunks(tag)
-        bits = bytearray((chunks + 7) // 8)
-        source = min(chunks, tag.layout.num_blobs)
-        for index in range(source):
-            if self.chunk_here(tag, index):
-                bits[index >> 3] |= 1 << (index & 7)
-        # past the source every chunk is the writes' (however far the view grew): all here,
-        # whole bytes at once
-        lo, hi = -(-source // 8), chunks // 8
-        if hi > lo:
-            bits[lo:hi] = b"\xff" * (hi - lo)
-        for index in (*range(source, min(chunks, lo * 8)), *range(max(hi * 8, source), chunks)):
-            bits[index >> 3] |= 1 << (index & 7)
-        return bytes(bits)
+        return here_bits(self.writes.num_chunks(tag), tag.layout.num_blobs,
+                         lambda index: self.chunk_here(tag, index))
 
     def write_identity_pagemap(self, tag: Tag, page_size: int) -> None:
         """Blocking (before the mount answers): lay the tag's range over page space."""
@@ -395,6 +392,9 @@ class Engine:
     def user_size(self, tag: Tag, name: str) -> int:
         return self.writes.user_size(tag, name)
 
+    def user_held(self, tag: Tag, name: str) -> int:
+        return self.writes.user_held(tag, name)  # its blocks: a hole between parts holds none
+
     async def read_user(self, tag: Tag, name: str, off: int, size: int) -> bytes:
         return await self.writes.read_user(tag, name, off, size)
 
@@ -417,8 +417,19 @@ class Engine:
         """Every write acknowledged so far survives a power loss once this returns."""
         await self.writes.fsync()
 
-    async def create_user(self, tag: Tag, name: str) -> None:
-        await self.writes.create_user(tag, name)
+    async def create_user(self, tag: Tag, name: str, mode: int = 0o644) -> None:
+        await self.writes.create_user(tag, name, mode)
+
+    def attrs(self, tag: Tag, uid: int | None) -> tuple[int, int, int, int]:
+        """``(mode bits, atime_ns, mtime_ns, ctime_ns)`` of user blob ``uid``, or (None) of
+        the tag directory (its times: 0, the tag's)."""
+        return self.writes.attrs(tag, uid)
+
+    async def set_attrs(self, tag: Tag, name: str | None, *, mode: int | None = None,
+                        atime_ns: int | None = None, mtime_ns: int | None = None) -> None:
+        """``chmod``/``utimensat`` of user blob ``name``, or (None) ``chmod`` of the tag
+        directory (None: unchanged), durable once answered."""
+        await self.writes.set_attrs(tag, name, mode, atime_ns, mtime_ns)
 
     async def unlink_user(self, tag: Tag, name: str) -> None:
         await self.writes.unlink_user(tag, name)
@@ -428,6 +439,9 @@ class Engine:
 
     async def exchange_users(self, tag: Tag, a: str, b: str) -> None:
         await self.writes.exchange_users(tag, a, b)
+
+    async def hide_user(self, tag: Tag, name: str, uid: int) -> str:
+        return await self.writes.hide_user(tag, name, uid)  # unlinked open: its hidden name
 
     async def reset(self, tag: Tag, names: list[str] | None = None) -> int:
         """``faultfs reset``: drop the writes of ``tag`` (of its blobs ``names``); how many

@@ -9,6 +9,9 @@ Objects (beside the blob objects of ``faultfs.tiers.shared``):
     tags/<tag>/pagemap          the tag's pagemap, when it has one
 
 Invariants:
+- Every object is read bounded by what its kind can be (``MAX_CONTEXT_BYTES``,
+  ``MAX_CLAIM``, ``MAX_STATE``, ``MAX_PAGEMAP_TEXT``): a longer one is skipped by its length,
+  not read whole (a 300 MiB tag state made a mount take 33 s).
 - A tag name belongs to the first context that claimed it (a conditional put where the
   store supports it); registering another context under that name is refused with one line
   naming the owner; the same context again is a no-op.
@@ -27,9 +30,9 @@ import logging
 from dataclasses import dataclass
 from urllib.parse import quote
 
-from faultfs.core.context import FaultContext, is_fault_key
+from faultfs.core.context import MAX_CONTEXT_BYTES, FaultContext, is_fault_key
 from faultfs.core.pagemap import MAX_PAGEMAP_TEXT, parse
-from faultfs.errors import FaultfsError, InvalidInput
+from faultfs.errors import CorruptionError, FaultfsError, InvalidInput
 from faultfs.sources.secrets import display_url
 from faultfs.store.blobfile import FLAG_DIRTY
 from faultfs.store.blobstore import BlobStore
@@ -41,6 +44,7 @@ log = logging.getLogger("faultfs.shared")
 
 REGISTRY_PREFIX = "registry/"
 MAX_STATE = 64 << 10
+MAX_CLAIM = 256  # a claim is a fault key
 PAGEMAP_BLOB = "pagemap"
 
 
@@ -100,7 +104,12 @@ class SharedRegistry:
                 if seen is not None and seen.ctx.dst not in found:
                     found[seen.ctx.dst] = seen
                 continue
-            raw = self.objects.get(name)
+            try:
+                raw = self._get(name, MAX_CONTEXT_BYTES)
+            except CorruptionError as exc:
+                log.warning("shared store %s: entry %s is not usable (%s): skipped", self.url,
+                            key, exc)
+                continue  # (read again at the next fetch: a keyed node may publish it over)
             if raw is None:
                 continue
             try:
@@ -117,7 +126,7 @@ class SharedRegistry:
                 continue
             tag = ctx.dst
             if tag not in claims:
-                claims[tag] = self.objects.get(claim_key(tag))
+                claims[tag] = self._claim(tag)
             owner = claims[tag]
             if owner is not None and owner.decode("ascii", "replace").strip() != key:
                 self._seen[key] = None  # a context that lost the race for this name: never served
@@ -131,9 +140,31 @@ class SharedRegistry:
         self.entries = found
         return found
 
+    def _get(self, key: str, limit: int) -> bytes | None:
+        """Object ``key``, or None when absent; CorruptionError when it is longer than
+        ``limit`` (not read further) or, in a sealed store, does not verify."""
+        raw = self.objects.get(key, limit=limit)
+        if raw is not None and len(raw) > limit:
+            raise CorruptionError(f"{key} is larger than {limit} bytes")
+        return raw
+
+    def _claim(self, tag: str) -> bytes | None:
+        """Who claimed ``tag`` (None: nobody, or a claim that is not usable)."""
+        try:
+            return self._get(claim_key(tag), MAX_CLAIM)
+        except CorruptionError as exc:
+            log.warning("shared store %s: the claim of tag %s is not usable (%s): ignored",
+                        self.url, tag, exc)
+            return None
+
     def _state(self, tag: str, key: str) -> TagState | None:
-        raw = self.objects.get(state_key(tag))
-        if raw is None or len(raw) > MAX_STATE:
+        try:
+            raw = self._get(state_key(tag), MAX_STATE)
+        except CorruptionError as exc:
+            log.warning("shared store %s: the state of tag %s is not usable (%s): ignored",
+                        self.url, tag, exc)
+            return None
+        if raw is None:
             return None
         try:
             doc = json.loads(raw)
@@ -146,12 +177,12 @@ class SharedRegistry:
         return state if state.key == key else None
 
     def _pagemap(self, tag: str) -> bytes | None:
-        raw = self.objects.get(pagemap_key(tag))
-        if raw is None:
-            return None
         try:
+            raw = self._get(pagemap_key(tag), MAX_PAGEMAP_TEXT)
+            if raw is None:
+                return None
             parse(raw.decode("utf-8"))
-        except (UnicodeDecodeError, InvalidInput) as exc:
+        except (UnicodeDecodeError, InvalidInput, CorruptionError) as exc:
             log.warning("shared store %s: the pagemap of tag %s does not parse (%s): ignored",
                         self.url, tag, exc)
             return None
@@ -208,11 +239,21 @@ class SharedRegistry:
             return False
         tag = ctx.dst
         if not self.objects.put(claim_key(tag), ctx.key.encode("ascii"), create=True):
-            owner = (self.objects.get(claim_key(tag)) or b"").decode("ascii", "replace").strip()
+            claim = self._claim(tag)
+            if claim is None:  # one that is not usable (not sealed with this store's key)
+                self.objects.put(claim_key(tag), ctx.key.encode("ascii"))
+            owner = (claim or b"").decode("ascii", "replace").strip()
             if owner and owner != ctx.key:
                 raise InvalidInput(f"tag {tag!r} is registered in the shared store {self.url} "
                                    f"by another context ({owner}); pick another --tag")
-        self.objects.put(f"{REGISTRY_PREFIX}{ctx.key}", ctx.encode(), create=True)
+        entry = f"{REGISTRY_PREFIX}{ctx.key}"
+        if not self.objects.put(entry, ctx.encode(), create=True):
+            try:
+                usable = self._get(entry, MAX_CONTEXT_BYTES) == ctx.encode()
+            except CorruptionError:
+                usable = False
+            if not usable:  # a context's bytes are fixed by its key: ours replace it
+                self.objects.put(entry, ctx.encode())
         if state is not None:
             self.publish_state(tag, state)
         return True

@@ -65,7 +65,8 @@ def _shared(tiers: TierStack) -> dict[str, Any]:
     if shared is None:
         return {}
     return {"url": shared.url, "up": shared.up, "publishes_pending": shared.pending,
-            "publish_bytes_waiting": shared.waiting}
+            "publish_bytes_waiting": shared.waiting,
+            "sealed": bool(getattr(shared.objects, "sealed", False))}
 
 
 def _dirty(writes: Writes, tag: Tag) -> dict[str, Any]:

@@ -1,6 +1,8 @@
 """Which process serves a mount: a record per FUSE connection, written by the daemon once
 its mount answers and removed when it ends, so that ``faultfs umount`` and ``faultfs mount``
-can end a daemon that no longer answers (asking the mount for its pid would wait on it).
+can end a daemon that no longer answers (asking the mount for its pid would wait on it). A
+daemon removes its record only once its unmount finished (every write folded): a record
+left by a daemon that is gone says it was killed or failed on the way (``left_behind``).
 
 The records live in ``/run/faultfs`` (root) or ``$XDG_RUNTIME_DIR/faultfs``: memory that a
 reboot clears, as it clears mounts. A record is believed only while it names the mountpoint
@@ -62,6 +64,22 @@ def daemon_of(minor: int, mountpoint: str) -> int | None:
     if doc.get("mountpoint") != mountpoint or start_time(pid) != started:
         return None
     return pid
+
+
+def left_behind(minor: int, pid: int) -> bool:
+    """Whether daemon ``pid``, now gone, left its record of connection ``minor`` (it did not
+    finish its unmount); the record is dropped."""
+    path = _path(minor)
+    if path is None:
+        return False
+    try:
+        with open(path, "rb") as f:
+            left = json.loads(f.read()).get("pid") == pid
+    except (OSError, ValueError, AttributeError):
+        return False
+    if left:
+        forget(minor)
+    return left
 
 
 def forget(minor: int) -> None:

@@ -10,6 +10,8 @@ Invariants:
   connection is aborted, its daemon killed, the mount detached, and the user told in one line.
   Acknowledged writes are in the store's journal (replayed at the next mount); bytes written
   through a shared mapping and not yet flushed to the daemon are lost.
+- ``unmount`` succeeds only when the daemon finished its unmount (its record removed, every
+  write folded); a daemon that ended on the way is an error that says where the writes are.
 """
 
 from __future__ import annotations
@@ -134,7 +136,9 @@ def read_stats(mountpoint: str) -> dict:
 
 def unmount(mountpoint: str, *, wait: float = UNMOUNT_WAIT_S) -> str | None:
     """Unmount ``mountpoint`` and wait for its daemon to exit (so the store is free). A
-    daemon that does not answer is ended (``recover``): the line that says so is returned."""
+    daemon that does not answer is ended (``recover``): the line that says so is returned.
+    A daemon that ended before its unmount finished (killed while folding) is a
+    FaultfsError: the mount is gone, its writes are in the journal."""
     path = connection.mount_path(mountpoint)
     entry = connection.find_mount(path)
     if entry is None:
@@ -165,6 +169,12 @@ def unmount(mountpoint: str, *, wait: float = UNMOUNT_WAIT_S) -> str | None:
         if gone is not None and not _wait_gone(gone, wait):
             raise FaultfsError(f"the {who} (pid {gone}) of {path} did not exit within "
                                f"{wait:.0f} s", errno.ETIMEDOUT)
+    if daemons.left_behind(entry.minor, pid):
+        raise FaultfsError(f"{path} is unmounted, but its daemon (pid {pid}) ended before it "
+                           "finished (killed, or failed: see the store's log): its writes may "
+                           "not all be folded into the store; nothing acknowledged is lost — "
+                           "they are in the store's journal and the next mount replays them",
+                           errno.EIO)
     return None
 
 

@@ -74,7 +74,9 @@ def entry(attr: Attributes) -> pyfuse3.EntryAttributes:
     out.st_size = attr.size
     out.st_blocks = attr.blocks
     out.st_blksize = BLOCK_SIZE
-    out.st_atime_ns = out.st_mtime_ns = out.st_ctime_ns = attr.mtime_ns
+    out.st_mtime_ns = attr.mtime_ns
+    out.st_ctime_ns = attr.mtime_ns if attr.ctime_ns is None else attr.ctime_ns
+    out.st_atime_ns = attr.mtime_ns if attr.atime_ns is None else attr.atime_ns
     out.entry_timeout = attr.entry_timeout
     out.attr_timeout = attr.attr_timeout
     return out
@@ -267,7 +269,8 @@ class FaultOperations(pyfuse3.Operations):
             handle = await self.files.open(inode, flags & REOPEN_MASK)
             attr = await self.tree.getattr(inode)
         else:
-            handle, attr = await self.files.create(parent_inode, os.fsdecode(name), flags)
+            handle, attr = await self.files.create(parent_inode, os.fsdecode(name), flags,
+                                                   mode & 0o7777)
         fi = file_info(self.handles.add(handle, attr.inode, flags), handle)
         self.answering(unique, attr.inode)
         return fi, entry(attr)
@@ -307,9 +310,15 @@ class FaultOperations(pyfuse3.Operations):
         if fields.update_size and self.done_before(unique) is None:
             await self.files.set_size(inode, attr.st_size, self.handles.get(fh))
             self.answering(unique)
-        elif fields.update_mode or fields.update_uid or fields.update_gid:
-            raise FaultfsError("modes and owners are the mount's", errno.EPERM)
-        return entry(await self.tree.getattr(inode))  # times: the tree's, taken as set
+        if ((fields.update_uid and attr.st_uid != UID)
+                or (fields.update_gid and attr.st_gid != GID)):
+            raise FaultfsError("every entry belongs to the mount's user", errno.EPERM)
+        if fields.update_mode or fields.update_atime or fields.update_mtime:
+            await self.files.set_attrs(
+                inode, mode=attr.st_mode & 0o7777 if fields.update_mode else None,
+                atime_ns=attr.st_atime_ns if fields.update_atime else None,
+                mtime_ns=attr.st_mtime_ns if fields.update_mtime else None)
+        return entry(await self.tree.getattr(inode))
 
     @fuse_boundary
     async def fsync(self, fh, datasync):
@@ -338,7 +347,7 @@ class FaultOperations(pyfuse3.Operations):
 
     @fuse_boundary
     async def rmdir(self, parent_inode, name, ctx):
-        await self.files.change(parent_inode, os.fsdecode(name))
+        await self.files.remove_dir(parent_inode, os.fsdecode(name))
 
     @fuse_boundary
     async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):

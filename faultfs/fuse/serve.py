@@ -58,8 +58,9 @@ def serve(engine: Engine, mountpoint: str, *, ready: Callable[[], None] | None =
     options = set(pyfuse3.default_options)
     options.add("fsname=faultfs")
     options.add("subtype=faultfs")
-    if allow_other:
+    if allow_other:  # other users: the kernel checks the modes shown (a 0600 blob is private)
         options.add("allow_other")
+        options.add("default_permissions")
     if debug_fuse:
         options.add("debug")
     devices = fuse_device_fds()
@@ -99,11 +100,13 @@ def serve(engine: Engine, mountpoint: str, *, ready: Callable[[], None] | None =
               else opened[0] if opened else None)
     ops.invalidator.device_fd = device
     unmount = True
+    ended = False
     served = Served(held, device)
     try:
         record.write()
         trio.run(_serve_async, engine, ops, mountpoint, ready, fd, fast, served)
         unmount = held is None or held.ending
+        ended = True  # every write folded (``_serve_with``)
     except BaseException:
         # never touch the mountpoint from this thread here: nothing answers it any more
         if not served.armed:  # no holder keeps the connection: the mount goes with us
@@ -119,7 +122,8 @@ def serve(engine: Engine, mountpoint: str, *, ready: Callable[[], None] | None =
         pyfuse3.close(unmount=unmount)
         if unmount and held is not None and held.takeover:
             _detach(mountpoint)  # libfuse did not mount it: it does not unmount it
-        record.remove()
+        if ended:  # left behind otherwise: `faultfs umount` says the unmount did not finish
+            record.remove()
         engine.close()
 
 

@@ -14,6 +14,10 @@ Invariants:
 - Writes are refused with EROFS on a read-only, read-through or degraded mount; a chunk's
   size is fixed (EFBIG past its end); what the mount shows cannot be removed or renamed
   (EPERM); only user blobs can. A rename flag is honoured or refused, never ignored.
+- A user blob unlinked or replaced while a file has it open lives on under a hidden name
+  (``Engine.hide_user``) and is read, written and stat'ed through its descriptors until the
+  last one closes, which unlinks it — as POSIX keeps an open file (atomic-rename writers:
+  editors, rsync, pip). A crash meanwhile drops it at the next mount.
 - Nothing here blocks the trio thread.
 """
 
@@ -29,6 +33,7 @@ from faultfs.core.chunks import pieces
 from faultfs.core.inodes import (
     CONTROL_FILE,
     KIND_CHUNK,
+    KIND_DIR,
     KIND_PAGE,
     KIND_PAGEMAP,
     KIND_REGISTRY,
@@ -73,6 +78,7 @@ class BlobFile(PlainFile):
             self.files.open_count[self.inode] -= 1
             if not self.files.open_count[self.inode]:
                 del self.files.open_count[self.inode]
+                await self.files.last_closed(self.tag, self.inode, self.index)
 
     def _user(self) -> str:
         name = self.engine.user_name(self.tag, self.index)
@@ -170,6 +176,7 @@ class Files:
         self.open_count: collections.Counter[int] = collections.Counter()  # inode -> handles
         self.coherence = Coherence(None, self.engine.stats)  # its drop: the FUSE adapter's
         self.live: collections.Counter[int] = collections.Counter()  # tag id -> open files
+        self.hidden: dict[int, str] = {}  # inode -> hidden name of a user blob unlinked open
 
     async def open(self, inode: int, flags: int) -> OpenFile:
         node = await self.tree.load(inode)
@@ -216,8 +223,10 @@ class Files:
             return handle
         raise FaultfsError("not a file", errno.EIO)
 
-    async def create(self, parent: int, name: str, flags: int) -> tuple[OpenFile, Attributes]:
-        """``<tag>/.pagemap`` (a tag without a map gets one on close), or a user blob."""
+    async def create(self, parent: int, name: str, flags: int,
+                     mode: int = 0o644) -> tuple[OpenFile, Attributes]:
+        """``<tag>/.pagemap`` (a tag without a map gets one on close), or a user blob with
+        permission bits ``mode`` (kept, shown, changed only by ``chmod``)."""
         directory = self.tree.node(parent)
         if directory.tag is None or not directory.is_dir:
             raise read_only()
@@ -232,7 +241,7 @@ class Files:
             return handle, self.tree.attributes(node)
         if not self.engine.writable:
             raise read_only()
-        await self.engine.create_user(tag, name)
+        await self.engine.create_user(tag, name, mode)
         uid = self.engine.user_id(tag, name)
         assert uid is not None
         node = Node(inodes.make(tag.id, KIND_USER, uid), KIND_USER, tag, uid)
@@ -245,7 +254,25 @@ class Files:
         if node.kind != KIND_USER:
             raise self._fixed(name)
         assert node.tag is not None
-        await self.engine.unlink_user(node.tag, name)
+        if self.open_count.get(node.inode):
+            await self._hide(node, name)
+        else:
+            await self.engine.unlink_user(node.tag, name)
+
+    async def _hide(self, node: Node, name: str) -> None:
+        """Unlink user blob ``name`` (``node``: the blob it names) while it is open: hidden
+        until its last close, or unlinked now if that came while it was hidden."""
+        assert node.tag is not None
+        hidden = await self.engine.hide_user(node.tag, name, node.index)
+        self.hidden[node.inode] = hidden
+        if not self.open_count.get(node.inode):  # closed meanwhile: its release found none
+            await self.last_closed(node.tag, node.inode, node.index)
+
+    async def last_closed(self, tag: Tag, inode: int, uid: int) -> None:
+        """The last descriptor of user blob ``uid`` closed: if it was unlinked, it goes now."""
+        hidden = self.hidden.pop(inode, None)
+        if hidden is not None and self.engine.user_id(tag, hidden) == uid:
+            await self.engine.unlink_user(tag, hidden)
 
     async def rename(self, parent: int, name: str, new_parent: int, new_name: str,
                      flags: int = 0) -> None:
@@ -274,18 +301,40 @@ class Files:
                 raise FaultfsError(f"{new_name} exists", errno.EEXIST)
             await engine.rename_user(node.tag, name, new_name, replace=False)
         else:
-            await engine.rename_user(node.tag, name, new_name)
+            target = await self._user_at(new_parent, new_name)
+            if target is not None and self.open_count.get(target.inode) and target.inode != node.inode:
+                # the replaced blob is open: the new name gets the renamed blob at once (one
+                # record), then the old name, holding the replaced one now, is unlinked so
+                await engine.exchange_users(node.tag, name, new_name)
+                await self._hide(target, name)
+            else:
+                await engine.rename_user(node.tag, name, new_name)
+
+    async def _user_at(self, parent: int, name: str) -> Node | None:
+        """The user blob ``name`` names, else None."""
+        if not await self._exists(parent, name):
+            return None
+        node = await self._existing(parent, name)
+        return node if node.kind == KIND_USER else None
 
     async def change(self, parent: int, name: str) -> None:
-        """``mkdir``, ``rmdir``, ``mknod``, ``symlink``, ``link``: EPERM for what the mount
-        shows, EROFS for anything else — never "not implemented"."""
-        try:
-            await self.tree.lookup(parent, name)
-        except FaultfsError as exc:
-            if exc.errno != errno.ENOENT:
-                raise
-            raise read_only() from None
-        raise self._fixed(name)
+        """``mkdir``, ``mknod``, ``symlink``, ``link``: a tag holds files only. EEXIST for a
+        name the tree has, EPERM for a new one (EROFS only on a mount that takes no writes:
+        "read-only" on a writable mount reads as a mount gone bad) — never "not
+        implemented"."""
+        if await self._exists(parent, name):
+            raise FaultfsError(f"{name} exists", errno.EEXIST)
+        if not self.engine.writable:
+            raise read_only()
+        raise FaultfsError(f"{name}: a tag holds files only, no directories, links or "
+                           "special files", errno.EPERM)
+
+    async def remove_dir(self, parent: int, name: str) -> None:
+        """``rmdir``: a directory of the tree is never empty (a tag has its view; ``faultfs
+        forget`` removes one), so ENOTEMPTY, as for any full directory; ENOTDIR for a file."""
+        if not (await self._existing(parent, name)).is_dir:
+            raise FaultfsError(f"{name} is not a directory", errno.ENOTDIR)
+        raise FaultfsError(f"{name} is not empty", errno.ENOTEMPTY)
 
     async def _existing(self, parent: int, name: str) -> Node:
         return self.tree.node((await self.tree.lookup(parent, name)).inode)
@@ -303,6 +352,41 @@ class Files:
     def _fixed(name: str) -> FaultfsError:
         return FaultfsError(f"{name} is part of the mounted tree: it cannot be removed, "
                             "renamed or replaced", errno.EPERM)
+
+    async def set_attrs(self, inode: int, *, mode: int | None, atime_ns: int | None,
+                        mtime_ns: int | None) -> None:
+        """``chmod``/``utimensat``: a user blob keeps what it is given (durably); anything
+        else takes only what it has already (its mode, its times are the tag's), EPERM for a
+        change — never a success that changes nothing — but a directory's times, which are
+        accepted and not kept (``rsync -a dir/ T/`` sets them after the files)."""
+        node = await self.tree.load(inode)
+        if node.kind == KIND_USER and node.tag is not None:
+            name = self.engine.user_name(node.tag, node.index)
+            if name is None:
+                raise FaultfsError("the blob was removed", errno.ENOENT)
+            if (atime_ns, mtime_ns) == (None, None) and mode in (
+                    None, self.engine.attrs(node.tag, node.index)[0]):
+                return  # nothing changes: fine on any mount
+            if not self.engine.writable:
+                raise read_only()
+            await self.engine.set_attrs(node.tag, name, mode=mode, atime_ns=atime_ns,
+                                        mtime_ns=mtime_ns)
+            return
+        now = self.tree.attributes(node)
+        if node.kind == KIND_DIR and node.tag is not None and mode is not None:
+            if mode != now.mode & 0o7777:  # a tag directory's mode is kept, as a blob's
+                if not self.engine.writable:
+                    raise read_only()
+                await self.engine.set_attrs(node.tag, None, mode=mode)
+            mode = None
+        if mode is not None and mode != now.mode & 0o7777:
+            raise FaultfsError("only a user blob's mode can change: the rest is the "
+                               "mount's", errno.EPERM)
+        if node.is_dir:
+            return  # a directory's times are its tag's: `rsync -a dir/ T/` sets them last
+        if (atime_ns, mtime_ns) != (None, None) and {atime_ns, mtime_ns} - {None, now.mtime_ns}:
+            raise FaultfsError("only a user blob's times can be set: the rest are its "
+                               "tag's", errno.EPERM)
 
     async def set_size(self, inode: int, size: int, handle: OpenFile | None) -> None:
         """``truncate``/``ftruncate``: through the open handle, or (by path) a handle of its

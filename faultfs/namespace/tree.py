@@ -8,8 +8,13 @@ computed (``core.inodes``). A lookup or listing that involves pages loads the ta
 first (off the trio thread, once per tag), so attributes are then built without I/O.
 
 Invariants:
-- Every name a listing shows, lookup finds with the same inode, and the reverse.
+- Every name a listing shows, lookup finds with the same inode, and the reverse — except a
+  chunk past the source that holds no writes (a hole of a grown view): lookup finds it, a
+  listing leaves it out, so a listing costs what is there, not what the view's size allows
+  (one byte written at 16 TiB listed 16.7 M names).
 - Listings stream from any position; a tag with millions of chunks costs nothing per entry.
+  A chunk's position is its index (after the fixed entries), so a write during a listing
+  moves no other entry.
 - An inode that names nothing (an index past the end, a tag gone) is ENOENT.
 """
 
@@ -19,6 +24,7 @@ import errno
 import json
 import stat
 import time
+from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -41,11 +47,13 @@ from faultfs.core.inodes import (
 )
 from faultfs.core.names import (
     CTL_NAME,
+    MAX_NAME_BYTES,
     PAGE_PREFIX,
     PAGEMAP_NAME,
     XATTR_SOURCE,
     XATTR_STAGED,
     XATTR_TAG,
+    is_hidden,
     parse_index,
 )
 from faultfs.engine import Engine, Tag
@@ -84,6 +92,8 @@ class Attributes:
     staged_bytes: int = 0  # st_blocks is this in 512-byte units (rounded up)
     mtime_ns: int = 0
     nlink: int = 1
+    atime_ns: int | None = None  # None: the mtime (only a user blob has its own)
+    ctime_ns: int | None = None  # likewise
     attr_timeout: float = ATTR_TIMEOUT
     entry_timeout: float = ENTRY_TIMEOUT
 
@@ -114,6 +124,10 @@ class Tree:
         # who serves the mount (the FUSE adapter's): the stats document's "daemon" section
         self.daemon_info: Callable[[], dict] | None = None
         self.metrics_size = 0  # likewise for .faultfs/metrics
+        # tag id -> the written chunks past its source, in order: taken when a listing starts
+        # (one pass over the dirty blobs), used by the rest of it (a chunk written meanwhile
+        # may be missed, as POSIX allows; one reset meanwhile is skipped)
+        self._grown: dict[int, list[int]] = {}
 
     def registry_keys(self) -> list[str | None]:
         """The registry's keys by index, as the engine holds them now (tags registered or
@@ -188,6 +202,9 @@ class Tree:
     # -- lookups and listings ----------------------------------------------------------------
 
     async def lookup(self, parent: int, name: str) -> Attributes:
+        if len(name.encode("utf-8", "surrogateescape")) > MAX_NAME_BYTES:
+            raise FaultfsError(f"{name[:40]}... is over {MAX_NAME_BYTES} bytes",
+                               errno.ENAMETOOLONG)
         if parent == ROOT:
             if name == CTL_NAME:
                 return self.attributes(self.node(CTL_DIR))
@@ -241,7 +258,7 @@ class Tree:
                 index = None
         if index is not None:
             return inodes.make(tag.id, KIND_CHUNK, index)
-        uid = engine.user_id(tag, name)
+        uid = None if is_hidden(name) else engine.user_id(tag, name)
         if uid is None:
             raise _missing()
         return inodes.make(tag.id, KIND_USER, uid)
@@ -260,6 +277,8 @@ class Tree:
             raise FaultfsError("not a directory", errno.ENOTDIR)
         if directory.tag is not None:
             await self.pages.load(directory.tag)
+            if start == 0 or directory.tag.id not in self._grown:
+                self._grown[directory.tag.id] = self._written_past_source(directory.tag)
         elif inode == ROOT and start == 0:
             await self.engine.refresh_shared()  # tags other nodes registered since the mount
         elif inode == CTL_DIR:
@@ -297,10 +316,19 @@ class Tree:
             pos += 1
         engine = self.engine
         n_chunks = engine.num_chunks(tag)
-        while pos < len(fixed) + n_chunks:
+        source = min(tag.layout.num_blobs, n_chunks)
+        while pos < len(fixed) + source:
             index = pos - len(fixed)
             yield pos, tag.layout.blob_name(index), inodes.make(tag.id, KIND_CHUNK, index)
             pos += 1
+        grown = self._grown.get(tag.id, [])
+        for index in grown[bisect_left(grown, max(pos - len(fixed), source)):]:
+            if index >= n_chunks:
+                break
+            if engine.written_chunks(tag, index):  # (not reset since the listing started)
+                yield (len(fixed) + index, tag.layout.blob_name(index),
+                       inodes.make(tag.id, KIND_CHUNK, index))
+        pos = max(pos, len(fixed) + n_chunks)
         n_pages = self.pages.num_pages(tag)
         while pos < len(fixed) + n_chunks + n_pages:
             index = pos - len(fixed) - n_chunks
@@ -312,6 +340,10 @@ class Tree:
             uid = engine.user_id(tag, users[k])
             assert uid is not None
             yield first + k, users[k], inodes.make(tag.id, KIND_USER, uid)
+
+    def _written_past_source(self, tag: Tag) -> list[int]:
+        source = tag.layout.num_blobs
+        return [i for i in self.engine.written_chunks(tag) if i >= source]
 
     # -- extended attributes -----------------------------------------------------------------
 
@@ -336,8 +368,11 @@ class Tree:
 
     def attributes(self, node: Node) -> Attributes:
         if node.is_dir:
-            mtime = self.mounted_at if node.tag is None else int(node.tag.mtime * 1e9)
-            return Attributes(node.inode, stat.S_IFDIR | 0o755, mtime_ns=mtime, nlink=2)
+            if node.tag is None:
+                return Attributes(node.inode, stat.S_IFDIR | 0o755, mtime_ns=self.mounted_at,
+                                  nlink=2)
+            return Attributes(node.inode, stat.S_IFDIR | self.engine.attrs(node.tag, None)[0],
+                              mtime_ns=int(node.tag.mtime * 1e9), nlink=2)
         if node.inode == STATS_FILE:
             return Attributes(node.inode, stat.S_IFREG | 0o444, self.stats_size,
                               mtime_ns=time.time_ns(), attr_timeout=0)
@@ -357,7 +392,10 @@ class Tree:
         cs = tag.layout.chunk_size
         mode = stat.S_IFREG | (0o644 if engine.writable else 0o444)
         if node.kind == KIND_CHUNK:
-            here = engine.chunk_here(tag, node.index)
+            if node.index < tag.layout.num_blobs:
+                here = engine.chunk_here(tag, node.index)
+            else:  # past the source: held only where written (a hole costs no blocks)
+                here = bool(engine.written_chunks(tag, node.index))
             return Attributes(node.inode, mode, cs, cs if here else 0, mtime)
         if node.kind == KIND_VIEW:
             size = engine.view_size(tag)
@@ -365,8 +403,13 @@ class Tree:
             return Attributes(node.inode, mode, size, min(size, staged * cs), mtime)
         if node.kind == KIND_USER:
             name = engine.user_name(tag, node.index) or ""
-            size = engine.user_size(tag, name)
-            return Attributes(node.inode, mode, size, size, mtime)
+            size = engine.user_size(tag, name)  # blocks: its parts, not its holes
+            bits, atime, own_mtime, ctime = engine.attrs(tag, node.index)
+            if not engine.writable:
+                bits &= ~0o222
+            return Attributes(node.inode, stat.S_IFREG | bits, size,
+                              min(size, engine.user_held(tag, name)), own_mtime,
+                              nlink=0 if is_hidden(name) else 1, atime_ns=atime, ctime_ns=ctime)
         map_mtime = self.pages.pagemap_mtime_ns(tag) or mtime
         if node.kind == KIND_PAGE:
             return Attributes(node.inode, mode, self.pages.page_size(tag),

@@ -22,7 +22,8 @@ Invariants:
 - No tag or blob name can escape the root: every path component is derived by encoding.
 - A blob file is served only after ``decode_header`` accepted it and its tag, name and
   source version match what is asked; every read verifies the blocks it returns.
-- Nothing is written to a degraded store.
+- Nothing is written to a degraded store. One degraded by a full file system is probed
+  again (``recheck``) and is itself again once it can be written.
 - Blocking: every method does file I/O. The tiers call them on the I/O pool, except small
   reads of staged blobs, which run on the serving thread (``tiers/local/``); the engine
   calls them on the I/O pool too, or before the mount answers.
@@ -32,8 +33,10 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import secrets
+import time
 from urllib.parse import unquote
 
 from faultfs.errors import CorruptionError, FaultfsError, InvalidInput
@@ -62,6 +65,9 @@ __all__ = [  # the store's face: the rooms' names its callers use are handed on 
 ]
 
 MAX_TAG_STATE = 1 << 20  # a tag state of more than this is not one we wrote
+FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)  # degraded by these, a store may recover
+RECHECK_S = 5.0  # a full store is probed again at most this often (on a fault it skips)
+log = logging.getLogger("faultfs.store")
 
 
 class BlobStore:
@@ -77,6 +83,7 @@ class BlobStore:
         self._opener = BlobOpener(self.root, drop_foreign=self.drop_foreign)
         self.degraded = ""  # why nothing can be written (a full or read-only file system)
         self.degraded_errno = 0
+        self._checked_at = 0.0  # when a full store was last found so (``recheck``)
         if create:
             self.create()
 
@@ -101,6 +108,17 @@ class BlobStore:
                     return
                 raise InvalidInput(f"store {self.root} cannot be created: {exc.strerror}",
                                    exc.errno or errno.EIO) from None
+        try:
+            self._probe()
+        except OSError as exc:
+            if exc.errno in DEGRADED_ERRNOS:
+                self._degrade(exc)
+                return
+            raise InvalidInput(f"store {self.root} is not writable: {exc.strerror}",
+                               exc.errno or errno.EACCES) from None
+
+    def _probe(self) -> None:
+        """Create, write and remove a file at the root (OSError when it cannot)."""
         probe = os.path.join(self.root, f".probe-{secrets.token_hex(4)}")
         try:
             fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
@@ -108,18 +126,38 @@ class BlobStore:
                 os.write(fd, b"x")  # a full file system may still create an empty file
             finally:
                 os.close(fd)
-                os.unlink(probe)
-        except OSError as exc:
-            if exc.errno in DEGRADED_ERRNOS:
-                unlink_quietly(probe)
-                self._degrade(exc)
-                return
-            raise InvalidInput(f"store {self.root} is not writable: {exc.strerror}",
-                               exc.errno or errno.EACCES) from None
+        finally:
+            unlink_quietly(probe)
 
     def _degrade(self, exc: OSError) -> None:
         self.degraded = exc.strerror or str(exc)
         self.degraded_errno = exc.errno or errno.EROFS
+        self._checked_at = time.monotonic()
+
+    @property
+    def full(self) -> bool:
+        """Degraded because its file system is full (bytes, inodes, quota): space may come
+        back (``recheck``), unlike a read-only file system's."""
+        return self.degraded_errno in FULL_ERRNOS
+
+    @property
+    def recheck_due(self) -> bool:
+        """Whether a store degraded by a full file system is due to be probed again."""
+        return self.full and time.monotonic() - self._checked_at >= RECHECK_S
+
+    def recheck(self) -> bool:
+        """Blocking: whether a store degraded by a full file system can be written again
+        (tried at most every ``RECHECK_S``); when it can, it is degraded no more."""
+        if not self.recheck_due:
+            return False
+        self._checked_at = time.monotonic()
+        try:
+            self._probe()
+        except OSError:
+            return False
+        log.warning("store %s can be written again: faults are stored from now on", self.root)
+        self.degraded, self.degraded_errno = "", 0
+        return True
 
     @property
     def writable(self) -> bool:

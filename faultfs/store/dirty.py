@@ -76,7 +76,7 @@ class DirtyFiles:
 
     def __init__(self, root: str, ops: FileOps | None = None, *, writable: bool = True) -> None:
         self.root = os.path.join(root, "writes")
-        self.ops = ops or OsFileOps()
+        self.ops = ops or OsFileOps(links=False, what="dirty file")
         self.writable = writable  # False: list and read only (a degraded or read-only store)
         self._ready: set[str] = set()  # tag directories checked and made by this process
         for directory in (self.root, os.path.join(self.root, "journal")):

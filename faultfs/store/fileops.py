@@ -35,22 +35,38 @@ class FileOps(Protocol):
 
 
 class OsFileOps:
-    """FileOps over the real file system."""
+    """FileOps over the real file system. ``links=False`` (the store's journal and dirty
+    files): a symbolic link where a file is opened is refused, never followed — a link
+    planted in the store would have the daemon truncate and write its target."""
+
+    nofollow = 0  # (a subclass that makes no ``__init__`` call follows links)
+    what = "checkpoint file"  # what the files are, for the one-line errors
+
+    def __init__(self, *, links: bool = True, what: str = "checkpoint file") -> None:
+        self.nofollow = 0 if links else os.O_NOFOLLOW
+        self.what = what
 
     def exists(self, path: str) -> bool:
         return os.path.exists(path)
 
     def open(self, path: str, flags: int, mode: int = 0o600) -> int:
-        """Regular files only, opened without blocking (a FIFO's open would block forever)."""
+        """Regular files only, opened without blocking (a FIFO's open would block forever)
+        and, with ``links=False``, without following a symbolic link."""
         try:
-            fd = os.open(path, flags | os.O_CLOEXEC | os.O_NONBLOCK, mode)
+            fd = os.open(path, flags | os.O_CLOEXEC | os.O_NONBLOCK | self.nofollow, mode)
         except IsADirectoryError:
-            raise InvalidInput(f"{path} is a directory, not a checkpoint file", errno.EISDIR) from None
+            raise InvalidInput(f"{path} is a directory, not a {self.what}", errno.EISDIR) from None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP and self.nofollow:
+                raise InvalidInput(f"{path} is a symbolic link, not a {self.what}: faultfs "
+                                   "never follows a link inside its store; move it away",
+                                   errno.ELOOP) from None
+            raise
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             os.close(fd)
             what = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
-            raise InvalidInput(f"{path} is {what}, not a checkpoint file",
+            raise InvalidInput(f"{path} is {what}, not a {self.what}",
                                errno.EISDIR if stat.S_ISDIR(st.st_mode) else errno.EINVAL)
         return fd
 
@@ -76,7 +92,7 @@ class OsFileOps:
         os.rename(src, dst)
 
     def fsync_dir(self, path: str) -> None:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | self.nofollow)
         try:
             os.fsync(fd)
         finally:

@@ -20,7 +20,8 @@ A record (little-endian), pinned by a golden-bytes test — change it and bump `
     22  reserved    u16  0
     24  off         u64  write/zero: offset in the blob; size: 0
     32  length      u64  write, reset: data bytes; zero: range length; size: the new size;
-                         blob: the payload bytes of its file; create/unlink/rename: 0
+                         blob: the payload bytes of its file; create: 0x10000 | its
+                         mode bits (0 in records made before modes: 0644); unlink/rename: 0
     40  data_xxh3   u64  xxh3_64 of the data (0 without data); blob: of the file's payload
     48  head_xxh3   u64  xxh3_64 of bytes [0, 48) + tag + name
     56  tag, name (UTF-8), then the data
@@ -190,7 +191,7 @@ class Journal:
 
     def __init__(self, directory: str, ops: FileOps | None = None) -> None:
         self.dir = directory
-        self.ops = ops or OsFileOps()
+        self.ops = ops or OsFileOps(links=False, what="journal segment")
         self.next_seq = 1
         self._fd = -1
         self._first = 0  # first seq of the segment being written
@@ -227,7 +228,11 @@ class Journal:
         of the whole-chunk records among it, so that their files can go there too — and
         ``set_aside`` (the attribute) says what was kept."""
         if writable:
-            self.ops.makedirs(self.dir)
+            try:
+                self.ops.makedirs(self.dir)
+            except OSError as exc:  # a full store: its first append makes it, or fails
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
         firsts = sorted(s for s in (_segment_seq(n) for n in self.ops.listdir(self.dir))
                         if s is not None)
         good_end: tuple[int, int] | None = None  # (segment, offset) after the last good record
@@ -308,7 +313,7 @@ class Journal:
                     if rec is not None:
                         stopped.append((rec.seq, rec.kind, rec.tag))
                 resume = start
-                for at in _magic_positions(self.ops, fd, start, size):
+                for at in magic_positions(self.ops, fd, start, size):
                     if at < resume:
                         continue  # inside a record found whole
                     rec, length, _ = read_record(self.ops, fd, at, size, seg)
@@ -610,7 +615,7 @@ def _pieces(ops: FileOps, fd: int, start: int, end: int) -> Iterator[bytes]:
         at += len(piece)
 
 
-def _magic_positions(ops: FileOps, fd: int, start: int, end: int) -> Iterator[int]:
+def magic_positions(ops: FileOps, fd: int, start: int, end: int) -> Iterator[int]:
     """Where a record's magic lies in bytes ``[start, end)``, in order."""
     at = start
     while at < end:

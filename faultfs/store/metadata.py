@@ -261,11 +261,13 @@ class DualMetadataManager:
     def is_fresh(self) -> bool:
         return self._slot.epoch == 0
 
-    def committed_hashes(self) -> np.ndarray:
-        """The committed hashes, in commit order, as a fresh ``uint64`` array (read from the WAL)."""
+    def committed_hashes(self, start: int = 0) -> np.ndarray:
+        """The committed hashes from the ``start``-th on, in commit order, as a fresh
+        ``uint64`` array (read from the WAL; nothing before ``start`` is read)."""
         self._check_open()
-        count = self._slot.dedup_count
-        data = self._ops.pread(self._wal_fd, count * HASH_SIZE, 0)
+        start = min(max(start, 0), self._slot.dedup_count)
+        count = self._slot.dedup_count - start
+        data = self._ops.pread(self._wal_fd, count * HASH_SIZE, start * HASH_SIZE)
         if len(data) != count * HASH_SIZE:
             raise CorruptionError(f"{self.wal_path}: short read of committed hashes")
         return np.frombuffer(data, dtype=_HASH_DTYPE).astype(np.uint64)

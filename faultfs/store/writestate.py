@@ -4,16 +4,19 @@ for a mount, a clone and ``faultfs fsck`` alike (docs/FORMAT.md, "Write state").
 What a tag's writes changed beyond its blobs: the view's size and the last size record it
 includes, the user blob table (names to ids, the next id, the ids cut into parts), a clone's
 ancestors (whose files it linked), a reset's void marks (of the tag, of single blobs), the
-time it was last written, and the blobs whose writes were found damaged.
+time it was last written, the blobs whose writes were found damaged, and each user blob's
+mode and times and the tag directory's mode (``user_attrs``, ``dir_mode``: version 2).
 
 Invariants:
 - One parser decides whether a document is a write state (``parse``); fsck's verdict
   (``problem``) is its error, word for word, so what fsck calls fine a mount reads.
 - Every integer is one a file offset or a journal seq can be: in ``[0, 2**63)``.
-- Written with ``version`` 1, every field present (``damaged_blobs`` only when it names a
-  blob: an empty table is absent); a document without ``version`` is the format before
-  versions and takes defaults for what it lacks. Another version is refused, never guessed
-  at. A change of the serialised form bumps ``VERSION`` (a golden-bytes test pins it).
+- Written with ``version`` 2, every field present (``damaged_blobs``, ``user_attrs`` and
+  ``dir_mode`` only when they say something: an empty table is absent); version 1 is the
+  same without the last two and reads as it always did (its user blobs take the defaults: mode 0644,
+  the tag's time); a document without ``version`` is the format before versions and takes
+  defaults for what it lacks. Another version is refused, never guessed at. A change of
+  the serialised form bumps ``VERSION`` (a golden-bytes test pins it).
 """
 
 from __future__ import annotations
@@ -24,7 +27,9 @@ from typing import Any, TypeVar
 
 from faultfs.errors import CorruptionError
 
-VERSION = 1
+VERSION = 2
+READS = (1, 2)  # the versions this faultfs reads
+MODE_BITS = 0o7777  # what a user blob's mode may hold (its type is always a regular file)
 MAX_INT = (1 << 63) - 1  # a file offset's limit (the kernel's), and far past any seq
 _INTS = ("view_size", "view_seq", "next_user", "voided", "mtime_ns")
 _REQUIRED = (*_INTS, "users", "parted", "ancestors", "voided_blobs")  # of a version-1 doc
@@ -48,6 +53,9 @@ class WriteState:
     # blobs whose writes were found damaged in the journal: name -> {"reason", "size"}; kept,
     # EIO, until a reset drops them (their records go to writes/damaged/, not away)
     damaged_blobs: dict[str, dict] = field(default_factory=dict)
+    # user blob id -> [mode bits, atime_ns, mtime_ns] (one it lacks: 0644, the tag's mtime)
+    user_attrs: dict[int, list[int]] = field(default_factory=dict)
+    dir_mode: int | None = None  # the tag directory's mode bits, once chmod set them (0755)
 
     @classmethod
     def parse(cls: type[S], doc: object, source_size: int) -> S:
@@ -57,9 +65,9 @@ class WriteState:
             raise CorruptionError("not a JSON object")
         if "version" in doc:
             version = doc["version"]
-            if type(version) is not int or version != VERSION:
+            if type(version) is not int or version not in READS:
                 raise CorruptionError(f"version {version!r} is not one this faultfs reads "
-                                      f"({VERSION})")
+                                      f"({', '.join(map(str, READS))})")
             for name in _REQUIRED:
                 if name not in doc:
                     raise CorruptionError(f"field {name} is missing")
@@ -81,12 +89,30 @@ class WriteState:
             marks[name] = {"reason": mark["reason"],
                            "size": _uint(f"damaged_blobs.{name}.size", mark.get("size", 0))}
         ints = {name: _uint(name, doc[name]) for name in _INTS if name in doc}
+        attrs = doc.get("user_attrs", {})
+        if not isinstance(attrs, dict):
+            raise CorruptionError("field user_attrs is not a table of user blob ids")
+        user_attrs = {}
+        for uid, value in attrs.items():
+            if not (isinstance(value, list) and len(value) == 3):
+                raise CorruptionError(f"field user_attrs gives {uid} no [mode, atime, mtime]")
+            what = f"user_attrs.{uid}"
+            mode, atime, mtime = (_uint(what, v) for v in value)
+            if mode & ~MODE_BITS:
+                raise CorruptionError(f"field {what} has mode {mode:#o}, past {MODE_BITS:#o}")
+            if not uid.isdigit():
+                raise CorruptionError(f"field user_attrs names {uid!r}, not a user blob id")
+            user_attrs[int(uid)] = [mode, atime, mtime]
+        dir_mode = doc.get("dir_mode")
+        if dir_mode is not None and _uint("dir_mode", dir_mode) & ~MODE_BITS:
+            raise CorruptionError(f"field dir_mode is {dir_mode:#o}, past {MODE_BITS:#o}")
         return cls(view_size=ints.get("view_size", source_size),
                    view_seq=ints.get("view_seq", 0), users=users,
                    next_user=ints.get("next_user", 1),
                    parted={_uint("parted", u) for u in parted}, ancestors=tuple(ancestors),
                    voided=ints.get("voided", 0), voided_blobs=voided_blobs,
-                   mtime_ns=ints.get("mtime_ns", 0), damaged_blobs=marks)
+                   mtime_ns=ints.get("mtime_ns", 0), damaged_blobs=marks,
+                   user_attrs=user_attrs, dir_mode=dir_mode)
 
     def saved(self) -> WriteState:
         """A copy of what is saved, tables and all (a save writes it on the I/O pool while
@@ -95,7 +121,9 @@ class WriteState:
             view_size=self.view_size, view_seq=self.view_seq, users=dict(self.users),
             next_user=self.next_user, parted=set(self.parted), ancestors=self.ancestors,
             voided=self.voided, voided_blobs=dict(self.voided_blobs), mtime_ns=self.mtime_ns,
-            damaged_blobs={k: dict(v) for k, v in self.damaged_blobs.items()})
+            damaged_blobs={k: dict(v) for k, v in self.damaged_blobs.items()},
+            user_attrs={k: list(v) for k, v in self.user_attrs.items()},
+            dir_mode=self.dir_mode)
 
     def to_doc(self) -> dict[str, Any]:
         """The document saved."""
@@ -107,6 +135,10 @@ class WriteState:
             "mtime_ns": self.mtime_ns}
         if self.damaged_blobs:
             doc["damaged_blobs"] = {k: dict(v) for k, v in self.damaged_blobs.items()}
+        if self.dir_mode is not None:
+            doc["dir_mode"] = self.dir_mode
+        if self.user_attrs:
+            doc["user_attrs"] = {str(k): list(v) for k, v in sorted(self.user_attrs.items())}
         return doc
 
 

@@ -6,7 +6,8 @@ sources, ``opening`` picks a reader's shards in order and opens each where it re
 pyarrow.Table in bulk, ``hashing`` hashes its records, ``fresh`` decides which are delivered
 (over ``delivered``, the hashes delivered so far), ``read_ahead`` makes the next blocks in
 worker threads, ``commits`` commits the batches handed out, ``partition`` splits the records
-among distributed readers (rank x worker) and records that split, and the checkpoint lives in
+among distributed readers (rank x worker) and records that split, ``shuffle`` reads each
+epoch in a seeded order (and resumes inside it), and the checkpoint lives in
 ``faultfs.store.metadata``. ``faultfs.stream.torch`` (PyTorch's ``IterableDataset``) is
 imported only by its users.
 """

@@ -1,4 +1,5 @@
-/* faultfs.stream._cut: the records of a line block as bytes objects, cut in one C pass.
+/* faultfs.stream._cut: the records of a line block as bytes objects, cut in one C pass; and
+   the seeded permutation a shuffled stream mixes a window's records by (below).
 
    cut(data, starts, stops) -> list of bytes: data[starts[i]:stops[i]] for each i, where
    starts and stops are C-contiguous int64 buffers of equal length (numpy arrays). Dedup cuts
@@ -78,9 +79,49 @@ done:
     return out;
 }
 
+/* permutation(key, n) -> bytes: a seeded permutation of range(n) as n native int64, the
+   Fisher-Yates shuffle driven by splitmix64 seeded with key: for i from n-1 down to 1, swap
+   i with j = (r * (i + 1)) >> 64 for the next 64-bit output r. A shuffled stream mixes each
+   window's records in this order (faultfs/stream/shuffle/plan.py keeps the same algorithm in
+   Python, for machines without a compiler: the same permutation, ~100x slower). Runs without
+   the GIL. */
+static PyObject *permutation(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long key;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "Kn", &key, &n))
+        return NULL;
+    if (n < 0 || n > PY_SSIZE_T_MAX / 8) {
+        PyErr_Format(PyExc_ValueError, "cannot permute %zd elements", n);
+        return NULL;
+    }
+    PyObject *out = PyBytes_FromStringAndSize(NULL, n * 8);
+    if (out == NULL)
+        return NULL;
+    int64_t *p = (int64_t *)PyBytes_AS_STRING(out);
+    uint64_t state = (uint64_t)key;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++)
+        p[i] = (int64_t)i;
+    for (Py_ssize_t i = n - 1; i > 0; i--) {
+        uint64_t z = (state += 0x9E3779B97F4A7C15ULL);
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+        z ^= z >> 31;
+        uint64_t j = (uint64_t)(((unsigned __int128)z * (uint64_t)(i + 1)) >> 64);
+        int64_t t = p[i];
+        p[i] = p[j];
+        p[j] = t;
+    }
+    Py_END_ALLOW_THREADS
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"cut", cut, METH_VARARGS,
      "cut(data, starts, stops) -> [data[a:b] for a, b in zip(starts, stops)] (int64 arrays)"},
+    {"permutation", permutation, METH_VARARGS,
+     "permutation(key, n) -> bytes of n int64: a seeded Fisher-Yates permutation of range(n)"},
     {NULL, NULL, 0, NULL},
 };
 

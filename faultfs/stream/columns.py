@@ -61,16 +61,21 @@ def import_arrow() -> tuple[Any, Any]:
     return pa, paj
 
 
-def block_table(block: RecordBlock, schema: Any = None) -> Any:
+def block_table(block: Any, schema: Any = None, *, threads: bool = True) -> Any:
     """All records of ``block`` as a ``pyarrow.Table`` (``schema``: the columns and types to
-    give every table; fields outside it are dropped, missing ones are null)."""
+    give every table; fields outside it are dropped, missing ones are null); a shuffled
+    stream's mixed block (``shuffle.window``) as rows of its window's table. ``threads``:
+    JSON parsed on pyarrow's threads (a caller that parses small blocks side by side in
+    threads of its own saves their overhead without)."""
     pa, _ = import_arrow()
+    if block.kind == "mixed":  # a shuffled window's records, taken from its table
+        return block.table(schema)
     if block.kind == "parquet":
         table = pa.Table.from_batches([block.batch])
     elif block.shard.parse_as == "text":
         table = _text_table(block)
     else:
-        return _json_table(block, schema)
+        return _json_table(block, schema, threads)
     return table if schema is None else conform(table, schema)
 
 
@@ -148,9 +153,11 @@ def _text_table(block: RecordBlock) -> Any:
 # -- JSON -----------------------------------------------------------------------------------
 
 
-def _options(schema: Any, longest: int, *, wrapped: bool) -> tuple[Any, Any]:
+def _options(
+    schema: Any, longest: int, *, wrapped: bool, threads: bool = True
+) -> tuple[Any, Any]:
     pa, paj = import_arrow()
-    read = paj.ReadOptions(use_threads=True, block_size=max(JSON_CHUNK, 2 * longest + 64))
+    read = paj.ReadOptions(use_threads=threads, block_size=max(JSON_CHUNK, 2 * longest + 64))
     if schema is None:
         return read, None
     if wrapped:
@@ -158,14 +165,14 @@ def _options(schema: Any, longest: int, *, wrapped: bool) -> tuple[Any, Any]:
     return read, paj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore")
 
 
-def _json_table(block: RecordBlock, schema: Any) -> Any:
+def _json_table(block: RecordBlock, schema: Any, threads: bool = True) -> Any:
     pa, paj = import_arrow()
     assert block.starts is not None and block.stops is not None
     cut = int(block.ends[-1]) - block.data_offset
     longest = int((block.stops - block.starts).max())
     arr = np.frombuffer(block.data, dtype=np.uint8, count=cut)
     if (arr[block.starts] == _OPEN).all() and (arr[block.stops - 1] == _CLOSE).all():
-        read, parse = _options(schema, longest, wrapped=False)
+        read, parse = _options(schema, longest, wrapped=False, threads=threads)
         try:
             table = paj.read_json(
                 pa.BufferReader(pa.py_buffer(block.data).slice(0, cut)),

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from faultfs.stream.readers import RecordBlock, row_bytes
+from faultfs.stream.readers import row_bytes
 
 _digest = xxhash.xxh3_64_digest  # 8 bytes, big-endian: joined and read as one array
 _BIG_U64 = np.dtype(">u8")
@@ -65,9 +65,13 @@ def per_record_hashes(records: Any) -> np.ndarray:
     return np.frombuffer(b"".join(map(_digest, records)), dtype=_BIG_U64).astype(np.uint64)
 
 
-def record_hashes(block: RecordBlock, *, may_import: bool = True) -> np.ndarray:
+def record_hashes(block: Any, *, may_import: bool = True) -> np.ndarray:
     """The xxh3_64 hash of each record of ``block`` as ``uint64``; in bulk where it can
-    (``may_import``: load the bulk path if it is not loaded yet)."""
+    (``may_import``: load the bulk path if it is not loaded yet). A shuffled stream's mixed
+    block gives its window's hashes (``shuffle.window``)."""
+    if block.kind == "mixed":
+        hashes: np.ndarray = block.hashes(may_import=may_import)
+        return hashes
     if block.kind != "lines":
         return per_record_hashes(map(row_bytes, block.records))
     bulk = _bulk if _bulk is not None or not may_import else _load_bulk()
@@ -75,6 +79,18 @@ def record_hashes(block: RecordBlock, *, may_import: bool = True) -> np.ndarray:
         return per_record_hashes(block.records)
     assert block.starts is not None and block.stops is not None
     return bulk_hashes(bulk, block.data, block.starts, block.stops)
+
+
+def span_hashes(
+    data: bytes, starts: np.ndarray, stops: np.ndarray, *, may_import: bool = True
+) -> np.ndarray:
+    """xxh3_64 of each ``data[starts[i]:stops[i]]`` (in any order), in bulk where it can."""
+    bulk = _bulk if _bulk is not None or not may_import else _load_bulk()
+    if not bulk or len(data) > _MAX_OFFSET or sys.byteorder != "little":
+        return per_record_hashes(
+            data[a:b] for a, b in zip(starts.tolist(), stops.tolist(), strict=True)
+        )
+    return bulk_hashes(bulk, data, starts, stops)
 
 
 def bulk_hashes(bulk: Any, data: bytes, starts: np.ndarray, stops: np.ndarray) -> np.ndarray:

@@ -73,6 +73,7 @@ class ShardOpener:
         lies past the shards, or outside this reader's part where that shows without opening
         a shard."""
         self.shards = shards
+        self.end = len(shards)  # ``first``/``after`` give it when no shard is left
         self.plan = plan
         self.resume = resume
         self._meta_path = meta_path

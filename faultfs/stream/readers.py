@@ -40,11 +40,13 @@ from typing import Any
 import numpy as np
 
 from faultfs.errors import InvalidInput, SourceError
-from faultfs.stream.shards import Shard
+from faultfs.stream.shards import Shard, ShardFile
 
 LINE_BLOCK = 4 << 20  # large enough that a range request costs far less than its transfer
 FIRST_READ = 256 << 10  # the first read after opening a shard: a (re)started stream's first
 # batch waits for one small read and its parse, not 4 MiB; reads then grow 4x up to LINE_BLOCK
+TAIL_PEEK = 4 << 10  # a range's reads go this far past its end: the line that straddles it is
+# usually whole in the same read (a shuffled stream reads many small ranges, one per block)
 TAIL_READ = 64 << 10  # past the end of a partitioned reader's range only the line straddling
 # it is read, in reads of this size
 PARQUET_BLOCK_ROWS = 65536  # rows decoded per block; bounds memory on huge row groups
@@ -149,9 +151,13 @@ class RecordBlock:
         return self.data_offset + int(self.starts[i])
 
 
-def records_at(block: RecordBlock, idx: np.ndarray) -> list[Any]:
+def records_at(block: Any, idx: np.ndarray) -> list[Any]:
     """``block.records`` at the sorted, distinct indices ``idx``. A line block not split yet
-    cuts just those records from its bytes (one C pass: no ``bytes`` made for the others)."""
+    cuts just those records from its bytes (one C pass: no ``bytes`` made for the others); a
+    shuffled stream's mixed block cuts them from its window."""
+    if block.kind == "mixed":
+        records: list[Any] = block.records_at(idx)
+        return records
     if _cut is None or block.kind != "lines" or block._records is not None:
         return pick(block.records, idx)
     assert block.starts is not None and block.stops is not None
@@ -193,6 +199,15 @@ def import_parquet() -> Any:
     return pq
 
 
+def open_parquet(shard: Shard, file: ShardFile) -> Any:
+    """A ``pq.ParquetFile`` over an open shard (its footer read), or SourceError."""
+    pq = import_parquet()
+    try:
+        return pq.ParquetFile(file)
+    except Exception as err:
+        raise SourceError(f"{shard.url}: not a readable Parquet file: {err}") from err
+
+
 def _json_default(value: Any) -> Any:
     if isinstance(value, (bytes, bytearray, memoryview)):
         return {"$bytes": base64.b64encode(bytes(value)).decode("ascii")}
@@ -227,8 +242,9 @@ class LineShardReader:
     ``[start, stop)``, in order. A range that is not ``exact`` (``start`` not known to be a
     line start) begins at the first line start at or after ``start``: one byte before it is
     read, and everything up to the next ``\\n``. An ``exact`` start inside the shard (a resume
-    point) must follow a ``\\n``: the byte before it is read with it and checked. Reads stop at
-    ``stop``, then only the line that straddles it is read to its end (``TAIL_READ`` at a
+    point) must follow a ``\\n``: the byte before it is read with it and checked. Reads stop
+    ``TAIL_PEEK`` bytes past ``stop`` (the line that straddles it is usually whole there; the
+    lines after it are dropped), then only that line is read to its end (``TAIL_READ`` at a
     time)."""
 
     def __init__(
@@ -240,10 +256,16 @@ class LineShardReader:
         *,
         ranges: list[LineRange] | None = None,
         expected_size: int | None = None,
+        file: ShardFile | None = None,
+        first_read: int = FIRST_READ,
     ) -> None:
+        """``file``: the shard already open (kept open by ``close``: its opener owns it);
+        ``first_read``: the size of the first read of each range (reads grow 4x from it up to
+        ``LINE_BLOCK``)."""
         self._shard = shard
         self._shard_id = shard_id
-        self._file = shard.open()
+        self._owns_file = file is None
+        self._file = shard.open() if file is None else file
         self._global = global_start
         self._ranges = deque(ranges if ranges is not None else [(start_offset, None, True)])
         self._offset = 0  # file offset of the next line start: the next read begins there
@@ -253,12 +275,13 @@ class LineShardReader:
         self._after_nl = False  # the first byte read must be "\n" and is dropped (a resume point)
         self._eof = False
         self._done = True  # the current range has no more records
-        self._read_size = min(FIRST_READ, LINE_BLOCK)
+        self._first_read = min(first_read, LINE_BLOCK)
+        self._read_size = self._first_read
         try:
             _check_size(shard, self._file, expected_size)
             self._start_range()
         except BaseException:
-            self._file.close()
+            self.close()
             raise
 
     def _start_range(self) -> bool:
@@ -278,7 +301,7 @@ class LineShardReader:
         pos = start - 1 if self._skip or self._after_nl else start  # where _read begins
         self._offset, self._need, self._stop = pos, 0, stop
         self._eof = self._done = False
-        self._read_size = min(FIRST_READ, LINE_BLOCK)
+        self._read_size = self._first_read
         return True
 
     def _read(self) -> bytes:
@@ -288,7 +311,10 @@ class LineShardReader:
         self._read_size = min(size * 4, LINE_BLOCK)
         pos = self._offset
         if self._stop is not None:
-            size = min(size, self._stop - pos) if pos < self._stop else min(size, TAIL_READ)
+            if pos < self._stop:
+                size = min(size, self._stop - pos + TAIL_PEEK)
+            else:
+                size = min(size, TAIL_READ)
         size = max(size, self._need)
         self._need = 0
         try:
@@ -425,7 +451,8 @@ class LineShardReader:
         return 0
 
     def close(self) -> None:
-        self._file.close()
+        if self._owns_file:
+            self._file.close()
 
 
 def row_group_positions(meta: Any) -> list[int]:
@@ -469,19 +496,24 @@ class ParquetShardReader:
         *,
         pieces: list[Piece] | None = None,
         expected_size: int | None = None,
+        file: ShardFile | None = None,
+        parquet: Any = None,
     ) -> None:
-        pq = import_parquet()
+        """``file`` and ``parquet``: the shard already open, and its ``pq.ParquetFile`` (its
+        footer read once), kept open by ``close``: their opener owns them."""
+        import_parquet()  # refused here, before the shard is opened, without pyarrow
         self._shard = shard
         self._shard_id = shard_id
-        self._file = shard.open()
+        self._owns_file = file is None
+        self._file = shard.open() if file is None else file
         try:
             _check_size(shard, self._file, expected_size)
-            try:
-                self._pf = pq.ParquetFile(self._file)
-            except Exception as err:
-                raise SourceError(f"{shard.url}: not a readable Parquet file: {err}") from err
+            if parquet is not None:
+                self._pf = parquet
+            else:
+                self._pf = open_parquet(shard, self._file)
         except BaseException:
-            self._file.close()
+            self.close()
             raise
         self._start = (row_group_idx, row_offset)
         self._pieces = pieces
@@ -584,4 +616,5 @@ class ParquetShardReader:
         return None
 
     def close(self) -> None:
-        self._file.close()
+        if self._owns_file:
+            self._file.close()

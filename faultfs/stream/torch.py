@@ -41,6 +41,14 @@ Who does what:
   worker of the rank, and ``load_state_dict()`` applies every entry.
 - Receipts are kept in the main process until a commit covers them: about 8 bytes per
   record (its hash) of the batches received and not yet committed.
+- Shuffled (``shuffle=True``): each worker is a reader of the epoch's permutation, dealt its
+  blocks (``faultfs.stream.shuffle``); a receipt also carries the shuffle slot after its
+  batch, which ``commit`` writes into the worker's shuffle record before the ``.meta`` slot.
+  ``set_epoch(n)`` (in the process that iterates, before ``iter``) picks the epoch every
+  later iteration reads, as a ``DistributedSampler``'s does: an iteration continues that
+  epoch where the workers' checkpoints are in it, and reads it from its start where they
+  finished it. Never set (``epoch=None``), each iteration continues the checkpoint's epoch,
+  or starts the next one where a worker finished its part.
 
 Invariants:
 - A batch id names one (worker, local batch) of this rank; local batch ids are the reader's
@@ -68,12 +76,22 @@ from faultfs.store.metadata import DualMetadataManager
 from faultfs.stream import RecordStream
 from faultfs.stream.partition import (
     PARTITION_SUFFIX,
+    SHUFFLE_SUFFIX,
     check_template,
     load,
     meta_image,
     read_committed,
     reader_state_path,
 )
+from faultfs.stream.shuffle import (
+    ShuffleRecord,
+    ShuffleSlot,
+    committed_slot,
+    decode_slot,
+    image,
+    read_record,
+)
+from faultfs.stream.shuffle import decode as decode_record
 
 try:
     import torch
@@ -97,6 +115,7 @@ class _Receipt(NamedTuple):
     local: int
     coord: bytes  # 32-byte StreamCoordinate just after the batch
     hashes: bytes  # little-endian xxh3_64 of its records
+    shuffle: bytes = b""  # a shuffled reader's 64-byte shuffle slot after the batch
 
 
 class _Receipts:
@@ -209,6 +228,7 @@ class _Position(NamedTuple):
     batch_id: int
     coord: StreamCoordinate
     dedup_count: int  # WAL hashes a commit of ``batch_id`` leaves
+    shuffle: ShuffleSlot | None = None  # a shuffled reader's place (its meta_epoch unset)
 
 
 class RecordDataset(torch_data.IterableDataset):
@@ -229,7 +249,13 @@ class RecordDataset(torch_data.IterableDataset):
         world_size: int | None = None,
         reader_state: str | os.PathLike[str] | None = None,
         repartition: bool = False,
+        shuffle: bool = False,
+        seed: int | None = None,
+        epoch: int | None = None,
+        shuffle_window: int | None = None,
     ) -> None:
+        """Arguments as ``RecordStream``'s; ``shuffle``, ``seed``, ``epoch`` and
+        ``shuffle_window`` shuffle each epoch (``set_epoch`` picks the next one to read)."""
         super().__init__()
         if not isinstance(batch_size, int) or batch_size < 1:
             raise InvalidInput(f"batch_size must be a positive int, got {batch_size!r}")
@@ -243,6 +269,10 @@ class RecordDataset(torch_data.IterableDataset):
         self.rank, self.world_size = resolve_rank(rank, world_size)
         self.reader_state = check_template(reader_state)
         self.repartition = repartition
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = epoch
+        self.shuffle_window = shuffle_window
         self._token = secrets.token_hex(8)
         self._position: _Position | None = None  # set while (or after) this copy iterates
 
@@ -255,9 +285,20 @@ class RecordDataset(torch_data.IterableDataset):
         kwargs["batch_size"] = None
         return torch_data.DataLoader(self, **kwargs)
 
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch the next iteration of a shuffled dataset reads (call it in the process
+        that iterates the loader, before ``iter``): at the start of an epoch, or after it."""
+        if not self.shuffle:
+            raise InvalidInput("set_epoch applies to a shuffled dataset (shuffle=True)")
+        self.epoch = epoch
+
     def __iter__(self) -> Iterator[Batch]:
         info = torch_data.get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        shuffled = {}
+        if self.shuffle:
+            shuffled = {"shuffle": True, "seed": self.seed, "epoch": self.epoch,
+                        "shuffle_window": self.shuffle_window}
         stream = RecordStream(
             self.sources,
             self.state,
@@ -269,6 +310,7 @@ class RecordDataset(torch_data.IterableDataset):
             num_workers=num_workers,
             reader_state=self.reader_state or None,
             repartition=self.repartition,
+            **shuffled,
         )
         generation = stream.plan.partition.generation if stream.plan.partition else 0
         position = _Position(
@@ -278,18 +320,21 @@ class RecordDataset(torch_data.IterableDataset):
             stream.committed_batch_id,
             stream.committed_coord,
             stream.committed_dedup_count,
+            _committed_shuffle(stream.state_path) if self.shuffle else None,
         )
         self._position = position
         try:
             for local, records in stream.batches(
                 self.batch_size, format=self.format, schema=self.schema
             ):
-                coord, hashes = stream.hand_off(local)
+                coord, hashes, slot = stream.hand_off(local)
                 position = position._replace(
-                    batch_id=local, coord=coord, dedup_count=position.dedup_count + hashes.size
+                    batch_id=local, coord=coord, dedup_count=position.dedup_count + hashes.size,
+                    shuffle=slot,
                 )
                 self._position = position
-                receipt = _Receipt(local, coord.encode(), hashes.astype(_HASH_DTYPE).tobytes())
+                receipt = _Receipt(local, coord.encode(), hashes.astype(_HASH_DTYPE).tobytes(),
+                                   slot.encode() if slot is not None else b"")
                 batch_id = local * num_workers + worker
                 if info is None:  # the main process reads: no queue to travel through
                     _RECEIPTS.file(self._token, worker, num_workers, receipt)
@@ -331,7 +376,15 @@ class RecordDataset(torch_data.IterableDataset):
                 fresh = [r for r in receipts if r.local > meta.committed_batch_id]
                 if fresh:
                     hashes = np.frombuffer(b"".join(r.hashes for r in fresh), dtype=_HASH_DTYPE)
-                    meta.commit(local, StreamCoordinate.decode(fresh[-1].coord), hashes)
+                    coord = StreamCoordinate.decode(fresh[-1].coord)
+                    if fresh[-1].shuffle:  # the shuffle slot first, then the .meta slot
+                        record = ShuffleRecord.open(path + SHUFFLE_SUFFIX, meta.epoch, path)
+                        try:
+                            slot = decode_slot(fresh[-1].shuffle)
+                            record.write(ShuffleSlot(meta.epoch + 1, *_fields(slot)))
+                        finally:
+                            record.close()
+                    meta.commit(local, coord, hashes)
         except BaseException:
             _RECEIPTS.put_back(self._token, worker, receipts)
             raise
@@ -348,15 +401,18 @@ class RecordDataset(torch_data.IterableDataset):
                 **base,
                 "num_workers": pos.num_workers,
                 "generation": pos.generation,
-                "readers": {str(pos.worker): _entry(pos.batch_id, pos.coord, pos.dedup_count)},
+                "readers": {str(pos.worker): _entry(pos.batch_id, pos.coord, pos.dedup_count,
+                                                    pos.shuffle)},
             }
         num_workers, generation = self._recorded_partition()
         readers = {}
         for worker in range(num_workers):
-            committed = read_committed(self._path(worker, num_workers))
+            path = self._path(worker, num_workers)
+            committed = read_committed(path)
             if committed is not None:
                 readers[str(worker)] = _entry(
-                    committed.batch_id, committed.coord, committed.dedup_count
+                    committed.batch_id, committed.coord, committed.dedup_count,
+                    _committed_shuffle(path) if self.shuffle else None,
                 )
         return {**base, "num_workers": num_workers, "generation": generation, "readers": readers}
 
@@ -381,7 +437,8 @@ class RecordDataset(torch_data.IterableDataset):
             num_workers, generation = state_dict["num_workers"], state_dict["generation"]
             readers = {int(w): e for w, e in state_dict["readers"].items()}
             entries = {
-                w: (int(e["batch_id"]), StreamCoordinate(*e["coord"]), int(e["dedup_count"]))
+                w: (int(e["batch_id"]), StreamCoordinate(*e["coord"]), int(e["dedup_count"]),
+                    ShuffleSlot(0, *e["shuffle"]) if e.get("shuffle") is not None else None)
                 for w, e in readers.items()
             }
         except (KeyError, TypeError, ValueError, AttributeError) as err:
@@ -401,33 +458,78 @@ class RecordDataset(torch_data.IterableDataset):
                 f"{recorded[1]})"
             )
         info = torch_data.get_worker_info()
-        for worker, (batch_id, coord, dedup_count) in sorted(entries.items()):
+        for worker, (batch_id, coord, dedup_count, shuffle) in sorted(entries.items()):
             if not 0 <= worker < num_workers:
                 raise InvalidInput(f"state_dict names worker {worker} of {num_workers}")
             if info is not None and worker != info.id:
                 continue
-            self._restore(self._path(worker, num_workers), batch_id, coord, dedup_count)
+            if (shuffle is not None) != self.shuffle:
+                raise InvalidInput(
+                    "state_dict was taken from a "
+                    f"{'shuffled' if shuffle is not None else 'file-order'} dataset; this one "
+                    f"{'shuffles' if self.shuffle else 'reads in file order'}"
+                )
+            self._restore(self._path(worker, num_workers), batch_id, coord, dedup_count,
+                          shuffle)
 
     @staticmethod
-    def _restore(path: str, batch_id: int, coord: StreamCoordinate, dedup_count: int) -> None:
+    def _restore(path: str, batch_id: int, coord: StreamCoordinate, dedup_count: int,
+                 shuffle: ShuffleSlot | None) -> None:
         committed = read_committed(path)
-        if committed is None and (batch_id, coord) == (0, StreamCoordinate()):
+        now = _committed_shuffle(path) if shuffle is not None else None
+        if committed is None and (batch_id, coord) == (0, StreamCoordinate()) and (
+            shuffle is None or now is None
+        ):
             return  # nothing committed, nothing to restore
         have = committed.dedup_count if committed is not None else 0
-        if committed is not None and (committed.batch_id, committed.coord, have) == (
+        if committed is not None and (committed.batch_id, committed.coord, have, now) == (
             batch_id,
             coord,
             dedup_count,
+            shuffle,
         ):
             return
         # hashes past the WAL's committed ones were never committed: keep what is there
-        slot = DiskSlot(1, batch_id, coord, min(dedup_count, have))
-        write_atomic(path, [meta_image(slot)])
+        if shuffle is None:
+            write_atomic(path, [meta_image(DiskSlot(1, batch_id, coord, min(dedup_count, have)))])
+            return
+        # shuffled: the record gets the restored slot beside the one of the checkpoint now in
+        # place (the other parity), then the .meta follows; a crash between leaves a pair
+        current = committed.epoch if committed is not None else 0
+        epoch = 2 if current % 2 else 1
+        data = read_record(path + SHUFFLE_SUFFIX)
+        if data is None:
+            raise InvalidInput(f"{path}{SHUFFLE_SUFFIX}: the shuffle record to restore into is "
+                               "missing (the dataset never read with this state)")
+        header, slots = decode_record(data, path + SHUFFLE_SUFFIX)
+        keep = [s for s, _ in slots if s is not None and s.meta_epoch == current]
+        restored = ShuffleSlot(epoch, *_fields(shuffle))
+        write_atomic(path + SHUFFLE_SUFFIX, [image(header, [*keep, restored])])
+        slot = DiskSlot(epoch, batch_id, coord, min(dedup_count, have))
+        write_atomic(path, [meta_image(slot) if epoch == 1 else bytes(64) + slot.encode()])
 
 
-def _entry(batch_id: int, coord: StreamCoordinate, dedup_count: int) -> dict[str, Any]:
-    return {
+def _entry(batch_id: int, coord: StreamCoordinate, dedup_count: int,
+           shuffle: ShuffleSlot | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {
         "batch_id": batch_id,
         "coord": list(coord.as_dict().values()),
         "dedup_count": dedup_count,
     }
+    if shuffle is not None:
+        out["shuffle"] = list(_fields(shuffle))
+    return out
+
+
+def _fields(slot: ShuffleSlot) -> tuple[int, int, int, int, int, bool]:
+    """A shuffle slot's place, without the checkpoint it goes with (``meta_epoch``)."""
+    return (slot.epoch, slot.window, slot.position, slot.dedup_base, slot.generation,
+            slot.finished)
+
+
+def _committed_shuffle(path: str) -> ShuffleSlot | None:
+    """The shuffle slot of a reader's committed checkpoint, its ``meta_epoch`` cleared (None:
+    no record)."""
+    committed = read_committed(path)
+    slot = committed_slot(path + SHUFFLE_SUFFIX, committed.epoch if committed else 0, path)
+    return None if slot is None else ShuffleSlot(0, *_fields(slot))

@@ -2,8 +2,12 @@
 a local directory, or any fsspec file system (DESIGN §13).
 
 Invariants:
-- ``get`` returns a whole object or None (absent); ``put`` replaces an object atomically (an
-  S3 PUT, a rename), so a reader never sees half of one.
+- ``get`` returns a whole object or None (absent), and never reads more of one than
+  ``limit + 1`` bytes: a caller bounds each object by what its kind can be (a blob object
+  its header and one blob, a registry entry a context …) and refuses a longer one by its
+  length, so a hostile object of any size costs at most that much memory and transfer (a
+  ranged GET on S3). ``put`` replaces an object atomically (an S3 PUT, a rename), so a
+  reader never sees half of one.
 - ``put(create=True)`` never replaces an object: it answers False when one is there. It is a
   conditional put (S3 ``If-None-Match: *``, a hard link) where the store supports it, else
   a check then a put — safe here, because the objects that may race are immutable (two
@@ -35,7 +39,9 @@ READ_TIMEOUT_S = 10.0
 class Objects(Protocol):
     url: str  # for messages: no credentials
 
-    def get(self, key: str) -> bytes | None: ...
+    def get(self, key: str, *, limit: int) -> bytes | None:
+        """The object under ``key`` (None: absent), at most its first ``limit + 1`` bytes."""
+        ...
 
     def put(self, key: str, data: bytes | memoryview, *, create: bool = False) -> bool:
         """Store ``data`` under ``key``; False when ``create`` and an object is there."""
@@ -58,7 +64,7 @@ class LocalObjects:
     def _path(self, key: str) -> str:
         return os.path.join(self.root, *key.split("/"))
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str, *, limit: int) -> bytes | None:
         try:
             fd = os.open(self._path(key), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except (FileNotFoundError, NotADirectoryError):
@@ -66,7 +72,7 @@ class LocalObjects:
         with os.fdopen(fd, "rb") as f:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 return None  # a FIFO or a device where an object should be: absent
-            return f.read()
+            return f.read(limit + 1)
 
     def put(self, key: str, data: bytes | memoryview, *, create: bool = False) -> bool:
         path = self._path(key)
@@ -127,12 +133,15 @@ class FsspecObjects:
     def _path(self, key: str) -> str:
         return f"{self.root}/{key}"
 
-    def get(self, key: str) -> bytes | None:
-        try:
-            return bytes(self.fs.cat_file(self._path(key), **self.get_options))
+    def get(self, key: str, *, limit: int) -> bytes | None:
+        try:  # a ranged GET: the endpoint sends no more than that
+            return bytes(self.fs.cat_file(self._path(key), start=0, end=limit + 1,
+                                          **self.get_options))
         except FileNotFoundError:
             return None
-        except OSError:
+        except OSError as exc:
+            if exc.errno == errno.EINVAL and "range" in str(exc).lower():
+                return b""  # (S3 answers a range of an empty object with InvalidRange)
             raise
         except Exception as exc:  # botocore and aiohttp errors: the store failed
             raise _failure(exc) from None
@@ -237,7 +246,7 @@ def probe(objects: Objects) -> None:
     try:
         objects.list("registry/")
         objects.put(key, data)
-        back = objects.get(key)
+        back = objects.get(key, limit=len(data))
         objects.delete(key)
     except OSError as exc:
         reason = exc.strerror or str(exc)

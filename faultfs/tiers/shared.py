@@ -9,7 +9,8 @@ Invariants:
 - ``load`` returns a payload only when the object's header verifies and names this tag,
   this blob and this source version, and every block of the payload matches its checksum;
   anything else is a miss (counted ``shared_damaged``) and the blob is re-published from the
-  source over it.
+  source over it. No more of an object is read than a blob object of this tag can be (its
+  header and one blob): a longer one is refused by its length.
 - A failure of the store never fails a read: it is a miss, counted ``shared_errors``, and
   the tier then stays out of the way for a back-off (1 s doubling to 30 s) so reads go to
   the source without waiting on a dead endpoint.
@@ -21,6 +22,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import time
@@ -139,23 +141,29 @@ class SharedTier:
             self.stats.add("shared_skipped")
             return None
         index = key[1]
+        limit = HEADER_LEN + tag.blob_size  # what a blob object of this tag can be
         try:
-            raw = await self._run(False, self.objects.get, blob_object_key(tag, index))
+            raw = await self._run(False, functools.partial(
+                self.objects.get, blob_object_key(tag, index), limit=limit))
+            if raw is None:
+                self._worked()
+                self.stats.add("shared_misses")
+                return None
+            if len(raw) > limit:
+                raise CorruptionError(f"object is larger than a blob of this tag ({limit} "
+                                      "bytes with its header): not read further")
+            payload = decode_blob_object(tag, index, raw)
         except OSError as exc:
             self._failed("a read", exc)
             return None
-        self._worked()
-        if raw is None:
-            self.stats.add("shared_misses")
-            return None
-        try:
-            payload = decode_blob_object(tag, index, raw)
-        except CorruptionError as exc:
+        except CorruptionError as exc:  # too long, or not a blob object of this blob
+            self._worked()
             log.warning("shared store %s: blob %s of tag %s is not usable (%s): re-faulting it",
                         self.url, tag.blob_name(index), tag.name, exc)
             self.stats.add("shared_damaged")
             self._damaged.add(key)
             return None
+        self._worked()
         self.stats.add("shared_hits")
         self.stats.add("shared_bytes_in", len(raw))
         return payload

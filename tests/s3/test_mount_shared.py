@@ -19,6 +19,7 @@ from .test_mount_s3 import payload, read, read_errno
 
 pytestmark = [pytest.mark.mount, pytest.mark.s3]
 MiB = 1 << 20
+ANY = 64 << 20  # the objects these tests read back are smaller
 NODE = ["--chunk-size", "1M", "--prefetch-mb", "0"]
 
 
@@ -156,12 +157,12 @@ def test_concurrent_publishes_are_idempotent_with_and_without_conditional_puts(
     objects = open_objects(f"s3://{bucket}/p", SourceOptions(), conditional=conditional)
     assert objects.put("blobs/k/v/chunk_0", b"first", create=True)
     assert not objects.put("blobs/k/v/chunk_0", b"second", create=True)
-    assert objects.get("blobs/k/v/chunk_0") == b"first"
+    assert objects.get("blobs/k/v/chunk_0", limit=ANY) == b"first"
     assert objects.conditional is conditional  # moto honours If-None-Match: the real path
     assert objects.put("blobs/k/v/chunk_0", b"replaced")  # a damaged object is replaced
-    assert objects.get("blobs/k/v/chunk_0") == b"replaced"
+    assert objects.get("blobs/k/v/chunk_0", limit=ANY) == b"replaced"
     assert objects.list("blobs/") == ["blobs/k/v/chunk_0"]
-    assert objects.get("blobs/none") is None
+    assert objects.get("blobs/none", limit=ANY) is None
 
 
 @pytest.fixture
@@ -263,5 +264,6 @@ def test_a_tier_load_is_one_get_and_a_miss_one_request(cluster, s3_env, sample):
                  or (r["method"] != "PUT" and "list-type" in r["path"])]
         reads = [r for r in blobs if r["method"] != "PUT"]
         assert [r["method"] for r in reads] == ["GET", "GET"], reads
-        assert sorted(r["status"] for r in reads) == [200, 404]
+        # a ranged GET (206): never more than a blob object of the tag can be
+        assert sorted(r["status"] for r in reads) == [206, 404]
         settled(b)  # b's publish of the missed blob goes through the proxy: done before it stops

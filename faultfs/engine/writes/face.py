@@ -24,7 +24,7 @@ from faultfs.engine.writes.lifetime import TagLifetime
 from faultfs.engine.writes.reads import DirtyReads
 from faultfs.engine.writes.recovery import Recovery
 from faultfs.engine.writes.reset import Resets
-from faultfs.engine.writes.state import TagStates, TagWrites
+from faultfs.engine.writes.state import DEFAULT_MODE, TagStates, TagWrites
 from faultfs.engine.writes.sync import GroupCommit
 from faultfs.engine.writes.table import DirtyTable
 from faultfs.engine.writes.users import UserBlobs
@@ -110,6 +110,9 @@ class Writes:
     def is_dirty(self, tag: Tag, index: int) -> bool:
         return self.table.is_dirty(tag, index)
 
+    def dirty_chunks(self, tag: Tag) -> list[int]:
+        return self.table.dirty_chunks(tag)
+
     def touches(self, tag: Tag, index: int) -> bool:
         return self.table.touches(tag, index)
 
@@ -133,6 +136,10 @@ class Writes:
         if uid is None:
             return 0
         return self.table.user_size(tag, uid, uid in self.states.tags[tag.id].parted)
+
+    def user_held(self, tag: Tag, name: str) -> int:
+        uid = self.states.user_id(tag, name)
+        return 0 if uid is None else self.table.user_held(tag, uid)
 
     def has_writes(self, tag: Tag) -> bool:
         return self.lifetime.has_writes(tag)
@@ -191,14 +198,30 @@ class Writes:
     def check_user_name(self, tag: Tag, name: str) -> None:
         self.users.check_name(tag, name)
 
-    async def create_user(self, tag: Tag, name: str) -> None:
-        await self.users.create(tag, name)
+    async def create_user(self, tag: Tag, name: str, mode: int = DEFAULT_MODE) -> None:
+        await self.users.create(tag, name, mode)
+
+    async def set_attrs(self, tag: Tag, name: str | None, mode: int | None,
+                        atime_ns: int | None, mtime_ns: int | None) -> None:
+        if name is None:
+            if mode is not None:
+                await self.states.set_dir_mode(tag, mode)
+            return
+        await self.users.set_attrs(tag, name, mode, atime_ns, mtime_ns)
+
+    def attrs(self, tag: Tag, uid: int | None) -> tuple[int, int, int, int]:
+        if uid is None:
+            return self.states.dir_mode(tag), 0, 0, 0
+        return self.states.user_attrs(tag, uid)
 
     async def unlink_user(self, tag: Tag, name: str) -> None:
         await self.users.unlink(tag, name)
 
     async def rename_user(self, tag: Tag, old: str, new: str, *, replace: bool = True) -> None:
         await self.users.rename(tag, old, new, replace=replace)
+
+    async def hide_user(self, tag: Tag, name: str, uid: int) -> str:
+        return await self.users.hide(tag, name, uid)
 
     async def exchange_users(self, tag: Tag, a: str, b: str) -> None:
         await self.users.exchange(tag, a, b)

@@ -233,6 +233,10 @@ class Recovery:
                       "records after it that verify were not replayed; they are kept in %s "
                       "(faultfs fsck lists them)", aside.pos, aside.segment, aside.reason,
                       aside.records, self.journal.damaged_dir)
+        if self.states.writable:
+            for tag in tags.values():
+                if tag.id in self.states.tags and self.users.drop_hidden(tag):
+                    self.states.unsaved.add(tag.id)  # saved without them before files go
         self._sort_direct_files(tags)
         return applied
 

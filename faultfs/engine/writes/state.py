@@ -23,12 +23,16 @@ from dataclasses import dataclass
 
 import trio
 
+from faultfs.core.names import is_hidden
 from faultfs.engine.tags import Tag
 from faultfs.engine.writes.table import DirtyTable, Holding
 from faultfs.errors import FaultfsError
 from faultfs.iopool import IoPool
 from faultfs.store.dirty import DirtyFiles
 from faultfs.store.writestate import WriteState
+
+DEFAULT_MODE = 0o644  # a user blob's mode when it was made without one
+DIR_MODE = 0o755  # a tag directory's until a chmod
 
 log = logging.getLogger("faultfs.writes")
 
@@ -56,6 +60,7 @@ class TagStates:
         # dropped them all: its void mark must be saved before the journal lets it go)
         self.unsaved: set[int] = set()
         self._locks: dict[int, trio.Lock] = {}
+        self.changed_ns: dict[int, int] = {}  # tag id -> last chmod/utimensat of a user blob
 
     def of(self, tag: Tag) -> TagWrites:
         """``tag``'s write state, made (the source's size, nothing else) when it has none."""
@@ -94,9 +99,50 @@ class TagStates:
         tw = self.tags.get(tag.id)
         return 0 if tw is None else tw.mtime_ns
 
-    def written(self, tag: Tag) -> None:
-        """``tag`` was written now."""
-        self.of(tag).mtime_ns = time.time_ns()
+    def written(self, tag: Tag, uid: int | None = None) -> None:
+        """``tag`` was written now (through user blob ``uid``: its mtime moves too)."""
+        tw = self.of(tag)
+        tw.mtime_ns = now = time.time_ns()
+        if uid is not None:
+            attrs = tw.user_attrs.get(uid)
+            if attrs is None:
+                tw.user_attrs[uid] = [DEFAULT_MODE, now, now]
+            else:
+                attrs[2] = now
+
+    def dir_mode(self, tag: Tag) -> int:
+        """The tag directory's mode bits (0755 until a ``chmod``)."""
+        tw = self.tags.get(tag.id)
+        return DIR_MODE if tw is None or tw.dir_mode is None else tw.dir_mode
+
+    async def set_dir_mode(self, tag: Tag, mode: int) -> None:
+        """``chmod`` of the tag directory, saved before it is answered (or nothing changes)."""
+        self.check_writable(tag)
+        tw = self.of(tag)
+        before, tw.dir_mode = tw.dir_mode, mode & 0o7777
+        try:
+            await self.save(tag.id)
+        except BaseException:
+            tw.dir_mode = before
+            raise
+
+    def user_attrs(self, tag: Tag, uid: int) -> tuple[int, int, int, int]:
+        """User blob ``uid``'s ``(mode bits, atime_ns, mtime_ns, ctime_ns)``; one made before
+        blobs had their own (a version-1 state) is 0644 at the tag's time. The change time
+        is never before the last change of the tag's writes or modes and times this mount
+        saw (not kept: after a remount it is the tag's last write), so a tool that trusts it
+        (a backup's file cache) never takes a blob as unchanged when its times were set back."""
+        tw = self.tags.get(tag.id)
+        attrs = None if tw is None else tw.user_attrs.get(uid)
+        written = max(int(tag.mtime * 1e9), self.mtime_ns(tag))
+        if attrs is None:
+            return DEFAULT_MODE, written, written, written
+        mode, atime, mtime = attrs
+        return mode, atime, mtime, max(mtime, written, self.changed_ns.get(tag.id, 0))
+
+    def attrs_changed(self, tag: Tag) -> None:
+        """A mode or times of ``tag``'s user blobs were set now (their change time moves)."""
+        self.changed_ns[tag.id] = time.time_ns()
 
     def set_view_size(self, tag: Tag, tw: TagWrites, size: int) -> None:
         tw.view_size = size
@@ -104,7 +150,7 @@ class TagStates:
 
     def user_names(self, tag: Tag) -> list[str]:
         tw = self.tags.get(tag.id)
-        return [] if tw is None else sorted(n for n in tw.users if not n.startswith("."))
+        return [] if tw is None else sorted(n for n in tw.users if not is_hidden(n))
 
     def user_id(self, tag: Tag, name: str) -> int | None:
         tw = self.tags.get(tag.id)

@@ -313,6 +313,11 @@ class DirtyTable:
     def is_dirty(self, tag: Tag, index: int) -> bool:
         return bool(self.blobs) and (tag.id, tag.layout.blob_name(index)) in self.blobs
 
+    def dirty_chunks(self, tag: Tag) -> list[int]:
+        """Indexes of the tag's dirty chunks, in order (one pass over the dirty blobs)."""
+        return sorted(b.index for (tag_id, _), b in self.blobs.items()
+                      if tag_id == tag.id and b.index is not None)
+
     def touches(self, tag: Tag, index: int) -> bool:
         """Whether a read of chunk ``index`` is the writes' (dirty, or past the source)."""
         return index >= tag.layout.num_blobs or self.is_dirty(tag, index)  # cheap when clean
@@ -350,6 +355,10 @@ class DirtyTable:
                 size = parts[0].size if 0 in parts else 0
             self._user_sizes[key] = size
         return size
+
+    def user_held(self, tag: Tag, uid: int) -> int:
+        """Bytes of the parts user blob ``uid`` has (a hole between its parts holds none)."""
+        return sum(blob.size for blob in self._parts.get((tag.id, uid), {}).values())
 
     def set_user_size(self, tag: Tag, uid: int, size: int | None, *, grown: bool = False) -> None:
         """Note user blob ``uid``'s size (None: work it out again when asked; ``grown``: at

@@ -19,12 +19,13 @@ Invariants:
 from __future__ import annotations
 
 import errno
+import time
 
-from faultfs.core.names import PAGE_PREFIX, PAGEMAP_NAME, check_name
+from faultfs.core.names import HIDDEN_PREFIX, PAGE_PREFIX, PAGEMAP_NAME, check_name, is_hidden
 from faultfs.engine.changes import TagChanges, one_change
 from faultfs.engine.tags import Tag
 from faultfs.engine.writes.blobwrite import append
-from faultfs.engine.writes.state import TagStates
+from faultfs.engine.writes.state import DEFAULT_MODE, TagStates
 from faultfs.engine.writes.sync import GroupCommit
 from faultfs.engine.writes.table import NEW, DirtyBlob, DirtyTable, chunk_index, part_name
 from faultfs.errors import FaultfsError
@@ -36,6 +37,9 @@ from faultfs.store.journal import (
     RENAME_REPLACE,
     Journal,
 )
+from faultfs.store.writestate import MODE_BITS
+
+MODE_SET = 1 << 16  # in a create record's length: the mode bits below it are the blob's
 
 
 class UserBlobs:
@@ -50,23 +54,52 @@ class UserBlobs:
         self.changes = changes  # (``one_change``)
 
     def check_name(self, tag: Tag, name: str) -> None:
-        """A user blob may not take the name of anything the tag shows already."""
-        check_name(name, "blob name")
+        """A user blob may not take the name of anything the tag shows already, nor one the
+        mount keeps for itself (``.pagemap``, ``.faultfs…``); other dotfiles are the user's."""
+        check_name(name, "blob name", allow_dot=True)
         if (name == tag.view_name or name == PAGEMAP_NAME or name.startswith(PAGE_PREFIX)
-                or chunk_index(tag, name) is not None):
+                or is_hidden(name) or chunk_index(tag, name) is not None):
             raise FaultfsError(f"{name} names an entry of tag {tag.name}", errno.EPERM)
 
     @one_change
-    async def create(self, tag: Tag, name: str) -> None:
+    async def create(self, tag: Tag, name: str, mode: int = DEFAULT_MODE) -> None:
+        """Make user blob ``name``, empty, with permission bits ``mode`` (kept in its create
+        record's length: a record of a faultfs before modes has 0 there, read as 0644)."""
         self.states.check_writable(tag)
         self.check_name(tag, name)
         tw = self.states.of(tag)
         if name in tw.users:
             raise FaultfsError(f"blob {name} of tag {tag.name} exists", errno.EEXIST)
         uid = tw.next_user
-        append(self.journal, KIND_CREATE, tag.name, name, uid, 0)
-        self.made(tag, name, uid)
+        mode &= MODE_BITS
+        append(self.journal, KIND_CREATE, tag.name, name, uid, mode | MODE_SET)
+        self.made(tag, name, uid, mode | MODE_SET)
         await self.sync.sync()
+
+    @one_change
+    async def set_attrs(self, tag: Tag, name: str, mode: int | None, atime_ns: int | None,
+                        mtime_ns: int | None) -> None:
+        """``chmod`` and ``utimensat`` of user blob ``name`` (None: unchanged), durable once
+        answered: saved in its tag's write state (version 2), or nothing changes."""
+        self.states.check_writable(tag)
+        uid = self.states.user_uid(tag, name)
+        tw = self.states.of(tag)
+        before = tw.user_attrs.get(uid)
+        attrs = list(self.states.user_attrs(tag, uid)[:3])  # (not the change time)
+        for i, value in enumerate((mode, atime_ns, mtime_ns)):
+            if value is not None:
+                attrs[i] = value & MODE_BITS if i == 0 else value
+        tw.user_attrs[uid] = attrs
+        self.states.attrs_changed(tag)
+        try:
+            await self.states.save(tag.id)
+        except BaseException:
+            if tw.user_attrs.get(uid) is attrs:  # (put back: the change was not saved)
+                if before is None:
+                    del tw.user_attrs[uid]
+                else:
+                    tw.user_attrs[uid] = before
+            raise
 
     @one_change
     async def unlink(self, tag: Tag, name: str) -> None:
@@ -94,6 +127,31 @@ class UserBlobs:
         await self.sync.sync()
 
     @one_change
+    async def hide(self, tag: Tag, name: str, uid: int) -> str:
+        """Unlink user blob ``name`` while a file still has it open: it is renamed to a name
+        the mount keeps for itself (never listed nor found; ``hidden_name``), one record, and
+        reads and writes by its id go on until the last close unlinks it (``unlink``). A
+        mount drops whatever is left so after a crash (``drop_hidden``). The hidden name;
+        ENOENT when ``name`` is not user blob ``uid`` (any more)."""
+        self.states.check_writable(tag)
+        if self.states.user_uid(tag, name) != uid:
+            raise FaultfsError(f"blob {name} of tag {tag.name} was replaced", errno.ENOENT)
+        hidden = hidden_name(uid)
+        append(self.journal, KIND_RENAME, tag.name, f"{name}\0{hidden}", RENAME_REPLACE, 0)
+        self.renamed(tag, name, hidden, RENAME_REPLACE)
+        await self.sync.sync()
+        return hidden
+
+    def drop_hidden(self, tag: Tag) -> bool:
+        """After a replay: the user blobs unlinked while open that a crash left (their last
+        close never came) go, as an unlink would make them go; whether any did."""
+        users = self.states.of(tag).users
+        hidden = [(n, uid) for n, uid in users.items() if is_hidden(n)]
+        for name, uid in hidden:
+            self.unlinked(tag, name, uid)
+        return bool(hidden)
+
+    @one_change
     async def exchange(self, tag: Tag, a: str, b: str) -> None:
         """Swap two user blobs' names (renameat2's RENAME_EXCHANGE): one record, so the swap
         survives a crash whole or not at all. ENOENT unless both exist; nothing is dropped."""
@@ -108,9 +166,12 @@ class UserBlobs:
 
     # -- the changes, made live and at a replay ----------------------------------------------
 
-    def made(self, tag: Tag, name: str, uid: int) -> None:
-        """User blob ``name`` is made, empty, with id ``uid``."""
+    def made(self, tag: Tag, name: str, uid: int, mode: int = 0) -> None:
+        """User blob ``name`` is made, empty, with id ``uid`` (``mode``: its create
+        record's length, ``MODE_SET`` and the bits; 0 from a record made before modes)."""
         tw = self.states.of(tag)
+        now = time.time_ns()
+        tw.user_attrs[uid] = [mode & MODE_BITS if mode & MODE_SET else DEFAULT_MODE, now, now]
         tw.users[name] = uid
         tw.parted.add(uid)
         tw.next_user = max(tw.next_user, uid + 1)
@@ -125,6 +186,7 @@ class UserBlobs:
             return  # (a replay of a record the state includes already)
         del tw.users[name]
         tw.parted.discard(uid)
+        tw.user_attrs.pop(uid, None)
         self._drop(tag, uid)
 
     def renamed(self, tag: Tag, old: str, new: str, how: int) -> None:
@@ -140,6 +202,7 @@ class UserBlobs:
         users[new] = users.pop(old)
         if replaced is not None:
             self.states.of(tag).parted.discard(replaced)
+            self.states.of(tag).user_attrs.pop(replaced, None)
             self._drop(tag, replaced)
 
     def _drop(self, tag: Tag, uid: int) -> None:
@@ -153,3 +216,8 @@ class UserBlobs:
             damaged.pop(name, None)
         names.add(part_name(uid, 0))
         self.table.doomed.extend((tag.name, name) for name in sorted(names))
+
+
+def hidden_name(uid: int) -> str:
+    """The name an unlinked user blob that is still open goes by (``UserBlobs.hide``)."""
+    return f"{HIDDEN_PREFIX}-unlinked.{uid}"

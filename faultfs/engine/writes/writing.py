@@ -165,7 +165,7 @@ class Writing:
                 table.set_user_size(tag, uid, None)
                 raise
         table.set_user_size(tag, uid, off + len(data), grown=True)
-        self.states.written(tag)
+        self.states.written(tag, uid)
         return len(data)
 
     @one_change
@@ -192,7 +192,7 @@ class Writing:
                 if blob.size != inner:
                     await self.blobs.resize(blob, inner)
             table.set_user_size(tag, uid, size)
-        self.states.written(tag)
+        self.states.written(tag, uid)
 
     @one_change
     async def write_gap(self, tag: Tag, page: int, off: int, data: bytes) -> None:

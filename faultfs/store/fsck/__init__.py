@@ -31,6 +31,7 @@ from faultfs.store.fsck.findings import (
     DAMAGED,
     DIRTY,
     JOURNAL,
+    LEFTOVER,
     OK,
     ORPHANED,
     OTHER,
@@ -49,8 +50,8 @@ from faultfs.store.fsck.walk import StoreWalk
 from faultfs.store.lock import StoreBusy, StoreLock
 
 __all__ = [
-    "AREAS", "BLOBS", "DAMAGED", "DIRTY", "JOURNAL", "OK", "ORPHANED", "OTHER", "PAGEMAPS",
-    "REGISTRY", "STALE", "STATUSES", "TAG_STATES", "TEMP", "WRITE_STATES", "Finding",
+    "AREAS", "BLOBS", "DAMAGED", "DIRTY", "JOURNAL", "LEFTOVER", "OK", "ORPHANED", "OTHER",
+    "PAGEMAPS", "REGISTRY", "STALE", "STATUSES", "TAG_STATES", "TEMP", "WRITE_STATES", "Finding",
     "FsckReport", "StoreBusy", "StoreLock", "StoreWalk", "Tally", "check_store_root",
     "check_writable", "fsck", "measure",
 ]

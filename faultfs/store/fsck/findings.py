@@ -4,6 +4,10 @@ and, for a finding that must never be dropped, why.
 Invariants:
 - A finding's status is one of ``STATUSES`` and its area one of ``AREAS`` (the rows of
   fsck's summary table, in their order).
+- ``LEFTOVER`` is what a crash (a kill -9, a power loss) leaves as a matter of course and the
+  next mount clears by itself — a torn journal tail, the file of a whole-chunk write whose
+  record never reached the journal, a temporary file — never an answered write: reported,
+  not a problem (fsck judges a store as the mount will).
 - A finding with a ``keep`` reason is never dropped (``StoreWalk.drop`` refuses it).
 """
 
@@ -13,8 +17,8 @@ import os
 from dataclasses import dataclass
 
 # Statuses of a finding.
-OK, DAMAGED, STALE, ORPHANED = "ok", "damaged", "stale", "orphaned"
-STATUSES = (OK, DAMAGED, STALE, ORPHANED)
+OK, DAMAGED, STALE, ORPHANED, LEFTOVER = "ok", "damaged", "stale", "orphaned", "leftover"
+STATUSES = (OK, DAMAGED, STALE, ORPHANED, LEFTOVER)
 
 # Areas: the rows of fsck's summary table.
 REGISTRY = "registry entries"
@@ -50,13 +54,15 @@ class Finding:
 
     @property
     def problem(self) -> bool:
-        return self.status != OK
+        return self.status not in (OK, LEFTOVER)
 
     def describe(self, root: str) -> str:
         """One line: status, where, what is wrong, what was done."""
         where = os.path.relpath(self.path, root)
         if self.action in ("dropped", "would drop"):
             done = self.action
+        elif self.status == LEFTOVER:
+            done = "the next mount clears it"
         elif self.keep:
             done = (f"kept: {self.keep}" if self.action == "kept"
                     else f"--repair keeps it: {self.keep}")

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 from faultfs.errors import FaultfsError, InvalidInput
 from faultfs.store.entries import ForeignEntry, open_regular, real_dir
-from faultfs.store.fsck.findings import KEEP_UNKNOWN, ORPHANED, OTHER, TEMP, Finding
+from faultfs.store.fsck.findings import KEEP_UNKNOWN, LEFTOVER, ORPHANED, OTHER, TEMP, Finding
 
 MAX_STATE_BYTES = 1 << 20  # a tag or write state larger than this is not one we wrote
 
@@ -107,8 +107,9 @@ def measure(root: str) -> tuple[int, int]:
 
 def temp_finding(path: str) -> Finding:
     _, size = lsize(path)
-    return Finding(TEMP, ORPHANED, path, size,
-                   "temporary file of an interrupted write (never renamed into place)")
+    return Finding(TEMP, LEFTOVER, path, size,
+                   "temporary file of an interrupted write (never renamed into place, never "
+                   "read)")
 
 
 def unknown_finding(path: str) -> Finding:

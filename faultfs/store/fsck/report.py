@@ -6,6 +6,8 @@ Invariants:
   repair starts (a repair never fails midway for want of permission).
 - Only findings without a ``keep`` reason are dropped: damaged and stale clean data,
   orphaned clean blobs, temp files — never dirty data, write states or the journal.
+- A leftover of a crash (``LEFTOVER``) is no problem: the store is clean with it, as the
+  next mount finds it; a repair drops the temp files among them.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from faultfs.store.fsck.findings import AREAS, Finding
+from faultfs.store.fsck.findings import AREAS, LEFTOVER, Finding
 from faultfs.store.fsck.look import check_store_root, check_writable
 from faultfs.store.fsck.walk import StoreWalk
 from faultfs.store.lock import StoreLock
@@ -28,6 +30,7 @@ class Tally:
     damaged: int = 0
     stale: int = 0
     orphaned: int = 0
+    leftover: int = 0
     bytes: int = 0
 
     def add(self, finding: Finding) -> None:
@@ -37,7 +40,8 @@ class Tally:
 
     def to_doc(self) -> dict:
         return {"checked": self.checked, "ok": self.ok, "damaged": self.damaged,
-                "stale": self.stale, "orphaned": self.orphaned, "bytes": self.bytes}
+                "stale": self.stale, "orphaned": self.orphaned, "leftover": self.leftover,
+                "bytes": self.bytes}
 
 
 @dataclass
@@ -46,6 +50,7 @@ class FsckReport:
     repair: bool
     rows: dict[str, Tally] = field(default_factory=lambda: {a: Tally() for a in AREAS})
     problems: int = 0
+    leftovers: int = 0  # what a crash left that the next mount clears (not problems)
     dropped: int = 0
     dropped_bytes: int = 0
     kept: int = 0
@@ -55,7 +60,7 @@ class FsckReport:
     def total(self) -> Tally:
         out = Tally()
         for row in self.rows.values():
-            for name in ("checked", "ok", "damaged", "stale", "orphaned", "bytes"):
+            for name in ("checked", "ok", "damaged", "stale", "orphaned", "leftover", "bytes"):
                 setattr(out, name, getattr(out, name) + getattr(row, name))
         return out
 
@@ -85,6 +90,11 @@ def fsck(root: str, *, repair: bool = False,
                     report.kept += 1
                     report.kept_why[finding.keep] = report.kept_why.get(finding.keep, 0) + 1
                 elif repair:
+                    report.dropped_bytes += walk.drop(finding)
+                    report.dropped += 1
+            elif finding.status == LEFTOVER:
+                report.leftovers += 1
+                if repair and not finding.keep:  # a temp file: harmless, and gone now
                     report.dropped_bytes += walk.drop(finding)
                     report.dropped += 1
             if on_finding is not None:

@@ -11,6 +11,10 @@ Invariants:
   direct file names its own seq.
 - A write state is judged by the mount's own parser (``store/writestate.py``): what fsck
   calls fine a mount reads, and a damaged one is named in the same words.
+- The journal is walked first: a direct file that no record the replay reaches names is the
+  file of a whole-chunk write that was never answered (its record never appended, or cut off
+  with a torn tail) or one a checkpoint let go, which the next mount deletes whatever it
+  holds — a ``LEFTOVER``, not damage (a kill -9 in the middle of one left it torn or empty).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from faultfs.store.fsck.findings import (
     JOURNAL,
     KEEP_DIRTY,
     KEEP_JOURNAL,
+    LEFTOVER,
     OK,
     ORPHANED,
     WRITE_STATES,
@@ -43,7 +48,7 @@ from faultfs.store.fsck.look import (
     unknown_finding,
 )
 from faultfs.store.fsck.registry import KnownTags
-from faultfs.store.fsck.segments import segment_findings
+from faultfs.store.fsck.segments import JournalWalk
 from faultfs.store.journal import DAMAGED_DIR
 from faultfs.store.writestate import problem as write_state_problem
 
@@ -55,6 +60,7 @@ class WriteDirs:
         self._writes = writes_dir
         self._known = known
         self._blobs = blobs
+        self._journal = JournalWalk(os.path.join(writes_dir, "journal"))
 
     def findings(self) -> Iterator[Finding]:
         if os.path.lexists(self._writes) and not real_dir(self._writes):
@@ -63,6 +69,9 @@ class WriteDirs:
                           f"{kind(mode)} stands where the writes' directory should be",
                           KEEP_DIRTY)
             return
+        journal = os.path.join(self._writes, "journal")
+        if real_dir(journal):  # first: which direct files its records name
+            yield from self._journal.findings()
         for entry in scan(self._writes):
             if entry.name == DAMAGED_DIR and entry.is_dir(follow_symlinks=False):
                 for kept in scan(entry.path):
@@ -73,9 +82,7 @@ class WriteDirs:
                                   KEEP_JOURNAL)
                 continue
             if entry.name == "journal":
-                if entry.is_dir(follow_symlinks=False):
-                    yield from segment_findings(entry.path)
-                else:
+                if not entry.is_dir(follow_symlinks=False):
                     mode, size = lsize(entry.path)
                     yield Finding(JOURNAL, DAMAGED, entry.path, size,
                                   f"{kind(mode)} stands where the journal's directory should be",
@@ -133,8 +140,17 @@ class WriteDirs:
                 yield temp_finding(entry.path)
             elif entry.name.startswith(("b-", "h-")):
                 yield self._dirty_file(entry, label, owns, orphan)
-            elif _direct_seq(entry.name) is not None:
-                yield self._dirty_file(entry, label, owns, orphan, direct=True)
+            elif (seq := _direct_seq(entry.name)) is not None:
+                if tag is not None and not orphan and (tag, seq) not in (
+                        self._journal.blob_records):
+                    _, size = lsize(entry.path)
+                    yield Finding(DIRTY, LEFTOVER, entry.path, size,
+                                  f"the file of a whole-chunk write of tag {label} that no "
+                                  f"record of the journal names (seq {seq}: never answered, "
+                                  "or let go by a checkpoint): the next mount deletes it",
+                                  KEEP_DIRTY)
+                else:
+                    yield self._dirty_file(entry, label, owns, orphan, direct=True)
             else:
                 yield unknown_finding(entry.path)
 

@@ -48,6 +48,7 @@ class CommittedState:
     batch_id: int
     coord: StreamCoordinate
     dedup_count: int
+    epoch: int = 0  # the slot's commit number (0: nothing committed)
 
     @property
     def anything(self) -> bool:
@@ -66,7 +67,8 @@ def read_committed(path: str) -> CommittedState | None:
         slot = choose_active(a, b).slot
     except CorruptionError as err:
         raise CorruptionError(f"{path}: {err.message}") from None
-    return CommittedState(path, slot.committed_batch_id, slot.coord, slot.dedup_count)
+    return CommittedState(path, slot.committed_batch_id, slot.coord, slot.dedup_count,
+                          slot.epoch)
 
 
 def read_hashes(path: str, count: int, *, what: str) -> np.ndarray:

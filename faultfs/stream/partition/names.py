@@ -12,6 +12,9 @@ Invariants:
   ``<state>.partition``, ``.partition.lock``, ``.partition.readers`` and
   ``.partition.gG.dedup``; a repartition to generation G writes each new reader's fresh state
   as ``<its state>.gG.fresh`` before renaming it into place.
+- A shuffled reader keeps a shuffle record beside its state, ``<its state>.shuffle``, part of
+  the state (made fresh, renamed and removed with it); the rest of a shuffled epoch carried
+  over a repartition to generation G is ``<state>.partition.gG.shuffle``.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from faultfs.store.metadata import WAL_SUFFIX
 PARTITION_SUFFIX = ".partition"
 LOCK_SUFFIX = ".partition.lock"
 READERS_SUFFIX = ".partition.readers"  # every open partitioned reader holds a shared flock
+SHUFFLE_SUFFIX = ".shuffle"  # a shuffled reader's record beside its state (faultfs.stream.shuffle)
 
 
 def check_template(reader_state: str | os.PathLike[str] | None) -> str:
@@ -67,6 +71,15 @@ def reader_paths(state: str, template: str, world_size: int, num_workers: int) -
 
 def base_path(state: str, generation: int) -> str:
     return f"{state}{PARTITION_SUFFIX}.g{generation}{WAL_SUFFIX}"
+
+
+def carried_path(state: str, generation: int) -> str:
+    return f"{state}{PARTITION_SUFFIX}.g{generation}{SHUFFLE_SUFFIX}"
+
+
+def state_files(path: str) -> tuple[str, str, str]:
+    """A reader state's files: its ``.meta``, its WAL and its shuffle record."""
+    return path, path + WAL_SUFFIX, path + SHUFFLE_SUFFIX
 
 
 def fresh_name(path: str, generation: int) -> str:

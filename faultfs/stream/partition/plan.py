@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import fcntl
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -31,6 +31,10 @@ from faultfs.stream.partition.names import PARTITION_SUFFIX, check_template, rea
 from faultfs.stream.partition.repartition import replace_partition, roll_forward
 from faultfs.stream.partition.sidecar import MAX_READERS, Partition, fingerprint, load, store
 from faultfs.stream.shards import Shard
+
+# replaces a recorded partition (holding its locks): (shards, state, old, world_size,
+# num_workers) -> the new partition
+Replace = Callable[[Sequence[Shard], str, Partition, int, int], Partition]
 
 
 @dataclass(frozen=True)
@@ -77,8 +81,11 @@ def plan_reader(
     num_workers: int,
     reader_state: str | os.PathLike[str] | None,
     repartition: bool,
+    replace_with: Replace | None = None,
 ) -> ReaderPlan:
-    """Find, make or (with ``repartition``) replace the partition this reader belongs to."""
+    """Find, make or (with ``repartition``) replace the partition this reader belongs to.
+    ``replace_with``: how a partition is replaced (a shuffled stream carries the rest of its
+    epoch, ``faultfs.stream.shuffle``); ``replace_partition`` by default."""
     _check_int("world_size", world_size, 1, MAX_READERS)
     _check_int("num_workers", num_workers, 1, MAX_READERS)
     _check_int("rank", rank, 0, world_size - 1)
@@ -151,7 +158,9 @@ def plan_reader(
                 )
             hold = reading(state, part, True)
             try:
-                part = replace_partition(shards, state, part, world_size, num_workers)
+                part = (replace_with or replace_partition)(
+                    shards, state, part, world_size, num_workers
+                )
                 fcntl.flock(hold, fcntl.LOCK_SH)  # from now on, one reader of the new one
             except BaseException:
                 os.close(hold)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import os
 import stat
 import struct
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import pairwise
@@ -29,6 +28,7 @@ from itertools import pairwise
 import xxhash
 
 from faultfs.core.coord import U64_MAX
+from faultfs.core.framing import CRC_SIZE, damaged, frame, unframe
 from faultfs.errors import CorruptionError, InvalidInput
 from faultfs.store.durable import write_atomic
 from faultfs.stream.partition.keys import Interval
@@ -47,7 +47,6 @@ _HEAD = struct.Struct("<4sIIIIIIIIIIQQQ")
 _KEY = struct.Struct("<IQI")
 _COUNT = struct.Struct("<I")
 _SIZE = struct.Struct("<Q")
-_CRC = struct.Struct("<I")
 
 
 @dataclass(frozen=True)
@@ -99,21 +98,18 @@ def encode(part: Partition) -> bytes:
         out.append(_COUNT.pack(len(intervals)))
         for lo, hi in intervals:
             out.append(_KEY.pack(*lo) + _KEY.pack(*hi))
-    body = b"".join(out)
-    return body + _CRC.pack(zlib.crc32(body))
+    return frame(b"".join(out))
 
 
 def decode(data: bytes, where: str) -> Partition:
     """Parse and check a sidecar; CorruptionError (naming ``where``) for anything wrong."""
 
     def bad(what: str) -> CorruptionError:
-        return CorruptionError(f"{where}: damaged partition record: {what}")
+        return damaged(where, "partition record", what)
 
-    if len(data) < _HEAD.size + _CRC.size:
-        raise bad(f"{len(data)} bytes, shorter than the {_HEAD.size + _CRC.size}-byte minimum")
     (
-        magic,
-        version,
+        _,
+        _,
         flags,
         generation,
         world,
@@ -126,21 +122,14 @@ def decode(data: bytes, where: str) -> Partition:
         fp,
         base_count,
         base_digest,
-    ) = _HEAD.unpack_from(data)
-    if magic != MAGIC:
-        raise bad(f"bad magic {magic!r}")
-    if version != VERSION:
-        raise bad(f"version {version}, this faultfs reads version {VERSION}")
-    (crc,) = _CRC.unpack_from(data, len(data) - _CRC.size)
-    if zlib.crc32(data[: -_CRC.size]) != crc:
-        raise bad("bad checksum")
+    ) = unframe(data, where, "partition record", _HEAD, MAGIC, VERSION)
     if flags & ~FLAG_PENDING:
         raise bad(f"unknown flags {flags:#x}")
     if not 1 <= world or not 1 <= workers or world * workers > MAX_READERS:
         raise bad(f"world_size {world} x num_workers {workers} readers")
     if not 1 <= shard_count:
         raise bad("no shards")
-    end = len(data) - _CRC.size
+    end = len(data) - CRC_SIZE
     off = _HEAD.size
 
     def need(n: int, what: str) -> None:

@@ -99,7 +99,23 @@ class LocalTier:
         checks the header again and re-faults a blob that is torn, foreign or stale."""
         self._tags[tag.id] = tag
         staged = self._staged[tag.id] = StagedSet(tag.num_blobs)
-        return scan(self.store, self.policy, tag, staged, trusted=trusted)
+        result = scan(self.store, self.policy, tag, staged, trusted=trusted)
+        self._trim()
+        return result
+
+    def _trim(self) -> None:
+        """Evict least-recently-used clean blobs until the store is under its cap (blocking,
+        at open): a store can be over it when it is opened — a lower ``--cache-size``, a
+        blob stored as its daemon died, one kept because its header read as dirty."""
+        victims = self.policy.victims(0, lambda key: False)
+        if not victims:
+            return
+        named = [(v, self._tags[v[0]].name, self._tags[v[0]].blob_name(v[1])) for v in victims]
+        kept, freed = _drop_victims(self.store, named)
+        for victim in victims:
+            self.mark(victim, victim in kept)
+        self.stats.add("evicted", len(victims) - len(kept))
+        self.stats.add("evicted_bytes", freed)
 
     def forget_tag(self, tag_id: int) -> None:
         """Stop holding blobs of a tag that is unregistered (its files are the caller's)."""
@@ -332,7 +348,8 @@ class LocalTier:
 
     async def put(self, key: BlobKey, data: Buffer) -> StoreOutcome:
         """Apply the store policy to a faulted blob and write it (on the pool)."""
-        if self.store.degraded:
+        if self.store.degraded and not (self.store.recheck_due
+                                        and await self.pool.run(self.store.recheck)):
             return self._count(StoreOutcome.SKIPPED_DEGRADED)
         outcome = self.policy.admit()
         if outcome is not None:
@@ -384,12 +401,7 @@ class LocalTier:
         """Evict, check the reserve, write the blob: (outcome, bytes stored, victims kept
         because they are dirty, bytes freed). A dirty blob — user data, which the scan at
         mount may have listed without reading its header — is never deleted or replaced."""
-        kept, freed = [], 0
-        for victim, victim_tag, victim_name in victims:
-            if self.store.is_dirty(victim_tag, victim_name):
-                kept.append(victim)
-            else:
-                freed += self.store.delete(victim_tag, victim_name)
+        kept, freed = _drop_victims(self.store, victims)
         if not self.policy.fits_reserve(self.store.free_bytes(), len(data) + HEADER_LEN):
             return StoreOutcome.SKIPPED_RESERVE, 0, kept, freed
         try:
@@ -435,3 +447,14 @@ class LocalTier:
             self._reader = None
         self._open.close()
 
+
+def _drop_victims(store: BlobStore, victims: list[tuple[BlobKey, str, str]]
+                  ) -> tuple[list[BlobKey], int]:
+    """Delete evicted blobs (blocking), never a dirty one: (the ones kept, bytes freed)."""
+    kept, freed = [], 0
+    for victim, victim_tag, victim_name in victims:
+        if store.is_dirty(victim_tag, victim_name):
+            kept.append(victim)
+        else:
+            freed += store.delete(victim_tag, victim_name)
+    return kept, freed

@@ -1,0 +1,449 @@
+"""Windows: a shuffled reader's blocks read, their records numbered and mixed, and handed out
+in that mixed order as blocks the stream's face takes like any other (``MixedBlock``).
+
+Invariants:
+- A window's records are numbered in its blocks' order (``WindowSpec.blocks``) and, within
+  a block, in file order; the block's pieces are read with the stream's own shard readers
+  (a line that crosses a block's end is read whole by the block it starts in; a Parquet row
+  group by the block that holds its position). Position ``q`` of the window delivers record
+  ``order[q]``, ``order`` the window key's ``permutation``: record order is decided here.
+- ``MixedBlock`` ``k`` of a window holds positions ``[a, b)``; its records, hashes and parsed
+  rows are those of its window at ``order[a:b]``, so dedup decides them in the mixed order
+  (the first occurrence of a record is the first in the shuffled order), and a batch's
+  coordinate is that of its last record. The window is read, hashed and parsed once.
+- ``EpochReader`` hands out the windows of one reader's epoch from a resume point (a window
+  and a position in it): only that window is read again, nothing before it. While a window
+  is handed out the next one is read (and hashed, with dedup) in a thread (the reads take
+  turns in window order): memory is two windows of bytes, and a window's parsed table.
+- A line window's records are cut from one buffer that joins its blocks' lines (a line
+  without a terminator, a shard's last, gets one in the buffer), so a mixed block's records
+  are one compiled cut, and a parsed window one parse of the buffer (by the read-ahead worker
+  that first needs it), whose rows each mixed block takes; where that parse fails the window
+  is parsed block by block, which names the shard and offset of a bad record.
+"""
+
+from __future__ import annotations
+
+import threading
+from bisect import bisect_right
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from faultfs.core.coord import StreamCoordinate
+from faultfs.stream.columns import block_table, concat, take_rows
+from faultfs.stream.hashing import record_hashes, span_hashes
+from faultfs.stream.readers import (
+    LINE_BLOCK,
+    LineShardReader,
+    ParquetShardReader,
+    RecordBlock,
+    open_parquet,
+)
+from faultfs.stream.shards import Shard, ShardFile
+from faultfs.stream.shuffle.plan import EpochGrid, WindowSpec, permutation
+
+try:  # the compiled cut (setup.py); optional: the same records by slicing
+    from faultfs.stream._cut import cut as _cut
+except ImportError:  # pragma: no cover - built wherever a compiler is
+    _cut = None
+
+MIXED_BLOCK = 65536  # positions per mixed block: what one read-ahead step makes
+FIRST_MIXED = 4096  # the first after opening: a restart's first batch parses this many rows,
+# not a whole window's
+WINDOWS_AHEAD = 1  # windows read ahead: the next window is read while this one is used
+OPEN_SHARDS = 64  # shards a reader keeps open between blocks (an S3 shard's open is a HEAD)
+PARSE_THREADS_FROM = 2 << 20  # a smaller window is parsed on its worker's thread alone (the
+# read-ahead's two workers parse two at once): pyarrow's threads cost ~20 % more CPU on 1 MiB
+
+
+class ShardFiles:
+    """The shards a reader's windows read, each opened once and kept open for the next
+    blocks (at most ``OPEN_SHARDS``), with its Parquet footer read once. One thread at a
+    time uses it."""
+
+    def __init__(self, shards: Sequence[Shard]) -> None:
+        self._shards = shards
+        self._open: OrderedDict[int, tuple[ShardFile, Any]] = OrderedDict()
+
+    def get(self, shard_id: int) -> tuple[ShardFile, Any]:
+        """The open shard and its ``pq.ParquetFile`` (None for a line shard)."""
+        if shard_id in self._open:
+            self._open.move_to_end(shard_id)
+            return self._open[shard_id]
+        shard = self._shards[shard_id]
+        file = shard.open()
+        try:
+            parquet = open_parquet(shard, file) if shard.format == "parquet" else None
+        except BaseException:
+            file.close()
+            raise
+        self._open[shard_id] = (file, parquet)
+        while len(self._open) > OPEN_SHARDS:
+            self._open.popitem(last=False)[1][0].close()
+        return file, parquet
+
+    def close(self) -> None:
+        while self._open:
+            self._open.popitem()[1][0].close()
+
+
+def read_blocks(
+    spec: WindowSpec, grid: EpochGrid, shards: Sequence[Shard], files: ShardFiles
+) -> list[RecordBlock]:
+    """The record blocks of a window's blocks, in its numbering order (module doc)."""
+    out: list[RecordBlock] = []
+    for b in spec.blocks:
+        for shard_id, lo, hi in grid.pieces(b):
+            shard = shards[shard_id]
+            file, parquet = files.get(shard_id)
+            size = grid.sizes[shard_id]
+            reader: LineShardReader | ParquetShardReader
+            if shard.format == "lines":
+                reader = LineShardReader(
+                    shard, shard_id, 0, 0, ranges=[(lo, hi, lo == 0)], expected_size=size,
+                    file=file, first_read=LINE_BLOCK,
+                )
+            else:
+                reader = ParquetShardReader(
+                    shard, shard_id, 0, 0, 0, pieces=[((lo, 0), None if hi is None else (hi, 0))],
+                    expected_size=size, file=file, parquet=parquet,
+                )
+            try:
+                while (block := reader.next_block()) is not None:
+                    out.append(block)
+            finally:
+                reader.close()
+    return out
+
+
+class _Source:
+    """What a window keeps of one record block: enough for coordinates and, for a line
+    block, to be made again from the joined buffer (a block-by-block parse)."""
+
+    __slots__ = ("block", "cut", "data_offset", "ends", "first", "joined_at", "kind",
+                 "row_group_idx", "shard", "shard_id", "terminated")
+
+    def __init__(self, block: RecordBlock, first: int, joined_at: int) -> None:
+        self.kind = block.kind
+        self.shard = block.shard
+        self.shard_id = block.shard_id
+        self.row_group_idx = block.row_group_idx
+        self.ends = block.ends
+        self.first = first  # the window's number of its first record
+        self.joined_at = joined_at  # where its bytes start in the joined buffer (lines)
+        self.data_offset = block.data_offset
+        self.terminated = block.terminated
+        self.cut = int(block.ends[-1]) - block.data_offset  # its bytes in the buffer (lines)
+        self.block: RecordBlock | None = None if block.kind == "lines" else block
+
+
+class Window:
+    """One window's records, numbered, and the permutation they are delivered in."""
+
+    def __init__(
+        self, index: int, spec: WindowSpec, blocks: list[RecordBlock], global_zero: int
+    ) -> None:
+        self.index = index
+        self.spec = spec
+        self.count = sum(b.count for b in blocks)
+        self.order = permutation(spec.key, self.count)
+        self.global_zero = global_zero  # global_row_idx just after position q: zero + q + 1
+        self._lock = threading.Lock()
+        self._hashes: np.ndarray | None = None
+        self._table: tuple[Any, Any] | None = None  # (schema, table)
+        self._records: list[Any] | None = None
+        self.lines = all(b.kind == "lines" for b in blocks)
+        self._sources: list[_Source] = []
+        firsts, at, parts, starts, stops = [], 0, [], [], []
+        joined_at = 0
+        for b in blocks:
+            src = _Source(b, at, joined_at)
+            self._sources.append(src)
+            firsts.append(at)
+            at += b.count
+            if self.lines:
+                assert b.starts is not None and b.stops is not None
+                parts.append(memoryview(b.data)[: src.cut])
+                starts.append(b.starts + joined_at)
+                stops.append(b.stops + joined_at)
+                joined_at += src.cut
+                if not b.terminated:  # a shard's last line: terminated in the buffer
+                    parts.append(b"\n")
+                    joined_at += 1
+        self._firsts = firsts
+        if self.lines:
+            self.data = b"".join(parts)
+            self.starts = np.concatenate(starts) if starts else np.empty(0, dtype=np.int64)
+            self.stops = np.concatenate(stops) if stops else np.empty(0, dtype=np.int64)
+            self.starts = self.starts.astype(np.int64, copy=False)
+            self.stops = self.stops.astype(np.int64, copy=False)
+
+    # -- what a position holds -------------------------------------------------------------
+
+    def records(self, idx: np.ndarray) -> list[Any]:
+        """The records numbered ``idx``, in that order: ``bytes`` lines, or Parquet rows."""
+        if self.lines:
+            starts, stops = self.starts[idx], self.stops[idx]
+            if _cut is not None:
+                out: list[Any] = _cut(self.data, starts, stops)
+                return out
+            data = self.data
+            return [data[a:b] for a, b in zip(starts.tolist(), stops.tolist(), strict=True)]
+        with self._lock:
+            if self._records is None:
+                every: list[Any] = []
+                for src in self._sources:
+                    assert src.block is not None
+                    every += src.block.records
+                self._records = every
+        every = self._records
+        return [every[i] for i in idx.tolist()]
+
+    def hashes(self, *, may_import: bool = True) -> np.ndarray:
+        """The xxh3_64 hash of every record, by number (made once)."""
+        with self._lock:
+            if self._hashes is None:
+                if self.lines:
+                    self._hashes = span_hashes(self.data, self.starts, self.stops,
+                                               may_import=may_import)
+                else:
+                    parts = [record_hashes(self._block(i), may_import=may_import)
+                             for i in range(len(self._sources))]
+                    self._hashes = (np.concatenate(parts) if parts
+                                    else np.empty(0, dtype=np.uint64))
+            return self._hashes
+
+    def table(self, schema: Any) -> Any:
+        """Every record parsed, by number, as one ``pyarrow.Table`` (made once per schema)."""
+        with self._lock:
+            if self._table is None or self._table[0] is not schema:
+                self._table = (schema, self._parse(schema))
+            return self._table[1]
+
+    def _parse(self, schema: Any) -> Any:
+        """Every record parsed (a window of no record is never parsed: it has no block)."""
+        assert self._sources
+        if self.lines and len({s.shard.parse_as for s in self._sources}) == 1:
+            try:  # one array a column: a take from many chunks concatenates them each time
+                threads = len(self.data) > PARSE_THREADS_FROM
+                return block_table(self._whole_block(), schema, threads=threads).combine_chunks()
+            except Exception:  # parsed block by block below, which names the bad record
+                pass
+        tables = [block_table(self._block(i), schema) for i in range(len(self._sources))]
+        return concat(tables).combine_chunks()
+
+    def _whole_block(self) -> RecordBlock:
+        """The joined buffer as one line block, for one parse of the whole window (its
+        offsets are the buffer's, not a shard's: an error is found again block by block)."""
+        ends = self.stops + 1
+        ends[-1] = len(self.data)  # all of the buffer is whole lines
+        return RecordBlock(
+            kind="lines", shard=self._sources[0].shard, shard_id=0, ends=ends, global_start=0,
+            data=self.data, data_offset=0, starts=self.starts, stops=self.stops,
+        )
+
+    def _block(self, i: int) -> RecordBlock:
+        """Record block ``i`` as it was read (a line block made again from the buffer)."""
+        src = self._sources[i]
+        if src.block is not None:
+            return src.block
+        lo, hi, at = src.first, src.first + int(src.ends.size), src.joined_at
+        return RecordBlock(
+            kind="lines", shard=src.shard, shard_id=src.shard_id, ends=src.ends,
+            global_start=self.global_zero + lo, data=self.data[at : at + src.cut],
+            data_offset=src.data_offset, starts=self.starts[lo:hi] - at,
+            stops=self.stops[lo:hi] - at, terminated=src.terminated,
+        )
+
+    def coord_after(self, number: int, global_row_idx: int) -> StreamCoordinate:
+        """The coordinate just after record ``number`` (in its shard), with
+        ``global_row_idx``: where a batch ending with it resumes in file terms."""
+        k = bisect_right(self._firsts, number) - 1
+        src = self._sources[k]
+        end = int(src.ends[number - src.first])
+        if src.kind == "lines":
+            return StreamCoordinate(src.shard_id, end, 0, 0, 0, global_row_idx)
+        return StreamCoordinate(src.shard_id, 0, src.row_group_idx, 0, end, global_row_idx)
+
+    def rows(self, idx: np.ndarray, schema: Any) -> Any:
+        """The records numbered ``idx``, in that order, parsed: taken from the window's table
+        (parsed once, in file order: a parse of the lines as read and a take of the rows cost
+        ~450 + 20 ns a record here, joining the lines in the mixed order and parsing them
+        ~800). A few rows (``FIRST_MIXED`` at most, under half the window: a restart's first
+        mixed block) of a line window not parsed yet are parsed from their own lines joined;
+        where that fails, the window's table names the bad record."""
+        few = int(idx.size) <= FIRST_MIXED and int(idx.size) * 2 < self.count
+        if (few and self._table is None and self.lines
+                and len({s.shard.parse_as for s in self._sources}) == 1):
+            lengths = self.stops[idx] - self.starts[idx]
+            stops = np.cumsum(lengths + 1) - 1  # each line and its "\n"
+            block = RecordBlock(
+                kind="lines", shard=self._sources[0].shard, shard_id=0, ends=stops + 1,
+                global_start=0, data=b"\n".join(self.records(idx)) + b"\n", data_offset=0,
+                starts=stops - lengths, stops=stops,
+            )
+            try:
+                return block_table(block, schema)
+            except Exception:  # the window's table, parsed block by block, names the record
+                pass
+        return take_rows(self.table(schema), idx)
+
+    def prepare(self, hashes: bool, parse: tuple[bool, Any]) -> None:
+        """Make the hashes and the parsed table ahead, as the stream will want them."""
+        if hashes:
+            self.hashes()
+        del parse  # parsed by the read-ahead workers, two at once, not by the window's reader
+
+
+class MixedBlock:
+    """Positions ``[a, b)`` of a window: its records in the mixed order, as a block."""
+
+    kind = "mixed"
+    __slots__ = ("_records", "a", "count", "global_start", "idx", "window")
+
+    def __init__(self, window: Window, a: int, b: int) -> None:
+        self.window = window
+        self.a = a
+        self.count = b - a
+        self.idx = window.order[a:b]
+        self.global_start = window.global_zero + a
+        self._records: list[Any] | None = None
+
+    @property
+    def records(self) -> list[Any]:
+        if self._records is None:
+            self._records = self.window.records(self.idx)
+        return self._records
+
+    def records_at(self, sel: np.ndarray) -> list[Any]:
+        if self._records is not None:
+            return [self._records[i] for i in sel.tolist()]
+        return self.window.records(self.idx[sel])
+
+    def hashes(self, *, may_import: bool = True) -> np.ndarray:
+        return self.window.hashes(may_import=may_import)[self.idx]
+
+    def table(self, schema: Any) -> Any:
+        return self.window.rows(self.idx, schema)
+
+    def coord_after(self, i: int) -> StreamCoordinate:
+        return self.window.coord_after(int(self.idx[i]), self.global_start + i + 1)
+
+    def progress_after(self, i: int) -> tuple[int, int]:
+        """(window, position) just after record ``i``: the next window's start after the last."""
+        q = self.a + i + 1
+        w = self.window
+        return (w.index, q) if q < w.count else (w.index + 1, 0)
+
+
+class EpochReader:
+    """The mixed blocks of one reader's epoch, from a window and a position in it."""
+
+    def __init__(
+        self,
+        shards: Sequence[Shard],
+        grid: EpochGrid,
+        windows: Sequence[WindowSpec],
+        first: int,
+        position: int,
+        global_row_idx: int,
+    ) -> None:
+        """``first``/``position``: where the epoch resumes (positions of window ``first``
+        consumed); ``global_row_idx``: records scanned before that point."""
+        self.shards = shards
+        self.grid = grid
+        self.windows = windows
+        self._files = ShardFiles(shards)
+        self._next = first  # the window taken next
+        self._resume: int | None = position  # where the first window taken starts
+        # the reads take turns in window order (the files are one reader's), and each
+        # window's global_row_idx follows from the count of the one before
+        self._turns = threading.Condition()
+        self._turn = first
+        if first < len(windows):
+            position = max(position, windows[first].start)
+        self._zero = global_row_idx - position  # global_zero of the window read next
+        self._window: Window | None = None
+        self._pos = 0
+        self._size = FIRST_MIXED  # positions of the next mixed block
+        self._ahead: deque[Future[Window]] = deque()  # windows _next.. being read, in order
+        self._submitted = first
+        self._handed = False  # a mixed block was handed out: read ahead from now on
+        self._pool: ThreadPoolExecutor | None = None
+        # what each window read ahead is made ready for: (its hashes, (parsed, schema))
+        self.want: tuple[bool, tuple[bool, Any]] = (False, (False, None))
+
+    def _read(self, index: int, *, ahead: bool = False) -> Window:
+        """Window ``index``, read in its turn; made ready (``want``) if read ahead."""
+        with self._turns:
+            while self._turn != index:
+                self._turns.wait()
+        try:
+            spec = self.windows[index]
+            blocks = read_blocks(spec, self.grid, self.shards, self._files)
+            zero = self._zero
+            if index + 1 < len(self.windows):
+                self._zero = zero + sum(b.count for b in blocks) - self.windows[index + 1].start
+        finally:
+            with self._turns:
+                self._turn += 1
+                self._turns.notify_all()
+        window = Window(index, spec, blocks, zero)
+        if ahead:
+            window.prepare(*self.want)
+        return window
+
+    def _read_ahead(self) -> None:
+        """Keep the next window being read in a thread."""
+        while self._submitted < len(self.windows) and len(self._ahead) < WINDOWS_AHEAD:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(WINDOWS_AHEAD, thread_name_prefix="faultfs-window")
+            self._ahead.append(self._pool.submit(self._read, self._submitted, ahead=True))
+            self._submitted += 1
+
+    def next_block(self) -> MixedBlock | None:
+        """The next positions of the epoch (None: its end). The next window is read ahead
+        once a block was handed out: a restart's first batch shares the GIL with no read."""
+        if self._handed:
+            self._read_ahead()
+        while True:
+            window = self._window
+            if window is None:
+                if self._next >= len(self.windows):
+                    return None
+                if self._ahead:
+                    window = self._ahead.popleft().result()
+                else:  # nothing read ahead (the first window): read here
+                    window = self._read(self._next)
+                start = window.spec.start if self._resume is None else self._resume
+                self._resume = None
+                self._window, self._pos = window, max(start, window.spec.start)
+                self._next += 1
+                self._submitted = max(self._submitted, self._next)
+                if self._handed:
+                    self._read_ahead()
+            if self._pos < window.count:
+                a = self._pos
+                self._pos = min(window.count, a + self._size)
+                self._size = MIXED_BLOCK
+                self._handed = True
+                return MixedBlock(window, a, self._pos)
+            self._window = None
+
+    @property
+    def window_count(self) -> int:
+        return len(self.windows)
+
+    def close(self) -> None:
+        """Wait for the windows being read ahead (they use the files), then close them."""
+        while self._ahead:
+            self._ahead.popleft().exception()
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+        self._files.close()
+        self._window = None
