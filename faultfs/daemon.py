@@ -15,6 +15,7 @@ import os
 import stat
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from faultfs.config import Config
 from faultfs.core.context import MAX_CHUNK_SIZE, FaultContext
@@ -24,6 +25,7 @@ from faultfs.core.pagemap import MAX_PAGE_SIZE
 from faultfs.engine import Engine, default_tag_name
 from faultfs.engine.sharing import SharedRegistry, publish_tags
 from faultfs.errors import FaultfsError, InvalidInput
+from faultfs.fuse.connection import mount_path
 from faultfs.fuse.exporter import parse_addr
 from faultfs.fuse.mountpoint import prepare_mountpoint
 from faultfs.sources import SourceOptions, expand_sources
@@ -31,6 +33,9 @@ from faultfs.store.blobstore import BlobStore
 from faultfs.tiers.claims import open_claims
 from faultfs.tiers.objects import open_objects, probe
 from faultfs.tiers.sealed import SealedObjects, load_key
+
+if TYPE_CHECKING:
+    from faultfs.fuse.handover import Handover
 
 log = logging.getLogger("faultfs")
 LOG_NAME = "faultfs.log"  # <store>/log/faultfs.log: the daemon's log
@@ -61,20 +66,24 @@ class MountSpec:
             raise InvalidInput(f"page size {self.page_size} is over the 1 GiB limit")
 
 
-def prepare(spec: MountSpec, config: Config, options: SourceOptions,
-            ) -> tuple[Engine, str, list[str]]:
+def prepare(spec: MountSpec, config: Config, options: SourceOptions, *,
+            takeover: bool = False) -> tuple[Engine, str, list[str]]:
     """Everything a mount needs before it answers: store, lock, tags. Returns the engine (its
     store locked), the absolute mountpoint and warnings for the user (a degraded store).
 
     Everything that can be checked is checked before anything is written: a refused mount
-    leaves no store directory, lock, log or registration behind."""
+    leaves no store directory, lock, log or registration behind. ``takeover``: the mount is
+    there already, served by a daemon that is gone (fuse/holder.py)."""
     spec.check()
     if config.metrics_addr:
         parse_addr(config.metrics_addr)
     store = BlobStore(config.store_dir, create=False)
     store.direct = config.store_direct
-    mountpoint, recovered = prepare_mountpoint(spec.mountpoint)
-    if _within(store.root, mountpoint):
+    mountpoint, recovered = ((mount_path(spec.mountpoint), None) if takeover
+                             else prepare_mountpoint(spec.mountpoint))
+    # (not when taking a mount over: resolving the mountpoint would ask the mount, which
+    # waits for this daemon; the first daemon checked it)
+    if not takeover and _within(store.root, mountpoint):
         raise InvalidInput(f"store {store.root} is inside the mountpoint {mountpoint}: the mount "
                            "would hide it; pick a --store outside it")
     log_file = os.path.join(store.root, "log", LOG_NAME)
@@ -136,7 +145,7 @@ def prepare(spec: MountSpec, config: Config, options: SourceOptions,
                             + ("; writes get ENOSPC until space returns, then are taken and "
                                "faults stored again" if store.full else ""))
             log.warning("%s", warnings[-1])
-        if spec.page_size:
+        if spec.page_size and not takeover:
             for plan in plans:
                 try:
                     engine.write_identity_pagemap(engine.tags[plan.ctx.dst], spec.page_size)
@@ -198,22 +207,32 @@ def open_sharing(config: Config, options: SourceOptions) -> SharedRegistry | Non
 
 
 def run(spec: MountSpec, config: Config, options: SourceOptions, *,
-        ready: Callable[[list[str], str, list[str]], None], log_to_store: bool = False) -> None:
+        ready: Callable[[list[str], str, list[str]], None], log_to_store: bool = False,
+        held: Handover | None = None) -> None:
     """Prepare and serve until unmounted; ``ready(tags, mountpoint, warnings)`` once the
-    mount answers. ``log_to_store``: the daemon's log (and stderr) move to the store's log."""
+    mount answers. ``log_to_store``: the daemon's log (and stderr) move to the store's log.
+    ``held``: a holder keeps the mount (fuse/holder.py); a standby daemon waits for its word
+    before it opens the store (the daemon it replaces holds it)."""
     from faultfs.fuse.serve import serve  # pyfuse3: only in the process that serves
 
-    engine, mountpoint, warnings = prepare(spec, config, options)
+    if held is not None and held.standby and not held.wait_go():
+        log.debug("the holder went away before this daemon took over: exiting")
+        return
+    engine, mountpoint, warnings = prepare(spec, config, options,
+                                           takeover=held is not None and held.takeover)
     try:
         if log_to_store:
             attach_store_log(engine.store)
         notes = [engine.sharing.mode_note] if engine.sharing is not None else []
         serve(engine, mountpoint,
               ready=lambda: ready(sorted(engine.tags), mountpoint, warnings, notes),
-              allow_other=spec.allow_other, ownership=spec.ownership)
+              allow_other=spec.allow_other, ownership=spec.ownership, held=held)
     finally:
         engine.store.release()
-    log.info("unmounted %s", mountpoint)
+    if held is not None and held.handing_over:
+        log.info("handed the mount at %s over to a new daemon", mountpoint)
+    else:
+        log.info("unmounted %s", mountpoint)
 
 
 def attach_store_log(store: BlobStore) -> None:

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from faultfs.fuse import daemons
 from faultfs.testing.httpd import RangeHttpServer
 from faultfs.testing.mountview import MountView
 
@@ -89,16 +90,33 @@ class Mount(MountView):
             time.sleep(0.05)
         return False
 
+    def holder(self) -> int | None:
+        """The pid of the holder that keeps this mount across daemon crashes, if any."""
+        return None if self.pid is None else daemons.holder_of(self.pid)
+
+    def crash(self) -> None:
+        """The mount dies with its daemon, as a crash without a holder: kill -9 the holder
+        (if any), then the daemon, and wait until the daemon is gone."""
+        holder = self.holder()
+        if holder is not None:
+            os.kill(holder, signal.SIGKILL)
+        os.kill(self.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while os.path.exists(f"/proc/{self.pid}") and time.monotonic() < deadline:
+            time.sleep(0.02)
+
     def close(self) -> None:
+        holder = self.holder()
         if os.path.ismount(self.path) or _dead(self.path):
             run_faultfs("umount", self.path)
         if os.path.ismount(self.path) or _dead(self.path):
             subprocess.run(["fusermount3", "-u", "-z", self.path], capture_output=True)
-        if self.pid is not None:
-            try:
-                os.kill(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        for pid in (holder, self.pid):
+            if pid is not None:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
 
 
 def _dead(path: str) -> bool:

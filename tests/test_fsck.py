@@ -16,7 +16,6 @@ import io
 import json
 import os
 import random
-import signal
 import subprocess
 import threading
 import time
@@ -308,7 +307,7 @@ def test_the_journal_of_a_killed_mount_verifies_and_a_torn_tail_is_reported_as_s
     deadline = time.monotonic() + 30  # the faulted chunks are stored behind the writes: a
     while m.stats()["tags"]["field"]["staged_blobs"] < 3 and time.monotonic() < deadline:
         time.sleep(0.05)  # kill in the middle of one would leave a clean blob to repair
-    os.kill(m.pid, signal.SIGKILL)  # the writes stay in the journal, not folded
+    m.crash()  # the writes stay in the journal, not folded
     assert m.wait_gone(), "the daemon did not end on SIGKILL"
     subprocess.run(["fusermount3", "-u", "-z", m.path], capture_output=True)
     store = m.store
@@ -658,7 +657,7 @@ def test_fsck_after_a_kill_9_under_writers_judges_the_store_as_the_mount_does(mo
         writer = _Writer(m.tag("crash"), rounds, 1000 * rounds)
         writer.start()
         time.sleep(rng.uniform(0.15, 0.6))
-        os.kill(m.pid, signal.SIGKILL)
+        m.crash()
         _wait_ended(m.pid)
         writer.join(10)
         assert not writer.is_alive(), "the writer hangs on the dead mount"

@@ -7,7 +7,6 @@ import json
 import mmap
 import os
 import random
-import signal
 import subprocess
 import threading
 import time
@@ -216,7 +215,7 @@ def test_kill_9_during_reads_then_remount_serves_correct_bytes(mounter, sample):
     for t in threads:
         t.start()
     time.sleep(0.6)
-    os.kill(m.pid, signal.SIGKILL)
+    m.crash()
     deadline = time.monotonic() + 10
     while os.path.exists(f"/proc/{m.pid}") and time.monotonic() < deadline:
         time.sleep(0.02)

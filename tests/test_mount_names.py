@@ -7,7 +7,6 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
-import signal
 import subprocess
 import time
 
@@ -62,7 +61,7 @@ def shown(tag: str, names=("a", "b", "c")) -> dict[str, bytes | None]:
 
 def killed(m) -> None:
     """kill -9 the daemon of ``m`` and wait until it is gone."""
-    os.kill(m.pid, signal.SIGKILL)
+    m.crash()
     deadline = time.monotonic() + 10
     while os.path.exists(f"/proc/{m.pid}") and time.monotonic() < deadline:
         time.sleep(0.02)

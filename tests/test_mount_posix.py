@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import stat
 import subprocess
 import sys
@@ -188,7 +187,7 @@ def test_an_unlinked_or_replaced_open_file_lives_until_its_last_close(mounted, m
     keep = os.open(f, os.O_RDWR)  # open at a kill -9: gone at the next mount
     os.unlink(f)
     os.pwrite(keep, b"x" * 5000, 0)
-    os.kill(m.pid, signal.SIGKILL)
+    m.crash()
     m.wait_gone()
     try:
         os.close(keep)
@@ -269,7 +268,7 @@ def test_modes_and_times_answered_survive_a_kill_9(mounted, mounter):
         f.write(b"c" * 10)
     os.chmod(changed, 0o604)
     os.utime(changed, ns=(OLD + 1, OLD + 2))
-    os.kill(m.pid, signal.SIGKILL)
+    m.crash()
     m.wait_gone()
     m.close()
     m2 = mounter(src, store=m.store, args=["--chunk-size", "1M"])

@@ -10,7 +10,6 @@ import json
 import mmap
 import os
 import random
-import signal
 import subprocess
 import sys
 import time
@@ -213,7 +212,7 @@ def test_kill_9_during_fsyncing_writes_keeps_every_synced_write(mounter, sample,
     writer = subprocess.Popen([sys.executable, "-c", WRITER, view, str(log), "7"],
                               stderr=subprocess.DEVNULL)
     time.sleep(2.0)
-    os.kill(m.pid, signal.SIGKILL)  # the daemon, mid-stream
+    m.crash()  # the daemon, mid-stream
     writer.wait(timeout=30)
     m.pid = None
     synced = len(log.read_text().splitlines())
@@ -275,7 +274,7 @@ def test_writes_past_the_memory_bound_are_read_back_from_the_journal_not_folded(
     assert m.stats()["writes"]["held_bytes"] <= 2 * MiB, "memory stays bounded"
     assert read(view) == bytes(want)
     assert read(os.path.join(tag, "chunk_5")) == bytes(want[5 * 256 * KiB:6 * 256 * KiB])
-    os.kill(m.pid, signal.SIGKILL)  # acknowledged, never synced: in the journal only
+    m.crash()  # acknowledged, never synced: in the journal only
     m.pid = None
     m2 = mounter(store=m.store, mountpoint=m.path)
     assert read(os.path.join(m2.tag("field"), "field.bin")) == bytes(want)
@@ -302,7 +301,7 @@ def test_whole_chunk_writes_survive_kill_9_and_are_folded_by_the_next_mount(moun
         os.pwrite(fd, b"partial", 2 * MiB + 100)  # over a direct file
     finally:
         os.close(fd)
-    os.kill(m.pid, signal.SIGKILL)
+    m.crash()
     m.pid = None
     wdir = os.path.join(m.store, "writes", "t-field")
     assert [n for n in os.listdir(wdir) if n.startswith("d-")], "whole writes are direct files"

@@ -322,5 +322,7 @@ def test_every_mount_helper_option_is_a_flag_of_faultfs_mount():
     argv = mount_argv(["/src", "/mnt", "-o", ",".join(options)])
     assert {a for a in argv if a.startswith("--")} <= takes
     helper = {f"--{n.replace('_', '-')}" for n in (*VALUED, *FLAGS)}
-    internal = {"--help", "--foreground", "--ready-fd"}  # the daemon's, not a mount's choices
+    # the daemon's, not a mount's choices (the last four: set by the holder on its daemons)
+    internal = {"--help", "--foreground", "--ready-fd", "--holder-fd", "--state-fd",
+                "--takeover-fd", "--standby"}
     assert takes - helper <= internal, sorted(takes - helper)

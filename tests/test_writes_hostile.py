@@ -8,7 +8,6 @@ import errno
 import json
 import mmap
 import os
-import signal
 import stat
 
 import pytest
@@ -245,7 +244,7 @@ def test_a_blob_whose_spilled_write_is_damaged_stays_damaged_and_the_journal_let
     if end == "kill":
         with open(view, "r+b") as f:
             os.fsync(f.fileno())
-        os.kill(m.pid, signal.SIGKILL)
+        m.crash()
         assert m.wait_gone()
         again = mounter(store=m.store, mountpoint=m.path)
         with pytest.raises(OSError) as err:
@@ -298,7 +297,7 @@ def _written_then_killed(mounter, sample, writes: list[tuple[int, bytes]]):
         os.fsync(fd)
     finally:
         os.close(fd)
-    os.kill(m.pid, signal.SIGKILL)
+    m.crash()
     assert m.wait_gone()
     return m, read(src)
 

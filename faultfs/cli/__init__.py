@@ -22,6 +22,7 @@ from faultfs.cli import (
     mount,
     pagemap,
     reset,
+    restart,
     stat,
     umount,
     warm,
@@ -31,7 +32,7 @@ from faultfs.errors import FaultfsError
 
 log = logging.getLogger("faultfs")
 
-SUBCOMMANDS = (mount, umount, stat, reset, clone, export, forget, pagemap, warm, checkpoint,
+SUBCOMMANDS = (mount, umount, restart, stat, reset, clone, export, forget, pagemap, warm, checkpoint,
                fsck, gc)
 
 

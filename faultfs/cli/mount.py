@@ -100,14 +100,49 @@ def register(sub) -> None:
                    help="files 0666 and directories 0777 less these bits (the modes above win)")
     m.add_argument("--foreground", "-f", action="store_true", help="stay in the foreground")
     m.add_argument("--debug", action="store_true", help="debug logging and tracebacks")
+    m.add_argument("--no-holder", action="store_true",
+                   help="no holder process: a crash of the daemon ends the mount (ENOTCONN) "
+                        "instead of a new daemon taking it over")
     m.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
+    # set by the holder (fuse/holder.py) on the daemons it starts
+    m.add_argument("--holder-fd", type=int, help=argparse.SUPPRESS)
+    m.add_argument("--state-fd", type=int, help=argparse.SUPPRESS)
+    m.add_argument("--takeover-fd", type=int, help=argparse.SUPPRESS)
+    m.add_argument("--standby", action="store_true", help=argparse.SUPPRESS)
     m.set_defaults(func=cmd_mount)
 
 
 def cmd_mount(args: argparse.Namespace) -> int:
-    if args.foreground or args.ready_fd is not None:
+    if args.foreground or args.ready_fd is not None or args.holder_fd is not None:
         return _mount_here(args)
     return _mount_daemon(args)
+
+
+def _daemon_command() -> list[str]:
+    return [sys.executable, "-m", "faultfs.cli", ARGV_STDIN]
+
+
+def _start(args: argparse.Namespace, write_fd: int, early) -> subprocess.Popen:
+    """Start the daemon, or the holder that starts it and keeps its mount across daemon
+    crashes and restarts (fuse/holder.py)."""
+    from faultfs.fuse.daemons import run_dir
+
+    if args.no_holder:
+        cmd, request = _daemon_command(), [*args.argv, "--ready-fd", str(write_fd)]
+    else:
+        cmd = [sys.executable, "-m", "faultfs.fuse.holder"]
+        request = {"command": _daemon_command(), "argv": args.argv, "ready_fd": write_fd,
+                   "run_dir": run_dir()}
+    proc = subprocess.Popen(
+        cmd, pass_fds=(write_fd,), start_new_session=True, stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL, stderr=early)
+    assert proc.stdin is not None
+    try:
+        proc.stdin.write(json.dumps(request).encode())
+        proc.stdin.close()
+    except BrokenPipeError:
+        pass  # it died at once; _read_ready reports it
+    return proc
 
 
 def _mount_daemon(args: argparse.Namespace) -> int:
@@ -121,16 +156,7 @@ def _mount_daemon(args: argparse.Namespace) -> int:
     # The arguments travel on the daemon's stdin, not its command line: a source URL may
     # carry credentials (a presigned query, user:password@), and /proc/PID/cmdline is
     # readable by every local user for as long as the daemon runs.
-    cmd = [sys.executable, "-m", "faultfs.cli", ARGV_STDIN]
-    proc = subprocess.Popen(
-        cmd, pass_fds=(write_fd,), start_new_session=True, stdin=subprocess.PIPE,
-        stdout=subprocess.DEVNULL, stderr=early)
-    assert proc.stdin is not None
-    try:
-        proc.stdin.write(json.dumps([*args.argv, "--ready-fd", str(write_fd)]).encode())
-        proc.stdin.close()
-    except BrokenPipeError:
-        pass  # the daemon died at once; _read_ready reports it
+    proc = _start(args, write_fd, early)
     os.close(write_fd)
     message = _read_ready(read_fd, proc)
     os.close(read_fd)
@@ -138,7 +164,9 @@ def _mount_daemon(args: argparse.Namespace) -> int:
         if message.startswith("ok"):
             info = json.loads(message[2:] or "{}")
             tags = ", ".join(info.get("tags", []))
-            print(f"mounted {info.get('mountpoint', '')} (tags: {tags}; pid {proc.pid})")
+            pid = info.get("pid", proc.pid)
+            held = "" if args.no_holder else f", holder pid {proc.pid}"
+            print(f"mounted {info.get('mountpoint', '')} (tags: {tags}; pid {pid}{held})")
             for note in info.get("notes", []):
                 print(f"faultfs: {note}")
             for warning in info.get("warnings", []):
@@ -213,7 +241,7 @@ def _mount_here(args: argparse.Namespace) -> int:
     def ready(tags: list[str], mountpoint: str, warnings: list[str],
               notes: list[str] | None = None) -> None:
         report("ok" + json.dumps({"mountpoint": mountpoint, "tags": tags, "warnings": warnings,
-                                  "notes": notes or []}))
+                                  "notes": notes or [], "pid": os.getpid()}))
 
     try:
         config = Config.build(store_dir=args.store, reserve_mb=args.reserve_mb,
@@ -242,7 +270,14 @@ def _mount_here(args: argparse.Namespace) -> int:
             chunk_size=args.chunk_size, blob_prefix=args.blob_prefix, range_off=range_off,
             range_size=range_size, format=args.format, page_size=args.page_size,
             allow_other=args.allow_other, ownership=ownership_of(args))
-        daemon.run(spec, config, options, ready=ready, log_to_store=args.ready_fd is not None)
+        held = None
+        if args.holder_fd is not None:
+            from faultfs.fuse.handover import Handover
+
+            held = Handover.from_fds(args.holder_fd, args.state_fd, args.takeover_fd,
+                                     standby=args.standby)
+        daemon.run(spec, config, options, ready=ready,
+                   log_to_store=args.ready_fd is not None or held is not None, held=held)
     except FaultfsError as exc:
         if args.debug:
             log.exception("mount failed")

@@ -79,6 +79,21 @@ def cmd_stat(args: argparse.Namespace) -> int:
     return 0
 
 
+def _daemon_lines(daemon: dict | None) -> list[str]:
+    """When the daemon started, and whether a holder keeps the mount across its crashes."""
+    if not daemon:
+        return []
+    started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(daemon.get("started") or 0))
+    if not daemon.get("holder"):
+        return [f"               started {started}; no holder: a crash of the daemon ends "
+                "the mount"]
+    mounted = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(daemon.get("mount_started") or 0))
+    return [f"               started {started}; mounted {mounted}, taken over "
+            f"{daemon.get('takeovers', 0)} time(s)"
+            + ("" if daemon.get("resend", True) else
+               "; this kernel cannot resend requests: a crash ends the mount")]
+
+
 def _memory_line(snap: dict) -> str:
     buffers = snap.get("read_buffers", {})
     return (f"memory         blobs held {format_size(snap.get('memory_bytes', 0))}; read buffers "
@@ -124,6 +139,7 @@ def render_stats(snap: dict) -> str:
            "staged, reading the rest through" if snap.get("store_degraded") else ""),
         f"daemon         pid {snap.get('pid')}, up {snap.get('uptime_s', 0):.0f} s, "
         f"{snap.get('io_threads')} I/O threads",
+        *_daemon_lines(snap.get("daemon")),
         _memory_line(snap),
         "",
         f"{'reads':<22}{c.get('reads', 0):>12}    {'bytes served':<22}{format_size(c.get('bytes_served', 0)):>12}",

@@ -54,6 +54,11 @@
 #define MAX_READERS 64
 /* libfuse's own receive buffer: FUSE_MAX_MAX_PAGES pages and a page for the headers */
 #define REQ_BUF (256 * 4096 + 4096)
+/* PREFAULTED: request buffers are touched whole when made. The kernel copies a request into
+   the reader's buffer after taking it off its queue, pinning the buffer's pages; a page not
+   present is pinned the slow way, which fails once the process is being killed, and the kernel
+   then ends the request with EIO instead of leaving it for the next daemon (fs/fuse/dev.c,
+   fuse_dev_do_read). Present pages are pinned without that check. */
 #define ENDED_COUNT (1ULL << 62) /* the queue's count once the connection ended: always readable */
 #define WAKE_SIGNAL (SIGRTMIN + 5) /* ends a reader's blocking read when the readers stop */
 /* set in the fh of a WRITE the kernel sends to write back cached pages (FUSE_WRITE_CACHE):
@@ -210,6 +215,22 @@ static struct {
     uint64_t reads, bytes, forwarded, queued;
 } counts_;
 
+/* -- a mount that outlives its daemon (fuse/handover.py) ----------------------------------
+ * The kernel sends FUSE_INIT once per connection. A daemon that takes over a connection
+ * another one served gets none, and libfuse answers EIO to every request until it has seen
+ * one: takeover(init) queues the INIT the first daemon was sent (recorded below, kept by the
+ * holder) ahead of everything else, with a unique the kernel never gave out, so libfuse
+ * negotiates exactly what the connection has and its reply (to a request the kernel does not
+ * know) is refused with ENOENT, which libfuse ignores. */
+#define INIT_MAX 256
+#define SYNTHETIC_UNIQUE (1ULL << 62) /* the kernel counts uniques up from 0 in steps of 2 */
+static char init_copy_[INIT_MAX];     /* the first INIT read from the device */
+static size_t init_len_;
+static char takeover_init_[INIT_MAX]; /* takeover(): the INIT to queue at the next session */
+static size_t takeover_len_;
+static uint64_t current_unique_; /* the unique of the request receive_buf handed out last */
+static int resend_errno_ = -1;   /* how the takeover's resend went: -1 not sent, 0, errno */
+
 static void slot_release(slot_t *s) { /* lock_ held */
     if (--s->refs == 0) {
         close(s->fd);
@@ -223,7 +244,9 @@ static char *take_buffer(void) {
     if (nspare_)
         b = spare_[--nspare_];
     pthread_mutex_unlock(&lock_);
-    return b ? b : malloc(REQ_BUF);
+    if (!b && (b = malloc(REQ_BUF)))
+        memset(b, 0, REQ_BUF); /* every page present: see PREFAULTED */
+    return b;
 }
 
 static void give_buffer(char *b) {
@@ -442,6 +465,12 @@ static void *reader(void *arg) {
             break;
         }
         struct fuse_in_header *in = (struct fuse_in_header *)buf;
+        if (in->opcode == FUSE_INIT && (size_t)n <= INIT_MAX) {
+            pthread_mutex_lock(&lock_);
+            memcpy(init_copy_, buf, (size_t)n);
+            init_len_ = (size_t)n;
+            pthread_mutex_unlock(&lock_);
+        }
         if ((size_t)n >= sizeof *in + sizeof(struct fuse_read_in) && in->opcode == FUSE_READ &&
             serve_read(me, in, (struct fuse_read_in *)(in + 1), &data, &cap))
             continue;
@@ -460,7 +489,8 @@ static void *reader(void *arg) {
     return NULL;
 }
 
-static void stop_readers(void) {
+/* End the readers' reads of the device (what they queued stays queued). */
+static void join_readers(void) {
     __atomic_store_n(&stopping_, 1, __ATOMIC_RELEASE);
     Py_BEGIN_ALLOW_THREADS
     for (int i = 0; i < nreaders_; i++) {
@@ -479,6 +509,10 @@ static void stop_readers(void) {
     }
     Py_END_ALLOW_THREADS
     nreaders_ = 0;
+}
+
+static void stop_readers(void) {
+    join_readers();
     pthread_mutex_lock(&lock_);
     queued_t *q = q_head_;
     q_head_ = q_tail_ = NULL;
@@ -501,6 +535,17 @@ static void stop_readers(void) {
     ended_ = 0;
 }
 
+/* FUSE_NOTIFY_RESEND (7, Linux >= 6.9): the requests read from this connection and not
+   answered go back to its pending queue, their unique marked with bit 63. 0 or -errno. */
+static int send_resend(void) {
+    struct fuse_out_header out = {sizeof out, 7, 0};
+    ssize_t n;
+    while ((n = write(fuse_fd_, &out, sizeof out)) < 0 && errno == EINTR) {
+    }
+    resend_errno_ = n < 0 ? errno : 0;
+    return -resend_errno_;
+}
+
 static int start_readers(struct fuse_session *se, int fd) {
     struct sigaction wake;
     memset(&wake, 0, sizeof wake);
@@ -521,6 +566,18 @@ static int start_readers(struct fuse_session *se, int fd) {
     ended_ = 0;
     stopping_ = 0;
     memset(serving_, 0, sizeof serving_);
+    if (takeover_len_) { /* the connection was served before: its INIT first */
+        char *mem = take_buffer();
+        if (mem) {
+            memcpy(mem, takeover_init_, takeover_len_);
+            ((struct fuse_in_header *)mem)->unique = SYNTHETIC_UNIQUE;
+            enqueue(mem, takeover_len_);
+        }
+        takeover_len_ = 0;
+        /* before any reader reads: a request read here first and resent after would come
+           twice, and the reply to the first copy would be refused */
+        send_resend();
+    }
     for (nreaders_ = 0; nreaders_ < want_readers_; nreaders_++)
         if (pthread_create(&readers_[nreaders_], NULL, reader, (void *)(intptr_t)nreaders_))
             break;
@@ -582,6 +639,7 @@ int fuse_session_receive_buf(struct fuse_session *se, struct fuse_buf *buf) {
     }
     if (buf->mem && !(buf->flags & FUSE_BUF_IS_FD))
         give_buffer(buf->mem);
+    current_unique_ = ((struct fuse_in_header *)q->mem)->unique;
     buf->mem = q->mem;
     buf->size = q->len;
     buf->flags = 0;
@@ -820,7 +878,77 @@ static PyObject *py_harvest(PyObject *self, PyObject *args) {
     return Py_BuildValue("(NN)", touched, counts);
 }
 
+static PyObject *py_takeover(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer init;
+    if (!PyArg_ParseTuple(args, "y*", &init))
+        return NULL;
+    int bad = init.len < (Py_ssize_t)(sizeof(struct fuse_in_header) + sizeof(struct fuse_init_in) - 48) ||
+              init.len > INIT_MAX ||
+              ((struct fuse_in_header *)init.buf)->opcode != FUSE_INIT ||
+              ((struct fuse_in_header *)init.buf)->len != (uint32_t)init.len;
+    if (bad) {
+        PyBuffer_Release(&init);
+        PyErr_SetString(PyExc_ValueError, "not a recorded FUSE_INIT request");
+        return NULL;
+    }
+    pthread_mutex_lock(&lock_);
+    memcpy(takeover_init_, init.buf, (size_t)init.len);
+    takeover_len_ = (size_t)init.len;
+    memcpy(init_copy_, init.buf, (size_t)init.len); /* what a later takeover re-applies */
+    init_len_ = (size_t)init.len;
+    pthread_mutex_unlock(&lock_);
+    PyBuffer_Release(&init);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_init_request(PyObject *self, PyObject *args) {
+    (void)self;
+    (void)args;
+    pthread_mutex_lock(&lock_);
+    PyObject *out = init_len_ ? PyBytes_FromStringAndSize(init_copy_, (Py_ssize_t)init_len_)
+                              : (Py_INCREF(Py_None), Py_None);
+    pthread_mutex_unlock(&lock_);
+    return out;
+}
+
+static PyObject *py_current_unique(PyObject *self, PyObject *args) {
+    (void)self;
+    (void)args;
+    return PyLong_FromUnsignedLongLong(current_unique_);
+}
+
+static PyObject *py_resend(PyObject *self, PyObject *args) {
+    (void)self;
+    (void)args;
+    /* sent when the session started (start_readers): how it went */
+    if (resend_errno_ > 0) {
+        errno = resend_errno_;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return PyBool_FromLong(resend_errno_ == 0);
+}
+
+static PyObject *py_pause(PyObject *self, PyObject *args) {
+    (void)self;
+    (void)args;
+    if (session_)
+        join_readers(); /* the device keeps what nobody read: the next daemon reads it */
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"pause", py_pause, METH_NOARGS,
+     "Read no more requests from the device (a daemon handing its mount over)"},
+    {"takeover", py_takeover, METH_VARARGS,
+     "takeover(init): the next session serves a connection already set up by this INIT"},
+    {"init_request", py_init_request, METH_NOARGS,
+     "The FUSE_INIT request this connection was set up with (bytes), or None"},
+    {"current_unique", py_current_unique, METH_NOARGS,
+     "The unique of the request last handed to pyfuse3 (read first thing in a handler)"},
+    {"resend", py_resend, METH_NOARGS,
+     "Whether the kernel was asked to resend what the dead daemon read (at a takeover's "
+     "start); OSError when it refused"},
     {"prepare", py_prepare, METH_VARARGS,
      "prepare(threads): the next FUSE session is read by that many threads of this library"},
     {"queue_fd", py_queue_fd, METH_NOARGS,

@@ -39,6 +39,17 @@ def start_time(pid: int) -> int | None:
         return None
 
 
+def holder_of(pid: int) -> int | None:
+    """The holder (fuse/holder.py) whose daemon ``pid`` is, if it has one: its parent."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            parent = int(f.read().rsplit(b")", 1)[1].split()[1])
+        with open(f"/proc/{parent}/cmdline", "rb") as f:
+            return parent if b"faultfs.fuse.holder" in f.read() else None
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def daemon_of(minor: int, mountpoint: str) -> int | None:
     """The pid of the daemon serving connection ``minor`` at ``mountpoint``, if recorded."""
     path = _path(minor)

@@ -3,9 +3,12 @@
 The fast read path (``_fastread``, see ``fastread.py``) has to be loaded into the process's
 global symbol scope before pyfuse3 is, so that pyfuse3's call of ``fuse_session_new`` reaches
 the fast path's stand-in first. Every module of the adapter imports pyfuse3 from here for that
-reason. ``native`` is None where the compiled piece is missing (an install without a compiler),
-switched off (``FAULTFS_FAST_READ=0``), or loaded too late (pyfuse3 was imported before this
-module): mounts then serve every read through pyfuse3, as before.
+reason. ``native`` is None where the compiled piece is missing (an install without a compiler)
+or loaded too late (pyfuse3 was imported before this module): mounts then serve every read
+through pyfuse3, as before, and cannot be taken over by a new daemon (fuse/holder.py needs the
+library's record and replay of the INIT). ``FAULTFS_FAST_READ=0`` does not unload it: reads
+are then all pyfuse3's (``FastReads.prepare``), and the library only passes requests on (with a
+holder) or stands aside (without one).
 """
 
 from __future__ import annotations
@@ -19,8 +22,6 @@ log = logging.getLogger("faultfs.mount")
 
 
 def _load_native() -> ModuleType | None:
-    if os.environ.get("FAULTFS_FAST_READ", "1").strip().lower() in ("0", "false", "no", "off"):
-        return None
     if "pyfuse3" in sys.modules:
         return None  # too late: its session would not be made through the stand-in
     flags = sys.getdlopenflags()

@@ -154,6 +154,7 @@ def unmount(mountpoint: str, *, wait: float = UNMOUNT_WAIT_S) -> str | None:
         return recover(entry, pid, f"did not answer within {PROBE_S:.0f} s")
     if pid is None:  # not recorded (yet): its stats say it
         pid = connection.stats_pid(path)
+    holder = daemons.holder_of(pid) if pid is not None else None
     result = connection.run_bounded(["fusermount3", "-u", path])
     if result is None:
         return recover(entry, pid, f"did not let the mount go within {connection.COMMAND_S:.0f} s")
@@ -164,9 +165,10 @@ def unmount(mountpoint: str, *, wait: float = UNMOUNT_WAIT_S) -> str | None:
         raise FaultfsError(f"unmounting {path} failed: {reason}", errno.EIO)
     if pid is None or pid == os.getpid():
         return None
-    if not _wait_gone(pid, wait):
-        raise FaultfsError(f"the daemon (pid {pid}) of {path} did not exit within {wait:.0f} s",
-                           errno.ETIMEDOUT)
+    for who, gone in (("daemon", pid), ("holder", holder)):  # the holder ends its standby
+        if gone is not None and not _wait_gone(gone, wait):
+            raise FaultfsError(f"the {who} (pid {gone}) of {path} did not exit within "
+                               f"{wait:.0f} s", errno.ETIMEDOUT)
     if daemons.left_behind(entry.minor, pid):
         raise FaultfsError(f"{path} is unmounted, but its daemon (pid {pid}) ended before it "
                            "finished (killed, or failed: see the store's log): its writes may "

@@ -25,7 +25,7 @@ import json
 import stat
 import time
 from bisect import bisect_left
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from faultfs import metrics
@@ -121,6 +121,8 @@ class Tree:
         # keys registered later are appended, a forgotten one leaves a hole (None)
         self._registry_keys: list[str | None] = sorted(engine.registry)
         self.stats_size = 0  # bytes of the last stats document: .faultfs/stats' size
+        # who serves the mount (the FUSE adapter's): the stats document's "daemon" section
+        self.daemon_info: Callable[[], dict] | None = None
         self.metrics_size = 0  # likewise for .faultfs/metrics
         # tag id -> the written chunks past its source, in order: taken when a listing starts
         # (one pass over the dirty blobs), used by the rest of it (a chunk written meanwhile
@@ -191,6 +193,8 @@ class Tree:
     async def stats_document(self) -> bytes:
         """``.faultfs/stats``: the engine's snapshot as JSON (its size is the file's size)."""
         snap = await self.engine.snapshot()
+        if self.daemon_info is not None:
+            snap["daemon"] = self.daemon_info()
         data = (json.dumps(snap, indent=1, sort_keys=True) + "\n").encode()
         self.stats_size = len(data)
         return data

@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from faultfs.fuse.daemons import holder_of
 from faultfs.testing.mountview import MountView
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -215,10 +216,14 @@ class Mount(MountView):
         self.run.forget_mount(self)
 
     def kill9(self) -> None:
-        """kill -9 of the daemon; returns once it is gone (the mount is left dead)."""
+        """kill -9 of the daemon (and first of its holder, which would let a new daemon take
+        the mount over: fuse/holder.py); returns once it is gone (the mount is left dead)."""
         if self.pid is None:
             raise TortureError(f"{self.path} has no daemon to kill")
         pid, self.pid = self.pid, None
+        holder = holder_of(pid)
+        if holder is not None:
+            kill_and_reap(holder)
         if not kill_and_reap(pid):
             raise TortureError(f"the daemon {pid} survived kill -9")
 
