@@ -19,7 +19,8 @@ VALUED = ("store", "tag", "chunk_size", "blob_prefix", "range", "format", "page_
           "shared_store_key",
           "metrics_addr", "s3_endpoint_url", "s3_region", "s3_profile", "uid", "gid", "umask",
           "file_mode", "dir_mode")
-FLAGS = ("no_store", "read_only", "xattrs", "anon", "allow_other", "stats", "debug", "no_holder")
+FLAGS = ("no_store", "read_only", "xattrs", "anon", "allow_other", "stats", "debug", "no_holder",
+         "no_shared_claims")
 GENERIC = {"rw", "dev", "nodev", "suid", "nosuid", "exec", "noexec", "auto", "noauto",
            "user", "nouser", "users", "owner", "group", "defaults", "nofail", "_netdev",
            "async", "atime", "noatime", "relatime", "strictatime", "nodiratime", "lazytime",

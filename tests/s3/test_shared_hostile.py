@@ -65,7 +65,7 @@ def test_a_huge_blob_object_costs_one_blob_not_its_size_and_is_replaced(
     grew = peak_mib(b.pid) - before
     assert grew < 48, f"the daemon grew {grew:.0f} MiB reading a {HUGE >> 20} MiB object"
     c = settled(b)
-    assert c["shared_damaged"] == 1 and c["shared_hits"] == 0 and c["source_reads"] == 1
+    assert c["shared_damaged"] >= 1 and c["shared_hits"] == 0 and c["source_reads"] == 1
     size = s3_client.head_object(Bucket=cluster.bucket, Key=blob)["ContentLength"]
     assert size < 2 * MiB, "the blob was not published over the huge object"
 
@@ -134,7 +134,7 @@ def test_a_forged_blob_object_is_never_served_where_the_key_is_configured(
     b = cluster("b", args=key)
     assert read(os.path.join(b.tag("field"), "chunk_0")) == data[:MiB]
     c = settled(b)
-    assert c["shared_damaged"] == 1 and c["shared_hits"] == 0 and c["source_reads"] == 1
+    assert c["shared_damaged"] >= 1 and c["shared_hits"] == 0 and c["source_reads"] == 1
     d = cluster("d", args=key)  # published over, sealed: served from the tier again
     assert read(os.path.join(d.tag("field"), "chunk_0")) == data[:MiB]
     assert settled(d)["shared_hits"] == 1 and d.counters()["source_reads"] == 0
@@ -158,7 +158,7 @@ def test_a_node_without_the_key_publishes_nothing_keyed_nodes_accept(
     k = cluster("k", src, args=key)
     assert read(os.path.join(k.tag("field"), "field.bin")) == data
     c = settled(k)
-    assert c["shared_hits"] == 0 and c["shared_damaged"] == 2 and c["source_reads"] == 2
+    assert c["shared_hits"] == 0 and c["shared_damaged"] >= 2 and c["source_reads"] == 2
     k2 = cluster("k2", args=key)  # no source given: the registration is k's, sealed
     assert read(os.path.join(k2.tag("field"), "field.bin")) == data
     assert settled(k2)["shared_hits"] == 2 and k2.counters()["source_reads"] == 0
