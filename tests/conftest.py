@@ -54,6 +54,12 @@ def check_concurrent_preads(src, data: bytes, count: int, seed: int) -> None:
         assert piece == data[off:off + size]
 
 
+# A holder keeps every mount of the suite (the default), but preloads no standby daemon: a
+# standby is one more Python start for each of the suite's hundreds of mounts (a sixth of a
+# mount test's time). tests/test_mount_restart.py turns it back on for its own.
+os.environ.setdefault("FAULTFS_STANDBY", "0")
+
+
 def run_faultfs(*args: str, env: dict | None = None, timeout: float = 120,
                 check: bool = False) -> subprocess.CompletedProcess:
     full_env = dict(os.environ)

@@ -23,6 +23,13 @@ from conftest import ROOT, run_faultfs
 from faultfs.fuse import connection
 
 
+@pytest.fixture(autouse=True)
+def _standby(monkeypatch):
+    """The standby daemon a holder preloads (off elsewhere in the suite, tests/conftest.py)."""
+    monkeypatch.setenv("FAULTFS_STANDBY", "1")
+
+
+
 def _kernel() -> tuple[int, int]:
     try:
         major, minor = os.uname().release.split(".")[:2]
