@@ -72,14 +72,13 @@ class Engine:
                  ) -> None:
         self.store = store
         self.config = config
-        # run before each snapshot: counts kept elsewhere (the fast read path's) join the stats
-        self.before_snapshot: list[Callable[[], None]] = []
+        self.before_snapshot: list[Callable[[], None]] = []  # join others' counts (fast reads)
         self.stats = Stats()
         self.pool = IoPool(config.io_threads)
         self.sharing = sharing  # --shared-store: registrations of every node (DESIGN §13)
         shared = None if sharing is None else SharedTier(sharing.objects, self.stats)
         if shared is not None and sharing is not None and sharing.claim_store is not None:
-            shared.claims = ClaimBoard(sharing.claim_store, self.stats)
+            shared.claims = ClaimBoard(sharing.claim_store, self.stats)  # (DESIGN §17)
         policy = StorePolicy(store_enabled=config.store_enabled,
                              reserve_bytes=config.reserve_bytes, cache_size=config.cache_size,
                              backoff_faults=config.backoff_faults)
@@ -135,8 +134,7 @@ class Engine:
         return tag
 
     def register(self, ctx: FaultContext, *, shard: int = 0) -> Tag:
-        """Register ``ctx`` on-fault: check it, then persist it (blocking)."""
-        return self.commit_plan(self.plan(ctx), shard=shard)
+        return self.commit_plan(self.plan(ctx), shard=shard)  # check, then persist (blocking)
 
     def recover(self) -> list[Tag]:
         """Bring back every tag the store has registered, and their writes (blocking)."""
