@@ -33,6 +33,7 @@ log = logging.getLogger("faultfs.mount")
 
 UNMOUNT_WAIT_S = 120.0  # how long `faultfs umount` waits for the daemon (it folds writes)
 KILLED_WAIT_S = 10.0  # how long a killed daemon gets to be gone (its store lock with it)
+ZOMBIE_GRACE_S = 3.0  # how long a killed daemon's other threads get once its main one exited
 
 
 def lazy_unmount(path: str) -> None:
@@ -50,7 +51,10 @@ def recover(entry: MountEntry, pid: int | None, why: str) -> str:
     """End the faultfs mount ``entry`` whose daemon ``why`` (does not answer): abort its
     connection, kill its daemon, detach it. Returns the one line that says so."""
     path = entry.mountpoint
+    holder = daemons.holder_of(pid) if pid is not None else None
     connection.abort(entry.minor)
+    if holder is not None:  # the mount ends whole: its holder must not start another daemon
+        _kill(holder)
     ended = pid is not None and _kill(pid)
     if pid is not None:
         daemons.forget(entry.minor)
@@ -76,16 +80,23 @@ def _kill(pid: int) -> bool:
 
 
 def _wait_gone(pid: int, wait: float) -> bool:
+    """Wait until ``pid`` is gone. Its main thread a zombie counts (its parent may never reap
+    it), after a grace for its other threads: until the last one exits, its descriptors —
+    the store's lock among them — stay open."""
     deadline = time.monotonic() + wait
+    zombie_until = None
     while True:
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
             return True
         if _is_zombie(pid):
-            return True
+            now = time.monotonic()
+            zombie_until = zombie_until or now + ZOMBIE_GRACE_S
+            if now >= zombie_until:
+                return True
         if time.monotonic() >= deadline:
-            return False
+            return zombie_until is not None
         time.sleep(0.05)
 
 
