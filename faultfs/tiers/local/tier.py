@@ -108,14 +108,9 @@ class LocalTier:
         at open): a store can be over it when it is opened — a lower ``--cache-size``, a
         blob stored as its daemon died, one kept because its header read as dirty."""
         victims = self.policy.victims(0, lambda key: False)
-        if not victims:
-            return
-        named = [(v, self._tags[v[0]].name, self._tags[v[0]].blob_name(v[1])) for v in victims]
-        kept, freed = _drop_victims(self.store, named)
-        for victim in victims:
-            self.mark(victim, victim in kept)
-        self.stats.add("evicted", len(victims) - len(kept))
-        self.stats.add("evicted_bytes", freed)
+        if victims:
+            named = self._let_go(victims)
+            self._settle(named, *_drop_victims(self.store, named))
 
     def forget_tag(self, tag_id: int) -> None:
         """Stop holding blobs of a tag that is unregistered (its files are the caller's)."""
@@ -364,21 +359,11 @@ class LocalTier:
             self.policy.release(need)
 
     async def _put(self, key: BlobKey, data: Buffer, victims: list[BlobKey]) -> StoreOutcome:
-        named = []
-        for victim in victims:
-            self._open.drop(victim)
-            self.mark(victim, False)
-            owner = self._tags.get(victim[0])
-            if owner is not None:
-                named.append((victim, owner.name, owner.blob_name(victim[1])))
+        named = self._let_go(victims)
         tag = self._tags[key[0]]
         outcome, stored, kept, freed = await self.pool.run(
             self._store_blocking, tag, tag.blob_name(key[1]), data, named)
-        self.stats.add("evicted", len(named) - len(kept))
-        self.stats.add("evicted_bytes", freed)
-        for victim in kept:  # dirty (user data): never evicted, still staged
-            self.mark(victim, True)
-            self.stats.add("dirty_kept")
+        self._settle(named, kept, freed)
         if outcome is StoreOutcome.STORED:
             self._open.drop(key)
             self.mark(key, True)
@@ -390,6 +375,27 @@ class LocalTier:
             log.warning("store %s is full: serving from the source for the next %d faults",
                         self.store.root, self.policy.backoff_faults)
         return self._count(outcome)
+
+    def _let_go(self, victims: list[BlobKey]) -> list[tuple[BlobKey, str, str]]:
+        """Unmark evicted blobs and close their descriptors: (key, tag name, blob name) of
+        each whose tag is still registered, for :func:`_drop_victims`."""
+        named = []
+        for victim in victims:
+            self._open.drop(victim)
+            self.mark(victim, False)
+            owner = self._tags.get(victim[0])
+            if owner is not None:
+                named.append((victim, owner.name, owner.blob_name(victim[1])))
+        return named
+
+    def _settle(self, named: list[tuple[BlobKey, str, str]], kept: list[BlobKey],
+                freed: int) -> None:
+        """Count an eviction; the dirty blobs it kept (user data) stay staged."""
+        self.stats.add("evicted", len(named) - len(kept))
+        self.stats.add("evicted_bytes", freed)
+        for victim in kept:
+            self.mark(victim, True)
+            self.stats.add("dirty_kept")
 
     def _count(self, outcome: StoreOutcome) -> StoreOutcome:
         self.stats.add(outcome.counter)
