@@ -37,6 +37,8 @@ from faultfs.stream import RecordParseError, RecordStream
 from faultfs.stream import shuffle as shuffle_mod
 from faultfs.stream.commits import Commits
 from faultfs.stream.partition import repartition as repartition_room
+from faultfs.stream.readers import LineShardReader
+from faultfs.stream.shards import expand_shards
 from faultfs.stream.shuffle import (
     Geometry,
     ShuffleHeader,
@@ -207,6 +209,50 @@ def test_the_permutation_is_pinned_and_the_python_path_agrees():
     assert grid.block_order().tolist() == [7, 6, 4, 0, 5, 2, 3, 1]
     assert plan_room.reader_windows(grid, Geometry(1, 64, 2), 2, 1)[:] == [
         WindowSpec((0, 6), 4637990535914259977), WindowSpec((1, 2), 11026351218010118502)]
+
+
+_LINE = st.sampled_from([b"", b"a", b"bb\r", b"{}", b"x" * 70, b"y" * 300, b"\r", b"c\rd"])
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(_LINE, min_size=1, max_size=40), st.sampled_from([b"\n", b"\r\n"]),
+       st.booleans(), st.data())
+def test_a_windows_block_read_at_once_holds_what_the_shard_reader_reads(
+    tmp_path_factory, lines, sep, final, data
+):
+    """``line_piece`` (a window's block in one read) gives the records, their bounds and
+    ends that ``LineShardReader`` gives over the same range — blank lines, "\r\n", lines
+    longer than the read's tail, a last line without a terminator — or declines (False)."""
+    root = tmp_path_factory.mktemp("piece")
+    raw = sep.join(lines) + (sep if final else b"")
+    if not raw:
+        return
+    (root / "a.jsonl").write_bytes(raw)
+    shard = expand_shards(str(root / "a.jsonl"), None)[0]
+    lo = data.draw(st.integers(0, len(raw) - 1))
+    hi = data.draw(st.none() | st.integers(lo + 1, len(raw)))
+    hi = None if hi == len(raw) else hi
+    file = shard.open()
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            # a short tail: lines longer than it (declined); the real one: most lines whole
+            mp.setattr(window_room, "TAIL_PEEK", data.draw(st.sampled_from([16, 4096])))
+            piece = window_room.line_piece(shard, 0, file, lo, hi, len(raw))
+    finally:
+        file.close()
+    reader = LineShardReader(shard, 0, 0, 0, ranges=[(lo, hi, lo == 0)])
+    try:
+        blocks = list(iter(reader.next_block, None))
+    finally:
+        reader.close()
+    if piece is False:
+        return
+    want = [r for b in blocks for r in b.records]
+    assert (piece.records if piece is not None else []) == want
+    if piece is not None:
+        assert piece.ends.tolist() == [int(e) for b in blocks for e in b.ends]
+        assert [piece.line_offset(i) for i in range(piece.count)] == [
+            b.line_offset(i) for b in blocks for i in range(b.count)]
 
 
 def test_odd_lines_parse_whole_windows_and_a_bad_record_is_named_in_its_shard(tmp_path):
