@@ -28,6 +28,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from faultfs.cli.checkpoint import describe_checkpoint
 from faultfs.core.coord import StreamCoordinate
 from faultfs.core.slots import DiskSlot
 from faultfs.errors import CorruptionError, InvalidInput
@@ -779,6 +780,8 @@ def test_a_shuffled_commit_is_one_barrier_and_a_meta_left_behind_is_written_agai
             assert synced == [f"{state}.dedup"] * dedup + [f"{state}.shuffle"]
             rest = [r for _, b in batches for r in b]
         state.write_bytes(old_meta)  # the commit's .meta slot never reached the disk
+        info, error = describe_checkpoint(str(state))
+        assert error is None and "the .meta is behind its record" in info["shuffle"]["note"]
         synced.clear()
         with open_stream(src, state, dedup=dedup) as again:
             assert synced[:1] == [str(state)], "the open writes the .meta again, fsynced"
