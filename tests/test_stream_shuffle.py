@@ -28,13 +28,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from faultfs.cli.checkpoint import describe_checkpoint
 from faultfs.core.coord import StreamCoordinate
+from faultfs.core.slots import DiskSlot
 from faultfs.errors import CorruptionError, InvalidInput
+from faultfs.store.fileops import OsFileOps
 from faultfs.store.metadata import DualMetadataManager
 from faultfs.stream import RecordParseError, RecordStream
 from faultfs.stream import shuffle as shuffle_mod
 from faultfs.stream.commits import Commits
 from faultfs.stream.partition import repartition as repartition_room
+from faultfs.stream.readers import LineShardReader
+from faultfs.stream.shards import expand_shards
 from faultfs.stream.shuffle import (
     Geometry,
     ShuffleHeader,
@@ -205,6 +210,50 @@ def test_the_permutation_is_pinned_and_the_python_path_agrees():
     assert grid.block_order().tolist() == [7, 6, 4, 0, 5, 2, 3, 1]
     assert plan_room.reader_windows(grid, Geometry(1, 64, 2), 2, 1)[:] == [
         WindowSpec((0, 6), 4637990535914259977), WindowSpec((1, 2), 11026351218010118502)]
+
+
+_LINE = st.sampled_from([b"", b"a", b"bb\r", b"{}", b"x" * 70, b"y" * 300, b"\r", b"c\rd"])
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(_LINE, min_size=1, max_size=40), st.sampled_from([b"\n", b"\r\n"]),
+       st.booleans(), st.data())
+def test_a_windows_block_read_at_once_holds_what_the_shard_reader_reads(
+    tmp_path_factory, lines, sep, final, data
+):
+    """``line_piece`` (a window's block in one read) gives the records, their bounds and
+    ends that ``LineShardReader`` gives over the same range — blank lines, "\r\n", lines
+    longer than the read's tail, a last line without a terminator — or declines (False)."""
+    root = tmp_path_factory.mktemp("piece")
+    raw = sep.join(lines) + (sep if final else b"")
+    if not raw:
+        return
+    (root / "a.jsonl").write_bytes(raw)
+    shard = expand_shards(str(root / "a.jsonl"), None)[0]
+    lo = data.draw(st.integers(0, len(raw) - 1))
+    hi = data.draw(st.none() | st.integers(lo + 1, len(raw)))
+    hi = None if hi == len(raw) else hi
+    file = shard.open()
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            # a short tail: lines longer than it (declined); the real one: most lines whole
+            mp.setattr(window_room, "TAIL_PEEK", data.draw(st.sampled_from([16, 4096])))
+            piece = window_room.line_piece(shard, 0, file, lo, hi, len(raw))
+    finally:
+        file.close()
+    reader = LineShardReader(shard, 0, 0, 0, ranges=[(lo, hi, lo == 0)])
+    try:
+        blocks = list(iter(reader.next_block, None))
+    finally:
+        reader.close()
+    if piece is False:
+        return
+    want = [r for b in blocks for r in b.records]
+    assert (piece.records if piece is not None else []) == want
+    if piece is not None:
+        assert piece.ends.tolist() == [int(e) for b in blocks for e in b.ends]
+        assert [piece.line_offset(i) for i in range(piece.count)] == [
+            b.line_offset(i) for b in blocks for i in range(b.count)]
 
 
 def test_odd_lines_parse_whole_windows_and_a_bad_record_is_named_in_its_shard(tmp_path):
@@ -506,23 +555,45 @@ def test_checkpoint_show_reports_the_shuffle_record(tmp_path, capsys):
 # the shuffle record: golden bytes, damage, crashes
 
 
-GOLDEN_SLOT = ShuffleSlot(3, 2, 5, 77, 1000, 1, False)
+GOLDEN_COORD = StreamCoordinate(3, 0x1122334455667788, 7, 2, 9, 123456789)
+GOLDEN_SLOT = ShuffleSlot(3, 2, 5, 77, 1000, 1, False, DiskSlot(3, 42, GOLDEN_COORD, 1000))
 GOLDEN_HEADER = ShuffleHeader(Geometry(7, 1 << 20, 16), 0x1122334455667788, (100, 0, 7))
 
 
 def test_the_shuffle_record_format_is_pinned():
     assert GOLDEN_SLOT.encode().hex() == (
-        "46465353" "01000000" "0300000000000000" "0200000000000000" "0500000000000000"
-        "4d00000000000000" "e8030000" "01000000" "00000000" "0000000000000000" "385bee39"
+        "46465353" "02000000" "0300000000000000" "0200000000000000" "0500000000000000"
+        "4d00000000000000" "e8030000" "01000000" "00000000" "0000000000000000" "416f511f"
     ), "format changed: bump shuffle.record.VERSION"
+    # a record's slot: the place, then the .meta slot of its checkpoint, byte for byte
+    assert GOLDEN_SLOT.slot_bytes() == GOLDEN_SLOT.encode() + GOLDEN_SLOT.meta.encode()
     assert GOLDEN_HEADER.encode().hex() == (
-        "46465348" "01000000" "0700000000000000" "0000100000000000" "10000000" "03000000"
-        "8877665544332211" "6400000000000000" "0000000000000000" "0700000000000000" "03201220"
+        "46465348" "02000000" "0700000000000000" "0000100000000000" "10000000" "03000000"
+        "8877665544332211" "6400000000000000" "0000000000000000" "0700000000000000" "d3b517a4"
     ), "format changed: bump shuffle.record.VERSION"
-    finished = ShuffleSlot(4, 2, 9, 0, 1000, 1, True)
+    finished = ShuffleSlot(4, 2, 9, 0, 1000, 1, True, DiskSlot(4, 50, GOLDEN_COORD, 1200))
     data = shuffle_mod.image(GOLDEN_HEADER, [GOLDEN_SLOT, finished])
+    assert len(data) == 256 + len(GOLDEN_HEADER.encode())
     header, slots = record_room.decode(data, "x")
     assert header == GOLDEN_HEADER and [s for s, _ in slots] == [GOLDEN_SLOT, finished]
+    assert [s.meta for s, _ in slots] == [GOLDEN_SLOT.meta, finished.meta]
+    # the .meta the record stands for: each copy at its parity position
+    assert record_room.meta_bytes([s for s, _ in slots]) == (GOLDEN_SLOT.meta.encode()
+                                                             + finished.meta.encode())
+
+
+def test_a_version_1_record_is_refused_in_one_line(tmp_path):
+    make_lines(tmp_path, SMALL)
+    src, state = str(tmp_path / "part-*.jsonl"), tmp_path / "run.meta"
+    with open_stream(src, state) as s:
+        next(s.batches(5))
+    record = Path(f"{state}.shuffle")
+    v1 = bytes(128) + bytes.fromhex("46465348" "01000000") + record.read_bytes()[264:]
+    record.write_bytes(v1)  # the layout of version 1: two 64-byte slots, then the header
+    with pytest.raises(CorruptionError, match=r"run.meta.shuffle: damaged shuffle record: "
+                                              r"version 1 \(written by an older faultfs"):
+        open_stream(src, state)
+    assert record.read_bytes() == v1
 
 
 def test_the_carried_rest_format_is_pinned():
@@ -547,28 +618,33 @@ def with_crc(data: bytes, offset: int, fmt: str, value: int) -> bytes:
     """``data`` (a record) with a header field overwritten and the header's CRC made right."""
     body = bytearray(data[:-4])
     struct.pack_into(fmt, body, offset, value)
-    return bytes(body) + struct.pack("<I", zlib.crc32(body[128:]))
+    return bytes(body) + struct.pack("<I", zlib.crc32(body[256:]))
 
 
 @pytest.mark.parametrize(
     ("damage", "message"),
     [
-        (lambda d: d[:20], "damaged shuffle record: 20 bytes, shorter than the 172-byte minimum"),
-        (lambda d: d[:128] + b"XXXX" + d[132:], "damaged shuffle record: bad magic b'XXXX'"),
-        (lambda d: with_crc(d, 132, "<I", 9), "version 9, this faultfs reads version 1"),
+        (lambda d: d[:20], "damaged shuffle record: 20 bytes, shorter than the 300-byte minimum"),
+        (lambda d: d[:256] + b"XXXX" + d[260:], "damaged shuffle record: bad magic b'XXXX'"),
+        (lambda d: with_crc(d, 260, "<I", 9), "version 9, this faultfs reads version 2"),
         (lambda d: d[:-1] + bytes([d[-1] ^ 1]), "damaged shuffle record: bad checksum"),
-        (lambda d: d[:150] + bytes([d[150] ^ 0x40]) + d[151:], "bad checksum"),
-        (lambda d: with_crc(d, 156, "<I", 2**32 - 1), "damaged shuffle record: shard count "
+        (lambda d: d[:278] + bytes([d[278] ^ 0x40]) + d[279:], "bad checksum"),
+        (lambda d: with_crc(d, 284, "<I", 2**32 - 1), "damaged shuffle record: shard count "
                                                       "4294967295"),
-        (lambda d: with_crc(d, 156, "<I", 4), "header bytes for 4 shards"),
-        (lambda d: with_crc(d, 144, "<Q", 0), "block of 0 bytes"),
+        (lambda d: with_crc(d, 284, "<I", 4), "header bytes for 4 shards"),
+        (lambda d: with_crc(d, 272, "<Q", 0), "block of 0 bytes"),
         (lambda d: with_crc(d + b"\0" * 8, len(d) - 4, "<Q", 0), "header bytes for 5 shards"),
-        # the checkpoint's own slot torn: its partner holds another checkpoint, never used
-        (lambda d: d[:70] + bytes([d[70] ^ 1]) + d[71:],
+        # the checkpoint's own slot (B) torn: its partner holds the checkpoint before, which
+        # the .meta is ahead of: refused, never used
+        (lambda d: d[:134] + bytes([d[134] ^ 1]) + d[135:],
          "no shuffle slot for checkpoint epoch 2 of"),
-        (lambda d: d[:64] + bytes(64) + d[128:], "slot B: all-zero"),
+        (lambda d: d[:128] + bytes(128) + d[256:], "slot B: all-zero"),
         # a bit of the checkpoint's slot's position flipped: its fields look sound, its CRC not
-        (lambda d: d[:97] + bytes([d[97] ^ 1]) + d[98:], "slot B: bad crc"),
+        (lambda d: d[:161] + bytes([d[161] ^ 1]) + d[162:], "slot B: bad crc"),
+        # its copy of the .meta slot damaged: that copy's CRC fails
+        (lambda d: d[:200] + bytes([d[200] ^ 1]) + d[201:], "slot B: bad crc (its .meta slot)"),
+        # both slots damaged: no checkpoint at all
+        (lambda d: bytes(8) + d[8:136] + bytes(8) + d[144:], "no valid slot"),
     ],
 )
 def test_a_damaged_shuffle_record_is_refused(tmp_path, damage, message):
@@ -609,13 +685,13 @@ def test_decoding_random_damage_raises_only_corruption(data):
         raw[data.draw(st.integers(0, len(raw) - 1))] = data.draw(st.integers(0, 255))
     blob = bytes(raw[: data.draw(st.integers(0, len(raw)))])
     if data.draw(st.booleans()) and len(blob) > 4:
-        start = 128 if kind == "record" and len(blob) > 132 else 0
+        start = 256 if kind == "record" and len(blob) > 260 else 0
         blob = blob[:-4] + struct.pack("<I", zlib.crc32(blob[start:-4]))
     error = None
     try:
         if kind == "record":
             header, _ = record_room.decode(blob, "x")
-            assert blob[128:] == header.encode()
+            assert blob[256:] == header.encode()
         else:
             assert carry_room.encode(carry_room.decode_carried(blob, "x")) == blob
     except CorruptionError as err:
@@ -631,6 +707,7 @@ def _sim_state(disk: SimDisk) -> tuple:
     """(checkpoint epoch, batch id, coordinate, the shuffle slot's place) recovered from a
     disk, as a shuffled stream opens it."""
     ops = SimOps(disk)
+    shuffle_mod.settle(META, ops)  # the .meta slots have no fsync of their own
     meta = DualMetadataManager.open(META, ops=ops)
     try:
         record = ShuffleRecord.open(RECORD, meta.epoch, META, ops=ops)
@@ -677,6 +754,42 @@ def test_a_crash_at_every_write_of_a_shuffled_commit_recovers_the_previous_or_th
                 assert legal[0][0] == 0, "only before the first commit may a file be missing"
                 continue
             assert _sim_state(after) in legal, point
+
+
+def test_a_shuffled_commit_is_one_barrier_and_a_meta_left_behind_is_written_again(
+    tmp_path, monkeypatch
+):
+    """A commit fsyncs the record (and, with hashes, the WAL first), never the .meta; a .meta
+    that lost its last slots (as a power loss leaves it) is written again from the record by
+    the next open, and that open resumes where the uninterrupted stream would have gone on."""
+    make_lines(tmp_path, SMALL)
+    src = str(tmp_path / "part-*.jsonl")
+    synced: list[str] = []
+    real = OsFileOps.fsync
+    monkeypatch.setattr(OsFileOps, "fsync", lambda self, fd: (
+        synced.append(os.readlink(f"/proc/self/fd/{fd}")), real(self, fd))[1])
+    for dedup in (False, True):
+        state = tmp_path / f"one-{dedup}.meta"
+        with open_stream(src, state, dedup=dedup) as s:
+            batches = s.batches(4)
+            next(batches)
+            old_meta = state.read_bytes()
+            synced.clear()
+            batch_id, _ = next(batches)
+            s.commit(batch_id)
+            assert synced == [f"{state}.dedup"] * dedup + [f"{state}.shuffle"]
+            rest = [r for _, b in batches for r in b]
+        state.write_bytes(old_meta)  # the commit's .meta slot never reached the disk
+        info, error = describe_checkpoint(str(state))
+        assert error is None and "the .meta is behind its record" in info["shuffle"]["note"]
+        synced.clear()
+        with open_stream(src, state, dedup=dedup) as again:
+            assert synced[:1] == [str(state)], "the open writes the .meta again, fsynced"
+            assert again.committed_batch_id == batch_id
+            assert [r for _, b in again.batches(4) for r in b] == rest
+        state.write_bytes(bytes(128))  # both slots lost: the record still holds them
+        with open_stream(src, state, dedup=dedup) as again:
+            assert again.committed_batch_id == batch_id
 
 
 # ---------------------------------------------------------------------------------------------

@@ -6,7 +6,8 @@ Invariants:
   An unrecoverable file is still described, then reported as a CorruptionError.
 - A shuffled stream's state has a shuffle record beside it (``FILE.meta.shuffle``): its seed,
   window and shards, both slots, and the one that pairs with the active ``.meta`` slot (the
-  epoch, window and position a resume continues at) are reported too, and a record that is
+  epoch, window and position a resume continues at) are reported too, or that the ``.meta``
+  is behind its record (a power loss; the next open writes it again), and a record that is
   damaged or does not pair makes the checkpoint unrecoverable, as a shuffled stream finds it.
 """
 
@@ -107,7 +108,7 @@ def _describe_shuffle(
     info: dict[str, Any], path: str, recovery: Recovery | None
 ) -> CorruptionError | None:
     """The shuffle record beside ``path``, if there is one, into ``info["shuffle"]``."""
-    from faultfs.stream.shuffle import decode, read_record
+    from faultfs.stream.shuffle import committed_pair, decode, read_record
 
     record = path + ".shuffle"
     data = read_record(record)
@@ -130,18 +131,19 @@ def _describe_shuffle(
          "generation": slot.generation, "finished": slot.finished}
         for name, (slot, why) in zip("AB", slots, strict=True)
     ]
-    if recovery is None:
-        return None
-    paired = [s for s in out["slots"] if s.get("meta_epoch") == recovery.slot.epoch]
-    if not paired:
-        err = CorruptionError(
-            f"{record}: no shuffle slot for checkpoint epoch {recovery.slot.epoch} of {path}"
-        )
+    try:  # the record's newest slot is the checkpoint; its .meta may be behind it
+        pair = committed_pair(path)
+    except CorruptionError as err:
         out["error"] = err.message
         info["recoverable"] = False
         info["reason"] = err.message
         return err
-    out["active"] = paired[0]["slot"]
+    assert pair is not None
+    meta, slot = pair
+    out["active"] = "A" if slot.offset == 0 else "B"
+    if recovery is None or meta.epoch != recovery.slot.epoch:
+        out["note"] = (f"the .meta is behind its record, whose checkpoint is epoch {meta.epoch} "
+                       f"(batch {meta.committed_batch_id}): the next open writes it again")
     return None
 
 
@@ -195,7 +197,9 @@ def _format(info: dict[str, Any]) -> str:
             else:
                 state = s["status"]
             lines.append(f"    slot {s['slot']} {state}")
-        if "active" in sh:
+        if "note" in sh:
+            lines.append(f"    {sh['note']} (slot {sh['active']})")
+        elif "active" in sh:
             lines.append(f"    pairs with the active checkpoint: slot {sh['active']}")
         elif "error" in sh:
             lines.append(f"    {sh['error']}")

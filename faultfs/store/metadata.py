@@ -24,7 +24,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -279,9 +279,16 @@ class DualMetadataManager:
         batch_id: int,
         coord: StreamCoordinate,
         new_hashes: Sequence[int] | np.ndarray = (),
+        *,
+        journal: Callable[[DiskSlot], None] | None = None,
     ) -> DiskSlot:
         """Durably record: batches up to ``batch_id`` consumed, resume at ``coord``, and
-        ``new_hashes`` committed after the existing ones. Returns the new active slot."""
+        ``new_hashes`` committed after the existing ones. Returns the new active slot.
+
+        ``journal``: another file that makes the new slot durable (a shuffled stream's
+        record, which carries a copy of it): called with the slot after the WAL's fsync and
+        before the slot is written here, which then takes no fsync of its own — whoever
+        opens the checkpoint puts the journal's copy back first if a power loss took it."""
         self._check_open()
         hashes = np.asarray(new_hashes, dtype=_HASH_DTYPE).ravel()
         new_count = self._slot.dedup_count + int(hashes.size)
@@ -294,8 +301,11 @@ class DualMetadataManager:
             offset = self._slot.dedup_count * HASH_SIZE
             self._write_all(self._wal_fd, hashes.tobytes(), offset)
             self._ops.fsync(self._wal_fd)
+        if journal is not None:
+            journal(slot)
         self._write_all(self._meta_fd, slot.encode(), slot.offset)
-        self._ops.fsync(self._meta_fd)
+        if journal is None:
+            self._ops.fsync(self._meta_fd)
         self._slot = slot
         self.recovery = Recovery(slot, "A" if slot.offset == SLOT_A_OFFSET else "B", "committed")
         return slot

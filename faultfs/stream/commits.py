@@ -11,14 +11,15 @@ Invariants:
 - ``hand_off`` gives the commit of the oldest pending batch to another owner of the state
   (the PyTorch adapter's main process) and forgets it here.
 - A shuffled stream's batch carries its shuffle slot (``faultfs.stream.shuffle``); its commit
-  writes that slot into the shuffle record, fsynced, *before* the ``.meta`` slot it goes
-  with, so a crash between the two leaves the previous checkpoint whole.
+  writes that slot, with a copy of the ``.meta`` slot it goes with, into the shuffle record,
+  fsynced, *before* that ``.meta`` slot: the record's fsync is the commit, so a crash before
+  it leaves the previous checkpoint whole and the ``.meta`` slot needs no fsync of its own.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
@@ -100,10 +101,7 @@ class Commits:
             self._meta.commit(batch_id, coord, hashes)
             return
         assert self._record is not None
-        slot = replace(shuffle, meta_epoch=self._meta.epoch + 1)
-        self._record.write(slot)
-        self._meta.commit(batch_id, coord, hashes)
-        self._record.committed(slot)
+        self._meta.commit(batch_id, coord, hashes, journal=self._record.journal(shuffle))
 
     def commit(self, batch_id: int) -> None:
         """Durably mark every batch up to ``batch_id`` consumed (``commit_gpu_batch``)."""

@@ -227,7 +227,7 @@ def row_bytes(row: dict[str, Any]) -> bytes:
 LineRange = tuple[int, "int | None", bool]  # start, stop (None: the shard's end), exact
 
 
-def _check_size(shard: Shard, file: Any, expected: int | None) -> None:
+def check_size(shard: Shard, file: Any, expected: int | None) -> None:
     if expected is not None and file.size != expected:
         raise SourceError(
             f"{shard.url}: shard is {file.size} bytes, but the stream's partition was made "
@@ -278,7 +278,7 @@ class LineShardReader:
         self._first_read = min(first_read, LINE_BLOCK)
         self._read_size = self._first_read
         try:
-            _check_size(shard, self._file, expected_size)
+            check_size(shard, self._file, expected_size)
             self._start_range()
         except BaseException:
             self.close()
@@ -507,7 +507,7 @@ class ParquetShardReader:
         self._owns_file = file is None
         self._file = shard.open() if file is None else file
         try:
-            _check_size(shard, self._file, expected_size)
+            check_size(shard, self._file, expected_size)
             if parquet is not None:
                 self._pf = parquet
             else:

@@ -67,6 +67,7 @@ from faultfs.stream.shuffle import (
     ShuffleSlot,
     refuse_unshuffled_state,
     replace_shuffled,
+    settle,
 )
 
 FORMATS = ("raw", "arrow", "pydict")
@@ -151,6 +152,8 @@ class RecordStream:
     def _open_state(self, state: str, dedup: bool, geometry: Geometry | None,
                     epoch: int | None) -> None:
         """The rest of ``__init__``: this reader's checkpoint, resume point and hashes."""
+        if geometry is not None:
+            settle(self.plan.state_path)  # a .meta a power loss left behind its record
         self._meta = DualMetadataManager.open(self.plan.state_path, exclusive=True)
         self._epochs: Epochs | None = None
         try:

@@ -77,6 +77,7 @@ from faultfs.stream import RecordStream
 from faultfs.stream.partition import (
     PARTITION_SUFFIX,
     SHUFFLE_SUFFIX,
+    CommittedState,
     check_template,
     load,
     meta_image,
@@ -86,10 +87,12 @@ from faultfs.stream.partition import (
 from faultfs.stream.shuffle import (
     ShuffleRecord,
     ShuffleSlot,
-    committed_slot,
+    committed_pair,
     decode_slot,
     image,
+    meta_bytes,
     read_record,
+    settle,
 )
 from faultfs.stream.shuffle import decode as decode_record
 
@@ -320,7 +323,7 @@ class RecordDataset(torch_data.IterableDataset):
             stream.committed_batch_id,
             stream.committed_coord,
             stream.committed_dedup_count,
-            _committed_shuffle(stream.state_path) if self.shuffle else None,
+            _read_state(stream.state_path, True)[1] if self.shuffle else None,
         )
         self._position = position
         try:
@@ -367,24 +370,27 @@ class RecordDataset(torch_data.IterableDataset):
         receipts = _RECEIPTS.take(self._token, worker, local)
         path = self._path(worker, num_workers)
         if not receipts:
-            committed = read_committed(path)
+            committed, _ = _read_state(path, self.shuffle)
             if committed is not None and local <= committed.batch_id:
                 return  # already durable
             raise InvalidInput(f"batch {batch_id} was not received from this dataset's loader")
         try:
+            if self.shuffle:
+                settle(path)  # a .meta a power loss left behind its record
             with DualMetadataManager.open(path) as meta:
                 fresh = [r for r in receipts if r.local > meta.committed_batch_id]
                 if fresh:
                     hashes = np.frombuffer(b"".join(r.hashes for r in fresh), dtype=_HASH_DTYPE)
                     coord = StreamCoordinate.decode(fresh[-1].coord)
-                    if fresh[-1].shuffle:  # the shuffle slot first, then the .meta slot
+                    if not fresh[-1].shuffle:
+                        meta.commit(local, coord, hashes)
+                    else:  # the shuffle record's slot is the commit, the .meta slot follows
                         record = ShuffleRecord.open(path + SHUFFLE_SUFFIX, meta.epoch, path)
                         try:
-                            slot = decode_slot(fresh[-1].shuffle)
-                            record.write(ShuffleSlot(meta.epoch + 1, *_fields(slot)))
+                            place = decode_slot(fresh[-1].shuffle)
+                            meta.commit(local, coord, hashes, journal=record.journal(place))
                         finally:
                             record.close()
-                    meta.commit(local, coord, hashes)
         except BaseException:
             _RECEIPTS.put_back(self._token, worker, receipts)
             raise
@@ -408,11 +414,10 @@ class RecordDataset(torch_data.IterableDataset):
         readers = {}
         for worker in range(num_workers):
             path = self._path(worker, num_workers)
-            committed = read_committed(path)
+            committed, shuffle = _read_state(path, self.shuffle)
             if committed is not None:
                 readers[str(worker)] = _entry(
-                    committed.batch_id, committed.coord, committed.dedup_count,
-                    _committed_shuffle(path) if self.shuffle else None,
+                    committed.batch_id, committed.coord, committed.dedup_count, shuffle
                 )
         return {**base, "num_workers": num_workers, "generation": generation, "readers": readers}
 
@@ -475,8 +480,7 @@ class RecordDataset(torch_data.IterableDataset):
     @staticmethod
     def _restore(path: str, batch_id: int, coord: StreamCoordinate, dedup_count: int,
                  shuffle: ShuffleSlot | None) -> None:
-        committed = read_committed(path)
-        now = _committed_shuffle(path) if shuffle is not None else None
+        committed, now = _read_state(path, shuffle is not None)
         if committed is None and (batch_id, coord) == (0, StreamCoordinate()) and (
             shuffle is None or now is None
         ):
@@ -493,20 +497,20 @@ class RecordDataset(torch_data.IterableDataset):
         if shuffle is None:
             write_atomic(path, [meta_image(DiskSlot(1, batch_id, coord, min(dedup_count, have)))])
             return
-        # shuffled: the record gets the restored slot beside the one of the checkpoint now in
-        # place (the other parity), then the .meta follows; a crash between leaves a pair
+        # shuffled: the record gets the restored slot as its newest (the checkpoint after the
+        # one in place, which stays beside it), then the .meta follows as the record says; a
+        # crash between leaves a .meta behind its record, which the next open puts right
         current = committed.epoch if committed is not None else 0
-        epoch = 2 if current % 2 else 1
         data = read_record(path + SHUFFLE_SUFFIX)
         if data is None:
             raise InvalidInput(f"{path}{SHUFFLE_SUFFIX}: the shuffle record to restore into is "
                                "missing (the dataset never read with this state)")
         header, slots = decode_record(data, path + SHUFFLE_SUFFIX)
         keep = [s for s, _ in slots if s is not None and s.meta_epoch == current]
-        restored = ShuffleSlot(epoch, *_fields(shuffle))
+        restored = shuffle.with_meta(DiskSlot(current + 1, batch_id, coord,
+                                              min(dedup_count, have)))
         write_atomic(path + SHUFFLE_SUFFIX, [image(header, [*keep, restored])])
-        slot = DiskSlot(epoch, batch_id, coord, min(dedup_count, have))
-        write_atomic(path, [meta_image(slot) if epoch == 1 else bytes(64) + slot.encode()])
+        write_atomic(path, [meta_bytes([*keep, restored])])
 
 
 def _entry(batch_id: int, coord: StreamCoordinate, dedup_count: int,
@@ -527,9 +531,13 @@ def _fields(slot: ShuffleSlot) -> tuple[int, int, int, int, int, bool]:
             slot.finished)
 
 
-def _committed_shuffle(path: str) -> ShuffleSlot | None:
-    """The shuffle slot of a reader's committed checkpoint, its ``meta_epoch`` cleared (None:
-    no record)."""
-    committed = read_committed(path)
-    slot = committed_slot(path + SHUFFLE_SUFFIX, committed.epoch if committed else 0, path)
-    return None if slot is None else ShuffleSlot(0, *_fields(slot))
+def _read_state(path: str, shuffled: bool) -> tuple[CommittedState | None, ShuffleSlot | None]:
+    """A reader's committed checkpoint (None: no state) and, shuffled, its shuffle slot with
+    no ``meta_epoch`` (None: no record): a shuffled state's is its record's, whose ``.meta``
+    may be behind it after a power loss."""
+    pair = committed_pair(path) if shuffled else None
+    if pair is None:
+        return read_committed(path), None
+    meta, slot = pair
+    return (CommittedState(path, meta.committed_batch_id, meta.coord, meta.dedup_count,
+                           meta.epoch), ShuffleSlot(0, *_fields(slot)))

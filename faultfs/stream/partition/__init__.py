@@ -10,6 +10,7 @@ The formats are in docs/FORMAT-cursors.md.
 
 from faultfs.stream.partition.committed import (
     HASH_DTYPE,
+    CommittedState,
     load_base,
     meta_image,
     read_committed,
@@ -46,7 +47,8 @@ from faultfs.stream.partition.sidecar import (
 )
 
 __all__ = [
-    "HASH_DTYPE", "MAX_SIDECAR_BYTES", "PARTITION_SUFFIX", "SHUFFLE_SUFFIX", "Partition",
+    "HASH_DTYPE", "MAX_SIDECAR_BYTES", "PARTITION_SUFFIX", "SHUFFLE_SUFFIX", "CommittedState",
+    "Partition",
     "ReaderPlan", "Replace", "base_path", "carried_path", "check_template", "claim_states",
     "decode", "encode", "fingerprint", "first_partition", "fresh_name", "load", "load_base",
     "meta_image", "plan_reader", "read_committed", "read_hashes", "reader_paths",

@@ -26,17 +26,20 @@ from faultfs.stream.shuffle.record import (
     ShuffleHeader,
     ShuffleRecord,
     ShuffleSlot,
-    committed_slot,
+    committed_pair,
     decode,
     decode_slot,
     image,
+    meta_bytes,
     read_record,
+    settle,
 )
 from faultfs.stream.shuffle.window import EpochReader, MixedBlock
 
 __all__ = [
     "DEFAULT_WINDOW", "WINDOW_BLOCKS", "EpochGrid", "EpochReader", "Epochs", "Geometry",
     "MixedBlock", "ShuffleHeader", "ShuffleRecord", "ShuffleSlot", "WindowSpec",
-    "committed_slot", "decode", "decode_carried", "decode_slot", "image", "permutation",
-    "read_record", "reader_windows", "refuse_unshuffled_state", "replace_shuffled",
+    "committed_pair", "decode", "decode_carried", "decode_slot", "image",
+    "meta_bytes", "permutation", "read_record", "reader_windows", "refuse_unshuffled_state",
+    "replace_shuffled", "settle",
 ]

@@ -51,10 +51,10 @@ from faultfs.stream.shuffle.plan import Carried, EpochGrid, Geometry, WindowSpec
 from faultfs.stream.shuffle.record import (
     ShuffleHeader,
     ShuffleSlot,
+    committed_pair,
     decode,
     image,
     read_record,
-    slot_for,
 )
 
 MAGIC = b"FFSC"
@@ -179,21 +179,20 @@ class _Reader:
 
 
 def _read_reader(path: str) -> _Reader:
-    """An old reader's committed slot and shuffle slot, read without changing a file."""
-    committed = read_committed(path)
-    data = read_record(path + SHUFFLE_SUFFIX)
-    meta_epoch = committed.epoch if committed is not None else 0
-    if data is None:
+    """An old reader's committed slot and shuffle slot, read without changing a file (the
+    record's checkpoint: its ``.meta`` may be behind it after a power loss)."""
+    pair = committed_pair(path)
+    if pair is None:
+        committed = read_committed(path)
         if committed is not None and committed.anything:
             raise InvalidInput(f"{path}: this reader's state was written by a stream that "
                                "reads in file order; it cannot be carried into a shuffled one")
         return _Reader(path, None, None, 0)
-    header, slots = decode(data, path + SHUFFLE_SUFFIX)
-    slot = slot_for(slots, meta_epoch, path + SHUFFLE_SUFFIX, path)
-    if not meta_epoch:
+    meta, slot = pair
+    header, _ = decode(read_record(path + SHUFFLE_SUFFIX) or b"", path + SHUFFLE_SUFFIX)
+    if not meta.epoch:
         return _Reader(path, None, header, 0, slot.epoch)
-    assert committed is not None
-    return _Reader(path, slot, header, committed.dedup_count)
+    return _Reader(path, slot, header, meta.dedup_count)
 
 
 def _rest(

@@ -3,9 +3,10 @@ in that mixed order as blocks the stream's face takes like any other (``MixedBlo
 
 Invariants:
 - A window's records are numbered in its blocks' order (``WindowSpec.blocks``) and, within
-  a block, in file order; the block's pieces are read with the stream's own shard readers
-  (a line that crosses a block's end is read whole by the block it starts in; a Parquet row
-  group by the block that holds its position). Position ``q`` of the window delivers record
+  a block, in file order; the block's pieces are read as the stream's own shard readers read
+  a range (a line that crosses a block's end is read whole by the block it starts in; a
+  Parquet row group by the block that holds its position): a line piece in one read and one
+  scan (``line_piece``), the shard reader where one read does not settle it. Position ``q`` of the window delivers record
   ``order[q]``, ``order`` the window key's ``permutation``: record order is decided here.
 - ``MixedBlock`` ``k`` of a window holds positions ``[a, b)``; its records, hashes and parsed
   rows are those of its window at ``order[a:b]``, so dedup decides them in the mixed order
@@ -38,9 +39,11 @@ from faultfs.stream.columns import block_table, concat, take_rows
 from faultfs.stream.hashing import record_hashes, span_hashes
 from faultfs.stream.readers import (
     LINE_BLOCK,
+    TAIL_PEEK,
     LineShardReader,
     ParquetShardReader,
     RecordBlock,
+    check_size,
     open_parquet,
 )
 from faultfs.stream.shards import Shard, ShardFile
@@ -101,6 +104,12 @@ def read_blocks(
             shard = shards[shard_id]
             file, parquet = files.get(shard_id)
             size = grid.sizes[shard_id]
+            if shard.format == "lines":
+                piece = line_piece(shard, shard_id, file, lo, hi, size)
+                if piece is not False:
+                    if piece is not None:
+                        out.append(piece)
+                    continue
             reader: LineShardReader | ParquetShardReader
             if shard.format == "lines":
                 reader = LineShardReader(
@@ -120,11 +129,57 @@ def read_blocks(
     return out
 
 
+def line_piece(shard: Shard, shard_id: int, file: ShardFile, lo: int, hi: int | None,
+               size: int) -> RecordBlock | bool | None:
+    """The lines that start in ``[lo, hi)`` of a line shard (``hi`` None: its end) from one
+    read, as one block over that read's bytes (no copy: the window joins its blocks' records
+    anyway); None when none starts there. False where one read does not settle it (the
+    line that crosses ``lo`` or ``hi`` reaches past the read, or the shard's last line has
+    no terminator): ``LineShardReader`` then reads the piece, as it reads any range."""
+    check_size(shard, file, size)
+    end = size if hi is None else hi
+    start = lo - 1 if lo else 0  # a line starts at lo when the byte before it is a "\n"
+    want = min(end + (0 if hi is None else TAIL_PEEK), size) - start
+    if file.tell() != start:
+        file.seek(start)
+    buf = file.read(want)
+    if len(buf) != want:
+        return False
+    arr = np.frombuffer(buf, dtype=np.uint8)
+    nl = np.flatnonzero(arr == 10)  # each line's "\n"
+    if lo and not nl.size:
+        return False
+    first = int(nl[0]) + 1 if lo else 0
+    rel_end = end - start  # the records start before it
+    stops = nl[nl >= first]
+    starts = np.empty_like(stops)
+    if stops.size:
+        starts[0] = first
+        starts[1:] = stops[:-1] + 1
+    k = int(np.searchsorted(starts, rel_end))
+    tail = int(stops[k - 1]) + 1 if k else first  # the next line's start
+    if k == stops.size and tail < rel_end and tail < len(buf):
+        return False  # a line that starts here ends past the read, or without a "\n"
+    starts, stops = starts[:k], stops[:k]
+    ends = stops + 1
+    if buf.find(b"\r", first, tail) >= 0:  # strip the "\r" of "\r\n"
+        stops = stops - ((stops > starts) & (arr[np.maximum(stops - 1, 0)] == 13))
+    keep = stops > starts
+    if not keep.all():  # empty lines are not records
+        starts, stops, ends = starts[keep], stops[keep], ends[keep]
+    if not ends.size:
+        return None
+    return RecordBlock(
+        kind="lines", shard=shard, shard_id=shard_id, ends=ends.astype(np.int64) + start,
+        global_start=0, data=buf, data_offset=start, starts=starts, stops=stops,
+    )
+
+
 class _Source:
     """What a window keeps of one record block: enough for coordinates and, for a line
     block, to be made again from the joined buffer (a block-by-block parse)."""
 
-    __slots__ = ("block", "cut", "data_offset", "ends", "first", "joined_at", "kind",
+    __slots__ = ("block", "cut", "data_offset", "ends", "first", "head", "joined_at", "kind",
                  "row_group_idx", "shard", "shard_id", "terminated")
 
     def __init__(self, block: RecordBlock, first: int, joined_at: int) -> None:
@@ -135,9 +190,11 @@ class _Source:
         self.ends = block.ends
         self.first = first  # the window's number of its first record
         self.joined_at = joined_at  # where its bytes start in the joined buffer (lines)
-        self.data_offset = block.data_offset
+        # lines: its bytes in the buffer are those of its records, from the first one's start
+        self.head = 0 if block.starts is None else int(block.starts[0])
+        self.data_offset = block.data_offset + self.head
         self.terminated = block.terminated
-        self.cut = int(block.ends[-1]) - block.data_offset  # its bytes in the buffer (lines)
+        self.cut = int(block.ends[-1]) - self.data_offset
         self.block: RecordBlock | None = None if block.kind == "lines" else block
 
 
@@ -167,9 +224,9 @@ class Window:
             at += b.count
             if self.lines:
                 assert b.starts is not None and b.stops is not None
-                parts.append(memoryview(b.data)[: src.cut])
-                starts.append(b.starts + joined_at)
-                stops.append(b.stops + joined_at)
+                parts.append(memoryview(b.data)[src.head : src.head + src.cut])
+                starts.append(b.starts + (joined_at - src.head))
+                stops.append(b.stops + (joined_at - src.head))
                 joined_at += src.cut
                 if not b.terminated:  # a shard's last line: terminated in the buffer
                     parts.append(b"\n")
