@@ -149,17 +149,20 @@ def test_umount_of_a_mount_that_is_not_faultfs_is_refused(small_fs):
     assert os.path.ismount(fs)
 
 
+CHUNKS = 512
+
+
 def test_umount_says_so_when_the_daemon_is_killed_before_its_unmount_finished(mounter, sample):
     """``faultfs umount`` returned 0 when the daemon was killed while it folded the journal
     at the unmount: the mount was gone, its writes not folded (kept in the journal, nothing
     lost), and the user was told nothing."""
-    src = sample(64 * 64 * KiB)
+    src = sample(CHUNKS * 64 * KiB)
     m = mounter(src, args=["--chunk-size", "64K", "--journal-mb", "1024"])
     view = os.path.join(m.tag("field"), "field.bin")
     fd = os.open(view, os.O_WRONLY)
-    try:  # a write into each of 64 chunks: the unmount folds 64 blobs, each over its source
-        for i in range(64):
-            os.pwrite(fd, b"w%02d" % i, i * 64 * KiB + 100)
+    try:  # a write into each chunk: the unmount folds them all, each over its source — long
+        for i in range(CHUNKS):  # enough that the kill lands in the fold on a loaded machine
+            os.pwrite(fd, b"w%03d" % i, i * 64 * KiB + 100)
     finally:
         os.close(fd)
     pid = m.pid
@@ -177,5 +180,5 @@ def test_umount_says_so_when_the_daemon_is_killed_before_its_unmount_finished(mo
     assert len(err.strip().splitlines()) == 1, err
     m2 = mounter(store=m.store, mountpoint=m.path)
     data = read(os.path.join(m2.tag("field"), "field.bin"))
-    assert all(data[i * 64 * KiB + 100:i * 64 * KiB + 103] == b"w%02d" % i for i in range(64))
+    assert all(data[i * 64 * KiB + 100:i * 64 * KiB + 104] == b"w%03d" % i for i in range(CHUNKS))
     run_faultfs("umount", m2.path, check=True)  # a clean unmount says nothing
