@@ -39,7 +39,7 @@ from faultfs.core.units import parse_size
 from faultfs.errors import FaultfsError, InvalidInput
 from faultfs.fsspec.claims import Claims
 from faultfs.fsspec.objects import Counters, PinnedObject, Shared, tag_for
-from faultfs.fsspec.pins import PinRecords
+from faultfs.fsspec.pins import DEFAULT_PIN_TTL, PinRecords
 from faultfs.fsspec.shared import SharedBlobs
 from faultfs.fsspec.space import SharedSpace
 from faultfs.sources import Source, SourceOptions, open_source
@@ -88,7 +88,7 @@ class FaultFileSystem(_Base):
                  cache_size: int | str = 0, read_ahead: int = DEFAULT_READ_AHEAD,
                  io_threads: int = DEFAULT_IO_THREADS, no_store: bool = False,
                  shared_store: str | None = None, shared_store_endpoint_url: str = "",
-                 pin_ttl: float = 0, **kwargs: Any) -> None:
+                 pin_ttl: float = DEFAULT_PIN_TTL, **kwargs: Any) -> None:
         unknown = sorted(set(kwargs) - FSSPEC_OPTIONS)
         if unknown:
             raise OptionError(f"faultfs:: has no option {unknown[0]!r} (options: store, "
@@ -99,6 +99,7 @@ class FaultFileSystem(_Base):
         super().__init__(**kwargs)
         self.target, self.target_protocol, self.target_options = _target(
             target_protocol, target_options, fs)
+        self._endpoint = _endpoint(self.target_protocol, self.target_options)
         self.chunk_size = _size(chunk_size, "chunk_size")
         if not MIN_CHUNK <= self.chunk_size <= MAX_CHUNK_SIZE:
             raise OptionError(f"faultfs:: chunk_size {self.chunk_size} is not in [4 KiB, 1 GiB]")
@@ -183,29 +184,30 @@ class FaultFileSystem(_Base):
 
     def pin(self, path: str) -> PinnedObject:
         """``path`` opened at the version it has now (or had less than ``pin_ttl`` seconds
-        ago), read through the store."""
+        ago, by any process of the store), read through the store."""
         path = self._checked(path)
         url = self.target.unstrip_protocol(path)
         options = SourceOptions(storage_options=dict(self.target_options))
         shared = self._shared_here()
-        endpoint = _endpoint(self.target_protocol, self.target_options)
-        identity = json.dumps([display_url(url), endpoint, self.chunk_size])
+        shown = display_url(url)
+        identity = json.dumps([shown, self._endpoint, self.chunk_size])
         version = shared.pins.fresh(identity, self.pin_ttl)
         source: Source | Callable[[], Source]
+        forget = None
         if version is None:
             try:
                 source = open_source(url, options)
             except FaultfsError as exc:
                 raise as_oserror(exc, path) from None
             version = source.pinned  # type: ignore[attr-defined]
-            if self.pin_ttl > 0:
-                shared.pins.record(identity, version)
+            shared.pins.record(identity, version)
         else:
             source = functools.partial(open_source, url, options)
+            forget = functools.partial(shared.pins.forget, identity, version)
             shared.stats.add("pins_reused")
-        tag = tag_for(display_url(url), endpoint, version.to_text(), self.chunk_size)
+        tag = tag_for(shown, self._endpoint, version.to_text(), self.chunk_size)
         return PinnedObject(source, tag, version.to_text(), version.size, self.chunk_size,
-                            shared)
+                            shared, forget=forget)
 
     def _checked(self, path: str) -> str:
         path = self._strip_protocol(path)

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import errno
+import functools
 import json
 import logging
 import os
@@ -43,6 +45,7 @@ OPEN_BLOBS = 8  # blob files kept open per object for hits (random reads of one 
 KEPT_FLIGHTS = 16  # finished faults whose bytes wait for their reader, per object
 
 
+@functools.lru_cache(maxsize=4096)  # fnv1a64 is pure Python: paid once per object version
 def tag_for(url: str, endpoint: str, version: str, chunk_size: int) -> str:
     """The tag of ``url`` (reached at ``endpoint``) at ``version``, cut in ``chunk_size``."""
     identity = json.dumps([url, endpoint, version, chunk_size], separators=(",", ":"))
@@ -107,11 +110,13 @@ class PinnedObject:
     """A source object at one version, read through the shared store in chunks."""
 
     def __init__(self, source: Source | Callable[[], Source], tag: str, version: str,
-                 size: int, chunk_size: int, shared: Shared) -> None:
+                 size: int, chunk_size: int, shared: Shared, *,
+                 forget: Callable[[], None] | None = None) -> None:
         # the source, or how to open it when a chunk must be faulted (a pin taken from a
         # recent record: ``pins.py``)
         self._source: Source | None = None if callable(source) else source
         self._opener = source if callable(source) else None
+        self._forget = forget  # drops the recorded pin this object came from, found stale
         self.tag = tag
         self.version = version
         self.size = size
@@ -168,9 +173,16 @@ class PinnedObject:
         with self._source_lock:
             if self._source is None:
                 assert self._opener is not None
-                source = self._opener()
+                try:
+                    source = self._opener()
+                except FaultfsError as exc:
+                    if exc.errno == errno.ENOENT and self._forget is not None:
+                        self._forget()  # gone: the next open asks and says so
+                    raise
                 if source.pinned.to_text() != self.version:  # type: ignore[attr-defined]
                     source.close()
+                    if self._forget is not None:
+                        self._forget()  # the next open pins the new version: a new tag
                     raise SourceChanged(f"source {source.url} changed since it was pinned "
                                         f"({self.version}); open it again")
                 self._source = source
