@@ -344,6 +344,7 @@ class FaultFile(AbstractBufferedFile):
         self._ahead = 0
         super().__init__(fs, path, mode="rb", block_size=block_size or obj.chunk_size,
                          cache_type=cache_type, cache_options=cache_options, size=obj.size)
+        self._direct = self.cache.name == "none"  # reads go to the store as they come
 
     def _fetch_range(self, start: int, end: int) -> bytes:
         if start == self._next or start == 0:  # a read from the start is taken as sequential
@@ -355,6 +356,24 @@ class FaultFile(AbstractBufferedFile):
             return self._obj.read(start, end, ahead=self._ahead)
         except FaultfsError as exc:
             raise as_oserror(exc, self.path) from None
+
+    def read(self, length: int = -1) -> bytes:
+        """fsspec's ``read`` without its cache layer when there is none to use (the default,
+        ``cache_type="none"``: a hit is a pread of a blob file, already in the page cache, so
+        a second buffer in front of it would only copy) — and without the statistics string
+        fsspec formats for its debug log on every read."""
+        if self._direct:
+            length = -1 if length is None else int(length)
+            if length < 0:
+                length = self.size - self.loc
+            if self.closed:
+                raise ValueError("I/O operation on closed file.")
+            if length <= 0 or self.loc >= self.size:
+                return b""
+            out = self._fetch_range(self.loc, self.loc + length)
+            self.loc += len(out)
+            return out
+        return super().read(length)  # type: ignore[no-any-return]
 
     def close(self) -> None:
         super().close()

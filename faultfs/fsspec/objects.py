@@ -144,7 +144,13 @@ class PinnedObject:
                     self.shared.store.blob_path(self.tag, str(index))):
                 self._start_fault(index)
         if first == last:
-            return self._chunk_bytes(first, start - first * cs, end - start)
+            off = start - first * cs
+            if first not in self._flights:  # the hit path: one pread of a held blob file
+                data = self._hit(first, off, end - start)
+                if data is not None:
+                    self.shared.stats.add("hits")
+                    return data
+            return bytes(memoryview(self._fault(first))[off:off + end - start])
         # several chunks: their faults run at once (each on the pool), then the pieces join
         for index in range(first + 1, last + 1):
             if index not in self._open and self._hit(index, 0, 0) is None:
@@ -200,9 +206,14 @@ class PinnedObject:
 
     def _hit(self, index: int, off: int, size: int) -> bytes | None:
         """Bytes of a staged, verified blob, or None (absent, stale, damaged: dropped)."""
-        held = self._hold(index)
+        with self._lock:
+            held = self._open.get(index)
+            if held is not None:
+                held.users += 1
         if held is None:
-            return None
+            held = self._hold(index)
+            if held is None:
+                return None
         try:
             if size == 0:
                 return b""
