@@ -28,7 +28,7 @@ import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import fsspec
 from fsspec.spec import AbstractBufferedFile
@@ -40,12 +40,13 @@ from faultfs.errors import FaultfsError, InvalidInput
 from faultfs.fsspec.claims import Claims
 from faultfs.fsspec.objects import Counters, PinnedObject, Shared, tag_for
 from faultfs.fsspec.pins import DEFAULT_PIN_TTL, PinRecords
-from faultfs.fsspec.shared import SharedBlobs
 from faultfs.fsspec.space import SharedSpace
 from faultfs.sources import Source, SourceOptions, open_source
 from faultfs.sources.secrets import display_url
 from faultfs.store.blobstore import BlobStore
-from faultfs.tiers.objects import open_objects, probe
+
+if TYPE_CHECKING:  # the shared tier's code (and trio under it) loads only when one is used
+    from faultfs.fsspec.shared import SharedBlobs
 
 try:  # fsspec >= 2025.9 marks file systems made to sit over another
     from fsspec.implementations.chained import ChainedFileSystem as _Base
@@ -165,6 +166,9 @@ class FaultFileSystem(_Base):
         it cannot be used."""
         if not self.shared_store:
             return None
+        from faultfs.fsspec.shared import SharedBlobs  # trio and the tiers: only for this
+        from faultfs.tiers.objects import open_objects, probe
+
         try:
             objects = open_objects(self.shared_store, SourceOptions(),
                                    endpoint_url=self.shared_store_endpoint_url)

@@ -26,17 +26,20 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from faultfs.core.context import fnv1a64
 from faultfs.core.names import PROTOCOL_TAG_PREFIX
 from faultfs.errors import CorruptionError, FaultfsError, SourceChanged, StoreFull
 from faultfs.fsspec.claims import Claim, Claims
 from faultfs.fsspec.pins import PinRecords
-from faultfs.fsspec.shared import SharedBlobs, chunk_tag
 from faultfs.fsspec.space import SharedSpace
 from faultfs.sources import Source
 from faultfs.store.blobfile import HEADER_LEN
 from faultfs.store.blobstore import BlobStore, OpenBlob
+
+if TYPE_CHECKING:  # the shared tier's code (and trio under it) loads only when one is used
+    from faultfs.fsspec.shared import SharedBlobs
 
 log = logging.getLogger("faultfs.fsspec")
 
@@ -377,6 +380,8 @@ class PinnedObject:
             self.shared.stats.add("shared_publishes")
 
     def _chunk_tag(self, index: int, length: int):
+        from faultfs.fsspec.shared import chunk_tag
+
         return chunk_tag(self.tag, self.version, self.num_chunks, length)
 
     def _from_source(self, index: int, length: int) -> bytes:
