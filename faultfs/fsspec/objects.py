@@ -44,7 +44,9 @@ if TYPE_CHECKING:  # the shared tier's code (and trio under it) loads only when 
 log = logging.getLogger("faultfs.fsspec")
 
 CLAIM_WAIT_S = 120.0  # the longest wait for another process's fault before reading through
-OPEN_BLOBS = 8  # blob files kept open per object for hits (random reads of one object)
+# blob files kept open per object for hits, the least recently read closed first: 64 MiB of
+# 4 MiB chunks for a random reader (8 reopened a blob every other read of a 64 MiB object)
+OPEN_BLOBS = 16
 KEPT_FLIGHTS = 16  # finished faults whose bytes wait for their reader, per object
 
 
@@ -210,8 +212,9 @@ class PinnedObject:
     def _hit(self, index: int, off: int, size: int) -> bytes | None:
         """Bytes of a staged, verified blob, or None (absent, stale, damaged: dropped)."""
         with self._lock:
-            held = self._open.get(index)
+            held = self._open.pop(index, None)
             if held is not None:
+                self._open[index] = held  # the most recently read last: spilled last
                 held.users += 1
         if held is None:
             held = self._hold(index)
