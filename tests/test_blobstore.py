@@ -152,6 +152,24 @@ def test_damaged_dirty_blob_is_an_error_not_silence(store):
     assert os.path.exists(path), "user data is never deleted on a checksum failure"
 
 
+def test_a_small_read_verifies_its_own_block_only(store):
+    """A read within one block (the hit path's one pread and one checksum) is served from a
+    good block of a blob whose other block is damaged, and names the block it fails on."""
+    payload = os.urandom(40 << 10)  # 16 KiB blocks: three of them
+    store.put("tag", "b", payload, flags=FLAG_NO_FAULT)
+    with open(store.blob_path("tag", "b"), "r+b") as f:
+        f.seek(HEADER_LEN + (33 << 10))
+        f.write(bytes([payload[33 << 10] ^ 1]))
+    blob = store.open_blob("tag", "b")
+    assert blob.header.block_size == 16 << 10
+    assert blob.pread(4096, 100) == payload[100:4196]
+    assert blob.pread(16 << 10, 16 << 10) == payload[16 << 10:32 << 10]  # a whole block
+    for size, off in ((10, 33 << 10), (1 << 20, 39 << 10)):  # the second clipped at the end
+        with pytest.raises(CorruptionError, match="block 2 failed its checksum"):
+            blob.pread(size, off)
+    blob.close()
+
+
 def test_huge_length_gives_exact_error():
     header, _ = encode_header("t", "b", b"data", flags=FLAG_NO_FAULT)
     raw = bytearray(header)

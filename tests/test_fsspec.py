@@ -213,7 +213,7 @@ def test_a_changed_source_is_a_new_tag_never_a_mix(ffs, tmp_path):
     path = tmp_path / "obj.bin"
     old, new = os.urandom(256 * 1024), os.urandom(256 * 1024)
     path.write_bytes(old)
-    fs = ffs()
+    fs = ffs(pin_ttl=0)  # every open asks the source (the ttl's own test is below)
     first = fs.open(str(path))
     assert first.read(1000) == old[:1000]  # chunk 0 staged from the old version
     time.sleep(0.01)
@@ -478,17 +478,19 @@ def test_a_bad_shared_store_is_refused_in_one_line(tmp_path, value, words):
 
 
 def test_pin_ttl_reuses_a_recent_pin_and_never_mixes(ffs, tmp_path):
-    """With pin_ttl, an object pinned a moment ago (by any process) opens at that version
-    without asking its source; if it changed meanwhile, staged chunks read the old version and
-    a chunk that must be faulted is refused — never the new bytes under the old pin."""
+    """Within pin_ttl (60 s by default), an object pinned a moment ago (by any process) opens
+    at that version without asking its source; if it changed meanwhile, staged chunks read the
+    old version and a chunk that must be faulted is refused — never the new bytes under the
+    old pin — and the stale pin is forgotten: the next open is the new version, a new tag."""
     path = tmp_path / "obj.bin"
     old, new = os.urandom(256 * 1024), os.urandom(256 * 1024)
     path.write_bytes(old)
-    fs = ffs(pin_ttl=60)
+    fs = ffs()
+    assert fs.pin_ttl == 60
     with fs.open(str(path)) as f:
         assert f.read(70_000) == old[:70_000]  # chunks 0 and 1 staged
     assert fs.drain(timeout=60)
-    again = ffs(pin_ttl=60)
+    again = ffs()
     with again.open(str(path)) as f:
         assert f.read(70_000) == old[:70_000]
     assert again.stats()["pins_reused"] == 1 and again.stats().get("faults", 0) == 0
@@ -499,8 +501,49 @@ def test_pin_ttl_reuses_a_recent_pin_and_never_mixes(ffs, tmp_path):
         f.seek(200_000)
         with pytest.raises(OSError, match="changed"):
             f.read(10)
-    fresh = ffs()  # pin_ttl 0 (the default): the version it has now
-    with fresh.open(str(path)) as f:
+    with again.open(str(path)) as f:  # the stale pin was forgotten: asked, a new tag
         assert f.read() == new
+    assert again.stats()["pins_reused"] == 2
+    assert len(protocol_tags(tmp_path / "store")) == 2
     with pytest.raises(OptionError):
         ffs(pin_ttl=-1)
+
+
+def test_pin_ttl_expires_into_a_new_tag(ffs, tmp_path):
+    """A pin older than pin_ttl is asked again: the changed object is a new tag whose bytes
+    are all the new version's, while a file opened before still reads the old tag alone; with
+    pin_ttl=0 every open asks (and keeps the record current for processes with a ttl)."""
+    path = tmp_path / "obj.bin"
+    old, new, third = (os.urandom(256 * 1024) for _ in range(3))
+    path.write_bytes(old)
+    fs = ffs(pin_ttl=0.5)
+    before = fs.open(str(path))
+    assert before.read(1000) == old[:1000]
+    assert fs.drain(timeout=60)  # chunk 0 stored
+    time.sleep(0.01)
+    path.write_bytes(new)
+    with fs.open(str(path)) as f:  # within the ttl, staged chunk 0: the old version
+        assert f.read(1000) == old[:1000]
+    time.sleep(0.6)
+    with fs.open(str(path)) as f:  # expired: asked again, the new version, a new tag
+        assert f.read() == new
+    before.seek(0)
+    assert before.read(1000) == old[:1000]
+    before.seek(200_000)
+    with pytest.raises(OSError, match="changed"):
+        before.read(10)
+    before.close()
+    assert len(protocol_tags(tmp_path / "store")) == 2
+    time.sleep(0.01)
+    path.write_bytes(third)
+    with ffs(pin_ttl=0).open(str(path)) as f:  # asks on every open, records what it found
+        assert f.read() == third
+    patient = ffs(pin_ttl=3600)
+    with patient.open(str(path)) as f:
+        assert f.read() == third
+    assert patient.stats()["pins_reused"] == 1
+    assert len(protocol_tags(tmp_path / "store")) == 3
+
+
+def protocol_tags(store) -> list[str]:
+    return [t for t in os.listdir(os.path.join(store, "tags")) if t.startswith("t-.fsspec-")]

@@ -28,7 +28,7 @@ import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import fsspec
 from fsspec.spec import AbstractBufferedFile
@@ -39,13 +39,14 @@ from faultfs.core.units import parse_size
 from faultfs.errors import FaultfsError, InvalidInput
 from faultfs.fsspec.claims import Claims
 from faultfs.fsspec.objects import Counters, PinnedObject, Shared, tag_for
-from faultfs.fsspec.pins import PinRecords
-from faultfs.fsspec.shared import SharedBlobs
+from faultfs.fsspec.pins import DEFAULT_PIN_TTL, PinRecords
 from faultfs.fsspec.space import SharedSpace
 from faultfs.sources import Source, SourceOptions, open_source
 from faultfs.sources.secrets import display_url
 from faultfs.store.blobstore import BlobStore
-from faultfs.tiers.objects import open_objects, probe
+
+if TYPE_CHECKING:  # the shared tier's code (and trio under it) loads only when one is used
+    from faultfs.fsspec.shared import SharedBlobs
 
 try:  # fsspec >= 2025.9 marks file systems made to sit over another
     from fsspec.implementations.chained import ChainedFileSystem as _Base
@@ -88,7 +89,7 @@ class FaultFileSystem(_Base):
                  cache_size: int | str = 0, read_ahead: int = DEFAULT_READ_AHEAD,
                  io_threads: int = DEFAULT_IO_THREADS, no_store: bool = False,
                  shared_store: str | None = None, shared_store_endpoint_url: str = "",
-                 pin_ttl: float = 0, **kwargs: Any) -> None:
+                 pin_ttl: float = DEFAULT_PIN_TTL, **kwargs: Any) -> None:
         unknown = sorted(set(kwargs) - FSSPEC_OPTIONS)
         if unknown:
             raise OptionError(f"faultfs:: has no option {unknown[0]!r} (options: store, "
@@ -99,6 +100,7 @@ class FaultFileSystem(_Base):
         super().__init__(**kwargs)
         self.target, self.target_protocol, self.target_options = _target(
             target_protocol, target_options, fs)
+        self._endpoint = _endpoint(self.target_protocol, self.target_options)
         self.chunk_size = _size(chunk_size, "chunk_size")
         if not MIN_CHUNK <= self.chunk_size <= MAX_CHUNK_SIZE:
             raise OptionError(f"faultfs:: chunk_size {self.chunk_size} is not in [4 KiB, 1 GiB]")
@@ -164,6 +166,9 @@ class FaultFileSystem(_Base):
         it cannot be used."""
         if not self.shared_store:
             return None
+        from faultfs.fsspec.shared import SharedBlobs  # trio and the tiers: only for this
+        from faultfs.tiers.objects import open_objects, probe
+
         try:
             objects = open_objects(self.shared_store, SourceOptions(),
                                    endpoint_url=self.shared_store_endpoint_url)
@@ -183,29 +188,30 @@ class FaultFileSystem(_Base):
 
     def pin(self, path: str) -> PinnedObject:
         """``path`` opened at the version it has now (or had less than ``pin_ttl`` seconds
-        ago), read through the store."""
+        ago, by any process of the store), read through the store."""
         path = self._checked(path)
         url = self.target.unstrip_protocol(path)
         options = SourceOptions(storage_options=dict(self.target_options))
         shared = self._shared_here()
-        endpoint = _endpoint(self.target_protocol, self.target_options)
-        identity = json.dumps([display_url(url), endpoint, self.chunk_size])
+        shown = display_url(url)
+        identity = json.dumps([shown, self._endpoint, self.chunk_size])
         version = shared.pins.fresh(identity, self.pin_ttl)
         source: Source | Callable[[], Source]
+        forget = None
         if version is None:
             try:
                 source = open_source(url, options)
             except FaultfsError as exc:
                 raise as_oserror(exc, path) from None
             version = source.pinned  # type: ignore[attr-defined]
-            if self.pin_ttl > 0:
-                shared.pins.record(identity, version)
+            shared.pins.record(identity, version)
         else:
             source = functools.partial(open_source, url, options)
+            forget = functools.partial(shared.pins.forget, identity, version)
             shared.stats.add("pins_reused")
-        tag = tag_for(display_url(url), endpoint, version.to_text(), self.chunk_size)
+        tag = tag_for(shown, self._endpoint, version.to_text(), self.chunk_size)
         return PinnedObject(source, tag, version.to_text(), version.size, self.chunk_size,
-                            shared)
+                            shared, forget=forget)
 
     def _checked(self, path: str) -> str:
         path = self._strip_protocol(path)
@@ -342,6 +348,7 @@ class FaultFile(AbstractBufferedFile):
         self._ahead = 0
         super().__init__(fs, path, mode="rb", block_size=block_size or obj.chunk_size,
                          cache_type=cache_type, cache_options=cache_options, size=obj.size)
+        self._direct = self.cache.name == "none"  # reads go to the store as they come
 
     def _fetch_range(self, start: int, end: int) -> bytes:
         if start == self._next or start == 0:  # a read from the start is taken as sequential
@@ -353,6 +360,24 @@ class FaultFile(AbstractBufferedFile):
             return self._obj.read(start, end, ahead=self._ahead)
         except FaultfsError as exc:
             raise as_oserror(exc, self.path) from None
+
+    def read(self, length: int = -1) -> bytes:
+        """fsspec's ``read`` without its cache layer when there is none to use (the default,
+        ``cache_type="none"``: a hit is a pread of a blob file, already in the page cache, so
+        a second buffer in front of it would only copy) — and without the statistics string
+        fsspec formats for its debug log on every read."""
+        if self._direct:
+            length = -1 if length is None else int(length)
+            if length < 0:
+                length = self.size - self.loc
+            if self.closed:
+                raise ValueError("I/O operation on closed file.")
+            if length <= 0 or self.loc >= self.size:
+                return b""
+            out = self._fetch_range(self.loc, self.loc + length)
+            self.loc += len(out)
+            return out
+        return super().read(length)  # type: ignore[no-any-return]
 
     def close(self) -> None:
         super().close()

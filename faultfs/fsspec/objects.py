@@ -18,31 +18,39 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import errno
+import functools
 import json
 import logging
 import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from faultfs.core.context import fnv1a64
 from faultfs.core.names import PROTOCOL_TAG_PREFIX
 from faultfs.errors import CorruptionError, FaultfsError, SourceChanged, StoreFull
 from faultfs.fsspec.claims import Claim, Claims
 from faultfs.fsspec.pins import PinRecords
-from faultfs.fsspec.shared import SharedBlobs, chunk_tag
 from faultfs.fsspec.space import SharedSpace
 from faultfs.sources import Source
 from faultfs.store.blobfile import HEADER_LEN
 from faultfs.store.blobstore import BlobStore, OpenBlob
 
+if TYPE_CHECKING:  # the shared tier's code (and trio under it) loads only when one is used
+    from faultfs.fsspec.shared import SharedBlobs
+
 log = logging.getLogger("faultfs.fsspec")
 
 CLAIM_WAIT_S = 120.0  # the longest wait for another process's fault before reading through
-OPEN_BLOBS = 8  # blob files kept open per object for hits (random reads of one object)
+# blob files kept open per object for hits, the least recently read closed first: 64 MiB of
+# 4 MiB chunks for a random reader (8 reopened a blob every other read of a 64 MiB object)
+OPEN_BLOBS = 16
 KEPT_FLIGHTS = 16  # finished faults whose bytes wait for their reader, per object
 
 
+@functools.lru_cache(maxsize=4096)  # fnv1a64 is pure Python: paid once per object version
 def tag_for(url: str, endpoint: str, version: str, chunk_size: int) -> str:
     """The tag of ``url`` (reached at ``endpoint``) at ``version``, cut in ``chunk_size``."""
     identity = json.dumps([url, endpoint, version, chunk_size], separators=(",", ":"))
@@ -107,11 +115,13 @@ class PinnedObject:
     """A source object at one version, read through the shared store in chunks."""
 
     def __init__(self, source: Source | Callable[[], Source], tag: str, version: str,
-                 size: int, chunk_size: int, shared: Shared) -> None:
+                 size: int, chunk_size: int, shared: Shared, *,
+                 forget: Callable[[], None] | None = None) -> None:
         # the source, or how to open it when a chunk must be faulted (a pin taken from a
         # recent record: ``pins.py``)
         self._source: Source | None = None if callable(source) else source
         self._opener = source if callable(source) else None
+        self._forget = forget  # drops the recorded pin this object came from, found stale
         self.tag = tag
         self.version = version
         self.size = size
@@ -139,7 +149,13 @@ class PinnedObject:
                     self.shared.store.blob_path(self.tag, str(index))):
                 self._start_fault(index)
         if first == last:
-            return self._chunk_bytes(first, start - first * cs, end - start)
+            off = start - first * cs
+            if first not in self._flights:  # the hit path: one pread of a held blob file
+                data = self._hit(first, off, end - start)
+                if data is not None:
+                    self.shared.stats.add("hits")
+                    return data
+            return bytes(memoryview(self._fault(first))[off:off + end - start])
         # several chunks: their faults run at once (each on the pool), then the pieces join
         for index in range(first + 1, last + 1):
             if index not in self._open and self._hit(index, 0, 0) is None:
@@ -168,9 +184,16 @@ class PinnedObject:
         with self._source_lock:
             if self._source is None:
                 assert self._opener is not None
-                source = self._opener()
+                try:
+                    source = self._opener()
+                except FaultfsError as exc:
+                    if exc.errno == errno.ENOENT and self._forget is not None:
+                        self._forget()  # gone: the next open asks and says so
+                    raise
                 if source.pinned.to_text() != self.version:  # type: ignore[attr-defined]
                     source.close()
+                    if self._forget is not None:
+                        self._forget()  # the next open pins the new version: a new tag
                     raise SourceChanged(f"source {source.url} changed since it was pinned "
                                         f"({self.version}); open it again")
                 self._source = source
@@ -188,9 +211,15 @@ class PinnedObject:
 
     def _hit(self, index: int, off: int, size: int) -> bytes | None:
         """Bytes of a staged, verified blob, or None (absent, stale, damaged: dropped)."""
-        held = self._hold(index)
+        with self._lock:
+            held = self._open.pop(index, None)
+            if held is not None:
+                self._open[index] = held  # the most recently read last: spilled last
+                held.users += 1
         if held is None:
-            return None
+            held = self._hold(index)
+            if held is None:
+                return None
         try:
             if size == 0:
                 return b""
@@ -354,6 +383,8 @@ class PinnedObject:
             self.shared.stats.add("shared_publishes")
 
     def _chunk_tag(self, index: int, length: int):
+        from faultfs.fsspec.shared import chunk_tag
+
         return chunk_tag(self.tag, self.version, self.num_chunks, length)
 
     def _from_source(self, index: int, length: int) -> bytes:

@@ -21,6 +21,8 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import xxhash
+
 from faultfs.buffers import pread_full
 from faultfs.errors import CorruptionError
 from faultfs.store.blobfile import HEADER_LEN, MAX_PAYLOAD, BlobHeader, block_span, decode_header
@@ -30,6 +32,7 @@ NOWAIT_MAX = 256 << 10  # cached reads up to this size are served on the event l
 SMALL_READ = 256 << 10  # below this a read returns its own bytes (no pooled mapping: buffers.py)
 WHOLE_READ_MAX = 64 << 20  # open_blob(whole=True) reads header and payload at once up to this
 _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", None)
+_xxh3 = xxhash.xxh3_64_intdigest  # the block checksum (blobfile.BlobHeader.check_blocks)
 
 
 @dataclass
@@ -46,6 +49,23 @@ class OpenBlob:
 
         ``nowait``: read only what is already in the page cache (``RWF_NOWAIT``) and return
         None instead of blocking — this form may run on the event loop's thread."""
+        h = self.header
+        if not nowait and self.loaded is None and 0 <= off < h.payload_len and 0 < size \
+                and not h.all_zero:
+            # the common small read, within one block: one pread, one checksum, one slice
+            bs = h.block_size
+            first = off // bs
+            start = first * bs
+            want = min(start + bs, h.stored_len) - start
+            lo = off - start
+            size = min(size, h.payload_len - off)
+            if lo + size <= want:
+                data = os.pread(self.fd, want, HEADER_LEN + start)
+                if len(data) != want:
+                    raise CorruptionError(f"blob {h.name} of tag {h.tag} is truncated")
+                if _xxh3(data) != h.block_sums[first]:
+                    h.check_blocks(first, data)  # raises, naming the block
+                return data if lo == 0 and size == want else data[lo:lo + size]
         data = self.pread_view(size, off, nowait=nowait)
         return None if data is None else bytes(data)
 

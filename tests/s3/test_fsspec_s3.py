@@ -106,7 +106,7 @@ def test_chained_urls_in_pandas_xarray_and_h5py(s3_client, bucket, tmp_path, s3_
 def test_a_new_object_version_is_a_new_tag(s3_client, bucket, tmp_path):
     old, new = payload(600_000, 1), payload(600_000, 2)
     s3_client.put_object(Bucket=bucket, Key="v.bin", Body=old)
-    fs = faultfs(tmp_path / "store")
+    fs = faultfs(tmp_path / "store", pin_ttl=0)  # every open asks S3 (the ttl: test_fsspec.py)
     first = fs.open(f"{bucket}/v.bin")
     assert first.read(1000) == old[:1000]
     s3_client.put_object(Bucket=bucket, Key="v.bin", Body=new)
