@@ -21,12 +21,12 @@ from __future__ import annotations
 import functools
 import json
 import os
-import secrets
 import time
 from typing import Any
 
 from faultfs.core.context import fnv1a64
 from faultfs.sources import SourceVersion
+from faultfs.store.durable import write_atomic
 
 PINS = "pins"
 MAX_RECORD = 4096
@@ -78,22 +78,11 @@ class PinRecords:
         """Remember that ``identity`` has ``version`` now (best effort: a hint)."""
         doc = json.dumps({"identity": identity_hash(identity), "size": version.size,
                           "token": version.token, "at": time.time()}).encode()
-        path = self._path(identity)
-        tmp = f"{path}.{secrets.token_hex(4)}.tmp"
         try:
             os.makedirs(self.root, mode=0o700, exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-                         | os.O_CLOEXEC, 0o600)
-            try:
-                os.write(fd, doc)
-            finally:
-                os.close(fd)
-            os.rename(tmp, path)
+            write_atomic(self._path(identity), [doc], mode=0o600, durable=False)
         except OSError:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+            pass
 
     def forget(self, identity: str, version: SourceVersion) -> None:
         """Drop the record of ``identity`` if it still names ``version`` (found stale); a
