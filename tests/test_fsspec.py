@@ -285,6 +285,47 @@ def test_eight_processes_fault_one_blob_once(sample, tmp_path):
     assert leftovers(store) == []
 
 
+# a child process under a descriptor limit of 256: 64 objects held open at once, each read
+# whole (8 blobs of 64 KiB); prints how many descriptors point into the store
+MANY_OPEN = r"""
+import json, os, resource, sys
+import fsspec
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+store, path = sys.argv[1], sys.argv[2]
+fs = fsspec.filesystem("faultfs", target_protocol="file", store=store, reserve_mb=0,
+                       chunk_size="64k", skip_instance_cache=True)
+expected = open(path, "rb").read()
+files = [fs.open(path) for _ in range(64)]
+for _ in range(2):  # the second pass: every chunk a hit, through blob files held open
+    for f in files:
+        f.seek(0)
+        assert f.read() == expected
+fds = []
+for fd in os.listdir("/proc/self/fd"):
+    try:
+        fds.append(os.readlink(f"/proc/self/fd/{fd}"))
+    except FileNotFoundError:  # the listing's own descriptor
+        pass
+print(json.dumps({"store_fds": sum(p.startswith(store) for p in fds), "all_fds": len(fds)}))
+for f in files:
+    f.close()
+"""
+
+
+def test_many_objects_open_at_once_stay_within_the_descriptor_limit(sample, tmp_path):
+    """64 objects held open by one process whose descriptor limit is 256, each read whole:
+    with 16 blob files kept open per object it ran out of descriptors; the process's share
+    (a quarter of the limit, at least one per object) keeps it well inside."""
+    path = sample(8 * 64 * 1024)
+    store = str(tmp_path / "store")
+    result = subprocess.run([sys.executable, "-c", MANY_OPEN, store, path],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    counts = json.loads(result.stdout)
+    assert counts["store_fds"] <= 64 + 64, counts  # the share, plus one per object open
+    assert counts["all_fds"] < 256, counts
+
+
 def test_kill_9_mid_fault_leaves_nothing_torn_or_leaked(sample, tmp_path):
     """A process killed while it writes a blob: the next reader gets the right bytes at once
     (the claim died with it), and its temporary file is gone."""

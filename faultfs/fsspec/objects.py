@@ -23,6 +23,7 @@ import functools
 import json
 import logging
 import os
+import resource
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -48,6 +49,36 @@ CLAIM_WAIT_S = 120.0  # the longest wait for another process's fault before read
 # 4 MiB chunks for a random reader (8 reopened a blob every other read of a 64 MiB object)
 OPEN_BLOBS = 16
 KEPT_FLIGHTS = 16  # finished faults whose bytes wait for their reader, per object
+PROCESS_OPEN_BLOBS = 256  # and in a whole process, at most (else a quarter of RLIMIT_NOFILE)
+
+
+class _OpenShare:
+    """The blob files this process's objects keep open, shared out: ``total`` (a quarter of
+    the descriptor limit, at most ``PROCESS_OPEN_BLOBS``) evenly among the objects open, at
+    least one each and at most ``OPEN_BLOBS`` — xarray's ``open_mfdataset`` holding hundreds
+    of objects open must not run out of descriptors. An object trims to its share when it
+    opens its next blob file, so the bound is ``total`` plus about one per object open."""
+
+    def __init__(self) -> None:
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        limit = PROCESS_OPEN_BLOBS if soft == resource.RLIM_INFINITY else soft // 4
+        self.total = max(1, min(PROCESS_OPEN_BLOBS, limit))
+        self.objects = 0
+        self._lock = threading.Lock()
+
+    def join(self) -> None:
+        with self._lock:
+            self.objects += 1
+
+    def leave(self) -> None:
+        with self._lock:
+            self.objects -= 1
+
+    def share(self) -> int:
+        return max(1, min(OPEN_BLOBS, self.total // max(1, self.objects)))
+
+
+OPEN_SHARE = _OpenShare()
 
 
 @functools.lru_cache(maxsize=4096)  # fnv1a64 is pure Python: paid once per object version
@@ -131,6 +162,8 @@ class PinnedObject:
         self._lock = threading.Lock()
         self._source_lock = threading.Lock()  # held while a recorded pin's source opens
         self._open: dict[int, _Held] = {}
+        self._closed = False
+        OPEN_SHARE.join()
 
     @property
     def num_chunks(self) -> int:
@@ -169,6 +202,9 @@ class PinnedObject:
 
     def close(self) -> None:
         with self._lock:
+            if not self._closed:
+                self._closed = True
+                OPEN_SHARE.leave()
             held, self._open = list(self._open.values()), {}
             for one in held:
                 one.closing = True
@@ -237,8 +273,9 @@ class PinnedObject:
             self._let_go(held)
 
     def _hold(self, index: int) -> _Held | None:
-        """The blob file of chunk ``index``, kept open (at most ``OPEN_BLOBS``) and held for
-        a read: a file is closed only once no read of it is under way (``_let_go``)."""
+        """The blob file of chunk ``index``, kept open (at most this object's share of
+        ``OPEN_SHARE``) and held for a read: a file is closed only once no read of it is
+        under way (``_let_go``)."""
         with self._lock:
             held = self._open.get(index)
             if held is not None:
@@ -258,7 +295,7 @@ class PinnedObject:
             if held is None:  # else another thread opened it meanwhile: use that one
                 held = self._open[index] = _Held(blob)
                 blob = None
-                while len(self._open) > OPEN_BLOBS:
+                while len(self._open) > OPEN_SHARE.share():
                     spilled.append(self._open.pop(next(iter(self._open))))
                     spilled[-1].closing = True
             held.users += 1
