@@ -473,6 +473,49 @@ def test_a_store_shared_with_a_live_mount(mounter, sample, tmp_path):
         assert f.read() == content(mounted)
 
 
+def test_chunks_a_live_mount_staged_are_hits_never_its_writes(mounter, sample, tmp_path):
+    """An object a mount of the same store has staged (same source, chunk size and version)
+    is read from the mount's blobs: no source read, no second copy. What the mount wrote over
+    a chunk (in its journal, then folded into its writes) is never served: the protocol
+    reads the source's bytes. A source changed since the mount staged it is another version:
+    nothing of the mount's is read."""
+    src = sample(5 * MiB + 123, "mounted.bin", seed=3)
+    store = str(tmp_path / "store")
+    mnt = mounter(src, store=store, args=["--chunk-size", "1M"])
+    view = os.path.join(mnt.path, "mounted", "mounted.bin")
+    with open(view, "rb") as f:
+        assert f.read() == content(src)
+    got = finish(child(store, src, "1M"))
+    assert got["sha"] == sha(src)
+    assert got["stats"].get("mount_hits") == 6, got["stats"]
+    assert got["stats"].get("source_bytes", 0) == 0 and got["stats"].get("faults", 0) == 0
+    assert not os.path.exists(os.path.join(store, "tags")) or not any(
+        name.startswith("t-.fsspec") for name in os.listdir(os.path.join(store, "tags")))
+    # a write into chunk 1, folded into a dirty blob by the unmount, then mounted again
+    fd = os.open(view, os.O_WRONLY)
+    try:
+        os.pwrite(fd, b"written by the mount", MiB + 10)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    mnt.close()
+    mnt = mounter(store=store, mountpoint=mnt.path)
+    with open(view, "rb") as f:
+        f.seek(MiB + 10)
+        assert f.read(20) == b"written by the mount"
+    got = finish(child(store, src, "1M"))
+    assert got["sha"] == sha(src)  # the source's bytes, not the mount's write
+    assert got["stats"].get("mount_hits") == 6, got["stats"]
+    # the source rewritten: the mount's tag still names the old version
+    with open(src, "r+b") as f:
+        f.seek(7)
+        f.write(b"a new version")
+    os.utime(src, ns=(time.time_ns() + 10**9, time.time_ns() + 10**9))
+    got = finish(child(store, src, "1M", extra={"pin_ttl": 0}))
+    assert got["sha"] == sha(src)
+    assert "mount_hits" not in got["stats"] and got["stats"].get("faults") == 6, got["stats"]
+
+
 def test_the_shared_tier_serves_chunks_another_node_faulted(sample, tmp_path):
     """Two nodes (two stores) with one shared store: the second reads nothing from the
     source; a damaged object is a miss, faulted from the source and published again."""

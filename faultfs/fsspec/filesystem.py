@@ -38,6 +38,7 @@ from faultfs.core.context import MAX_CHUNK_SIZE
 from faultfs.core.units import parse_size
 from faultfs.errors import FaultfsError, InvalidInput
 from faultfs.fsspec.claims import Claims
+from faultfs.fsspec.mounted import MountTags
 from faultfs.fsspec.objects import Counters, PinnedObject, Shared, tag_for
 from faultfs.fsspec.pins import DEFAULT_PIN_TTL, PinRecords
 from faultfs.fsspec.space import SharedSpace
@@ -157,7 +158,7 @@ class FaultFileSystem(_Base):
                                 cache_size=self.cache_size)
             pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix="faultfs-fsspec")
             self._shared = Shared(store, claims, space, pool, Counters(), PinRecords(store.root),
-                                  self.store_enabled, self._tier())
+                                  MountTags(store), self.store_enabled, self._tier())
             self._pid = os.getpid()
             return self._shared
 
@@ -210,8 +211,9 @@ class FaultFileSystem(_Base):
             forget = functools.partial(shared.pins.forget, identity, version)
             shared.stats.add("pins_reused")
         tag = tag_for(shown, self._endpoint, version.to_text(), self.chunk_size)
+        mounted = shared.mounts.find(url, version.size, self.chunk_size, version.to_text())
         return PinnedObject(source, tag, version.to_text(), version.size, self.chunk_size,
-                            shared, forget=forget)
+                            shared, forget=forget, mounted=mounted)
 
     def _checked(self, path: str) -> str:
         path = self._strip_protocol(path)

@@ -33,6 +33,7 @@ from faultfs.core.context import fnv1a64
 from faultfs.core.names import PROTOCOL_TAG_PREFIX
 from faultfs.errors import CorruptionError, FaultfsError, SourceChanged, StoreFull
 from faultfs.fsspec.claims import Claim, Claims
+from faultfs.fsspec.mounted import MountBlob, MountTags
 from faultfs.fsspec.pins import PinRecords
 from faultfs.fsspec.space import SharedSpace
 from faultfs.sources import Source
@@ -116,6 +117,7 @@ class Shared:
     pool: concurrent.futures.ThreadPoolExecutor
     stats: Counters
     pins: PinRecords
+    mounts: MountTags
     store_enabled: bool = True
     tier: SharedBlobs | None = None  # shared_store: blobs other nodes faulted (shared.py)
     running: set[concurrent.futures.Future[None]] = field(default_factory=set)
@@ -137,6 +139,8 @@ class _Held:
     """A blob file kept open for hits, and how many reads of it are under way."""
 
     blob: OpenBlob
+    tag: str  # where the blob file stands: this object's tag, or a mount's (mounted.py)
+    name: str
     users: int = 0
     closing: bool = False  # dropped from the open set: closed when its last read ends
     closed: bool = False
@@ -147,12 +151,14 @@ class PinnedObject:
 
     def __init__(self, source: Source | Callable[[], Source], tag: str, version: str,
                  size: int, chunk_size: int, shared: Shared, *,
-                 forget: Callable[[], None] | None = None) -> None:
+                 forget: Callable[[], None] | None = None,
+                 mounted: MountBlob | None = None) -> None:
         # the source, or how to open it when a chunk must be faulted (a pin taken from a
         # recent record: ``pins.py``)
         self._source: Source | None = None if callable(source) else source
         self._opener = source if callable(source) else None
         self._forget = forget  # drops the recorded pin this object came from, found stale
+        self._mounted = mounted  # a mount's tag of this object at this version: its hits too
         self.tag = tag
         self.version = version
         self.size = size
@@ -178,8 +184,8 @@ class PinnedObject:
         cs = self.chunk_size
         first, last = start // cs, (end - 1) // cs
         for index in range(last + 1, min(last + 1 + ahead, self.num_chunks)):
-            if index not in self._open and index not in self._flights and not os.path.exists(
-                    self.shared.store.blob_path(self.tag, str(index))):
+            if index not in self._open and index not in self._flights and not self._on_disk(
+                    index):
                 self._start_fault(index)
         if first == last:
             off = start - first * cs
@@ -266,7 +272,7 @@ class PinnedObject:
                     if self._open.get(index) is held:
                         del self._open[index]
                         held.closing = True
-                self.shared.store.discard_damaged(self.tag, str(index), ino=held.blob.ino)
+                self.shared.store.discard_damaged(held.tag, held.name, ino=held.blob.ino)
                 self.shared.stats.add("damaged_dropped")
                 return None
         finally:
@@ -281,19 +287,26 @@ class PinnedObject:
             if held is not None:
                 held.users += 1
                 return held
-        blob = self.shared.store.open_blob(self.tag, str(index), source_version=self.version)
+        tag, name = self.tag, str(index)
+        blob = self.shared.store.open_blob(tag, name, source_version=self.version)
+        if blob is not None:
+            try:  # the protocol's LRU: a mount's blobs are the mount's to keep or evict
+                self.shared.space.touch(self.shared.store.blob_path(tag, name),
+                                        os.fstat(blob.fd).st_mtime)
+            except OSError:
+                pass
+        elif self._mounted is not None:
+            blob = self._mounted.open(index)
+            tag, name = self._mounted.tag, self._mounted.name(index)
+            if blob is not None:
+                self.shared.stats.add("mount_hits")
         if blob is None:
             return None
-        try:
-            self.shared.space.touch(self.shared.store.blob_path(self.tag, str(index)),
-                                    os.fstat(blob.fd).st_mtime)
-        except OSError:
-            pass
         spilled = []
         with self._lock:
             held = self._open.get(index)
             if held is None:  # else another thread opened it meanwhile: use that one
-                held = self._open[index] = _Held(blob)
+                held = self._open[index] = _Held(blob, tag, name)
                 blob = None
                 while len(self._open) > OPEN_SHARE.share():
                     spilled.append(self._open.pop(next(iter(self._open))))
@@ -364,6 +377,12 @@ class PinnedObject:
         else:
             self.shared.stats.add("memory_hits" if flight.done() else "joined")
         return flight.result()
+
+    def _on_disk(self, index: int) -> bool:
+        """Whether a blob file of chunk ``index`` stands in the store (ours or the mount's)."""
+        store = self.shared.store
+        return os.path.exists(store.blob_path(self.tag, str(index))) or (
+            self._mounted is not None and os.path.exists(self._mounted.path(index)))
 
     def _chunk_len(self, index: int) -> int:
         return min(self.chunk_size, self.size - index * self.chunk_size)

@@ -134,6 +134,24 @@ print(json.dumps({"sha": hashlib.sha256(data).hexdigest(), "stats": fs.stats()})
 """
 
 
+def test_an_object_a_live_mount_staged_is_read_from_its_blobs(mounter, s3_client, bucket,
+                                                               tmp_path):
+    """An S3 object mounted and read through the mount, then opened through faultfs:: on the
+    same store with the same chunk size: every chunk is the mount's blob, nothing from S3."""
+    data = payload(3 * MiB + 5, 11)
+    s3_client.put_object(Bucket=bucket, Key="run9/field.bin", Body=data)
+    store = tmp_path / "store"
+    m = mounter(f"s3://{bucket}/run9/field.bin", store=str(store), args=["--chunk-size", "1M"])
+    with open(os.path.join(m.tag("field"), "field.bin"), "rb") as f:
+        assert f.read() == data
+    fs = fsspec.filesystem("faultfs", target_protocol="s3", store=str(store), reserve_mb=0,
+                           chunk_size="1M", skip_instance_cache=True)
+    with fs.open(f"{bucket}/run9/field.bin") as f:
+        assert f.read() == data
+    stats = fs.stats()
+    assert stats.get("mount_hits") == 4 and stats.get("source_bytes", 0) == 0, stats
+
+
 def test_eight_processes_read_one_object_from_s3_once(s3_client, bucket, tmp_path):
     data = payload(8 * MiB, 8)
     s3_client.put_object(Bucket=bucket, Key="shared.bin", Body=data)
