@@ -27,6 +27,9 @@ from pathlib import Path
 
 MiB = 1 << 20
 READERS = 8
+NODE_COUNTERS = ("shared_hits", "shared_misses", "claims_won", "claim_waits", "claim_wait_ms",
+                 "claim_takeovers", "claim_waits_given_up", "claim_errors", "shared_publishes",
+                 "shared_publish_skipped")
 
 
 def random_read(view: Path, size: int, seed: int) -> float:
@@ -128,6 +131,10 @@ def part3(args, work: Path, env: dict, proxies, size: int, digest: str, *, Node,
                "takeovers": sum(c.get("claim_takeovers", 0) for c in counters),
                "given_up": sum(c.get("claim_waits_given_up", 0) for c in counters)}
         results.setdefault((case, count, mode), []).append(row)
+        for n, secs, c in zip(nodes, seconds, counters, strict=True):
+            log(f"  {n.name} {secs:.2f} s: source {c['source_bytes'] / size:.2f}x in "
+                f"{c.get('source_reads', 0)} reads, " + ", ".join(
+                    f"{k} {c.get(k, 0)}" for k in NODE_COUNTERS))
         log(f"{count} node(s), {case}, {mode}: slowest {max(seconds):.2f} s, source "
             f"{row['source']:.2f}x, claims won {row['won']}, waits {row['waits']} "
             f"({row['wait_s']:.1f} s), takeovers {row['takeovers']}")
@@ -136,6 +143,7 @@ def part3(args, work: Path, env: dict, proxies, size: int, digest: str, *, Node,
         for mode in ("seq", "rand"):
             run("none", 1, mode, rep)
             run("claims", 1, mode, rep)
+            run("no-claims", 1, mode, rep)  # the tier's own cost on a lone node, apart
             for count in args.cluster_counts:
                 run("claims", count, mode, rep)
                 run("no-claims", count, mode, rep)
