@@ -806,7 +806,7 @@ def main() -> int:
 
             res3 = part3(args, work, env, proxies, size, digest, Node=Node,
                          timed_read=timed_read, drop_caches=drop_caches, check_view=check_view,
-                         bucket=SHARED_BUCKET, key=KEY, log=log)
+                         bucket=SHARED_BUCKET, key=KEY, log=log, cpu=cpu)
 
         rev = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
                              text=True, cwd=ROOT).stdout.strip()
