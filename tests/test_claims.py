@@ -234,6 +234,28 @@ def test_a_waiter_that_has_not_measured_its_source_takes_the_holders_estimate(tm
     assert waiter.lease(2 * MiB) < 1.8  # its own guess would have given up before blob 4
 
 
+def test_a_live_holder_renews_its_claim_and_keeps_it_past_its_first_deadline(tmp_path):
+    """A holder slowed down (a busy machine) well past its lease renews its claim while it
+    lives: a waiter that has not measured its source waits for the blob instead of taking
+    the expired claim over and fetching it twice (a dead holder renews nothing: the
+    takeover tests)."""
+    c = Cluster(str(tmp_path))
+    holder, waiter = c.board("holder"), c.board("waiter")
+    out = {}
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            holder.attach(nursery)
+            nursery.start_soon(c.fault, holder, [3], 3.0)  # its lease: ~1.2 s
+            await trio.sleep(0.05)
+            out["got"] = await c.fault(waiter, [3])
+
+    trio.run(main)
+    assert out["got"] == {3: b"blob 3"} and c.fetches == [("holder", 3)]
+    assert holder.stats.counters["claims_renewed"] >= 2
+    assert waiter.stats.counters["claim_takeovers"] == 0
+
+
 def test_a_foreign_object_where_a_claim_should_be_is_replaced(tmp_path):
     c = Cluster(str(tmp_path))
     LocalObjects(str(tmp_path)).put(c.board("x")._key(TAG, 0), b"\x00garbage")

@@ -18,13 +18,15 @@ Invariants:
   claims to the window's end (its next runs follow), and the last user's release of such a
   claim waits ``IDLE_HOLD_S`` for them before it lets the rest of the window go.
 - A claim's deadline is its holder's bound: ``lease`` = three times the node's own estimate
-  of the fetch (the fetch, its publish, the waiters' load), plus ``LEASE_SLACK_S``. After it, any node may take the claim over with a
-  conditional replace, and exactly one does; the blob is then fetched at most twice.
+  of the fetch (the fetch, its publish, the waiters' load), plus ``LEASE_SLACK_S``; a live
+  holder renews it each time half of it is gone (``_renew``), so only a dead or cut-off one
+  lets it pass. After it, any node may take the claim over with a conditional replace, and
+  exactly one does; the blob is then fetched at most twice.
 - A waiter takes each blob the holder publishes as soon as it lands (it polls them with the
   claim). Its wait is bounded by the claim's deadline and, per generation of the claim and
   since the last blob that landed, by its own estimate of fetching the rest itself (``lease``
-  of its own measurements): then it
-  takes the claim over (one waiter wins; the others wait on it, a new bound). A slow or dead
+  of its own measurements; before it has any, the holder's, read from the claim's deadline,
+  ``LEASE_MAX_S`` at most in all: ``patience``): then it takes the claim over (one waiter wins; the others wait on it, a new bound). A slow or dead
   peer costs latency, never a failure or wrong bytes, and a blob is fetched twice at most.
 - Any failure of the store ends the coordination for that fault: the caller fetches from the
   source (the shared tier's back-off keeps later faults from trying meanwhile).
@@ -64,6 +66,7 @@ POLL_FIRST_S, POLL_MAX_S = 0.02, 0.2  # a waiter looks at the claim this often (
 # a prefetch's claim to the window's end outlives a pause between its runs by this much: its
 # next run rejoins it instead of another node taking the blobs it was about to fetch
 IDLE_HOLD_S = 1.0
+RENEW_MIN_S = 0.2  # a holder renews its claim's deadline at most this often
 FIRST_BYTE_S = 0.05  # a source request's first byte, before this node has measured any
 FIRST_RATE = 50e6  # bytes per second, likewise
 
@@ -90,6 +93,7 @@ class Held:
     lost: bool = False  # taken over meanwhile (its deadline passed), or ended: not ours
     ahead: bool = False  # claimed or grown to its window's end by a prefetch run
     idle: int = 0  # releases of its last user: a held-on claim ends if none came since
+    lease_s: float = 0.0  # the lease its deadline was last given
 
     @property
     def covers(self) -> tuple[int, int]:
@@ -214,17 +218,19 @@ class ClaimBoard:
                 await self._grow(tag, mine)
         return mine
 
-    async def _grow(self, tag: TierTag, h: Held) -> None:
+    async def _grow(self, tag: TierTag, h: Held, *, renew: bool = False) -> None:
         """Replace ``h``'s object by one covering ``h.want`` with a renewed deadline (If-Match
-        on its tag): waiters then wait for those blobs too, and nobody takes them over."""
+        on its tag): waiters then wait for those blobs too, and nobody takes them over.
+        ``renew``: the deadline alone, even when it covers them already."""
         async with h.lock:
             lo, hi = h.want
             first, end = h.covers
-            if h.lost or (first <= lo and hi <= end):
+            if h.lost or (not renew and first <= lo and hi <= end):
                 return
+            lo, hi = min(lo, first), max(hi, end)
             c = h.claim
-            claim = Claim(self.node, c.gen, _now_ms() + int(1000 * self.lease(
-                (hi - lo) * tag.blob_size)), lo, hi - lo)
+            h.lease_s = self.lease((hi - lo) * tag.blob_size)
+            claim = Claim(self.node, c.gen, _now_ms() + int(1000 * h.lease_s), lo, hi - lo)
             try:
                 etag = await self._io(self.store.replace, h.key, claim.encode(), h.etag)
             except OSError as exc:
@@ -238,7 +244,17 @@ class ClaimBoard:
                 log.info("tag %s: the claim of window %d was taken over", tag.name, h.window)
                 return
             h.etag, h.claim = etag, claim
-            self.stats.add("claims_grown")
+            self.stats.add("claims_renewed" if renew and (lo, hi) == (first, end)
+                           else "claims_grown")
+
+    async def _renew(self, tag: TierTag, h: Held) -> None:
+        """While this node holds ``h``, renew its deadline each time half its lease is gone: a
+        live holder slowed down (a busy machine, a slow publish) keeps its claim, and only a
+        dead one (which renews nothing) is taken over after its deadline."""
+        while not h.lost:
+            left = h.claim.deadline_ms / 1000 - time.time()
+            await trio.sleep(max(RENEW_MIN_S, left - h.lease_s / 2))
+            await self._grow(tag, h, renew=True)
 
     async def _window(self, tag: TierTag, window: int, need: list[int], load: Loader,
                       ahead: bool = False) -> tuple[dict[int, Buffer], Held | None]:
@@ -316,8 +332,9 @@ class ClaimBoard:
                             now = time.monotonic()
                             deadline = now + max(0.0, claim.deadline_ms / 1000 - time.time())
                             if not self._measured:  # the holder's new estimate is ours
-                                give_up = max(give_up, now + self.patience(
-                                    len(need) * tag.blob_size, claim))
+                                give_up = min(waited_from + LEASE_MAX_S, max(
+                                    give_up, now + self.patience(len(need) * tag.blob_size,
+                                                                 claim)))
                             until = give_up if progressed else min(give_up, deadline)
                     if seen is None or seen[1] != etag:  # released, or someone else's now
                         break
@@ -393,6 +410,9 @@ class ClaimBoard:
               ahead: bool) -> Held:
         held = Held(tag.id, window, key, etag, claim, self.window_blobs(tag), ahead=ahead)
         held.want = held.covers
+        held.lease_s = max(0.0, claim.deadline_ms / 1000 - time.time())
+        if self._nursery is not None:
+            self._nursery.start_soon(self._renew, tag, held)
         self._mine[(tag.id, window)] = held
         return held
 
