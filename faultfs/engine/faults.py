@@ -172,10 +172,11 @@ class Faulter:
         shared = self.tiers.shared
         try:
             if shared is not None:
+                checked = time.monotonic()
                 got = await shared.load_run(keys)
                 if shared.claims is not None and shared.up and None in got:
                     held = await self._coordinate(shared, shared.claims, tag, first, got,
-                                                  ahead=not demand)
+                                                  ahead=not demand, since=checked)
             token = trio.lowlevel.current_trio_token()
             for lo, hi in _gaps(got):
                 read_from = time.monotonic()
@@ -239,7 +240,8 @@ class Faulter:
         return flights
 
     async def _coordinate(self, shared: SharedTier, board: ClaimBoard, tag: Tag, first: int,
-                          got: list[Buffer | None], *, ahead: bool) -> list[Held]:
+                          got: list[Buffer | None], *, ahead: bool, since: float
+                          ) -> list[Held]:
         """Claim the windows of the blobs in ``got`` still missing (``ahead``, a prefetch:
         to the window's end), or wait for other nodes to bring them; fills ``got`` with what
         landed meanwhile. The claims held."""
@@ -252,7 +254,8 @@ class Faulter:
             datas = await shared.load_run([(tag.id, i) for i in indices])
             return {i: d for i, d in zip(indices, datas, strict=True) if d is not None}
 
-        found, held = await board.coordinate(tier_tag, missing, load, ahead=ahead)
+        found, held = await board.coordinate(tier_tag, missing, load, ahead=ahead,
+                                             since=since)
         for index, data in found.items():
             got[index - first] = data
         return held

@@ -67,6 +67,7 @@ POLL_FIRST_S, POLL_MAX_S = 0.02, 0.2  # a waiter looks at the claim this often (
 # next run rejoins it instead of another node taking the blobs it was about to fetch
 IDLE_HOLD_S = 1.0
 RENEW_MIN_S = 0.2  # a holder renews its claim's deadline at most this often
+RECHECK_S = 1.0  # a miss older than this when its claim is won is checked again (< LINGER_S)
 FIRST_BYTE_S = 0.05  # a source request's first byte, before this node has measured any
 FIRST_RATE = 50e6  # bytes per second, likewise
 
@@ -167,14 +168,18 @@ class ClaimBoard:
     # -- the fault path ----------------------------------------------------------------------
 
     async def coordinate(self, tag: TierTag, missing: list[int], load: Loader, *,
-                         ahead: bool = False) -> tuple[dict[int, Buffer], list[Held]]:
+                         ahead: bool = False, since: float | None = None
+                         ) -> tuple[dict[int, Buffer], list[Held]]:
         """Before blobs ``missing`` of ``tag`` are read from the source: claim their windows,
         or wait for other nodes' claims on them. Returns the blobs that landed in the shared
         store meanwhile (``load`` reads them) and the claims now held, which the caller
         releases (``release``) once it has published what it fetched. Every blob not returned
         is the caller's to fetch: under a claim it holds, or because the wait ended.
         ``ahead``: a prefetch run, whose next runs fetch the rest of the window: claim it to
-        the window's end."""
+        the window's end. ``since``: when the shared store missed them (monotonic); a claim
+        won more than ``RECHECK_S`` later looks again first (the blobs may have been
+        published and their claim's marker gone meanwhile, on a starved machine)."""
+        since = time.monotonic() if since is None else since
         per = self.window_blobs(tag)
         windows: dict[int, list[int]] = {}
         for index in missing:
@@ -183,7 +188,7 @@ class ClaimBoard:
         held: list[Held] = []
 
         async def one(window: int, need: list[int]) -> None:
-            found, mine = await self._window(tag, window, need, load, ahead)
+            found, mine = await self._window(tag, window, need, load, ahead, since)
             got.update(found)
             if mine is not None:
                 held.append(mine)
@@ -257,7 +262,8 @@ class ClaimBoard:
             await self._grow(tag, h, renew=True)
 
     async def _window(self, tag: TierTag, window: int, need: list[int], load: Loader,
-                      ahead: bool = False) -> tuple[dict[int, Buffer], Held | None]:
+                      ahead: bool = False, since: float = 0.0
+                      ) -> tuple[dict[int, Buffer], Held | None]:
         mine = self._mine.get((tag.id, window))
         if mine is not None:
             return {}, await self._join(tag, mine, need, ahead)
@@ -285,7 +291,8 @@ class ClaimBoard:
                     claiming.set()
                 loaded, force = bool(force), ""  # a forced takeover follows a load
                 if isinstance(outcome, Held):
-                    if outcome.claim.gen > 1 and not loaded:  # a takeover: some may have landed
+                    stale = time.monotonic() - since > RECHECK_S  # the miss is old news
+                    if (outcome.claim.gen > 1 or stale) and not loaded:  # some may have landed
                         got.update(await load(need))
                         need = [i for i in need if i not in got]
                     return got, outcome
