@@ -202,18 +202,12 @@ class ClaimBoard:
                     nursery.start_soon(one, window, need)
         return got, held
 
-    def _span(self, tag: TierTag, window: int, need: list[int], ahead: bool) -> tuple[int, int]:
-        """The blobs ``[lo, hi)`` a claim for ``need`` covers: to the window's end ahead."""
-        per = self.window_blobs(tag)
-        end = min((window + 1) * per, tag.num_blobs) if ahead else need[-1] + 1
-        return need[0], max(end, need[-1] + 1)
-
     async def _join(self, tag: TierTag, mine: Held, need: list[int], ahead: bool) -> Held:
         """A fault of this node shares its claim ``mine``; grown to cover ``need``."""
         mine.users += 1
         mine.idle += 1  # a release holding it on for this fault sees it came
         mine.ahead = mine.ahead or ahead
-        lo, hi = self._span(tag, mine.window, need, ahead)
+        lo, hi = _span(tag, mine.window, need, ahead)
         first, end = mine.want
         if lo < first or hi > end:
             mine.want = (min(lo, first), max(hi, end))
@@ -377,7 +371,7 @@ class ClaimBoard:
         bound passed, or the blobs of a published one were not all there); a claim that
         replaced it meanwhile is waited on, not taken over."""
         for _ in range(8):  # the claim comes and goes between our requests: try again
-            span = self._span(tag, window, need, ahead)
+            span = _span(tag, window, need, ahead)
             claim = self._new_claim(tag, span, gen=1)
             etag = await self._io(self.store.create, key, claim.encode())
             if etag is not None:
@@ -504,6 +498,13 @@ class ClaimBoard:
         except OSError as exc:
             self.stats.add("claim_errors")
             log.warning("removing claim %s failed (%s): it expires", key, exc.strerror or exc)
+
+
+def _span(tag: TierTag, window: int, need: list[int], ahead: bool) -> tuple[int, int]:
+    """The blobs ``[lo, hi)`` a claim for ``need`` covers: to the window's end ahead."""
+    per = ClaimBoard.window_blobs(tag)
+    end = min((window + 1) * per, tag.num_blobs) if ahead else need[-1] + 1
+    return need[0], max(end, need[-1] + 1)
 
 
 def _now_ms() -> int:
