@@ -27,6 +27,9 @@ from pathlib import Path
 
 MiB = 1 << 20
 READERS = 8
+NODE_COUNTERS = ("shared_hits", "shared_misses", "claims_won", "claim_waits", "claim_wait_ms",
+                 "claim_takeovers", "claim_waits_given_up", "claim_errors", "shared_publishes",
+                 "shared_publish_skipped")
 
 
 def random_read(view: Path, size: int, seed: int) -> float:
@@ -83,7 +86,7 @@ def at_once(fns: list) -> list[float]:
 
 
 def part3(args, work: Path, env: dict, proxies, size: int, digest: str, *, Node, timed_read,
-          drop_caches, check_view, bucket: str, key: str, log) -> dict:
+          drop_caches, check_view, bucket: str, key: str, log, cpu=None) -> dict:
     """The runs; ``{(case, nodes, mode): [{"source": ratio, "slowest": s, ...}, ...]}``."""
     results: dict = {}
 
@@ -107,15 +110,21 @@ def part3(args, work: Path, env: dict, proxies, size: int, digest: str, *, Node,
             else:
                 fns = [lambda n=n, i=i: random_read(n.view, size, rep * 100 + i)
                        for i, n in enumerate(nodes)]
+            if cpu is not None:
+                cpu.start([n.pid for n in nodes])
+            started = time.monotonic()
             seconds = at_once(fns)
+            wall = time.monotonic() - started
+            used = cpu.stop() if cpu is not None else {}
             for n in nodes:
                 if case != "none":
                     n.wait_published()
-            counters = [n.counters() for n in nodes]
+            full = [n.stats() for n in nodes]
+            counters = [f["counters"] for f in full]
             if rep == 0 and case == "claims":
                 for n in nodes:
                     check_view(n, digest)
-            seen = proxies.stats(False)
+            seen = proxies.stats(bool(args.keep_logs))
         finally:
             for n in nodes:
                 n.umount()
@@ -128,6 +137,22 @@ def part3(args, work: Path, env: dict, proxies, size: int, digest: str, *, Node,
                "takeovers": sum(c.get("claim_takeovers", 0) for c in counters),
                "given_up": sum(c.get("claim_waits_given_up", 0) for c in counters)}
         results.setdefault((case, count, mode), []).append(row)
+        for n, secs, c, f in zip(nodes, seconds, counters, full, strict=True):
+            log(f"  {n.name} {secs:.2f} s: source {c['source_bytes'] / size:.2f}x in "
+                f"{c.get('source_reads', 0)} reads, " + ", ".join(
+                    f"{k} {c.get(k, 0)}" for k in NODE_COUNTERS)
+                + f", faults p50/p90 {f['fault_latency']['p50_ms']:.0f}/"
+                  f"{f['fault_latency']['p90_ms']:.0f} ms")
+        if used:  # what the read cost the machine's CPUs (shared with other jobs)
+            log(f"  CPU s over the {wall:.1f} s read: daemons {used['faultfs']:.1f}, proxies "
+                f"{used['proxies']:.1f}, S3 server {used['s3']:.1f} (= "
+                f"{sum(used.values()) / wall:.2f} CPUs); load average "
+                f"{open('/proc/loadavg').read().split()[0]}")
+        if args.keep_logs:
+            from bench_shared import methods_line
+
+            log(f"  requests: shared store {methods_line(seen['shared'])}; source "
+                f"{methods_line(seen['source'])}")
         log(f"{count} node(s), {case}, {mode}: slowest {max(seconds):.2f} s, source "
             f"{row['source']:.2f}x, claims won {row['won']}, waits {row['waits']} "
             f"({row['wait_s']:.1f} s), takeovers {row['takeovers']}")
@@ -136,9 +161,12 @@ def part3(args, work: Path, env: dict, proxies, size: int, digest: str, *, Node,
         for mode in ("seq", "rand"):
             run("none", 1, mode, rep)
             run("claims", 1, mode, rep)
+            run("no-claims", 1, mode, rep)  # the tier's own cost on a lone node, apart
             for count in args.cluster_counts:
                 run("claims", count, mode, rep)
                 run("no-claims", count, mode, rep)
+    if not args.cluster_counts:  # --cluster-nodes '': the lone nodes alone
+        return results
     results["kill"] = kill_run(args, work, env, proxies, size, digest, Node=Node,
                                timed_read=timed_read, drop_caches=drop_caches, bucket=bucket,
                                key=key, log=log)
@@ -229,8 +257,8 @@ def render3(args, results: dict, size: int) -> list[str]:
                 f"{med([r['takeovers'] for r in c]):.0f} |")
         out.append(f"| 1 | {label}, no shared store (lone) | 1.00 | - | 1.00 ({lone:.2f} s) "
                    "| - | - | - |")
-    k = results["kill"]
-    out += ["", f"kill -9 of one of 4 nodes 0.5 s into a sequential read: the other three "
+    k = results.get("kill")
+    out += [] if k is None else ["", f"kill -9 of one of 4 nodes 0.5 s into a sequential read: the other three "
             f"read {'the right bytes' if k['right'] else 'WRONG BYTES'} in "
             + ", ".join(f"{s:.1f}" for s in k["seconds"]) + " s; the source proxy served "
             f"{k['proxy_source']:.2f}× the object (heads included), the survivors' counters "

@@ -181,6 +181,8 @@ class Proxies:
 
 
 LIVE: set[Node] = set()
+KEEP_LOGS: Path | None = None  # --keep-logs: where each node's daemon log is copied at unmount
+KEEP_LOGS_RUN: dict[str, int] = {}
 
 
 def unmount_all() -> None:
@@ -259,6 +261,12 @@ class Node:
                 self.last = self.stats()
                 self.pid = self.pid or int(self.last["pid"])
                 self.dev = self.dev or os.stat(self.mnt).st_dev
+        if KEEP_LOGS is not None:  # the daemon's log, before its store goes
+            runs = KEEP_LOGS_RUN.get(self.name, 0) + 1
+            KEEP_LOGS_RUN[self.name] = runs
+            with contextlib.suppress(OSError):
+                shutil.copy(self.store / "log" / "faultfs.log",
+                            KEEP_LOGS / f"{self.name}-{runs:03d}.log")
         unmount_and_reap(self.mnt, self.dev, self.pid,
                          [sys.executable, "-m", "faultfs.cli", "umount", str(self.mnt)],
                          timeout=UMOUNT_TIMEOUT_S)
@@ -714,6 +722,8 @@ def parse_args():
     p.add_argument("--cluster-nodes", default="2,4,8",
                    help="node counts of part 3, comma-separated (2,4,8)")
     p.add_argument("--cluster-reps", type=int, default=3, help="repetitions of part 3 (3)")
+    p.add_argument("--keep-logs", metavar="DIR",
+                   help="copy each node's daemon log here at unmount (NAME-RUN.log)")
     p.add_argument("--quick", action="store_true",
                    help="part 3 alone, 32 MiB, 2 and 4 nodes, one rep, moto, no doc")
     args = p.parse_args()
@@ -728,7 +738,11 @@ def parse_args():
 
 
 def main() -> int:
+    global KEEP_LOGS
     args = parse_args()
+    if args.keep_logs:
+        KEEP_LOGS = Path(args.keep_logs)
+        KEEP_LOGS.mkdir(parents=True, exist_ok=True)
     if os.geteuid() != 0:
         raise SystemExit("bench_shared: needs root (drop_caches, FUSE mounts)")
     exit_on_signals()
@@ -792,7 +806,7 @@ def main() -> int:
 
             res3 = part3(args, work, env, proxies, size, digest, Node=Node,
                          timed_read=timed_read, drop_caches=drop_caches, check_view=check_view,
-                         bucket=SHARED_BUCKET, key=KEY, log=log)
+                         bucket=SHARED_BUCKET, key=KEY, log=log, cpu=cpu)
 
         rev = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
                              text=True, cwd=ROOT).stdout.strip()

@@ -127,19 +127,19 @@ class Cluster:
         return {i: self.blobs[i] for i in indices if i in self.blobs}
 
     async def fault(self, board: ClaimBoard, indices: list[int], fetch_s: float = 0.05,
-                    die: bool = False) -> dict[int, bytes]:
-        """What a node's fault does: coordinate, fetch what is left, publish, release."""
-        got, held = await board.coordinate(TAG, indices, self.load)
+                    die: bool = False, ahead: bool = False) -> dict[int, bytes]:
+        """What a node's fault does: coordinate, fetch what is left (each blob lands when
+        fetched: ``fetch_s`` each), publish, release."""
+        got, held = await board.coordinate(TAG, indices, self.load, ahead=ahead)
         out = dict(got)
         left = [i for i in indices if i not in got]
-        if left:
+        for i in left:
             await trio.sleep(fetch_s)
             if die:
                 return out  # a killed claimer: nothing published, nothing released
-            for i in left:
-                self.fetches.append((board.node, i))
-                self.blobs[i] = out[i] = f"blob {i}".encode()
-        await board.release(held)
+            self.fetches.append((board.node, i))
+            self.blobs[i] = out[i] = f"blob {i}".encode()
+        await board.release(held, fetched=left)
         return out
 
 
@@ -191,6 +191,7 @@ def test_a_waiter_takes_over_a_live_slow_claim_after_its_own_estimate(tmp_path):
     c = Cluster(str(tmp_path))
     slow, waiter = c.board("slow"), c.board("waiter")
     slow._seconds_per_byte = 1e-5  # a slow node: its lease is ~21 s
+    waiter.observe(MiB, 0.1)  # the waiter has measured its own source: fast
     out = {}
 
     async def main():
@@ -210,6 +211,66 @@ def test_a_waiter_takes_over_a_live_slow_claim_after_its_own_estimate(tmp_path):
     assert waiter.stats.counters["claim_waits_given_up"] == 1
     assert waiter.stats.counters["claim_takeovers"] == 1
     assert out["waited"] < waiter.lease(MiB) + 1  # its own bound, not the slow node's lease
+
+
+def test_a_waiter_that_has_not_measured_its_source_takes_the_holders_estimate(tmp_path):
+    """Before its first source read a node's estimate is a guess (50 MB/s): waiting on a
+    holder whose measured source is slower, it waits for the holder's deadline (the same
+    source, measured) instead of taking the claim over after its guess and fetching twice."""
+    c = Cluster(str(tmp_path))
+    holder, waiter = c.board("holder"), c.board("waiter")
+    holder.observe(MiB, 1.6)  # its source: ~1 s a MiB; its lease of 2 MiB: ~4 s
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(c.fault, holder, [3, 4], 0.9)
+            await trio.sleep(0.05)
+            out["got"] = await c.fault(waiter, [4])
+
+    out = {}
+    trio.run(main)
+    assert out["got"] == {4: b"blob 4"} and c.fetches == [("holder", 3), ("holder", 4)]
+    assert waiter.stats.counters["claim_waits_given_up"] == 0
+    assert waiter.lease(2 * MiB) < 1.8  # its own guess would have given up before blob 4
+
+
+def test_a_live_holder_renews_its_claim_and_keeps_it_past_its_first_deadline(tmp_path):
+    """A holder slowed down (a busy machine) well past its lease renews its claim while it
+    lives: a waiter that has not measured its source waits for the blob instead of taking
+    the expired claim over and fetching it twice (a dead holder renews nothing: the
+    takeover tests)."""
+    c = Cluster(str(tmp_path))
+    holder, waiter = c.board("holder"), c.board("waiter")
+    out = {}
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            holder.attach(nursery)
+            nursery.start_soon(c.fault, holder, [3], 3.0)  # its lease: ~1.2 s
+            await trio.sleep(0.05)
+            out["got"] = await c.fault(waiter, [3])
+
+    trio.run(main)
+    assert out["got"] == {3: b"blob 3"} and c.fetches == [("holder", 3)]
+    assert holder.stats.counters["claims_renewed"] >= 2
+    assert waiter.stats.counters["claim_takeovers"] == 0
+
+
+def test_a_claim_won_long_after_the_miss_looks_for_the_blobs_again(tmp_path):
+    """A node whose miss is seconds old when it wins the claim (a starved machine: the blob
+    was published and its claim's marker removed meanwhile) loads the blob instead of
+    fetching it again (seen in an 8-node run: 1.12x the object, no takeovers)."""
+    c = Cluster(str(tmp_path))
+    c.blobs[2] = b"blob 2"  # published; its claim long gone
+    b = c.board("b")
+
+    async def main():
+        got, held = await b.coordinate(TAG, [2], c.load, since=time.monotonic() - 5)
+        await b.release(held, fetched=[])
+        return got
+
+    assert trio.run(main) == {2: b"blob 2"}
+    assert c.store.list("claims/") == []
 
 
 def test_a_foreign_object_where_a_claim_should_be_is_replaced(tmp_path):
@@ -235,6 +296,94 @@ def test_one_nodes_faults_share_its_claim_and_the_last_releases_it(tmp_path):
 
     trio.run(main)
     assert b.stats.counters["claims_won"] == 1
+
+
+def test_a_holders_later_run_grows_its_claim_and_a_waiter_waits_past_the_first_deadline(
+        tmp_path):
+    """A node's first fault claims blob 0 with a short lease; its prefetch of the rest of the
+    window joins the claim and grows it (covering blobs 1..7, deadline renewed). Another node
+    needing blob 6 waits for it to land, past the first claim's deadline, and never fetches
+    it: before claims grew, the first deadline passed and the waiter took the window over
+    (blob 6 fetched twice)."""
+    c = Cluster(str(tmp_path))
+    a, b = c.board("a"), c.board("b")
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            async def holder():
+                _, held = await a.coordinate(TAG, [0], c.load)  # its lease: ~1.2 s
+                first = Claim.decode(c.store.read(held[0].key)[0])
+                assert (first.first, first.count) == (0, 1)
+                await trio.sleep(0.1)
+                c.fetches.append(("a", 0))
+                c.blobs[0] = b"blob 0"
+                # the prefetch of the rest of the window, fetched slower than the first lease
+                await c.fault(a, list(range(1, 8)), fetch_s=0.25, ahead=True)
+                await a.release(held, fetched=[0])
+            nursery.start_soon(holder)
+            await trio.sleep(0.05)
+            out["b"] = await c.fault(b, [6])
+
+    out = {}
+    started = time.monotonic()
+    trio.run(main)
+    assert out["b"] == {6: b"blob 6"}
+    assert sorted(i for _, i in c.fetches) == list(range(8))  # each once, all by a
+    assert {n for n, _ in c.fetches} == {"a"}
+    assert a.stats.counters["claims_grown"] == 1
+    assert b.stats.counters["claim_takeovers"] == 0
+    assert time.monotonic() - started > a.lease(MiB)  # blob 6 landed after the first deadline
+
+
+def test_a_published_marker_covers_every_blob_fetched_under_the_claim(tmp_path):
+    """The holder fetched blobs 2..5 under one claim in two faults; its released claim (kept
+    marked published) tells a node arriving then to load all four, not claim them again:
+    before, the marker covered the first fault's blobs only and the node re-fetched blob 5."""
+    c = Cluster(str(tmp_path))
+    a, b = c.board("a"), c.board("b")
+    b.linger_s = a.linger_s = 2.0
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            async def holder():
+                _, held = await a.coordinate(TAG, [2], c.load)
+                await c.fault(a, [3, 4, 5])  # shares the claim (grown to cover them)
+                c.fetches.append(("a", 2))
+                c.blobs[2] = b"blob 2"
+                await a.release(held, fetched=[2])
+            nursery.start_soon(holder)
+            await trio.sleep(0.3)  # the marker is there now, for linger_s
+            marker = Claim.decode(c.store.read(a._key(TAG, 0))[0])
+            assert marker.published and (marker.first, marker.count) == (2, 4)
+            out["b"] = await c.fault(b, [5])
+
+    out = {}
+    trio.run(main)
+    assert out["b"] == {5: b"blob 5"}
+    assert sorted(i for _, i in c.fetches) == [2, 3, 4, 5]
+    assert b.stats.counters["claims_won"] == 0 and b.stats.counters["claim_takeovers"] == 0
+
+
+def test_a_prefetch_claim_is_held_on_for_its_next_run_and_ends_when_none_comes(tmp_path):
+    """A prefetch run claims to its window's end; released with blobs of the window not
+    fetched, the claim waits ``idle_hold_s`` for the node's next run (which joins it: one
+    claim, no second create), then ends with a marker over what was fetched."""
+    c = Cluster(str(tmp_path))
+    a = c.board("a")
+    a.idle_hold_s, a.linger_s = 0.3, 1.0
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(c.fault, a, [0, 1], 0.01, False, True)
+            await trio.sleep(0.15)  # the first run released, held on
+            assert Claim.decode(c.store.read(a._key(TAG, 0))[0]).count == 8  # to the end
+            nursery.start_soon(c.fault, a, [2, 3], 0.01, False, True)
+            await trio.sleep(0.45)  # the second run released, held on, ended: marked
+            marker = Claim.decode(c.store.read(a._key(TAG, 0))[0])
+            assert marker.published and (marker.first, marker.count) == (0, 4)
+
+    trio.run(main)
+    assert a.stats.counters["claims_won"] == 1 and a.stats.counters["claims_released"] == 1
 
 
 def test_sweep_removes_expired_and_foreign_claims_and_keeps_live_ones(tmp_path):

@@ -172,9 +172,11 @@ class Faulter:
         shared = self.tiers.shared
         try:
             if shared is not None:
+                checked = time.monotonic()
                 got = await shared.load_run(keys)
                 if shared.claims is not None and shared.up and None in got:
-                    held = await self._coordinate(shared, shared.claims, tag, first, got)
+                    held = await self._coordinate(shared, shared.claims, tag, first, got,
+                                                  ahead=not demand, since=checked)
             token = trio.lowlevel.current_trio_token()
             for lo, hi in _gaps(got):
                 read_from = time.monotonic()
@@ -238,9 +240,11 @@ class Faulter:
         return flights
 
     async def _coordinate(self, shared: SharedTier, board: ClaimBoard, tag: Tag, first: int,
-                          got: list[Buffer | None]) -> list[Held]:
-        """Claim the windows of the blobs in ``got`` still missing, or wait for other nodes
-        to bring them; fills ``got`` with what landed meanwhile. The claims held."""
+                          got: list[Buffer | None], *, ahead: bool, since: float
+                          ) -> list[Held]:
+        """Claim the windows of the blobs in ``got`` still missing (``ahead``, a prefetch:
+        to the window's end), or wait for other nodes to bring them; fills ``got`` with what
+        landed meanwhile. The claims held."""
         tier_tag = shared.tags.get(tag.id)
         if tier_tag is None:
             return []
@@ -250,7 +254,8 @@ class Faulter:
             datas = await shared.load_run([(tag.id, i) for i in indices])
             return {i: d for i, d in zip(indices, datas, strict=True) if d is not None}
 
-        found, held = await board.coordinate(tier_tag, missing, load)
+        found, held = await board.coordinate(tier_tag, missing, load, ahead=ahead,
+                                             since=since)
         for index, data in found.items():
             got[index - first] = data
         return held
@@ -272,7 +277,7 @@ class Faulter:
                 log.exception("publishing claimed blobs failed")
                 self.stats.add("shared_publish_failures")
             finally:
-                await board.release(held)
+                await board.release(held, fetched=[key[1] for key, _ in fresh])
 
         if self._nursery is None:
             await run()

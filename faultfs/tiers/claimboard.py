@@ -11,14 +11,22 @@ Invariants:
 - A node holds at most one claim per window; its own later faults of the window share it
   (``_mine``, counted by users) and the last one releases it, after the blobs it fetched are
   published, so a waiter that sees the claim gone finds them (or claims the window itself).
+- The claim object says what its holder fetches: a later fault of the holder outside the
+  claimed blobs grows the claim to cover them (a conditional replace of its own object, which
+  also renews the deadline; behind the fetch when attached to a mount), and the ``published``
+  marker a release leaves covers what it fetched under the claim, all of it. A prefetch run
+  claims to the window's end (its next runs follow), and the last user's release of such a
+  claim waits ``IDLE_HOLD_S`` for them before it lets the rest of the window go.
 - A claim's deadline is its holder's bound: ``lease`` = three times the node's own estimate
-  of the fetch (the fetch, its publish, the waiters' load), plus ``LEASE_SLACK_S``. After it, any node may take the claim over with a
-  conditional replace, and exactly one does; the blob is then fetched at most twice.
+  of the fetch (the fetch, its publish, the waiters' load), plus ``LEASE_SLACK_S``; a live
+  holder renews it each time half of it is gone (``_renew``), so only a dead or cut-off one
+  lets it pass. After it, any node may take the claim over with a conditional replace, and
+  exactly one does; the blob is then fetched at most twice.
 - A waiter takes each blob the holder publishes as soon as it lands (it polls them with the
   claim). Its wait is bounded by the claim's deadline and, per generation of the claim and
   since the last blob that landed, by its own estimate of fetching the rest itself (``lease``
-  of its own measurements): then it
-  takes the claim over (one waiter wins; the others wait on it, a new bound). A slow or dead
+  of its own measurements; before it has any, the holder's, read from the claim's deadline,
+  ``LEASE_MAX_S`` at most in all: ``patience``): then it takes the claim over (one waiter wins; the others wait on it, a new bound). A slow or dead
   peer costs latency, never a failure or wrong bytes, and a blob is fetched twice at most.
 - Any failure of the store ends the coordination for that fault: the caller fetches from the
   source (the shared tier's back-off keeps later faults from trying meanwhile).
@@ -28,13 +36,14 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
 import socket
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
 
 import trio
 
@@ -54,6 +63,11 @@ LEASE_MAX_S = 60.0
 # publish (its claim request after it) finds the blobs instead of claiming the window again
 LINGER_S = 3.0
 POLL_FIRST_S, POLL_MAX_S = 0.02, 0.2  # a waiter looks at the claim this often (doubling)
+# a prefetch's claim to the window's end outlives a pause between its runs by this much: its
+# next run rejoins it instead of another node taking the blobs it was about to fetch
+IDLE_HOLD_S = 1.0
+RENEW_MIN_S = 0.2  # a holder renews its claim's deadline at most this often
+RECHECK_S = 1.0  # a miss older than this when its claim is won is checked again (< LINGER_S)
 FIRST_BYTE_S = 0.05  # a source request's first byte, before this node has measured any
 FIRST_RATE = 50e6  # bytes per second, likewise
 
@@ -72,7 +86,19 @@ class Held:
     key: str
     etag: str
     claim: Claim
+    per: int  # blobs of a window
     users: int = 1
+    fetched: set[int] = field(default_factory=set)  # blobs fetched under it (the marker's)
+    want: tuple[int, int] = (0, 0)  # the blobs ``[lo, hi)`` it should cover (grown to them)
+    lock: trio.Lock = field(default_factory=trio.Lock)  # its replaces (If-Match), one by one
+    lost: bool = False  # taken over meanwhile (its deadline passed), or ended: not ours
+    ahead: bool = False  # claimed or grown to its window's end by a prefetch run
+    idle: int = 0  # releases of its last user: a held-on claim ends if none came since
+    lease_s: float = 0.0  # the lease its deadline was last given
+
+    @property
+    def covers(self) -> tuple[int, int]:
+        return self.claim.first, self.claim.first + self.claim.count
 
 
 Loader = Callable[[list[int]], Awaitable[dict[int, Buffer]]]
@@ -90,13 +116,21 @@ class ClaimBoard:
         self._claiming: dict[tuple[int, int], trio.Event] = {}
         self._limiter: trio.CapacityLimiter | None = None
         self._seconds_per_byte = 1.0 / FIRST_RATE
+        self._measured = False  # a source read of this node has set the estimate
         self.linger_s = LINGER_S
+        self.idle_hold_s = IDLE_HOLD_S
+        self._nursery: trio.Nursery | None = None
+
+    def attach(self, nursery: trio.Nursery) -> None:
+        """Grow claims in ``nursery`` (the mount's), beside the fetch; without it, inline."""
+        self._nursery = nursery
 
     # -- estimates ---------------------------------------------------------------------------
 
     def observe(self, nbytes: int, seconds: float) -> None:
         """A source read of this node: ``nbytes`` in ``seconds`` (the estimate follows it)."""
         if nbytes > 0:
+            self._measured = True
             spb = max(0.0, seconds - FIRST_BYTE_S) / nbytes
             self._seconds_per_byte = 0.8 * self._seconds_per_byte + 0.2 * spb
 
@@ -104,6 +138,15 @@ class ClaimBoard:
         """How long fetching ``nbytes`` may take this node, generously."""
         estimate = FIRST_BYTE_S + nbytes * self._seconds_per_byte
         return min(LEASE_MAX_S, 3 * estimate + LEASE_SLACK_S)
+
+    def patience(self, nbytes: int, claim: Claim) -> float:
+        """How long to wait on ``claim`` for ``nbytes`` before fetching them here: this
+        node's own ``lease``, or, before it has measured its source, the holder's (its
+        deadline: the same source, measured there), whichever is longer."""
+        own = self.lease(nbytes)
+        if self._measured:
+            return own
+        return max(own, min(LEASE_MAX_S, claim.deadline_ms / 1000 - time.time()))
 
     # -- keys --------------------------------------------------------------------------------
 
@@ -124,13 +167,19 @@ class ClaimBoard:
 
     # -- the fault path ----------------------------------------------------------------------
 
-    async def coordinate(self, tag: TierTag, missing: list[int], load: Loader
+    async def coordinate(self, tag: TierTag, missing: list[int], load: Loader, *,
+                         ahead: bool = False, since: float | None = None
                          ) -> tuple[dict[int, Buffer], list[Held]]:
         """Before blobs ``missing`` of ``tag`` are read from the source: claim their windows,
         or wait for other nodes' claims on them. Returns the blobs that landed in the shared
         store meanwhile (``load`` reads them) and the claims now held, which the caller
         releases (``release``) once it has published what it fetched. Every blob not returned
-        is the caller's to fetch: under a claim it holds, or because the wait ended."""
+        is the caller's to fetch: under a claim it holds, or because the wait ended.
+        ``ahead``: a prefetch run, whose next runs fetch the rest of the window: claim it to
+        the window's end. ``since``: when the shared store missed them (monotonic); a claim
+        won more than ``RECHECK_S`` later looks again first (the blobs may have been
+        published and their claim's marker gone meanwhile, on a starved machine)."""
+        since = time.monotonic() if since is None else since
         per = self.window_blobs(tag)
         windows: dict[int, list[int]] = {}
         for index in missing:
@@ -139,7 +188,7 @@ class ClaimBoard:
         held: list[Held] = []
 
         async def one(window: int, need: list[int]) -> None:
-            found, mine = await self._window(tag, window, need, load)
+            found, mine = await self._window(tag, window, need, load, ahead, since)
             got.update(found)
             if mine is not None:
                 held.append(mine)
@@ -153,12 +202,65 @@ class ClaimBoard:
                     nursery.start_soon(one, window, need)
         return got, held
 
-    async def _window(self, tag: TierTag, window: int, need: list[int], load: Loader
+    async def _join(self, tag: TierTag, mine: Held, need: list[int], ahead: bool) -> Held:
+        """A fault of this node shares its claim ``mine``; grown to cover ``need``."""
+        mine.users += 1
+        mine.idle += 1  # a release holding it on for this fault sees it came
+        mine.ahead = mine.ahead or ahead
+        lo, hi = _span(tag, mine.window, need, ahead)
+        first, end = mine.want
+        if lo < first or hi > end:
+            mine.want = (min(lo, first), max(hi, end))
+            if self._nursery is not None:
+                self._nursery.start_soon(self._grow, tag, mine)
+            else:
+                await self._grow(tag, mine)
+        return mine
+
+    async def _grow(self, tag: TierTag, h: Held, *, renew: bool = False) -> None:
+        """Replace ``h``'s object by one covering ``h.want`` with a renewed deadline (If-Match
+        on its tag): waiters then wait for those blobs too, and nobody takes them over.
+        ``renew``: the deadline alone, even when it covers them already."""
+        async with h.lock:
+            lo, hi = h.want
+            first, end = h.covers
+            if h.lost or (not renew and first <= lo and hi <= end):
+                return
+            lo, hi = min(lo, first), max(hi, end)
+            c = h.claim
+            h.lease_s = self.lease((hi - lo) * tag.blob_size)
+            claim = Claim(self.node, c.gen, _now_ms() + int(1000 * h.lease_s), lo, hi - lo)
+            try:
+                etag = await self._io(self.store.replace, h.key, claim.encode(), h.etag)
+            except OSError as exc:
+                self.stats.add("claim_errors")
+                log.warning("growing claim %s failed (%s)", h.key, exc.strerror or exc)
+                return
+            if etag is None:  # taken over after its deadline: the taker fetches from now on
+                h.lost = True
+                if self._mine.get((h.tag_id, h.window)) is h:
+                    del self._mine[(h.tag_id, h.window)]
+                log.info("tag %s: the claim of window %d was taken over", tag.name, h.window)
+                return
+            h.etag, h.claim = etag, claim
+            self.stats.add("claims_renewed" if renew and (lo, hi) == (first, end)
+                           else "claims_grown")
+
+    async def _renew(self, tag: TierTag, h: Held) -> None:
+        """While this node holds ``h``, renew its deadline each time half its lease is gone: a
+        live holder slowed down (a busy machine, a slow publish) keeps its claim, and only a
+        dead one (which renews nothing) is taken over after its deadline."""
+        while not h.lost:
+            left = h.claim.deadline_ms / 1000 - time.time()
+            await trio.sleep(max(RENEW_MIN_S, left - h.lease_s / 2))
+            await self._grow(tag, h, renew=True)
+
+    async def _window(self, tag: TierTag, window: int, need: list[int], load: Loader,
+                      ahead: bool = False, since: float = 0.0
                       ) -> tuple[dict[int, Buffer], Held | None]:
         mine = self._mine.get((tag.id, window))
         if mine is not None:
-            mine.users += 1
-            return {}, mine
+            return {}, await self._join(tag, mine, need, ahead)
         key = self._key(tag, window)
         nbytes = len(need) * tag.blob_size
         got: dict[int, Buffer] = {}
@@ -174,17 +276,17 @@ class ClaimBoard:
                     await self._claiming[(tag.id, window)].wait()
                 mine = self._mine.get((tag.id, window))  # one of our faults claimed meanwhile
                 if mine is not None:
-                    mine.users += 1
-                    return got, mine
+                    return got, await self._join(tag, mine, need, ahead)
                 claiming = self._claiming[(tag.id, window)] = trio.Event()
                 try:
-                    outcome = await self._attempt(tag, window, key, need, force)
+                    outcome = await self._attempt(tag, window, key, need, force, ahead)
                 finally:
                     del self._claiming[(tag.id, window)]
                     claiming.set()
                 loaded, force = bool(force), ""  # a forced takeover follows a load
                 if isinstance(outcome, Held):
-                    if outcome.claim.gen > 1 and not loaded:  # a takeover: some may have landed
+                    stale = time.monotonic() - since > RECHECK_S  # the miss is old news
+                    if (outcome.claim.gen > 1 or stale) and not loaded:  # some may have landed
                         got.update(await load(need))
                         need = [i for i in need if i not in got]
                     return got, outcome
@@ -203,7 +305,7 @@ class ClaimBoard:
                     self.stats.add("claim_waits")
                 if seen_gen != (claim.gen, etag):  # a new holder: a new bound
                     seen_gen = (claim.gen, etag)
-                    give_up = now + self.lease(nbytes)
+                    give_up = now + self.patience(nbytes, claim)
                     progressed = False
                 deadline = now + max(0.0, claim.deadline_ms / 1000 - time.time())
                 # a holder whose blobs keep landing is slow, not dead: its deadline is not
@@ -219,9 +321,22 @@ class ClaimBoard:
                         need = [i for i in need if i not in got]
                         if not need:
                             return got, None
-                        give_up = time.monotonic() + self.lease(len(need) * tag.blob_size)
+                        give_up = time.monotonic() + self.patience(len(need) * tag.blob_size,
+                                                                   claim)
                         until, progressed = give_up, True
                     seen = await self._io(self.store.read, key)
+                    if seen is not None and seen[1] != etag:
+                        grown = _grown(claim, seen[0])
+                        if grown is not None:  # the holder grew it and renewed its deadline
+                            claim, etag = grown, seen[1]
+                            seen_gen = (claim.gen, etag)
+                            now = time.monotonic()
+                            deadline = now + max(0.0, claim.deadline_ms / 1000 - time.time())
+                            if not self._measured:  # the holder's new estimate is ours
+                                give_up = min(waited_from + LEASE_MAX_S, max(
+                                    give_up, now + self.patience(len(need) * tag.blob_size,
+                                                                 claim)))
+                            until = give_up if progressed else min(give_up, deadline)
                     if seen is None or seen[1] != etag:  # released, or someone else's now
                         break
                     if time.monotonic() >= until:
@@ -250,17 +365,18 @@ class ClaimBoard:
                 self.stats.add("claim_wait_ms", round(1000 * (time.monotonic() - waited_from)))
 
     async def _attempt(self, tag: TierTag, window: int, key: str, need: list[int],
-                       force: str = "") -> Held | tuple[Claim, str]:
+                       force: str = "", ahead: bool = False) -> Held | tuple[Claim, str]:
         """Claim the window (create, or take over an expired claim), or say whose it is.
         ``force``: the tag of a live or published claim to take over too (the waiter's
         bound passed, or the blobs of a published one were not all there); a claim that
         replaced it meanwhile is waited on, not taken over."""
         for _ in range(8):  # the claim comes and goes between our requests: try again
-            claim = self._new_claim(tag, need, gen=1)
+            span = _span(tag, window, need, ahead)
+            claim = self._new_claim(tag, span, gen=1)
             etag = await self._io(self.store.create, key, claim.encode())
             if etag is not None:
                 self.stats.add("claims_won")
-                return self._hold(tag, window, key, etag, claim)
+                return self._hold(tag, window, key, etag, claim, ahead)
             seen = await self._io(self.store.read, key)
             if seen is None:
                 continue  # released meanwhile
@@ -274,7 +390,7 @@ class ClaimBoard:
             if theirs is not None and force != etag and (theirs.published
                                                          or not theirs.expired(_now_ms())):
                 return theirs, etag
-            claim = self._new_claim(tag, need, gen=(theirs.gen + 1) if theirs else 1)
+            claim = self._new_claim(tag, span, gen=(theirs.gen + 1) if theirs else 1)
             new = await self._io(self.store.replace, key, claim.encode(), etag)
             if new is not None:
                 self.stats.add("claims_won")
@@ -282,32 +398,55 @@ class ClaimBoard:
                     self.stats.add("claim_takeovers")
                     log.info("tag %s: took over the expired claim of window %d from %s",
                              tag.name, window, theirs.node if theirs else "?")
-                return self._hold(tag, window, key, new, claim)
+                return self._hold(tag, window, key, new, claim, ahead)
             # another node took it over first: its claim is live, wait on it
         raise OSError(5, "the claim of a window kept changing")
 
-    def _new_claim(self, tag: TierTag, need: list[int], gen: int) -> Claim:
-        deadline = time.time() + self.lease(len(need) * tag.blob_size)
-        return Claim(self.node, gen, int(deadline * 1000), need[0], need[-1] - need[0] + 1)
+    def _new_claim(self, tag: TierTag, span: tuple[int, int], gen: int) -> Claim:
+        lo, hi = span
+        deadline = time.time() + self.lease((hi - lo) * tag.blob_size)
+        return Claim(self.node, gen, int(deadline * 1000), lo, hi - lo)
 
-    def _hold(self, tag: TierTag, window: int, key: str, etag: str, claim: Claim) -> Held:
-        held = Held(tag.id, window, key, etag, claim)
+    def _hold(self, tag: TierTag, window: int, key: str, etag: str, claim: Claim,
+              ahead: bool) -> Held:
+        held = Held(tag.id, window, key, etag, claim, self.window_blobs(tag), ahead=ahead)
+        held.want = held.covers
+        held.lease_s = max(0.0, claim.deadline_ms / 1000 - time.time())
+        if self._nursery is not None:
+            self._nursery.start_soon(self._renew, tag, held)
         self._mine[(tag.id, window)] = held
         return held
 
     # -- release -----------------------------------------------------------------------------
 
-    async def release(self, held: list[Held], *, published: bool = True) -> None:
-        """The caller is done with these claims: the last user of each marks it published
-        (``published``: what it fetched is in the store) for ``linger_s``, then removes it;
-        or removes it at once (the fetch failed: another node may claim now). Failures are
-        counted, never raised (the claim expires)."""
+    async def release(self, held: list[Held], *, published: bool = True,
+                      fetched: Iterable[int] = ()) -> None:
+        """The caller is done with these claims, having fetched the blobs ``fetched``: the
+        last user of each marks it published (``published``: what it fetched is in the
+        store) for ``linger_s``, then removes it; or removes it at once (the fetch failed:
+        another node may claim now). A claim made ahead whose blobs are not all fetched is
+        held on ``idle_hold_s`` first, for its node's next run. Failures are counted, never
+        raised (the claim expires)."""
+        indices = list(fetched)
+        last: list[Held] = []
+        for h in held:
+            lo = h.window * h.per
+            h.fetched.update(i for i in indices if lo <= i < lo + h.per)
+            h.users -= 1
+            if h.users == 0:
+                last.append(h)
+        holding = [(h, h.idle) for h in last if published and h.ahead and h.lost is False
+                   and any(i not in h.fetched for i in range(*h.covers))]
+        if holding:
+            with contextlib.suppress(trio.Cancelled):  # unmounting: end them now
+                await trio.sleep(self.idle_hold_s)
+            # rejoined meanwhile: the last of the new users releases it
+            marks = {id(h): idle for h, idle in holding}
+            last = [h for h in last if id(h) not in marks
+                    or (h.users == 0 and h.idle == marks[id(h)])]
         markers: list[tuple[str, str]] = []
         with trio.CancelScope(shield=True):
-            for h in held:
-                h.users -= 1
-                if h.users > 0:
-                    continue
+            for h in last:
                 if self._mine.get((h.tag_id, h.window)) is h:
                     del self._mine[(h.tag_id, h.window)]
                 ending = self._claiming.setdefault((h.tag_id, h.window), trio.Event())
@@ -335,15 +474,20 @@ class ClaimBoard:
                     await self._remove_if(key, etag)
 
     async def _end(self, h: Held, published: bool) -> str | None:
-        """Mark ``h`` published (its new tag) or delete it (None); leave it alone when it is
-        no longer ours (taken over after its deadline)."""
-        if published:
-            c = h.claim
-            done = Claim(c.node, c.gen, _now_ms() + int(self.linger_s * 1000) + 1000, c.first,
-                         c.count, published=True)
-            return await self._io(self.store.replace, h.key, done.encode(), h.etag)
-        await self._remove_if(h.key, h.etag)
-        return None
+        """Mark ``h`` published over the blobs it fetched (its new tag) or delete it (None);
+        leave it alone when it is no longer ours (taken over after its deadline)."""
+        async with h.lock:
+            if h.lost:
+                return None
+            h.lost = True  # ended: no more growing
+            if published and h.fetched:
+                c = h.claim
+                lo, hi = min(h.fetched), max(h.fetched) + 1
+                done = Claim(c.node, c.gen, _now_ms() + int(self.linger_s * 1000) + 1000, lo,
+                             hi - lo, published=True)
+                return await self._io(self.store.replace, h.key, done.encode(), h.etag)
+            await self._remove_if(h.key, h.etag)
+            return None
 
     async def _remove_if(self, key: str, etag: str) -> None:
         """Delete the claim at ``key`` if it is still the one of ``etag``."""
@@ -356,8 +500,27 @@ class ClaimBoard:
             log.warning("removing claim %s failed (%s): it expires", key, exc.strerror or exc)
 
 
+def _span(tag: TierTag, window: int, need: list[int], ahead: bool) -> tuple[int, int]:
+    """The blobs ``[lo, hi)`` a claim for ``need`` covers: to the window's end ahead."""
+    per = ClaimBoard.window_blobs(tag)
+    end = min((window + 1) * per, tag.num_blobs) if ahead else need[-1] + 1
+    return need[0], max(end, need[-1] + 1)
+
+
 def _now_ms() -> int:
     return int(time.time() * 1000)
+
+
+def _grown(claim: Claim, raw: bytes) -> Claim | None:
+    """The object ``raw`` as ``claim`` grown by its holder (same node and generation, still
+    fetching), or None (released, taken over, or not a claim)."""
+    try:
+        new = Claim.decode(raw)
+    except CorruptionError:
+        return None
+    if new.published or new.node != claim.node or new.gen != claim.gen:
+        return None
+    return new
 
 
 def sweep(store: ClaimStore, *, dry_run: bool = False, grace_s: float = 60.0) -> list[str]:

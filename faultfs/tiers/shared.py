@@ -112,6 +112,8 @@ class SharedTier:
 
     def attach(self, nursery: trio.Nursery) -> None:
         self._nursery = nursery
+        if self.claims is not None:
+            self.claims.attach(nursery)
 
     # -- availability ------------------------------------------------------------------------
 

@@ -168,6 +168,24 @@ def test_two_nodes_claiming_one_blob_within_a_millisecond_fetch_it_once(cluster)
     assert total((a, b), "claim_waits") == 3
 
 
+def test_sequential_nodes_on_a_slow_source_read_it_once_without_takeovers(cluster):
+    """Two nodes read one object sequentially at once from a source slower than the first
+    claim's lease (1 MB/s per connection): the holder's prefetch runs grow its window claims
+    (renewing their deadlines) and the other node waits for their blobs. Before claims grew,
+    a window's first claim (blob 0 alone, ~1.2 s) expired under the holder's prefetch and the
+    waiter took it over: the source served blobs twice."""
+    data = payload(4 * MiB, 38)
+    c = cluster(data, delay_ms=20, mbps=1)
+    nodes = [c.node(f"s{i}", prefetch=True) for i in range(2)]
+    views = [os.path.join(n.tag("field"), "field.bin") for n in nodes]
+    got = at_once([lambda v=v: read(v) for v in views])
+    assert all(g == data for g in got)
+    # once (a waiter that has measured its own source may still give up on one blob when the
+    # machine is starved: the test suite's neighbours); before, 2.00x
+    assert total(nodes, "source_bytes") <= 1.25 * len(data)
+    assert total(nodes, "claims_grown") >= 1
+
+
 def test_an_expired_claim_is_taken_over_by_exactly_one_of_three_nodes(cluster):
     data = payload(16 * MiB, 33)
     c = cluster(data)
