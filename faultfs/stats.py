@@ -22,7 +22,7 @@ COUNTERS = (
     "skipped_cache_cap", "store_failures", "readthrough_backoff", "evicted", "evicted_bytes",
     "zero_filled_bytes", "bytes_served", "page_reads", "page_slices", "page_errors",
     "stale_blobs_dropped", "corrupt_blobs_dropped", "memory_hits", "prefetches",
-    "prefetch_errors", "store_readahead", "ring_reads", "dirty_kept", "skipped_dirty", "skipped_degraded",
+    "prefetch_errors", "prefetch_skipped_memory", "store_readahead", "ring_reads", "dirty_kept", "skipped_dirty", "skipped_degraded",
     "writes", "bytes_written", "fsyncs", "fsyncs_joined", "folds", "checkpoints", "spills", "spilled_bytes",
     "base_fault_errors", "coherence_drops", "coherence_held_pages", "coherence_waits_cut",
     "coherence_claimed_bytes",

@@ -132,13 +132,15 @@ class Faulter:
         return flight.data
 
     async def fault_run(self, tag: Tag, first: int, flights: list[Flight], *,
-                        demand: bool = False) -> list[Flight]:
+                        demand: bool = False, reserved: bool = False) -> list[Flight]:
         """Fault the claimed blobs ``first ..``: from the shared tier where it has them, the
         rest with ONE source read per run of adjacent blobs (a run costs one request to a
         remote source, not one each); hand each to its readers as soon as it is in, then to
         the tiers. Errors are left in the flights for their readers. ``demand``: a reader
         waits for it; its source read takes a lane of its own (``DEMAND_LANE``), so it never
-        queues behind prefetches and store writes in the I/O pool."""
+        queues behind prefetches and store writes in the I/O pool; it waits for room in the
+        data budget instead (``--memory-mb``). ``reserved``: the caller took the run's bytes
+        from the budget already (a prefetch, when it started)."""
         count = len(flights)
         keys = [(tag.id, index) for index in range(first, first + count)]
         self.stats.add("faults", count)
@@ -148,12 +150,22 @@ class Faulter:
         from_source = [False] * count
         error: BaseException | None = None
 
+        budget = self.tiers.budget
+        cs = tag.layout.chunk_size
+        owed = [reserved] * count  # blobs whose source read counts against the data budget
+
+        def settle_budget(i: int) -> None:
+            if owed[i]:
+                owed[i] = False
+                budget.give(cs)
+
         def hand(i: int, data: Buffer) -> None:
             """Blob ``first + i`` to its readers and to memory, now (on the trio thread, from
             ``run_sync_soon``: it must not raise)."""
             if handed[i]:
                 return
             handed[i] = True
+            settle_budget(i)
             got[i] = data
             flights[i].data = data
             try:
@@ -175,9 +187,17 @@ class Faulter:
                 got = await shared.load_run(keys)
                 if shared.claims is not None and shared.up and None in got:
                     held = await self._coordinate(shared, shared.claims, tag, first, got)
+            for i, data in enumerate(got):
+                if data is not None:  # from the shared tier: no source read for it
+                    settle_budget(i)
             token = trio.lowlevel.current_trio_token()
             for lo, hi in _gaps(got):
                 read_from = time.monotonic()
+                if not reserved:
+                    if demand:  # a reader waits: room once what is in flight or pinned allows
+                        await budget.admit((hi - lo) * cs)
+                    budget.take((hi - lo) * cs)  # the read's buffer is allocated whole
+                    owed[lo:hi] = [True] * (hi - lo)
                 if self.streams(tag):
                     def landed(j: int, data: Buffer, lo: int = lo) -> None:  # on the pool
                         token.run_sync_soon(hand, lo + j, data)
@@ -209,6 +229,7 @@ class Faulter:
                               first + count - 1, tag.name)
         finally:
             for i, (key, flight, data) in enumerate(zip(keys, flights, got, strict=True)):
+                settle_budget(i)
                 if handed[i]:
                     continue
                 handed[i] = True

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from faultfs import buffers
 from faultfs.config import STATS_INTERVAL_S, Config
 from faultfs.core.names import CTL_NAME
 from faultfs.core.ownership import Ownership
@@ -34,6 +35,7 @@ from faultfs.fuse.handover import HAND_OVER
 from faultfs.fuse.lowlevel import native, pyfuse3
 from faultfs.fuse.ops import FaultOperations
 from faultfs.fuse.tuning import set_max_background, set_readahead
+from faultfs.tiers.budget import FREE_BUFFERS_SHARE
 from faultfs.tiers.uring import fuse_device_fds
 
 if TYPE_CHECKING:
@@ -52,6 +54,9 @@ def serve(engine: Engine, mountpoint: str, *, ready: Callable[[], None] | None =
     this daemon serves the connection the holder handed it."""
     raise_fd_limit()
     bound_malloc()
+    # recycled read buffers are memory too: a share of the data budget (tiers/budget.py)
+    buffers.POOL.keep_bytes = min(buffers.KEEP_BYTES, (engine.config.memory_mb << 20)
+                                  // FREE_BUFFERS_SHARE)
     if held is not None and native is None:
         log.warning("this install has no compiled fast path (_fastread): a crash of the daemon "
                     "ends the mount, and it cannot be restarted in place")
