@@ -17,7 +17,8 @@ LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
                    2.5, 5.0, 10.0)
 
 COUNTERS = (
-    "reads", "hits", "faults", "fault_errors", "single_flight_joins", "head_reads", "source_reads",
+    "reads", "hits", "faults", "fault_errors", "single_flight_joins", "head_reads", "split_faults",
+    "source_reads",
     "source_bytes", "stored", "stored_bytes", "skipped_reserve", "skipped_no_store",
     "skipped_cache_cap", "store_failures", "readthrough_backoff", "evicted", "evicted_bytes",
     "zero_filled_bytes", "bytes_served", "page_reads", "page_slices", "page_errors",

@@ -249,3 +249,42 @@ def _first_difference(got: bytes, want: bytes) -> str:
     last = max(i for i in range(len(want)) if got[i] != want[i])
     zeros = got[first:last + 1].count(0)
     return f"bytes {first}..{last} differ ({zeros} zeros among them)"
+
+
+def test_split_faults_of_random_readers_survive_dropped_and_stalled_responses(
+        s3_env, s3_client, make_bucket, mounter, proxy, monkeypatch):
+    bucket = make_bucket()
+    data = payload(12 * MiB - 999, 6)
+    s3_client.put_object(Bucket=bucket, Key="run/field.bin", Body=data)
+    monkeypatch.setenv("FAULTFS_SOURCE_READ_TIMEOUT_S", str(READ_TIMEOUT_S))
+    m = mounter(f"s3://{bucket}/run/field.bin",
+                args=["--chunk-size", "1M", "--s3-endpoint-url", proxy.url])
+    view = os.path.join(m.tag("field"), "field.bin")
+    # a third of the GETs cut 20 kB into their body: the reader's part and the head's alike
+    proxy.set_faults(FaultPlan(FaultRule("reset", fraction=0.34, after_bytes=20_000,
+                                         match=object_gets(bucket, "run/field.bin"))))
+    fd = os.open(view, os.O_RDONLY)
+    try:
+        for chunk in (1, 4, 7, 10):  # far into each blob: its fault is split at the reader
+            off = chunk * MiB + 700 * 1024 + 123
+            assert os.pread(fd, 4096, off) == data[off:off + 4096]
+        assert proxy.stats(log=False)["faults"]["reset"] >= 1
+        c = m.counters()
+        assert c["split_faults"] >= 1 and c["fault_errors"] == 0, c
+
+        # every response stalls: the split fault's reader gets EIO after the bounded tries
+        proxy.set_faults(FaultPlan(FaultRule("stall", fraction=1.0, after_bytes=10_000,
+                                             match=object_gets(bucket, "run/field.bin"))))
+        started = time.monotonic()
+        with pytest.raises(OSError) as exc:
+            os.pread(fd, 4096, 5 * MiB + 900 * 1024)
+        assert exc.value.errno == errno.EIO
+        one_fault = DEFAULT_RETRY.attempts * READ_TIMEOUT_S + 3.0
+        assert time.monotonic() - started < 2 * one_fault + 5, "bounded: not a hang"
+    finally:
+        os.close(fd)
+    proxy.set_faults(None)
+    assert read_view(view) == data, "every blob whole and exact, the failed one faulted again"
+    m.umount()
+    again = mounter(store=m.store, mountpoint=m.path)
+    assert read_view(os.path.join(again.tag("field"), "field.bin")) == data
