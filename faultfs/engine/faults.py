@@ -49,6 +49,7 @@ DEMAND_LANE = 16
 # a request costs ~0.4 ms of CPU and runs beside the other)
 SPLIT_MIN = 256 << 10
 SPLIT_ALIGN = 64 << 10
+SPLIT_LANE_BUSY = 4  # ... and only while fewer reads than this take the demand lane
 
 
 def split_at(tag: Tag, index: int, at: int) -> int:
@@ -228,7 +229,8 @@ class Faulter:
                         await budget.admit((hi - lo) * cs)
                     budget.take((hi - lo) * cs)  # the read's buffer is allocated whole
                     owed[lo:hi] = [True] * (hi - lo)
-                if count == 1 and self.streams(tag) and split_at(tag, first, at):
+                if (count == 1 and self.streams(tag) and split_at(tag, first, at)
+                        and self._lane_quiet()):
                     datas = await read_split(
                         self, tag, first, split_at(tag, first, at),
                         lambda head: token.run_sync_soon(show, 0, head),
@@ -335,6 +337,13 @@ class Faulter:
             await run()
         else:
             self._nursery.start_soon(run)
+
+    def _lane_quiet(self) -> bool:
+        """Whether the demand lane has room for a split fault's second read: with many
+        readers' faults at once the bandwidth and the CPU bound them, not a round trip,
+        and a request more each would only cost."""
+        lane = self._demand
+        return lane is None or lane.borrowed_tokens < SPLIT_LANE_BUSY
 
     async def _run(self, demand: bool, fn: Callable[..., T], *args: object) -> T:
         """``fn(*args)`` on a worker thread: the I/O pool, or the demand lane."""
