@@ -12,7 +12,8 @@ Invariants:
 - A source read a reader waits for is admitted (``admit``) only when its bytes fit beside
   what cannot be dropped (reads in flight, pinned blobs, publishes); otherwise it waits until
   something lands or is stored — all of which happens without it, so it never deadlocks. A
-  read larger than the whole budget is admitted when nothing else is held.
+  read larger than the whole budget is admitted when nothing else is held; a budget of 0
+  (``--memory-mb 0``: no memory tier) holds no read back.
 - Prefetches start only when they fit and no reader waits for room (``fits``): a reader is
   never kept waiting behind a prefetch for memory.
 - The other holders bound themselves within it: the prefetch window at half, the store
@@ -68,8 +69,9 @@ class DataBudget:
         return not self._waiters and self.fixed() + n <= self.limit
 
     async def admit(self, n: int) -> None:
-        """Wait until a read a reader waits for, of ``n`` bytes, fits."""
-        while self.fixed() + n > self.limit and self.fixed() > 0:
+        """Wait until a read a reader waits for, of ``n`` bytes, fits. A budget of 0 (no
+        memory tier: ``--memory-mb 0``) holds no read back."""
+        while self.limit and self.fixed() + n > self.limit and self.fixed() > 0:
             event = trio.Event()
             self._waiters.append(event)
             self.waits += 1

@@ -153,20 +153,22 @@ def test_a_reader_killed_while_its_fault_waits_leaves_the_mount_serving_exact_by
     m = mounter(f"s3://{bucket}/run/field.bin",
                 args=["--chunk-size", "1M", "--s3-endpoint-url", proxy.url])
     tag = m.tag("field")
-    # the reader's GET stalls 1.5 s after 100 kB of its body: it is killed meanwhile
-    proxy.set_faults(FaultPlan(FaultRule("stall", requests=[1], after_bytes=100_000,
+    # every GET stalls 1.5 s after 100 kB of its body; the reader's bytes (200 KiB into
+    # its blob: not split) lie past that, and it is killed meanwhile
+    proxy.set_faults(FaultPlan(FaultRule("stall", fraction=1.0, after_bytes=100_000,
                                          stall_s=1.5,
                                          match=object_gets(bucket, "run/field.bin"))))
     reader = subprocess.Popen([sys.executable, "-c",
                                "import os, sys; fd = os.open(sys.argv[1], os.O_RDONLY); "
-                               "os.pread(fd, 65536, 512 * 1024)",
+                               "os.pread(fd, 65536, 200 * 1024)",
                                os.path.join(tag, "chunk_3")])
     deadline = time.monotonic() + 10
     while proxy.stats(log=False)["faults"]["stall"] == 0 and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert proxy.stats(log=False)["faults"]["stall"] == 1, "the reader's GET is stalled"
+    assert proxy.stats(log=False)["faults"]["stall"] >= 1, "the reader's GET is stalled"
     reader.kill()
-    assert reader.wait(timeout=10) == -9
+    assert reader.wait(timeout=10) == -9, "killed while its read waited"
+    proxy.set_faults(None)
     # the fault it waited for ends and is served whole to the next reader, and to the store
     started = time.monotonic()
     with open(os.path.join(tag, "chunk_3"), "rb") as f:
