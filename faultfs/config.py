@@ -19,6 +19,10 @@ STATS_INTERVAL_S = 5.0
 MEMORY_MB = 64  # recently faulted blobs kept in memory: later pieces of a blob skip the store
 PREFETCH_MB = 32  # sequential readers get up to this much faulted ahead of them
 READAHEAD_KB = 4096  # kernel readahead of the mount: 1 MiB requests, several in flight
+# the kernel's background (readahead, async) requests in flight on the mount's connection;
+# its default 12 left three 4 MiB readaheads' worth of 1 MiB requests queued behind each other
+MAX_BACKGROUND = 64
+MAX_MAX_BACKGROUND = 65535  # the kernel's limit (u16)
 INLINE_READ_KB = 64  # staged reads up to this size block the event loop's thread, no pool trip
 DIRTY_MB = 64  # written bytes held in memory before they are spilled (read back from the journal)
 JOURNAL_MB = 1024  # journal bytes on disk before a checkpoint folds them into dirty files
@@ -97,6 +101,8 @@ class Config:
     memory_mb: int = MEMORY_MB
     prefetch_mb: int = PREFETCH_MB
     readahead_kb: int = READAHEAD_KB
+    # --max-background: the FUSE connection's max_background (congestion_threshold 3/4 of it)
+    max_background: int = MAX_BACKGROUND
     inline_read_kb: int = INLINE_READ_KB
     read_only: bool = False  # --read-only: writes get EROFS
     # --xattrs: answer the user.faultfs.* extended attributes. Off, the first getxattr is
@@ -151,14 +157,15 @@ class Config:
             raise InvalidInput(f"FAULTFS_URING must be one of {', '.join(URING_MODES)} or 0 "
                                f"(it is {self.uring!r})")
         if min(self.memory_mb, self.prefetch_mb, self.readahead_kb, self.inline_read_kb,
-               self.dirty_mb, self.journal_mb) < 0:
+               self.dirty_mb, self.journal_mb, self.max_background) < 0:
             raise InvalidInput("memory, prefetch, readahead, inline-read, dirty and journal sizes "
-                               "must not be negative")
+                               "and --max-background must not be negative")
         for flag, value, most in (("--io-threads", self.io_threads, MAX_IO_THREADS),
                                   ("--reserve-mb", self.reserve_mb, MAX_MB),
                                   ("--memory-mb", self.memory_mb, MAX_MB),
                                   ("--prefetch-mb", self.prefetch_mb, MAX_MB),
                                   ("--readahead-kb", self.readahead_kb, MAX_READAHEAD_KB),
+                                  ("--max-background", self.max_background, MAX_MAX_BACKGROUND),
                                   ("--inline-read-kb", self.inline_read_kb, MAX_READAHEAD_KB),
                                   ("--dirty-mb", self.dirty_mb, MAX_MB),
                                   ("--journal-mb", self.journal_mb, MAX_MB),
@@ -176,6 +183,7 @@ class Config:
               stats_log: bool | None = None, cache_size: int | None = None,
               memory_mb: int | None = None, prefetch_mb: int | None = None,
               readahead_kb: int | None = None, inline_read_kb: int | None = None,
+              max_background: int | None = None,
               read_only: bool | None = None, xattrs: bool | None = None,
               dirty_mb: int | None = None, journal_mb: int | None = None,
               shared_store: str | None = None,
@@ -199,6 +207,8 @@ class Config:
             memory_mb=memory_mb if memory_mb is not None else _env_int("FAULTFS_MEMORY_MB", MEMORY_MB, env),
             prefetch_mb=prefetch_mb if prefetch_mb is not None else _env_int("FAULTFS_PREFETCH_MB", PREFETCH_MB, env),
             readahead_kb=readahead_kb if readahead_kb is not None else _env_int("FAULTFS_READAHEAD_KB", READAHEAD_KB, env),
+            max_background=(max_background if max_background is not None
+                            else _env_int("FAULTFS_MAX_BACKGROUND", MAX_BACKGROUND, env)),
             inline_read_kb=inline_read_kb if inline_read_kb is not None else _env_int("FAULTFS_INLINE_READ_KB", INLINE_READ_KB, env),
             read_only=read_only if read_only is not None else _env_flag("FAULTFS_READ_ONLY", False, env),
             xattrs=xattrs if xattrs is not None else _env_flag("FAULTFS_XATTRS", False, env),

@@ -17,12 +17,13 @@ LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
                    2.5, 5.0, 10.0)
 
 COUNTERS = (
-    "reads", "hits", "faults", "fault_errors", "single_flight_joins", "head_reads", "source_reads",
+    "reads", "hits", "faults", "fault_errors", "single_flight_joins", "head_reads", "split_faults",
+    "source_reads",
     "source_bytes", "stored", "stored_bytes", "skipped_reserve", "skipped_no_store",
     "skipped_cache_cap", "store_failures", "readthrough_backoff", "evicted", "evicted_bytes",
     "zero_filled_bytes", "bytes_served", "page_reads", "page_slices", "page_errors",
     "stale_blobs_dropped", "corrupt_blobs_dropped", "memory_hits", "prefetches",
-    "prefetch_errors", "store_readahead", "ring_reads", "dirty_kept", "skipped_dirty", "skipped_degraded",
+    "prefetch_errors", "prefetch_skipped_memory", "store_readahead", "ring_reads", "dirty_kept", "skipped_dirty", "skipped_degraded",
     "writes", "bytes_written", "fsyncs", "fsyncs_joined", "folds", "checkpoints", "spills", "spilled_bytes",
     "base_fault_errors", "coherence_drops", "coherence_held_pages", "coherence_waits_cut",
     "coherence_claimed_bytes",

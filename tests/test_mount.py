@@ -239,12 +239,25 @@ def test_env_aliases_and_flags_override_env(mounter, sample):
     stats = m.stats()
     assert stats["store_enabled"] is False and stats["io_threads"] == 3
     assert stats["counters"]["skipped_no_store"] >= 2 and stats["counters"]["stored"] == 0
+    assert _fuse_limits(m) == {"max_background": 64, "congestion_threshold": 48}, \
+        "the kernel's 12 background requests raised at mount"
     m.umount()
-    m2 = mounter(src, store=m.store, env={"FAULTFS_IO_THREADS": "5", "CLIO_CAE_REF_IO_THREADS": "9"},
-                 args=["--reserve-mb", "7"])
+    m2 = mounter(src, store=m.store, env={"FAULTFS_IO_THREADS": "5", "CLIO_CAE_REF_IO_THREADS": "9",
+                                          "FAULTFS_MAX_BACKGROUND": "99"},
+                 args=["--reserve-mb", "7", "--max-background", "20"])
     s2 = m2.stats()
     assert s2["io_threads"] == 5, "FAULTFS_* wins over its upstream alias"
     assert s2["reserve_bytes"] == 7 * MiB, "a flag wins over the environment"
+    assert _fuse_limits(m2) == {"max_background": 20, "congestion_threshold": 15}
+
+
+def _fuse_limits(m) -> dict:
+    from faultfs.fuse import connection
+    from faultfs.fuse.tuning import connection_limits
+
+    entry = connection.find_mount(m.path)
+    assert entry is not None
+    return connection_limits(entry.minor)
 
 
 def test_stat_table_and_json(mounter, sample):
@@ -303,6 +316,8 @@ def _registry_is_empty(store):
     (lambda t, s: [s, "--tag", "n" * 256], "over 255"),
     (lambda t, s: [s, s + "2", "--tag", "one"], "one tag"),
     (lambda t, s: [s, "--page-size", "2G"], "page size"),
+    (lambda t, s: [s, "--max-background", "65536"], "--max-background must be at most"),
+    (lambda t, s: [s, "--max-background", "-1"], "must not be negative"),
 ])
 def test_bad_input_is_one_line_and_changes_nothing(tmp_path, sample, make_args, message):
     src = sample(2 * MiB)

@@ -21,6 +21,7 @@ import pytest
 from conftest import ROOT, run_faultfs
 
 from faultfs.fuse import connection
+from faultfs.fuse.tuning import connection_limits
 
 
 @pytest.fixture(autouse=True)
@@ -101,7 +102,7 @@ def served_again(m, old_pid: int) -> dict:
 def test_kill_9_under_an_open_reader_and_an_fsyncing_writer_fails_no_call(mounter, sample):
     src = sample(8 * MiB)
     data = read(src)
-    m = mounter(src, args=["--chunk-size", "1M"])
+    m = mounter(src, args=["--chunk-size", "1M", "--max-background", "40"])
     tag = m.tag("field")
     view = os.open(os.path.join(tag, "field.bin"), os.O_RDONLY)
     blob = os.open(os.path.join(tag, "notes.bin"), os.O_RDWR | os.O_CREAT, 0o600)
@@ -121,6 +122,8 @@ def test_kill_9_under_an_open_reader_and_an_fsyncing_writer_fails_no_call(mounte
             snap = served_again(m, old)
             assert snap["daemon"]["takeovers"] == round_ + 1 and snap["daemon"]["holder"]
             assert os.path.ismount(m.path)
+            minor = connection.find_mount(m.path).minor
+            assert connection_limits(minor) == {"max_background": 40, "congestion_threshold": 30}
     finally:
         os.close(view)
         os.close(blob)

@@ -15,7 +15,7 @@ from faultfs.errors import InvalidInput
 
 VALUED = ("store", "tag", "chunk_size", "blob_prefix", "range", "format", "page_size",
           "reserve_mb", "cache_size", "dirty_mb", "journal_mb", "io_threads", "memory_mb", "prefetch_mb",
-          "readahead_kb", "inline_read_kb", "shared_store", "shared_store_endpoint_url",
+          "readahead_kb", "max_background", "inline_read_kb", "shared_store", "shared_store_endpoint_url",
           "shared_store_key",
           "metrics_addr", "s3_endpoint_url", "s3_region", "s3_profile", "uid", "gid", "umask",
           "file_mode", "dir_mode")

@@ -79,6 +79,9 @@ def register(sub) -> None:
     m.add_argument("--memory-mb", type=int, help="recently faulted blobs kept in memory (default 64)")
     m.add_argument("--prefetch-mb", type=int, help="fault up to this much ahead of sequential readers (default 32; 0: off)")
     m.add_argument("--readahead-kb", type=int, help="kernel readahead of the mount (default 4096; 0: kernel default)")
+    m.add_argument("--max-background", type=int,
+                   help="the kernel's background requests (readahead) in flight on the mount "
+                        "(default 64; 0: the kernel's 12)")
     m.add_argument("--inline-read-kb", type=int,
                    help="staged reads up to this size are read on the serving thread, not the I/O pool "
                         "(default 64; 0: always the pool, e.g. for a store on a network disk)")
@@ -249,6 +252,7 @@ def _mount_here(args: argparse.Namespace) -> int:
                               io_threads=args.io_threads, stats_log=True if args.stats else None,
                               cache_size=args.cache_size, memory_mb=args.memory_mb,
                               prefetch_mb=args.prefetch_mb, readahead_kb=args.readahead_kb,
+                              max_background=args.max_background,
                               inline_read_kb=args.inline_read_kb,
                               read_only=True if args.read_only else None,
                               xattrs=True if args.xattrs else None,

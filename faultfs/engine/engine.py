@@ -242,7 +242,7 @@ class Engine:
         Without it (unit tests, embedding) a fault stores before it returns."""
         blob = max((t.layout.chunk_size for t in self.tags.values()), default=1 << 20)
         # a faulted blob waiting for its store write is held in memory: bound those bytes
-        self.tiers.attach(nursery, (self.config.memory_mb << 20) // 2, blob)
+        self.tiers.attach(nursery, blob)
         self.faults.attach(nursery)
         self.prefetch.attach(nursery)
         self.writes.attach(nursery)

@@ -25,6 +25,7 @@ from typing import TypeVar
 import trio
 
 from assimilators.binary import BinaryFileAssimilator
+from faultfs.buffers import alloc
 from faultfs.core.chunks import ChunkLayout, zero_fill
 from faultfs.engine.flights import Flight, Flights
 from faultfs.engine.tags import Tag
@@ -43,6 +44,30 @@ T = TypeVar("T")
 # Source reads a reader waits for, at once, beside the I/O pool: a cold read must not queue
 # behind the pool's prefetches and store writes (random readers: one blob each).
 DEMAND_LANE = 16
+# A reader's fault is split at its offset when the bytes before it would take longer to
+# land than a second request costs (at 100 MB/s per connection, 256 KiB is 2.6 ms;
+# a request costs ~0.4 ms of CPU and runs beside the other)
+SPLIT_MIN = 256 << 10
+SPLIT_ALIGN = 64 << 10
+SPLIT_LANE_BUSY = 4  # ... and only while fewer reads than this take the demand lane
+
+
+def split_at(tag: Tag, index: int, at: int) -> int:
+    """Where a fault of blob ``index`` whose reader starts at ``at`` is split in two (0: it
+    is not): far enough in that the reader would wait for more than ``SPLIT_MIN`` bytes
+    before its own, aligned down, inside the blob's source bytes."""
+    at -= at % SPLIT_ALIGN
+    if at < SPLIT_MIN:
+        return 0
+    start, end = tag.layout.source_range(index)
+    return at if at < end - start else 0
+
+
+def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
+    out: list[BaseException] = []
+    for exc in group.exceptions:
+        out.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    return out
 
 
 def _gaps(got: Sequence[Buffer | None]) -> list[tuple[int, int]]:
@@ -85,18 +110,20 @@ class Faulter:
         """Bytes ``[off, off+size)`` of blob ``index`` (inside it), from the source
         (single-flight); from a streaming source as soon as they are in, before the rest of
         the blob (``Flight.show``)."""
-        flight = await self._flight(tag, index, streaming=True)
-        await flight.wait_for(off + size)
-        head = flight.partial
-        if flight.data is None and head is not None and len(head) >= off + size:
+        flight = await self._flight(tag, index, streaming=True, at=off)
+        await flight.wait_for(off + size, off)
+        landed = flight.landed(off, off + size) if flight.data is None else None
+        if landed is not None:
             self.stats.add("head_reads")
-            return head[off:off + size]  # landed before the fault ended (even if it failed)
+            return landed  # landed before the fault ended (even if it failed)
         return memoryview(self._outcome(tag, index, flight))[off:off + size]
 
-    async def _flight(self, tag: Tag, index: int, *, streaming: bool = False) -> Flight:
+    async def _flight(self, tag: Tag, index: int, *, streaming: bool = False,
+                      at: int = 0) -> Flight:
         """The flight of blob ``index``: a read-ahead's or a fault's in progress (joined), or
         a new fault — run here, or (``streaming`` and a mount's nursery) beside the reader
-        so it can take the blob's head; done unless it runs beside."""
+        so it can take the blob's head, or the bytes from ``at`` on (the reader's offset:
+        a split fault); done unless it runs beside."""
         key = (tag.id, index)
         data = await self.flights.read_ahead(key)  # a read-ahead of the staged copy
         if data is not None:
@@ -110,14 +137,14 @@ class Faulter:
             return flight
         [flight] = self.flights.claim([key])
         if streaming and self._nursery is not None and self.streams(tag):
-            self._nursery.start_soon(self._beside, tag, index, flight)
+            self._nursery.start_soon(self._beside, tag, index, flight, at)
         else:
             await self.fault_run(tag, index, [flight], demand=True)
         return flight
 
-    async def _beside(self, tag: Tag, index: int, flight: Flight) -> None:
+    async def _beside(self, tag: Tag, index: int, flight: Flight, at: int) -> None:
         try:
-            await self.fault_run(tag, index, [flight], demand=True)
+            await self.fault_run(tag, index, [flight], demand=True, at=at)
         except Exception:  # a background task must never take the mount down
             log.exception("fault of blob %d of tag %s failed", index, tag.name)
 
@@ -132,13 +159,19 @@ class Faulter:
         return flight.data
 
     async def fault_run(self, tag: Tag, first: int, flights: list[Flight], *,
-                        demand: bool = False) -> list[Flight]:
+                        demand: bool = False, reserved: bool = False,
+                        at: int = 0) -> list[Flight]:
         """Fault the claimed blobs ``first ..``: from the shared tier where it has them, the
         rest with ONE source read per run of adjacent blobs (a run costs one request to a
         remote source, not one each); hand each to its readers as soon as it is in, then to
         the tiers. Errors are left in the flights for their readers. ``demand``: a reader
         waits for it; its source read takes a lane of its own (``DEMAND_LANE``), so it never
-        queues behind prefetches and store writes in the I/O pool."""
+        queues behind prefetches and store writes in the I/O pool; it waits for room in the
+        data budget instead (``--memory-mb``). ``reserved``: the caller took the run's bytes
+        from the budget already (a prefetch, when it started). ``at``: where in a single
+        blob its reader's bytes start; far enough in, the blob is read in two parts at once,
+        from ``at`` and up to it, so the reader waits for one round trip and its own bytes
+        (``split``)."""
         count = len(flights)
         keys = [(tag.id, index) for index in range(first, first + count)]
         self.stats.add("faults", count)
@@ -148,12 +181,22 @@ class Faulter:
         from_source = [False] * count
         error: BaseException | None = None
 
+        budget = self.tiers.budget
+        cs = tag.layout.chunk_size
+        owed = [reserved] * count  # blobs whose source read counts against the data budget
+
+        def settle_budget(i: int) -> None:
+            if owed[i]:
+                owed[i] = False
+                budget.give(cs)
+
         def hand(i: int, data: Buffer) -> None:
             """Blob ``first + i`` to its readers and to memory, now (on the trio thread, from
             ``run_sync_soon``: it must not raise)."""
             if handed[i]:
                 return
             handed[i] = True
+            settle_budget(i)
             got[i] = data
             flights[i].data = data
             try:
@@ -177,10 +220,25 @@ class Faulter:
                 if shared.claims is not None and shared.up and None in got:
                     held = await self._coordinate(shared, shared.claims, tag, first, got,
                                                   ahead=not demand, since=checked)
+            for i, data in enumerate(got):
+                if data is not None:  # from the shared tier: no source read for it
+                    settle_budget(i)
             token = trio.lowlevel.current_trio_token()
             for lo, hi in _gaps(got):
                 read_from = time.monotonic()
-                if self.streams(tag):
+                if not reserved:
+                    if demand:  # a reader waits: room once what is in flight or pinned allows
+                        await budget.admit((hi - lo) * cs)
+                    budget.take((hi - lo) * cs)  # the read's buffer is allocated whole
+                    owed[lo:hi] = [True] * (hi - lo)
+                if (count == 1 and self.streams(tag) and split_at(tag, first, at)
+                        and self._lane_quiet()):
+                    datas = await read_split(
+                        self, tag, first, split_at(tag, first, at),
+                        lambda head: token.run_sync_soon(show, 0, head),
+                        lambda part_at, part: token.run_sync_soon(flights[0].show_tail,
+                                                                  part_at, part))
+                elif self.streams(tag):
                     def landed(j: int, data: Buffer, lo: int = lo) -> None:  # on the pool
                         token.run_sync_soon(hand, lo + j, data)
 
@@ -211,6 +269,7 @@ class Faulter:
                               first + count - 1, tag.name)
         finally:
             for i, (key, flight, data) in enumerate(zip(keys, flights, got, strict=True)):
+                settle_budget(i)
                 if handed[i]:
                     continue
                 handed[i] = True
@@ -283,6 +342,13 @@ class Faulter:
             await run()
         else:
             self._nursery.start_soon(run)
+
+    def _lane_quiet(self) -> bool:
+        """Whether the demand lane has room for a split fault's second read: with many
+        readers' faults at once the bandwidth and the CPU bound them, not a round trip,
+        and a request more each would only cost."""
+        lane = self._demand
+        return lane is None or lane.borrowed_tokens < SPLIT_LANE_BUSY
 
     async def _run(self, demand: bool, fn: Callable[..., T], *args: object) -> T:
         """``fn(*args)`` on a worker thread: the I/O pool, or the demand lane."""
@@ -399,3 +465,38 @@ class Faulter:
         self.stats.add("source_reads")
         self.stats.add("source_bytes", end - start)
         self.stats.add("zero_filled_bytes", count * tag.layout.chunk_size - (end - start))
+
+
+async def read_split(faulter: Faulter, tag: Tag, index: int, at: int,
+                     head: Callable[[memoryview], None],
+                     tail: Callable[[int, memoryview], None]) -> list[Buffer]:
+    """Blob ``index`` read in two parts at once on the demand lane, into one buffer:
+    ``[at, end)`` (its reader's bytes first, ``tail(at, bytes in so far)``) and
+    ``[0, at)`` (``head(bytes in so far)``); the bytes and the requests' count are those
+    of one read of the blob, each reader waits for the part its bytes are in."""
+    layout = tag.layout
+    start, end = layout.source_range(index)
+    buf = alloc(layout.chunk_size)
+    buf[end - start:] = bytes(layout.chunk_size - (end - start))  # a short final blob
+
+    def part(lo: int, hi: int, tell: Callable[[memoryview], None]) -> None:
+        def read() -> None:
+            assert tag.source is not None
+            tag.source.pread_stream(start + lo, hi - lo, tell, layout.chunk_size,
+                                    into=buf[lo:hi])
+
+        faulter._guarded_read(tag, index, start + lo, start + hi, read)
+
+    faulter.stats.add("split_faults")
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(faulter._run, True, part, at, end - start,
+                               lambda got: tail(at, got))
+            nursery.start_soon(faulter._run, True, part, 0, at, head)
+    except BaseExceptionGroup as group:  # the first failure, as one read would raise it
+        failures = [e for e in _leaves(group) if isinstance(e, Exception)]
+        if not failures:
+            raise
+        raise failures[0] from None
+    return [buf]
+

@@ -8,10 +8,12 @@ Invariants:
 - A read-ahead flight (``from_store``) that ends without data sends its readers down the
   normal path; it never carries an error to them.
 - A fault of a streaming source may show the head of its blob before the blob is whole
-  (``partial``: source bytes of the pinned version, exactly as they will be in the blob); a
-  reader waiting for a range (``wait_for``) is woken once the range is in ``partial``, or when
-  the flight settles. Bytes once shown stay valid when the fault fails later. ``wait_end`` is the least end a reader waits for, read by the thread the
-  bytes land on to decide whether to tell.
+  (``partial``: source bytes of the pinned version, exactly as they will be in the blob), and,
+  when it was split at a reader's offset (``faults``), the head of its tail too (``tail``,
+  from ``tail_at``); a reader waiting for a range (``wait_for``) is woken once the range is in
+  one of them, or when the flight settles. Bytes once shown stay valid when the fault fails
+  later. ``wait_end`` is the least end a reader waits for, read by the thread the bytes land
+  on to decide whether to tell.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ NOBODY = 1 << 62  # ``Flight.wait_end`` when no reader waits for a range
 class Flight:
     """One in-progress fault (or read-ahead of a staged blob) that readers wait on."""
 
-    __slots__ = ("_waiters", "data", "done", "error", "from_store", "partial", "wait_end")
+    __slots__ = ("_waiters", "data", "done", "error", "from_store", "partial", "tail",
+                 "tail_at", "wait_end")
 
     def __init__(self, from_store: bool = False) -> None:
         self.done = trio.Event()
@@ -36,21 +39,32 @@ class Flight:
         self.error: BaseException | None = None
         self.from_store = from_store  # a read-ahead of a staged blob, not a fault
         self.partial: memoryview | None = None  # the blob's first bytes, while it lands
+        self.tail_at = NOBODY  # where a split fault's second part starts in the blob
+        self.tail: memoryview | None = None  # that part's first bytes, while it lands
         self.wait_end = NOBODY  # least end of a range a reader waits for
-        self._waiters: list[tuple[int, trio.Event]] = []
+        self._waiters: list[tuple[int, int, trio.Event]] = []
 
-    async def wait_for(self, end: int) -> None:
-        """Until bytes ``[0, end)`` of the blob are in ``partial``, or the flight is done."""
-        if self.done.is_set() or (self.partial is not None and len(self.partial) >= end):
+    def landed(self, off: int, end: int) -> memoryview | None:
+        """Bytes ``[off, end)`` of the blob if they are in ``partial`` or ``tail``."""
+        if self.partial is not None and end <= len(self.partial):
+            return self.partial[off:end]
+        if self.tail is not None and self.tail_at <= off and end <= self.tail_at + len(self.tail):
+            return self.tail[off - self.tail_at:end - self.tail_at]
+        return None
+
+    async def wait_for(self, end: int, off: int = 0) -> None:
+        """Until bytes ``[off, end)`` of the blob are in ``partial`` or ``tail``, or the
+        flight is done."""
+        if self.done.is_set() or self.landed(off, end) is not None:
             return
         event = trio.Event()
-        self._waiters.append((end, event))
+        self._waiters.append((off, end, event))
         self.wait_end = min(self.wait_end, end)
         try:
             await event.wait()
         finally:
             if not event.is_set():  # cancelled: no longer waiting
-                self._waiters.remove((end, event))
+                self._waiters.remove((off, end, event))
                 self._set_wait_end()
 
     def show(self, head: memoryview) -> None:
@@ -58,21 +72,32 @@ class Flight:
         if self.done.is_set() or (self.partial is not None and len(head) <= len(self.partial)):
             return
         self.partial = head
+        self._wake()
+
+    def show_tail(self, at: int, head: memoryview) -> None:
+        """Bytes ``[at, at + len(head))`` of the blob are in (the part of a split fault that
+        starts at ``at``): wake the readers they serve."""
+        if self.done.is_set() or (self.tail is not None and len(head) <= len(self.tail)):
+            return
+        self.tail_at, self.tail = at, head
+        self._wake()
+
+    def _wake(self) -> None:
         keep = []
-        for end, event in self._waiters:
-            if end <= len(head):
+        for off, end, event in self._waiters:
+            if self.landed(off, end) is not None:
                 event.set()
             else:
-                keep.append((end, event))
+                keep.append((off, end, event))
         self._waiters = keep
         self._set_wait_end()
 
     def _set_wait_end(self) -> None:
-        self.wait_end = min((end for end, _ in self._waiters), default=NOBODY)
+        self.wait_end = min((end for _, end, _ in self._waiters), default=NOBODY)
 
     def _finish(self) -> None:
         self.done.set()  # ``partial`` stays: its readers may not have run yet
-        for _, event in self._waiters:
+        for _, _, event in self._waiters:
             event.set()
         self._waiters = []
         self.wait_end = NOBODY

@@ -37,6 +37,7 @@ from faultfs.engine.flights import Flight, Flights
 from faultfs.engine.tags import Tag
 from faultfs.iopool import IoPool
 from faultfs.stats import Stats
+from faultfs.tiers.budget import PREFETCH_SHARE
 from faultfs.tiers.claimboard import CLAIM_WINDOW_BYTES
 from faultfs.tiers.multilevel import TierStack
 
@@ -56,7 +57,8 @@ OPENING_GETS = 8  # ... its next blobs (up to this many) one request each, the r
 class Prefetcher:
     def __init__(self, config: Config, flights: Flights, tiers: TierStack, faulter: Faulter,
                  pool: IoPool, stats: Stats) -> None:
-        self.budget = min(config.prefetch_mb << 20, (config.memory_mb << 20) // 2)
+        # the window's source reads count against the data budget (--memory-mb): half of it
+        self.budget = min(config.prefetch_mb << 20, tiers.budget.share(PREFETCH_SHARE))
         self.flights = flights
         self.tiers = tiers
         self.faulter = faulter
@@ -146,6 +148,11 @@ class Prefetcher:
         return max(1, CLAIM_WINDOW_BYTES // chunk_size)
 
     def _start_fault(self, nursery: trio.Nursery, tag: Tag, first: int, count: int) -> None:
+        budget = self.tiers.budget
+        if not budget.fits(count * tag.layout.chunk_size):
+            self.stats.add("prefetch_skipped_memory")  # a later read starts it
+            return
+        budget.take(count * tag.layout.chunk_size)  # reserved now: fault_run gives it back
         self.in_flight += count
         flights = self.flights.claim((tag.id, i) for i in range(first, first + count))
         nursery.start_soon(self._prefetch, tag, first, flights)
@@ -154,7 +161,7 @@ class Prefetcher:
         count = len(flights)
         try:
             self.stats.add("prefetches", count)
-            await self.faulter.fault_run(tag, first, flights)
+            await self.faulter.fault_run(tag, first, flights, reserved=True)
             if flights[0].error is not None:
                 self.stats.add("prefetch_errors", count)
         except Exception:  # a background task must never take the mount down

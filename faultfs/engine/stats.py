@@ -38,6 +38,10 @@ def snapshot(config: Config, store_root: str, store_free_bytes: int, stats: Stat
         "xattrs": config.xattrs,
         "backoff_faults_left": policy.backoff_left,
         "memory_bytes": tiers.memory.size,
+        # what is held for data against --memory-mb (tiers/budget.py): now and at most
+        "data_budget": {"limit": tiers.budget.limit, "in_flight": tiers.budget.in_flight,
+                        "outside_memory": tiers.budget.outside(), "peak": tiers.budget.peak,
+                        "waits": tiers.budget.waits},
         "read_buffers": buffers.POOL.snapshot(),
         "counters": dict(stats.counters),
         "writes": {"writable": writes.writable, "held_bytes": writes.held,

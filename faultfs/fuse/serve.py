@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from faultfs.config import STATS_INTERVAL_S
+from faultfs import buffers
+from faultfs.config import STATS_INTERVAL_S, Config
 from faultfs.core.names import CTL_NAME
 from faultfs.core.ownership import Ownership
 from faultfs.engine import Engine
@@ -33,6 +34,8 @@ from faultfs.fuse.fastread import FastReads
 from faultfs.fuse.handover import HAND_OVER
 from faultfs.fuse.lowlevel import native, pyfuse3
 from faultfs.fuse.ops import FaultOperations
+from faultfs.fuse.tuning import set_max_background, set_readahead
+from faultfs.tiers.budget import FREE_BUFFERS_SHARE
 from faultfs.tiers.uring import fuse_device_fds
 
 if TYPE_CHECKING:
@@ -51,6 +54,9 @@ def serve(engine: Engine, mountpoint: str, *, ready: Callable[[], None] | None =
     this daemon serves the connection the holder handed it."""
     raise_fd_limit()
     bound_malloc()
+    # recycled read buffers are memory too: a share of the data budget (tiers/budget.py)
+    buffers.POOL.keep_bytes = min(buffers.KEEP_BYTES, (engine.config.memory_mb << 20)
+                                  // FREE_BUFFERS_SHARE)
     if held is not None and native is None:
         log.warning("this install has no compiled fast path (_fastread): a crash of the daemon "
                     "ends the mount, and it cannot be restarted in place")
@@ -223,7 +229,7 @@ async def _serve_with(engine: Engine, ops: FaultOperations, mountpoint: str,
         restored = await ops.restore()  # handles the kernel held across a takeover
         if restored:
             log.info("%d open file handle(s) opened again", restored)
-        nursery.start_soon(_announce_ready, mountpoint, ready, engine.config.readahead_kb,
+        nursery.start_soon(_announce_ready, mountpoint, ready, engine.config,
                            served, ops)
         nursery.start_soon(served.watch)
         with fastwait.installed(pyfuse3, fd, engine.stats,
@@ -246,7 +252,7 @@ async def _serve_with(engine: Engine, ops: FaultOperations, mountpoint: str,
 
 
 async def _announce_ready(mountpoint: str, ready: Callable[[], None] | None,
-                          engine_readahead_kb: int, served: Served,
+                          config: Config, served: Served,
                           ops: FaultOperations) -> None:
     """Report readiness once a request through the kernel has been answered.
 
@@ -260,10 +266,12 @@ async def _announce_ready(mountpoint: str, ready: Callable[[], None] | None,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     if done.returncode != 0:
         raise FaultfsError(f"the mount at {mountpoint} does not answer", errno.EIO)
-    readahead_kb = engine_readahead_kb
     entry = find_mount(mountpoint)
-    if readahead_kb and entry is not None:
-        await trio.to_thread.run_sync(set_readahead, mountpoint, entry.minor, readahead_kb)
+    if config.readahead_kb and entry is not None:
+        await trio.to_thread.run_sync(set_readahead, mountpoint, entry.minor, config.readahead_kb)
+    if config.max_background and entry is not None:
+        await trio.to_thread.run_sync(set_max_background, mountpoint, entry.minor,
+                                      config.max_background)
     await served.announce(mountpoint)
     ops.serving()
     log.info("mounted at %s", mountpoint)
@@ -301,21 +309,6 @@ def raise_fd_limit(want: int = 65536) -> None:
     target = want if hard == resource.RLIM_INFINITY else min(want, hard)
     if soft < target:
         resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-
-
-def set_readahead(mountpoint: str, minor: int, kb: int) -> bool:
-    """Raise the kernel's readahead for this mount (root only): with the default 128 KiB
-    the kernel sends 128 KiB requests one or two at a time; 1 MiB+ lets it send 1 MiB
-    requests (FUSE's largest) several at once. (A FUSE mount's device is 0:minor, from
-    mountinfo: a stat of the mount would be a request to this daemon.)"""
-    path = f"/sys/class/bdi/0:{minor}/read_ahead_kb"
-    try:
-        with open(path, "w") as f:
-            f.write(str(kb))
-    except OSError as exc:
-        log.info("cannot set readahead of %s (%s): keeping the kernel default", mountpoint, exc.strerror)
-        return False
-    return True
 
 
 async def _watch_signals(held: Handover | None) -> None:

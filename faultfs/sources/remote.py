@@ -104,11 +104,12 @@ class FsspecSource:
         return self._retrying(lambda: self._reader.read(self._pin, off, end), off, end)
 
     def pread_stream(self, off: int, size: int, landed: Callable[[memoryview], None],
-                     piece: int) -> memoryview:
-        """Bytes ``[off, off+size)`` (fewer at the end of the source) into one pooled buffer,
-        read ``piece`` bytes at a time counted from ``off``; ``landed(first)`` is called (on
-        this thread) with a view of the bytes in so far each time a piece is in. A transient failure is retried from the
-        last piece that landed, within the same bounded number of tries as ``pread``."""
+                     piece: int, *, into: memoryview | None = None) -> memoryview:
+        """Bytes ``[off, off+size)`` (fewer at the end of the source) into one pooled buffer
+        (or ``into``, at least that long), read ``piece`` bytes at a time counted from
+        ``off``; ``landed(first)`` is called (on this thread) with a view of the bytes in so
+        far each time a piece is in. A transient failure is retried from the last piece that
+        landed, within the same bounded number of tries as ``pread``."""
         end = min(off + size, self._pin.size)
         if off < 0 or size < 0:
             raise InvalidInput(f"negative range [{off}, +{size}) for source {self.url}")
@@ -117,9 +118,12 @@ class FsspecSource:
         read_into = getattr(self._reader, "read_into", None)
         if read_into is None:  # a backend that only reads whole ranges: one piece
             data = memoryview(self.pread(off, end - off))
+            if into is not None:
+                into[:len(data)] = data
+                data = into[:len(data)]
             landed(data)
             return data
-        buf = alloc(end - off)
+        buf = alloc(end - off) if into is None else into[:end - off]
         done = 0
 
         def told(n: int, base: int) -> None:

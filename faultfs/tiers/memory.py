@@ -1,5 +1,6 @@
 """The memory tier: recently faulted (and read-ahead) blobs held in memory, least recently used
-dropped first, bounded in bytes (``--memory-mb``).
+dropped first, bounded in bytes (``--memory-mb``) together with what the daemon holds for data
+elsewhere (``budget.DataBudget``: source reads in flight, publishes waiting).
 
 It serves the later pieces of a blob the kernel asks for after its fault, and prefetched
 blobs, without a thread hop or a store read.
@@ -7,6 +8,10 @@ blobs, without a thread hop or a store read.
 The blobs of one source run are slices of one buffer. Dropping one of them drops its siblings
 too, so a run's buffer is held only while all of its blobs are here and the bytes held stay
 within the bound (one hot blob cannot keep a whole run alive).
+
+A pinned blob (its store write pending: its bytes are held anyway) is never dropped, nor are
+the other blobs of its run; it counts against the bound like any other. With everything
+pinned the tier may pass the bound until a pin goes (the pins are bounded by their holder).
 """
 
 from __future__ import annotations
@@ -14,16 +19,20 @@ from __future__ import annotations
 import collections
 
 from faultfs.tiers.base import BlobKey, Buffer, Capacity, StoreOutcome, TierTag
+from faultfs.tiers.budget import DataBudget
 
 
 class MemoryTier:
     name = "memory"
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, budget: DataBudget | None = None) -> None:
         self.limit = capacity
+        self.budget = budget if budget is not None else DataBudget(capacity)
         self.size = 0
         self._blobs: collections.OrderedDict[BlobKey, Buffer] = collections.OrderedDict()
         self._runs: dict[int, set[BlobKey]] = {}  # id(shared buffer) -> its blobs
+        self._pins: dict[BlobKey, int] = {}  # blobs that must stay (their bytes are held anyway)
+        self.budget.bind(lambda: self.size, self.pinned_bytes, self.shrink)
 
     def open_tag(self, tag: TierTag) -> None:
         return  # nothing is kept per tag
@@ -64,9 +73,47 @@ class MemoryTier:
         run = _shared_buffer(data)
         if run is not None:
             self._runs.setdefault(run, set()).add(key)
-        while self.size > self.limit:
-            self.discard(next(iter(self._blobs)))
+        self.shrink()
         return True
+
+    def pin(self, key: BlobKey) -> None:
+        self._pins[key] = self._pins.get(key, 0) + 1
+
+    def unpin(self, key: BlobKey) -> None:
+        left = self._pins.get(key, 0) - 1
+        if left > 0:
+            self._pins[key] = left
+            return
+        self._pins.pop(key, None)
+        self.shrink()
+        self.budget.wake()
+
+    def pinned_bytes(self) -> int:
+        """Bytes held here that cannot be dropped: pinned blobs and their runs' others."""
+        if not self._pins:
+            return 0
+        return sum(len(data) for key, data in self._blobs.items() if self._pinned(key))
+
+    def shrink(self) -> None:
+        """Drop least recently used blobs until the tier fits in what the budget's other
+        holders leave; pinned blobs (and their runs' other blobs) stay."""
+        budget = self.budget
+        room = self.limit - budget.outside()
+        if self.size > room:
+            for key in list(self._blobs):
+                if self.size <= room:
+                    break
+                if key in self._blobs and not self._pinned(key):
+                    self.discard(key)
+        budget.note()
+
+    def _pinned(self, key: BlobKey) -> bool:
+        if not self._pins:
+            return False
+        if key in self._pins:
+            return True
+        run = _shared_buffer(self._blobs[key])
+        return run is not None and any(k in self._pins for k in self._runs.get(run, ()))
 
     async def evict(self, key: BlobKey) -> int:
         before = self.size
@@ -74,6 +121,8 @@ class MemoryTier:
         return before - self.size
 
     def discard(self, key: BlobKey) -> None:
+        """Drop blob ``key`` and the other blobs of its run (pins aside: a blob evicted on
+        purpose, e.g. its tag forgotten, goes)."""
         old = self._blobs.pop(key, None)
         if old is None:
             return

@@ -3,8 +3,10 @@
 
 A faulted blob is held in memory at once and written to the local store behind the reader
 (in the mount's nursery, when one is attached), its bytes held until they are on disk so no
-reader faults the same blob twice; the bytes waiting for their store write are bounded
-(``attach``). A blob read ahead from a farther tier fills the nearer ones.
+reader faults the same blob twice (pinned in the memory tier meanwhile); the bytes waiting
+for their store write are bounded (``attach``), and so are the publishes waiting, both within
+the data budget of ``--memory-mb`` (tiers/budget.py). A blob read ahead from a farther tier
+fills the nearer ones.
 
 Invariants:
 - ``held`` answers from memory or from a pending store write, with no I/O and no await.
@@ -21,6 +23,7 @@ import trio
 from faultfs.iopool import IoPool
 from faultfs.stats import Stats
 from faultfs.tiers.base import BlobKey, Buffer, TierTag
+from faultfs.tiers.budget import PUBLISH_SHARE, STORE_SHARE
 from faultfs.tiers.local import LocalTier, ScanResult
 from faultfs.tiers.memory import MemoryTier
 from faultfs.tiers.shared import SharedTier
@@ -32,8 +35,12 @@ class TierStack:
     def __init__(self, memory: MemoryTier, local: LocalTier, pool: IoPool, stats: Stats,
                  shared: SharedTier | None = None) -> None:
         self.memory = memory
+        self.budget = memory.budget
         self.local = local
         self.shared = shared
+        if shared is not None:  # publishes waiting hold their blobs: within the budget
+            shared.budget = min(shared.budget, self.budget.share(PUBLISH_SHARE))
+            self.budget.count(lambda: shared.waiting)
         self.pool = pool
         self.stats = stats
         self._pending: dict[BlobKey, Buffer] = {}  # faulted, being written to the local tier
@@ -53,11 +60,13 @@ class TierStack:
         if self.shared is not None:
             self.shared.tags.pop(tag_id, None)
 
-    def attach(self, nursery: trio.Nursery, budget: int, blob_size: int) -> None:
+    def attach(self, nursery: trio.Nursery, blob_size: int) -> None:
         """Write faulted blobs to the store in ``nursery`` (the mount's), off the reader's path,
-        with at most ``budget`` bytes of blobs of ``blob_size`` waiting for their write.
-        Without it (unit tests, embedding) a fault stores before it returns."""
+        with at most a quarter of the data budget in blobs of ``blob_size`` (two at least)
+        waiting for their write. Without it (unit tests, embedding) a fault stores before it
+        returns."""
         self._background = nursery
+        budget = self.budget.share(STORE_SHARE)
         self._slots = trio.Semaphore(max(2, budget // max(1, blob_size)))
         self.local.raise_open_cap()
         if self.shared is not None:
@@ -99,8 +108,10 @@ class TierStack:
     # -- faulted blobs -----------------------------------------------------------------------
 
     def hold(self, key: BlobKey, data: Buffer) -> None:
-        """Keep a just-faulted blob where readers find it at once, until it is stored."""
+        """Keep a just-faulted blob where readers find it at once, until it is stored
+        (pinned in memory until then: its bytes are held either way)."""
         self.memory.keep(key, data)
+        self.memory.pin(key)
         self._pending[key] = data
 
     async def store(self, key: BlobKey, data: Buffer) -> None:
@@ -138,6 +149,7 @@ class TierStack:
 
     def _done(self, key: BlobKey) -> None:
         self._pending.pop(key, None)
+        self.memory.unpin(key)
         waiter = self._waiters.pop(key, None)
         if waiter is not None:
             waiter.set()

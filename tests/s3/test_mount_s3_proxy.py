@@ -4,7 +4,9 @@ bandwidth, and its failures mid-response.
 A dropped connection in the middle of a response while prefetch has many GETs in flight is
 retried (from the last piece that landed) and never serves wrong bytes or zeros; a response
 that stalls is timed out, retried, and after the bounded tries the read fails with EIO —
-never a hang. Every check compares bytes with what was uploaded.
+never a hang. A reader killed while its fault waits leaves the fault to end and stage the
+blob; a tiny ``--memory-mb`` bounds what is held and still serves every path exactly.
+Every check compares bytes with what was uploaded.
 """
 
 from __future__ import annotations
@@ -12,6 +14,9 @@ from __future__ import annotations
 import errno
 import os
 import random
+import subprocess
+import sys
+import threading
 import time
 
 import pytest
@@ -138,3 +143,150 @@ def test_a_stalled_response_times_out_is_retried_then_fails_with_eio(
     with open(os.path.join(tag, "field.bin"), "rb") as f:
         assert f.read() == data
     assert m.stats()["pid"] == m.pid, "the same daemon serves on"
+
+
+def test_a_reader_killed_while_its_fault_waits_leaves_the_mount_serving_exact_bytes(
+        s3_env, s3_client, make_bucket, mounter, proxy):
+    bucket = make_bucket()
+    data = payload(6 * MiB, 3)
+    s3_client.put_object(Bucket=bucket, Key="run/field.bin", Body=data)
+    m = mounter(f"s3://{bucket}/run/field.bin",
+                args=["--chunk-size", "1M", "--s3-endpoint-url", proxy.url])
+    tag = m.tag("field")
+    # every GET stalls 1.5 s after 100 kB of its body; the reader's bytes (200 KiB into
+    # its blob: not split) lie past that, and it is killed meanwhile
+    proxy.set_faults(FaultPlan(FaultRule("stall", fraction=1.0, after_bytes=100_000,
+                                         stall_s=1.5,
+                                         match=object_gets(bucket, "run/field.bin"))))
+    reader = subprocess.Popen([sys.executable, "-c",
+                               "import os, sys; fd = os.open(sys.argv[1], os.O_RDONLY); "
+                               "os.pread(fd, 65536, 200 * 1024)",
+                               os.path.join(tag, "chunk_3")])
+    deadline = time.monotonic() + 10
+    while proxy.stats(log=False)["faults"]["stall"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert proxy.stats(log=False)["faults"]["stall"] >= 1, "the reader's GET is stalled"
+    reader.kill()
+    assert reader.wait(timeout=10) == -9, "killed while its read waited"
+    proxy.set_faults(None)
+    # the fault it waited for ends and is served whole to the next reader, and to the store
+    started = time.monotonic()
+    with open(os.path.join(tag, "chunk_3"), "rb") as f:
+        assert f.read() == data[3 * MiB:4 * MiB]
+    assert time.monotonic() - started < 10, "bounded: the stalled fault did not hang it"
+    assert read_view(os.path.join(tag, "field.bin")) == data
+    c = m.counters()
+    assert c["fault_errors"] == 0
+    m.umount()
+    again = mounter(store=m.store, mountpoint=m.path)
+    assert read_view(os.path.join(again.tag("field"), "field.bin")) == data
+    assert again.counters()["source_reads"] == 0, "the killed reader's blob was staged whole"
+
+
+def test_a_tiny_memory_budget_serves_every_path_exactly_and_bounds_what_is_held(
+        s3_env, s3_client, make_bucket, mounter, proxy):
+    bucket = make_bucket()
+    data = payload(40 * MiB - 777, 4)
+    s3_client.put_object(Bucket=bucket, Key="run/field.bin", Body=data)
+    m = mounter(f"s3://{bucket}/run/field.bin",
+                args=["--chunk-size", "1M", "--memory-mb", "8", "--s3-endpoint-url", proxy.url])
+    view = os.path.join(m.tag("field"), "field.bin")
+    rng = random.Random(5)
+    errors: list[BaseException] = []
+
+    def sequential(lo: int, hi: int) -> None:  # the prefetch window, runs of blobs
+        try:
+            got = bytearray()
+            with open(view, "rb", buffering=0) as f:
+                f.seek(lo)
+                while len(got) < hi - lo and (piece := f.read(min(MiB, hi - lo - len(got)))):
+                    got += piece
+            assert got == data[lo:hi], f"sequential [{lo}, {hi}): {_first_difference(got, data[lo:hi])}"
+        except BaseException as exc:
+            errors.append(exc)
+
+    def scattered(seed: int) -> None:  # cold 4 KiB and 64 KiB reads: a blob's head
+        try:
+            r = random.Random(seed)
+            fd = os.open(view, os.O_RDONLY)
+            try:
+                for _ in range(12):
+                    size = r.choice((4096, 65536))
+                    off = r.randrange(0, len(data) - size)
+                    got = os.pread(fd, size, off)
+                    assert got == data[off:off + size], \
+                        f"pread({size}, {off}): {_first_difference(got, data[off:off + size])}"
+            finally:
+                os.close(fd)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=sequential, args=(0, 20 * MiB)),
+               threading.Thread(target=sequential, args=(20 * MiB, len(data))),
+               threading.Thread(target=scattered, args=(rng.random(),)),
+               threading.Thread(target=scattered, args=(rng.random(),))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "never a hang"
+    assert not errors, errors[0]
+    assert read_view(view) == data
+    snap = m.stats()
+    c = snap["counters"]
+    assert c["fault_errors"] == 0 and c["prefetches"] > 0
+    budget = snap["data_budget"]
+    assert budget["limit"] == 8 * MiB
+    # at most the budget, and one fault of each of the four readers beyond it
+    assert budget["peak"] <= 8 * MiB + 4 * MiB, budget
+    assert snap["memory_bytes"] <= 8 * MiB
+    assert snap["read_buffers"]["free_bytes"] <= 2 * MiB, "a quarter of the budget kept"
+    assert "Traceback" not in log_text(m.store), "no read failed on the way (short reads)"
+
+
+def _first_difference(got: bytes, want: bytes) -> str:
+    if len(got) != len(want):
+        return f"{len(got)} bytes, not {len(want)}"
+    first = next(i for i in range(len(want)) if got[i] != want[i])
+    last = max(i for i in range(len(want)) if got[i] != want[i])
+    zeros = got[first:last + 1].count(0)
+    return f"bytes {first}..{last} differ ({zeros} zeros among them)"
+
+
+def test_split_faults_of_random_readers_survive_dropped_and_stalled_responses(
+        s3_env, s3_client, make_bucket, mounter, proxy, monkeypatch):
+    bucket = make_bucket()
+    data = payload(12 * MiB - 999, 6)
+    s3_client.put_object(Bucket=bucket, Key="run/field.bin", Body=data)
+    monkeypatch.setenv("FAULTFS_SOURCE_READ_TIMEOUT_S", str(READ_TIMEOUT_S))
+    m = mounter(f"s3://{bucket}/run/field.bin",
+                args=["--chunk-size", "1M", "--s3-endpoint-url", proxy.url])
+    view = os.path.join(m.tag("field"), "field.bin")
+    # a third of the GETs cut 20 kB into their body: the reader's part and the head's alike
+    proxy.set_faults(FaultPlan(FaultRule("reset", fraction=0.34, after_bytes=20_000,
+                                         match=object_gets(bucket, "run/field.bin"))))
+    fd = os.open(view, os.O_RDONLY)
+    try:
+        for chunk in (1, 4, 7, 10):  # far into each blob: its fault is split at the reader
+            off = chunk * MiB + 700 * 1024 + 123
+            assert os.pread(fd, 4096, off) == data[off:off + 4096]
+        assert proxy.stats(log=False)["faults"]["reset"] >= 1
+        c = m.counters()
+        assert c["split_faults"] >= 1 and c["fault_errors"] == 0, c
+
+        # every response stalls: the split fault's reader gets EIO after the bounded tries
+        proxy.set_faults(FaultPlan(FaultRule("stall", fraction=1.0, after_bytes=10_000,
+                                             match=object_gets(bucket, "run/field.bin"))))
+        started = time.monotonic()
+        with pytest.raises(OSError) as exc:
+            os.pread(fd, 4096, 5 * MiB + 900 * 1024)
+        assert exc.value.errno == errno.EIO
+        one_fault = DEFAULT_RETRY.attempts * READ_TIMEOUT_S + 3.0
+        assert time.monotonic() - started < 2 * one_fault + 5, "bounded: not a hang"
+    finally:
+        os.close(fd)
+    proxy.set_faults(None)
+    assert read_view(view) == data, "every blob whole and exact, the failed one faulted again"
+    m.umount()
+    again = mounter(store=m.store, mountpoint=m.path)
+    assert read_view(os.path.join(again.tag("field"), "field.bin")) == data
