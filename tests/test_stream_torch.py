@@ -26,6 +26,7 @@ torch = pytest.importorskip(
 
 from faultfs.errors import InvalidInput  # noqa: E402
 from faultfs.store.metadata import DualMetadataManager  # noqa: E402
+from faultfs.stream.shuffle import committed_pair  # noqa: E402
 from faultfs.stream.torch import RecordDataset, resolve_rank  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -140,9 +141,18 @@ def child_pids(pid: int) -> list[int]:
 
 
 def committed_ids(state, rank):
+    """Each worker's committed batch. A shuffled state's commit point is its record, whose
+    ``.meta`` slot follows it: the DataLoader raises a dead worker's error from a signal
+    handler, anywhere in the main process — between the two writes too, leaving the ``.meta``
+    one commit behind until the next open settles it."""
     out = {}
     for worker in range(2):
-        with DualMetadataManager.open(f"{state}.rank-{rank}.worker-{worker}.meta") as m:
+        path = f"{state}.rank-{rank}.worker-{worker}.meta"
+        pair = committed_pair(path)
+        if pair is not None:
+            out[worker] = pair[0].committed_batch_id
+            continue
+        with DualMetadataManager.open(path) as m:
             out[worker] = m.committed_batch_id
     return out
 
