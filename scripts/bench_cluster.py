@@ -25,6 +25,8 @@ import threading
 import time
 from pathlib import Path
 
+from benchlib import methods_line
+
 MiB = 1 << 20
 READERS = 8
 NODE_COUNTERS = ("shared_hits", "shared_misses", "claims_won", "claim_waits", "claim_wait_ms",
@@ -149,8 +151,6 @@ def part3(args, work: Path, env: dict, proxies, size: int, digest: str, *, Node,
                 f"{sum(used.values()) / wall:.2f} CPUs); load average "
                 f"{open('/proc/loadavg').read().split()[0]}")
         if args.keep_logs:
-            from bench_shared import methods_line
-
             log(f"  requests: shared store {methods_line(seen['shared'])}; source "
                 f"{methods_line(seen['source'])}")
         log(f"{count} node(s), {case}, {mode}: slowest {max(seconds):.2f} s, source "

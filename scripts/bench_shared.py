@@ -61,6 +61,7 @@ from benchlib import (
     ensure_bucket,
     exit_on_signals,
     is_mounted,
+    methods_line,
     s3_client,
     sha256_of,
     start_s3_server,
@@ -567,14 +568,6 @@ def part2(args, work: Path, env: dict, proxies: Proxies, cpu: CpuMeter, size: in
 
 def med(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
-
-
-def methods_line(stats: dict) -> str:
-    m = stats.get("methods") or {}
-    if not m:
-        return "none"
-    return ", ".join(f"{k} {v[0]} ({v[2] * 1e3:.0f} ms)" for k, v in sorted(m.items())) + (
-        "" if stats.get("log_complete", True) else " (log overflowed)")
 
 
 def flight(stats: dict) -> str:

@@ -398,3 +398,12 @@ def cpu_seconds(pid: int) -> float | None:
     except OSError:
         return None
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def methods_line(stats: dict) -> str:
+    """A latency proxy's requests by method, with their count and time (its ``methods``)."""
+    m = stats.get("methods") or {}
+    if not m:
+        return "none"
+    return ", ".join(f"{k} {v[0]} ({v[2] * 1e3:.0f} ms)" for k, v in sorted(m.items())) + (
+        "" if stats.get("log_complete", True) else " (log overflowed)")
