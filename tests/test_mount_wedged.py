@@ -16,7 +16,7 @@ import time
 import pytest
 from conftest import run_faultfs
 
-from faultfs.fuse import connection
+from faultfs.fuse import connection, daemons
 
 pytestmark = pytest.mark.mount
 
@@ -182,3 +182,45 @@ def test_umount_says_so_when_the_daemon_is_killed_before_its_unmount_finished(mo
     data = read(os.path.join(m2.tag("field"), "field.bin"))
     assert all(data[i * 64 * KiB + 100:i * 64 * KiB + 104] == b"w%03d" % i for i in range(CHUNKS))
     run_faultfs("umount", m2.path, check=True)  # a clean unmount says nothing
+
+
+# a daemon's record, written as a daemon writes it, for a connection number given (no mount)
+RECORDED = r"""
+import sys, time
+from types import SimpleNamespace
+from faultfs.fuse import daemons
+daemons.find_mount = lambda path: SimpleNamespace(minor=int(sys.argv[1]))
+daemons.DaemonRecord(sys.argv[2]).write()
+print("recorded", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_killed_daemons_record_outlives_a_new_mount_on_its_connection_number(tmp_path):
+    """The kernel reuses a FUSE connection number as soon as a mount is gone: a mount made on
+    it while ``faultfs umount`` waited for the old daemon replaced the old daemon's record,
+    and the umount of a daemon killed in its fold said nothing (1 full suite in 3)."""
+    if daemons.run_dir() is None:
+        pytest.skip("no runtime directory for daemon records (not root, no XDG_RUNTIME_DIR)")
+    minor, where = 987654, str(tmp_path / "mnt")
+    procs = []
+    try:
+        for _ in range(2):
+            p = subprocess.Popen([sys.executable, "-c", RECORDED, str(minor), where],
+                                 stdout=subprocess.PIPE, text=True,
+                                 cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+            assert p.stdout is not None and p.stdout.readline().strip() == "recorded"
+            procs.append(p)
+        old, new = procs
+        old.kill()
+        old.wait()
+        assert daemons.left_behind(minor, old.pid), "the killed daemon's record is still there"
+        assert not daemons.left_behind(minor, old.pid)  # dropped once seen
+        assert daemons.daemon_of(minor, where) == new.pid
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+            assert p.stdout is not None
+            p.stdout.close()
+            daemons.forget(minor, p.pid)

@@ -1,5 +1,6 @@
-"""Which process serves a mount: a record per FUSE connection, written by the daemon once
-its mount answers and removed when it ends, so that ``faultfs umount`` and ``faultfs mount``
+"""Which process serves a mount: a record per daemon of a FUSE connection
+(``conn-<minor>.<pid>``), written by the daemon once its mount answers and removed when it
+ends, so that ``faultfs umount`` and ``faultfs mount``
 can end a daemon that no longer answers (asking the mount for its pid would wait on it). A
 daemon removes its record only once its unmount finished (every write folded): a record
 left by a daemon that is gone says it was killed or failed on the way (``left_behind``).
@@ -17,6 +18,7 @@ import contextlib
 import json
 import logging
 import os
+from typing import Any
 
 from faultfs.fuse.connection import find_mount
 
@@ -52,42 +54,57 @@ def holder_of(pid: int) -> int | None:
 
 def daemon_of(minor: int, mountpoint: str) -> int | None:
     """The pid of the daemon serving connection ``minor`` at ``mountpoint``, if recorded."""
-    path = _path(minor)
-    if path is None:
+    directory = run_dir()
+    if directory is None:
         return None
     try:
-        with open(path, "rb") as f:
-            doc = json.loads(f.read())
-        pid, started = int(doc["pid"]), int(doc["start"])
-    except (OSError, ValueError, KeyError, TypeError):
+        names = [n for n in os.listdir(directory)
+                 if n.startswith(f"conn-{minor}.") or n == f"conn-{minor}"]
+    except OSError:
         return None
-    if doc.get("mountpoint") != mountpoint or start_time(pid) != started:
-        return None
-    return pid
+    for name in names:
+        doc = _read(os.path.join(directory, name))
+        if doc is None:
+            continue
+        pid, started = doc["pid"], doc["start"]
+        if doc.get("mountpoint") == mountpoint and start_time(pid) == started:
+            return pid
+    return None
 
 
 def left_behind(minor: int, pid: int) -> bool:
     """Whether daemon ``pid``, now gone, left its record of connection ``minor`` (it did not
-    finish its unmount); the record is dropped."""
-    path = _path(minor)
-    if path is None:
-        return False
+    finish its unmount); the record is dropped. Records are per daemon: a mount made since
+    on the connection number the kernel freed writes its own, never over this one."""
+    for path in (_path(minor, pid), _path(minor)):  # (conn-<minor>: an earlier faultfs's)
+        doc = _read(path) if path is not None else None
+        if doc is not None and doc["pid"] == pid:
+            assert path is not None
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            return True
+    return False
+
+
+def forget(minor: int, pid: int) -> None:
+    """Drop the record of daemon ``pid`` of connection ``minor`` (it was ended)."""
+    for path in (_path(minor, pid), _path(minor)):
+        doc = _read(path) if path is not None else None
+        if doc is not None and doc["pid"] == pid:
+            assert path is not None
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+
+def _read(path: str) -> dict[str, Any] | None:
+    """A record, its pid and start checked to be integers; None when absent or damaged."""
     try:
         with open(path, "rb") as f:
-            left = json.loads(f.read()).get("pid") == pid
-    except (OSError, ValueError, AttributeError):
-        return False
-    if left:
-        forget(minor)
-    return left
-
-
-def forget(minor: int) -> None:
-    """Drop the record of connection ``minor`` (its daemon was ended)."""
-    path = _path(minor)
-    if path is not None:
-        with contextlib.suppress(OSError):
-            os.unlink(path)
+            doc = json.loads(f.read())
+        doc["pid"], doc["start"] = int(doc["pid"]), int(doc["start"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return doc if isinstance(doc, dict) else None
 
 
 class DaemonRecord:
@@ -111,8 +128,8 @@ class DaemonRecord:
             minor = entry.minor
             doc = {"pid": os.getpid(), "start": start_time(os.getpid()),
                    "mountpoint": self.mountpoint}
-            path = os.path.join(directory, f"conn-{minor}")
-            tmp = f"{path}.{os.getpid()}.tmp"
+            path = os.path.join(directory, f"conn-{minor}.{os.getpid()}")
+            tmp = f"{path}.tmp"
             os.makedirs(directory, mode=0o700, exist_ok=True)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
             try:
@@ -131,11 +148,15 @@ class DaemonRecord:
 
     def remove(self) -> None:
         """Remove the record, if it is still this process's."""
-        if self.minor is not None and daemon_of(self.minor, self.mountpoint) == os.getpid():
-            forget(self.minor)
+        if self.minor is not None:
+            forget(self.minor, os.getpid())
         self.minor = None
 
 
-def _path(minor: int) -> str | None:
+def _path(minor: int, pid: int | None = None) -> str | None:
+    """The record of daemon ``pid`` of connection ``minor`` (None: the single record an
+    earlier faultfs kept per connection, which a later mount on that number replaced)."""
     directory = run_dir()
-    return None if directory is None else os.path.join(directory, f"conn-{minor}")
+    if directory is None:
+        return None
+    return os.path.join(directory, f"conn-{minor}" if pid is None else f"conn-{minor}.{pid}")

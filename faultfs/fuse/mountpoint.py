@@ -57,7 +57,7 @@ def recover(entry: MountEntry, pid: int | None, why: str) -> str:
         _kill(holder)
     ended = pid is not None and _kill(pid)
     if pid is not None:
-        daemons.forget(entry.minor)
+        daemons.forget(entry.minor, pid)
     lazy_unmount(path)
     who = f"the daemon of {path}" + (f" (pid {pid})" if pid is not None else "")
     did = ("aborted its FUSE connection, "
