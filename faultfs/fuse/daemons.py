@@ -76,6 +76,11 @@ def left_behind(minor: int, pid: int) -> bool:
     """Whether daemon ``pid``, now gone, left its record of connection ``minor`` (it did not
     finish its unmount); the record is dropped. Records are per daemon: a mount made since
     on the connection number the kernel freed writes its own, never over this one."""
+    return forget(minor, pid)
+
+
+def forget(minor: int, pid: int) -> bool:
+    """Drop the record of daemon ``pid`` of connection ``minor``; whether there was one."""
     for path in (_path(minor, pid), _path(minor)):  # (conn-<minor>: an earlier faultfs's)
         doc = _read(path) if path is not None else None
         if doc is not None and doc["pid"] == pid:
@@ -84,16 +89,6 @@ def left_behind(minor: int, pid: int) -> bool:
                 os.unlink(path)
             return True
     return False
-
-
-def forget(minor: int, pid: int) -> None:
-    """Drop the record of daemon ``pid`` of connection ``minor`` (it was ended)."""
-    for path in (_path(minor, pid), _path(minor)):
-        doc = _read(path) if path is not None else None
-        if doc is not None and doc["pid"] == pid:
-            assert path is not None
-            with contextlib.suppress(OSError):
-                os.unlink(path)
 
 
 def _read(path: str) -> dict[str, Any] | None:
