@@ -97,7 +97,7 @@ class MountTags:
 
     def _current(self) -> Index:
         try:
-            st = os.stat(os.path.dirname(self.store.blob_path(REGISTRY_TAG, "x")))
+            st = os.stat(self.store.tag_dir(REGISTRY_TAG))
         except OSError:
             return {}  # no registry: no mount has used this store
         seen = (st.st_mtime_ns, st.st_ino)

@@ -96,10 +96,10 @@ def _read(path: str) -> dict[str, Any] | None:
     try:
         with open(path, "rb") as f:
             doc = json.loads(f.read())
-        doc["pid"], doc["start"] = int(doc["pid"]), int(doc["start"])
+        doc["pid"], doc["start"] = int(doc["pid"]), int(doc["start"])  # (not a dict: raises)
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return doc if isinstance(doc, dict) else None
+    return doc
 
 
 class DaemonRecord:
