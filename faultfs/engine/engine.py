@@ -177,8 +177,7 @@ class Engine:
         return child
 
     async def refresh_shared(self) -> list[str]:
-        """Add the tags other nodes registered in the shared store since this mount; their
-        names (``engine/refresh.py``)."""
+        """Add the tags other nodes put in the shared store since this mount; their names."""
         return await self._refresh.refresh()
 
     async def forget_tag(self, tag: Tag, *, keep_blobs: bool = False,
@@ -323,6 +322,7 @@ class Engine:
             except BaseExceptionGroup as group:
                 raise single_error(group) from None
             data = b"".join(parts)
+        self.prefetch.served(tag, off, data)  # formats that index their data (HDF5)
         self.stats.add("bytes_served", len(data))
         return data
 

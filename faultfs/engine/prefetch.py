@@ -34,6 +34,7 @@ import trio
 from faultfs.config import Config
 from faultfs.engine.faults import Faulter
 from faultfs.engine.flights import Flight, Flights
+from faultfs.engine.lookahead import Hdf5Lookahead
 from faultfs.engine.tags import Tag
 from faultfs.iopool import IoPool
 from faultfs.stats import Stats
@@ -67,6 +68,7 @@ class Prefetcher:
         self.in_flight = 0  # blobs being prefetched or read ahead
         self.closing = False
         self._nursery: trio.Nursery | None = None
+        self.hdf5 = Hdf5Lookahead(self.start_blobs, stats)
 
     def attach(self, nursery: trio.Nursery) -> None:
         self._nursery = nursery
@@ -85,6 +87,9 @@ class Prefetcher:
         """Track sequential readers of ``tag``; start what runs ahead of them."""
         last = tag.last_index
         if index == last:
+            return
+        if self.hdf5.holds_window(tag):  # an HDF5 reader's chunks, not the gaps between
+            tag.last_index, tag.window = index, 0
             return
         clean = tag.clean
         if 0 <= index < last and tag.window and self._here(clean, index):
@@ -139,6 +144,42 @@ class Prefetcher:
             self._start_fault(nursery, clean, run_start, run_len)
         if load:
             self._start_load(nursery, clean, load)
+
+    def served(self, tag: Tag, off: int, data: bytes | memoryview) -> None:
+        """View bytes of ``tag`` from ``off`` were served: what formats that index their own
+        data (HDF5) tell of the reader's next reads (``lookahead.py``). A guess that fails
+        costs its prefetch, never the read."""
+        try:
+            self.hdf5.served(tag, off, data)
+        except Exception:
+            if not self.stats.counters["hdf5_errors"]:
+                log.exception("tag %s: the HDF5 lookahead failed (no more is logged)", tag.name)
+            self.stats.add("hdf5_errors")
+
+    def start_blobs(self, tag: Tag, indices: list[int]) -> int:
+        """Fault blobs ``indices`` (ascending) of ``tag`` in the background, adjacent ones
+        in one run, those here or on their way left out, within the budget; how many
+        started."""
+        clean, nursery = tag.clean, self._nursery
+        cs = tag.layout.chunk_size
+        if nursery is None or self.closing:
+            return 0
+        limit, max_run, per = self.budget // cs, self.run_blobs(cs), self._claim_window(cs)
+        started = 0
+        run: list[int] = []
+        for index in [*indices, -1]:
+            if index >= 0 and self._here(clean, index):
+                continue
+            if run and (index != run[-1] + 1 or len(run) >= max_run or index % per == 0
+                        or clean.layout.coalesce(run[0], len(run) + 1) <= len(run)):
+                if self.in_flight + len(run) > limit:
+                    break
+                self._start_fault(nursery, clean, run[0], len(run))
+                started += len(run)
+                run = []
+            if index >= 0:
+                run.append(index)
+        return started
 
     def _claim_window(self, chunk_size: int) -> int:
         """Blobs per claim window of the shared store (DESIGN §17); a huge number without."""

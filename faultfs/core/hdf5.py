@@ -1,0 +1,130 @@
+"""HDF5's chunk index, read from bytes a reader was served: where a chunked dataset's chunks lie.
+
+An HDF5 file (signature at offset 0) indexes the chunks of a dataset stored with the default
+(earliest) file format in a version-1 B-tree whose nodes are ``TREE`` records: node type 1 (raw
+data chunks), a level (0: its children are chunks), the entries used, the siblings' addresses,
+then ``key, child, key, child, ..., key``. A chunk's key holds its stored size (after the
+filters), a filter mask and its offsets in the dataset (rank + 1 numbers, the last one 0); its
+child is the chunk's file address; the last key bounds the node. A reader (h5py) reads a node
+before the chunks it indexes, so the node's bytes pass through the daemon first; from them the
+daemon knows the exact byte ranges of the chunks the reader may read next
+(``engine/lookahead.py``).
+
+Nothing here trusts the bytes: a node is taken only when it fits in the bytes given and every
+field is consistent (the rank found by trying each, keys in order, each trailing offset zero,
+children and siblings inside the file). Anything else in the bytes (compressed data that
+happens to hold ``TREE``) is no node. A wrong guess could only cost a prefetch, never a byte
+served, as the caller uses the index for prefetch alone.
+
+Supported: 8-byte file offsets and lengths (every file h5py writes by default) and no user
+block (base address 0). Files written with ``libver="latest"`` index chunks otherwise (fixed
+and extensible arrays, version-2 B-trees): no node is found in them, and reads of them get the
+plain sequential prefetch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import struct
+from dataclasses import dataclass
+
+SIGNATURE = b"\x89HDF\r\n\x1a\n"
+UNDEFINED = (1 << 64) - 1  # HDF5's undefined address
+MAX_RANK = 32  # HDF5's limit on a dataset's rank
+MAX_ENTRIES = 1 << 16  # 2K entries at most; K is a 16-bit number in the superblock
+NODE_HEADER = 24  # "TREE", type, level, entries used, left and right sibling
+_NODE = re.compile(rb"TREE\x01")  # a node of a chunk index (type 1)
+_HEAD = struct.Struct("<4sBBHQQ")
+
+
+@dataclass(frozen=True)
+class ChunkNode:
+    """A node of a chunk index: at level 0 its children are chunks (``sizes`` their stored
+    sizes), above it they are the nodes below."""
+
+    address: int
+    level: int
+    children: tuple[int, ...]
+    sizes: tuple[int, ...]
+    rank: int  # the dataset's rank (the keys' offsets, less the datatype's)
+
+    @property
+    def chunks(self) -> list[tuple[int, int]]:
+        """(address, size) of each chunk of a leaf; nothing for a node above the leaves."""
+        return list(zip(self.children, self.sizes, strict=True)) if self.level == 0 else []
+
+
+def addresses_fit(head: bytes) -> bool:
+    """Whether ``head`` (a file's first bytes) is an HDF5 superblock with 8-byte offsets and
+    lengths at offset 0: the files whose chunk index ``chunk_nodes`` reads."""
+    if len(head) < 16 or not head.startswith(SIGNATURE):
+        return False
+    version = head[8]
+    if version in (0, 1):
+        return head[13] == 8 and head[14] == 8
+    if version in (2, 3):
+        return head[9] == 8 and head[10] == 8
+    return False
+
+
+def chunk_nodes(data: bytes | memoryview, base: int, file_size: int) -> list[ChunkNode]:
+    """The chunk-index nodes whole in ``data``, which holds the file's bytes from ``base``."""
+    found: list[ChunkNode] = []
+    view = memoryview(data).cast("B") if not isinstance(data, bytes) else data
+    for match in _NODE.finditer(view):
+        node = _node_at(view, match.start(), base, file_size)
+        if node is not None:
+            found.append(node)
+    return found
+
+
+def _node_at(data: bytes | memoryview, at: int, base: int,
+             file_size: int) -> ChunkNode | None:
+    if at + NODE_HEADER > len(data):
+        return None
+    _, _, level, entries, left, right = _HEAD.unpack_from(data, at)
+    if not 0 < entries <= MAX_ENTRIES:
+        return None
+    if any(s != UNDEFINED and s >= file_size for s in (left, right)):
+        return None
+    nodes = [n for rank in range(1, MAX_RANK + 1)
+             if (n := _parse(data, at, base, file_size, level, entries, rank)) is not None]
+    return nodes[0] if len(nodes) == 1 else None  # two readings of one node: neither
+
+
+def _parse(data: bytes | memoryview, at: int, base: int, file_size: int, level: int,
+           entries: int, rank: int) -> ChunkNode | None:
+    key_len = 8 + 8 * (rank + 1)
+    end = at + NODE_HEADER + (entries + 1) * key_len + entries * 8
+    if end > len(data):
+        return None
+    key = struct.Struct(f"<II{rank + 1}Q")
+    pos = at + NODE_HEADER
+    children: list[int] = []
+    sizes: list[int] = []
+    last: tuple[int, ...] | None = None
+    for i in range(entries + 1):
+        size, _mask, *offsets = key.unpack_from(data, pos)
+        if offsets[-1] != 0 and i < entries:  # a chunk starts at its datatype's first byte
+            return None
+        coords = tuple(offsets[:-1])
+        if last is not None and (coords < last if i == entries else coords <= last):
+            return None  # keys ascend (the last one bounds the node: it may repeat)
+        last = coords
+        pos += key_len
+        if i == entries:
+            break
+        (child,) = struct.unpack_from("<Q", data, pos)
+        pos += 8
+        if level == 0 and not (0 < size and child + size <= file_size):
+            return None
+        if not 0 < child < file_size:
+            return None
+        children.append(child)
+        sizes.append(size)
+    if level == 0:  # a leaf's chunks never overlap
+        spans = sorted(zip(children, sizes, strict=True))
+        if any(a + n > b for (a, n), (b, _) in itertools.pairwise(spans)):
+            return None
+    return ChunkNode(base + at, level, tuple(children), tuple(sizes), rank)

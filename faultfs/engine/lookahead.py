@@ -1,0 +1,207 @@
+"""HDF5 lookahead: a reader of an HDF5 file through the whole-object view gets the chunks it will
+read next prefetched, found in the file's own chunk index (DESIGN §15, issue 46).
+
+A tag's view whose first bytes served are an HDF5 superblock is watched: every read of it is
+scanned for the nodes of a chunk index (``core/hdf5.py``), which h5py reads before the chunks
+they index. The exact byte ranges of the chunks seen so far are kept in address order. Each
+read of a chunk's bytes is placed in that order; when a reader moves from chunk to chunk in a
+steady pattern (a whole dataset: one chunk on each time; a strided hyperslab such as
+``ds[::256]``: one chunk in every few, with the kernel's readahead touching the next one's
+first pages), the chunks the pattern reads next are prefetched, as far as ``LOOKAHEAD_BYTES``,
+``LOOKAHEAD_CHUNKS`` and the prefetch budget allow. A node above the leaves names the leaves
+h5py reads next: their blobs are prefetched too, so that a long hyperslab does not stop at each
+leaf for a round trip.
+
+A reader whose pattern skips chunks is strided: the blob window of ``prefetch.py`` (which would
+fetch the gaps between its chunks) holds still for it; the reader's own chunks come from here.
+A dense pattern (every chunk in turn) is left to that window, which already keeps the reader's
+next blobs in flight in runs.
+
+Invariants:
+- The index is used for prefetch alone: a wrong or stale guess costs a fetch, never a byte.
+- Only reads of the view are scanned, and only for tags found to be HDF5 at their first byte;
+  other tags pay one dictionary lookup per read.
+- At most ``MAX_TAGS`` files and ``MAX_CHUNKS`` chunks each are remembered.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from faultfs.core.hdf5 import addresses_fit, chunk_nodes
+from faultfs.engine.tags import Tag
+from faultfs.stats import Stats
+
+LOOKAHEAD_BYTES = 32 << 20  # chunk bytes prefetched ahead of a reader at most
+LOOKAHEAD_CHUNKS = 16  # ... and chunks
+MAX_TAGS = 64
+MAX_CHUNKS = 1 << 20
+MAX_LAG = 4  # chunks read per repeat of a pattern, at most
+DENSE_RUN = 8  # chunks read one after another before the blob window takes a reader over ...
+NEXT_CHUNKS = 4  # ... until then, the chunks right after its reads are prefetched
+SMALL_READ = 64 << 10  # reads up to this are kept (the last ``SMALL_READS``): a node crossing
+PAGE = 4096  # a read starts at most this before the chunk it was made for
+SMALL_READS = 16  # a page boundary is served in two reads, in either order
+
+Starter = Callable[[Tag, list[int]], int]  # blob indices to prefetch -> how many started
+
+
+@dataclass
+class ChunkMap:
+    """The chunks of one HDF5 file seen so far, in address order, and the chunks read last."""
+
+    addresses: list[int] = field(default_factory=list)
+    sizes: dict[int, int] = field(default_factory=dict)
+    read: list[int] = field(default_factory=list)  # addresses of the last chunks read
+    lag: int = 0  # a steady pattern: every ``lag`` chunks read, the reader moves ``period``
+    period: int = 0  # chunks on (0: no steady pattern)
+    in_chunk: bool = False  # the last read (not of the index) was of chunks
+    end: int = -1  # the position of the last chunk the last chunk read touched
+    run: int = 0  # chunks read one after another up to ``end``, with no chunk skipped
+    grew: bool = False  # the last chunk read went on from the one before (or was the first)
+    small: OrderedDict[int, bytes] = field(default_factory=OrderedDict)  # offset -> bytes
+
+    def joined(self, off: int, data: bytes | memoryview) -> tuple[int, bytes | memoryview]:
+        """A small read with the small reads just before and after it (kept), as one: the
+        pages of a node served apart."""
+        if len(data) > SMALL_READ:
+            return off, data
+        raw = bytes(data)
+        start, out = off, raw
+        for o, b in self.small.items():
+            if o + len(b) == off:
+                start, out = o, b + out
+            elif o == off + len(raw):
+                out = out + b
+        self.small[off] = raw
+        while len(self.small) > SMALL_READS:
+            self.small.popitem(last=False)
+        return start, out
+
+    def add(self, chunks: list[tuple[int, int]]) -> None:
+        for address, size in chunks:
+            if address not in self.sizes and len(self.sizes) < MAX_CHUNKS:
+                bisect.insort(self.addresses, address)
+                self.sizes[address] = size
+
+    def chunks_in(self, off: int, end: int) -> tuple[int, int]:
+        """Positions ``[a, b]`` of the chunks with bytes in ``[off, end)`` (``a > b``: none)."""
+        a = bisect.bisect_right(self.addresses, off) - 1
+        if a < 0 or off >= self.addresses[a] + self.sizes[self.addresses[a]]:
+            a += 1
+        return a, bisect.bisect_left(self.addresses, end) - 1
+
+    def covered(self, a: int, b: int) -> None:
+        """A read touched chunks ``a..b``: the run of chunks read one after another grows,
+        or starts again after chunks skipped (or a read back)."""
+        self.grew = self.end < 0 or (a <= self.end + 1 and b >= self.end)
+        self.run = self.run + b - self.end if self.end >= 0 and self.grew else b - a + 1
+        self.end = b
+
+    def moved(self, i: int) -> bool:
+        """The reader read chunk ``i`` (a position): True when it went on to another chunk
+        and its reads follow a steady pattern (``lag``, ``period``). A pattern of several
+        chunks is allowed for: the kernel's readahead reads the next chunk's first pages
+        after each of h5py's reads, two datasets read in turns step in pairs."""
+        address = self.addresses[i]
+        if address in self.read[-1:]:
+            return False
+        self.read = [*self.read[-(3 * MAX_LAG - 1):], address]
+        at = [bisect.bisect_left(self.addresses, a) for a in self.read]
+        self.lag = self.period = 0
+        for lag in range(1, MAX_LAG + 1):
+            if len(at) < 3 * lag:
+                break
+            steps = {at[j] - at[j - lag] for j in range(len(at) - 2 * lag, len(at))}
+            if len(steps) == 1 and (step := steps.pop()) > 0:
+                self.lag, self.period = lag, step
+                return True
+        return False
+
+    @property
+    def strided(self) -> bool:
+        """A steady pattern that skips chunks: the blob window would fetch them."""
+        return self.period > self.lag > 0
+
+    @property
+    def holds_window(self) -> bool:
+        """Whether the blob window holds still: the reader reads chunks, and has not yet read
+        ``DENSE_RUN`` of them one after another (a hyperslab that skips chunks must not get a
+        window over the chunks it skips; a whole dataset gets it after a few chunks)."""
+        return self.in_chunk and self.run < DENSE_RUN
+
+    def ahead(self) -> list[tuple[int, int]]:
+        """(address, size) of the chunks the pattern reads next, nearest first."""
+        last = [bisect.bisect_left(self.addresses, a) for a in self.read[-self.lag:]]
+        out: list[tuple[int, int]] = []
+        total = 0
+        for k in range(1, LOOKAHEAD_CHUNKS + 1):
+            for j in sorted(p + k * self.period for p in last):
+                if j >= len(self.addresses) or len(out) >= LOOKAHEAD_CHUNKS:
+                    return out
+                address = self.addresses[j]
+                total += self.sizes[address]
+                if total > LOOKAHEAD_BYTES and out:
+                    return out
+                out.append((address, self.sizes[address]))
+        return out
+
+
+class Hdf5Lookahead:
+    def __init__(self, start: Starter, stats: Stats) -> None:
+        self.start = start  # the prefetcher's: fault these blobs of a tag in the background
+        self.stats = stats
+        self.maps: OrderedDict[int, ChunkMap] = OrderedDict()
+
+    def holds_window(self, tag: Tag) -> bool:
+        """Whether the blob window holds still for ``tag``'s reader (``ChunkMap``)."""
+        m = self.maps.get(tag.id)
+        return m is not None and m.holds_window
+
+    def served(self, tag: Tag, off: int, data: bytes | memoryview) -> None:
+        """View bytes ``[off, off+len(data))`` of ``tag`` were served to a reader."""
+        m = self.maps.get(tag.id)
+        if m is None:
+            if off != 0 or not addresses_fit(bytes(data[:16])):
+                return
+            m = self.maps[tag.id] = ChunkMap()
+            while len(self.maps) > MAX_TAGS:
+                self.maps.popitem(last=False)
+            self.stats.add("hdf5_files")
+        else:
+            self.maps.move_to_end(tag.id)
+        start, scanned = m.joined(off, data)
+        nodes = chunk_nodes(scanned, start, tag.layout.size)
+        for node in nodes:
+            self.stats.add("hdf5_index_nodes")
+            if node.level == 0:
+                m.add(node.chunks)
+            else:  # the leaves below: h5py reads them as it goes on
+                self._fetch(tag, [(child, 1) for child in node.children])
+        if any(off <= n.address < off + len(data) for n in nodes):
+            return  # a read of the index, not of a chunk
+        # a chunk read starts at the page before the chunk's first byte: placed by its middle
+        margin = min(len(data) // 4, PAGE)  # and ends at the page after its last byte
+        a, b = m.chunks_in(off + margin, off + len(data) - margin)
+        m.in_chunk = a <= b
+        if not m.in_chunk:
+            return
+        m.covered(a, b)
+        if m.moved(a) and m.strided:
+            ahead = m.ahead()
+        elif m.holds_window and m.grew:  # it may read every chunk: the next ones
+            ahead = [(x, m.sizes[x]) for x in m.addresses[b + 1:b + 1 + NEXT_CHUNKS]]
+        else:
+            return
+        self.stats.add("hdf5_lookaheads", self._fetch(tag, ahead))
+
+    def _fetch(self, tag: Tag, ranges: list[tuple[int, int]]) -> int:
+        """Prefetch the blobs holding the byte ranges (address, size); how many started."""
+        layout = tag.layout
+        wanted: set[int] = set()
+        for address, size in ranges:
+            wanted.update(index for index, _, _ in layout.view_pieces(address, size))
+        return self.start(tag, sorted(wanted)) if wanted else 0

@@ -1,0 +1,158 @@
+"""HDF5 lookahead (engine/lookahead.py, core/hdf5.py): the chunk index read from the bytes h5py
+is served, checked against h5py's own view of where each chunk lies; the reader's pattern
+over chunks; and a real mount where a strided hyperslab fetches the chunks it reads, not the
+gaps between them, while every value read stays exact."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import pytest
+
+from faultfs.core.hdf5 import SIGNATURE, ChunkNode, addresses_fit, chunk_nodes
+from faultfs.engine.lookahead import ChunkMap
+
+h5py = pytest.importorskip("h5py")
+np = pytest.importorskip("numpy")
+
+
+def chunk_info(path: str, names: list[str]) -> list[tuple[int, int]]:
+    """(address, stored size) of every chunk of the datasets, as HDF5 itself tells."""
+    out = []
+    with h5py.File(path, "r") as f:
+        for name in names:
+            ds = f[name].id
+            for i in range(ds.get_num_chunks()):
+                info = ds.get_chunk_info(i)
+                out.append((info.byte_offset, info.size))
+    return sorted(out)
+
+
+def index_of(raw: bytes) -> tuple[list[tuple[int, int]], list]:
+    nodes = chunk_nodes(raw, 0, len(raw))
+    return sorted(c for n in nodes for c in n.chunks), [n for n in nodes if n.level > 0]
+
+
+def test_the_chunk_index_found_in_the_bytes_is_hdf5s_own(tmp_path):
+    path = str(tmp_path / "f.h5")
+    with h5py.File(path, "w") as f:
+        f.create_dataset("grid", data=np.arange(200 * 30 * 10, dtype=np.int32).reshape(200, 30, 10),
+                         chunks=(5, 7, 10), compression="gzip")  # several leaves and a root
+        f.create_dataset("line", data=np.arange(100_000.0), chunks=(1000,))
+        f.create_dataset("g/small", data=np.ones((64, 64), np.float32), chunks=(16, 16),
+                         compression="gzip", shuffle=True)
+        f.create_dataset("plain", data=np.arange(1000))  # contiguous: no index
+    raw = Path(path).read_bytes()
+    assert addresses_fit(raw[:64])
+    chunks, inner = index_of(raw)
+    assert chunks == chunk_info(path, ["grid", "line", "g/small"])
+    assert inner, "a dataset of more chunks than a leaf holds has a node above its leaves"
+    leaves = {n.address for n in chunk_nodes(raw, 0, len(raw)) if n.level == 0}
+    assert {c for n in inner for c in n.children} <= leaves
+
+
+def one_leaf(tmp_path) -> tuple[bytes, ChunkNode]:
+    """The bytes of a file of one dataset of 32 chunks, and its one index node."""
+    path = str(tmp_path / "f.h5")
+    with h5py.File(path, "w") as f:
+        f.create_dataset("d", data=np.arange(4096.0), chunks=(128,))
+    raw = Path(path).read_bytes()
+    [node] = chunk_nodes(raw, 0, len(raw))
+    return raw, node
+
+
+def test_a_node_is_found_only_whole_and_in_the_file_it_claims(tmp_path):
+    raw, node = one_leaf(tmp_path)
+    at = node.address
+    assert chunk_nodes(raw[:at + 100], 0, len(raw)) == [], "a node cut short is no node"
+    assert chunk_nodes(raw, 0, node.children[-1]) == [], "chunks past the file's end: no node"
+    # the same node read from its page: found at the same address
+    page = at - at % 4096
+    assert [n.address for n in chunk_nodes(raw[page:page + 8192], page, len(raw))] == [at]
+    damaged = bytearray(raw)
+    damaged[at + 24 + 8 + 8 * 1] = 7  # the first key's datatype offset, which is always 0
+    assert chunk_nodes(bytes(damaged), 0, len(raw)) == []
+
+
+def test_random_bytes_and_other_formats_give_no_index(tmp_path):
+    rng = random.Random(7)
+    noise = bytearray(rng.randbytes(1 << 20))
+    for i in range(0, len(noise) - 8, 4099):  # many a signature in noise
+        noise[i:i + 5] = b"TREE\x01"
+    assert chunk_nodes(bytes(noise), 0, len(noise)) == []
+    assert not addresses_fit(bytes(noise[:64]))
+    assert not addresses_fit(SIGNATURE)  # too short to say
+    path = str(tmp_path / "latest.h5")
+    with h5py.File(path, "w", libver="latest") as f:  # chunks indexed by arrays, not TREE
+        f.create_dataset("d", data=np.arange(100_000.0), chunks=(1000,), maxshape=(None,))
+    raw = Path(path).read_bytes()
+    assert chunk_nodes(raw, 0, len(raw)) == []
+
+
+def test_a_node_served_in_two_reads_is_joined_in_either_order(tmp_path):
+    raw, node = one_leaf(tmp_path)
+    cut = node.address + 40  # inside the node
+    for order in ((0, 1), (1, 0)):
+        m = ChunkMap()
+        parts = [(0, raw[:cut]), (cut, raw[cut:cut + 4096])]
+        found = []
+        for i in order:
+            start, scanned = m.joined(*parts[i])
+            found += chunk_nodes(scanned, start, len(raw))
+        assert [n.address for n in found] == [node.address]
+
+
+def pattern(reads: list[int | tuple[int, int]], n: int = 64) -> ChunkMap:
+    """A map of ``n`` chunks of 500 bytes every 1000, after reads of the chunks given (a
+    pair: a read over chunks a..b), as ``Hdf5Lookahead.served`` places them."""
+    m = ChunkMap()
+    m.add([(1000 * i, 500) for i in range(n)])
+    for r in reads:
+        first, last = r if isinstance(r, tuple) else (r, r)
+        a, b = m.chunks_in(1000 * first + 10, 1000 * last + 400)
+        assert (a, b) == (first, last)
+        m.in_chunk = True
+        m.covered(a, b)
+        m.moved(a)
+    return m
+
+
+def test_a_readers_pattern_over_chunks():
+    m = pattern([0, 4, 8, 12])
+    assert (m.lag, m.period) == (1, 4) and m.strided and m.holds_window
+    assert [a // 1000 for a, _ in m.ahead()][:3] == [16, 20, 24]
+    m = pattern([0, 1, 4, 5, 8, 9])  # two chunks read each time, three skipped
+    assert (m.lag, m.period) == (2, 4) and m.holds_window
+    assert [a // 1000 for a, _ in m.ahead()][:4] == [12, 13, 16, 17]
+    m = pattern([(0, 3), (3, 6), 7])  # a whole dataset, with the kernel's readahead
+    assert not m.strided and m.grew and m.run == 8 and not m.holds_window
+    m = pattern([(0, 4), 8])  # the readahead after the first chunk, then a hyperslab's
+    assert not m.grew and m.run == 1 and m.holds_window
+    m = pattern([10, 3, 40, 7])  # random: no pattern
+    assert m.period == 0 and not m.strided and m.holds_window
+    assert ChunkMap().chunks_in(0, 100) == (0, -1)
+    m = pattern([])
+    assert m.chunks_in(510, 990) == (1, 0), "between two chunks: none"
+
+
+def test_a_strided_hyperslab_through_a_mount_fetches_its_chunks_not_the_gaps(mounter, tmp_path):
+    src = str(tmp_path / "field.h5")
+    rng = np.random.default_rng(42)
+    data = np.round(rng.normal(size=(64 * 48, 2048)), 2).astype(np.float32)
+    with h5py.File(src, "w") as f:
+        f.create_dataset("data", data=data, chunks=(64, 2048), compression="gzip",
+                         compression_opts=1, shuffle=True)
+    size = os.path.getsize(src)
+    m = mounter(src, args=["--chunk-size", "128K"])
+    view = os.path.join(m.tag("field"), "field.h5")
+    with h5py.File(view, "r") as f:
+        assert np.array_equal(f["data"][::256], data[::256])  # one row of every 4th chunk
+    c = m.counters()
+    assert c["hdf5_index_nodes"] >= 1 and c["hdf5_lookaheads"] > 0
+    assert c["source_bytes"] < 0.6 * size, (
+        f"{c['source_bytes']} of {size} bytes fetched for a quarter of the chunks")
+    with h5py.File(view, "r") as f:  # the rest of the file, and the whole dataset, exact
+        assert np.array_equal(f["data"][...], data)
+    assert m.counters()["hdf5_errors"] == 0
