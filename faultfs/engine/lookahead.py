@@ -41,7 +41,7 @@ MAX_TAGS = 64
 MAX_CHUNKS = 1 << 20
 MAX_LAG = 4  # chunks read per repeat of a pattern, at most
 DENSE_RUN = 8  # chunks read one after another before the blob window takes a reader over ...
-NEXT_CHUNKS = 4  # ... until then, the chunks right after its reads are prefetched
+NEXT_CHUNKS = 8  # ... until then, the chunks right after its reads are prefetched
 SMALL_READ = 64 << 10  # reads up to this are kept (the last ``SMALL_READS``): a node crossing
 PAGE = 4096  # a read starts at most this before the chunk it was made for
 SMALL_READS = 16  # a page boundary is served in two reads, in either order
@@ -81,11 +81,15 @@ class ChunkMap:
             self.small.popitem(last=False)
         return start, out
 
-    def add(self, chunks: list[tuple[int, int]]) -> None:
+    def add(self, chunks: list[tuple[int, int]]) -> bool:
+        """Chunks of a leaf seen; whether any was new."""
+        new = False
         for address, size in chunks:
             if address not in self.sizes and len(self.sizes) < MAX_CHUNKS:
                 bisect.insort(self.addresses, address)
                 self.sizes[address] = size
+                new = True
+        return new
 
     def chunks_in(self, off: int, end: int) -> tuple[int, int]:
         """Positions ``[a, b]`` of the chunks with bytes in ``[off, end)`` (``a > b``: none)."""
@@ -175,12 +179,15 @@ class Hdf5Lookahead:
             self.maps.move_to_end(tag.id)
         start, scanned = m.joined(off, data)
         nodes = chunk_nodes(scanned, start, tag.layout.size)
+        grown = False
         for node in nodes:
             self.stats.add("hdf5_index_nodes")
             if node.level == 0:
-                m.add(node.chunks)
+                grown = m.add(node.chunks) or grown
             else:  # the leaves below: h5py reads them as it goes on
                 self._fetch(tag, [(child, 1) for child in node.children])
+        if grown and m.strided:  # the pattern goes on into the chunks of a leaf just read
+            self.stats.add("hdf5_lookaheads", self._fetch(tag, m.ahead()))
         if any(off <= n.address < off + len(data) for n in nodes):
             return  # a read of the index, not of a chunk
         # a chunk read starts at the page before the chunk's first byte: placed by its middle
