@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import os
 import random
+import time
 from pathlib import Path
 
 import pytest
 
-from faultfs.core.hdf5 import SIGNATURE, ChunkNode, addresses_fit, chunk_nodes
+from faultfs.core.hdf5 import MAX_CANDIDATES, SIGNATURE, ChunkNode, addresses_fit, chunk_nodes
 from faultfs.engine.lookahead import ChunkMap
 
 h5py = pytest.importorskip("h5py")
@@ -89,6 +90,17 @@ def test_random_bytes_and_other_formats_give_no_index(tmp_path):
         f.create_dataset("d", data=np.arange(100_000.0), chunks=(1000,), maxshape=(None,))
     raw = Path(path).read_bytes()
     assert chunk_nodes(raw, 0, len(raw)) == []
+
+
+def test_bytes_made_of_nodes_cost_a_bounded_scan_and_nodes_read_before_are_skipped(tmp_path):
+    raw, node = one_leaf(tmp_path)
+    at, end = node.address, node.address + 24 + 33 * 24 + 32 * 8  # rank 1: 24-byte keys
+    many = raw[at:end] * 1000  # a thousand copies of one valid node, back to back
+    size = len(raw) + len(many)
+    started = time.perf_counter()
+    found = chunk_nodes(many, len(raw), size)
+    assert len(found) == MAX_CANDIDATES and time.perf_counter() - started < 1.0
+    assert chunk_nodes(raw, 0, len(raw), skip={at}) == []
 
 
 def test_a_node_served_in_two_reads_is_joined_in_either_order(tmp_path):

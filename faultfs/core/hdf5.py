@@ -27,12 +27,14 @@ from __future__ import annotations
 import itertools
 import re
 import struct
+from collections.abc import Container
 from dataclasses import dataclass
 
 SIGNATURE = b"\x89HDF\r\n\x1a\n"
 UNDEFINED = (1 << 64) - 1  # HDF5's undefined address
 MAX_RANK = 32  # HDF5's limit on a dataset's rank
 MAX_ENTRIES = 1 << 16  # 2K entries at most; K is a 16-bit number in the superblock
+MAX_CANDIDATES = 64  # places that look like a node examined in one call, at most
 NODE_HEADER = 24  # "TREE", type, level, entries used, left and right sibling
 _NODE = re.compile(rb"TREE\x01")  # a node of a chunk index (type 1)
 _HEAD = struct.Struct("<4sBBHQQ")
@@ -68,11 +70,18 @@ def addresses_fit(head: bytes) -> bool:
     return False
 
 
-def chunk_nodes(data: bytes | memoryview, base: int, file_size: int) -> list[ChunkNode]:
-    """The chunk-index nodes whole in ``data``, which holds the file's bytes from ``base``."""
+def chunk_nodes(data: bytes | memoryview, base: int, file_size: int, *,
+                skip: Container[int] = (), limit: int = MAX_CANDIDATES) -> list[ChunkNode]:
+    """The chunk-index nodes whole in ``data``, which holds the file's bytes from ``base``;
+    none at an address in ``skip`` (read before), and no more than ``limit`` places that
+    look like one examined (bytes made to hold many cost a bounded time)."""
     found: list[ChunkNode] = []
     view = memoryview(data).cast("B") if not isinstance(data, bytes) else data
-    for match in _NODE.finditer(view):
+    for n, match in enumerate(_NODE.finditer(view)):
+        if n >= limit:
+            break
+        if base + match.start() in skip:
+            continue
         node = _node_at(view, match.start(), base, file_size)
         if node is not None:
             found.append(node)

@@ -63,6 +63,18 @@ class ChunkMap:
     run: int = 0  # chunks read one after another up to ``end``, with no chunk skipped
     grew: bool = False  # the last chunk read went on from the one before (or was the first)
     small: OrderedDict[int, bytes] = field(default_factory=OrderedDict)  # offset -> bytes
+    nodes: set[int] = field(default_factory=set)  # addresses of the index nodes read ...
+    node_order: list[int] = field(default_factory=list)  # ... in order
+
+    def node_read(self, address: int) -> None:
+        if address not in self.nodes and len(self.nodes) < MAX_CHUNKS:
+            self.nodes.add(address)
+            bisect.insort(self.node_order, address)
+
+    def node_in(self, off: int, end: int) -> bool:
+        """Whether an index node starts in ``[off, end)``."""
+        i = bisect.bisect_left(self.node_order, off)
+        return i < len(self.node_order) and self.node_order[i] < end
 
     def joined(self, off: int, data: bytes | memoryview) -> tuple[int, bytes | memoryview]:
         """A small read with the small reads just before and after it (kept), as one: the
@@ -178,18 +190,19 @@ class Hdf5Lookahead:
         else:
             self.maps.move_to_end(tag.id)
         start, scanned = m.joined(off, data)
-        nodes = chunk_nodes(scanned, start, tag.layout.size)
+        nodes = chunk_nodes(scanned, start, tag.layout.size, skip=m.nodes)
         grown = False
         for node in nodes:
             self.stats.add("hdf5_index_nodes")
+            m.node_read(node.address)
             if node.level == 0:
                 grown = m.add(node.chunks) or grown
             else:  # the leaves below: h5py reads them as it goes on
                 self._fetch(tag, [(child, 1) for child in node.children])
         if grown and m.strided:  # the pattern goes on into the chunks of a leaf just read
             self.stats.add("hdf5_lookaheads", self._fetch(tag, m.ahead()))
-        if any(off <= n.address < off + len(data) for n in nodes):
-            return  # a read of the index, not of a chunk
+        if m.node_in(off, off + len(data)):
+            return  # a read of the index (met before or now), not of a chunk
         # a chunk read starts at the page before the chunk's first byte: placed by its middle
         margin = min(len(data) // 4, PAGE)  # and ends at the page after its last byte
         a, b = m.chunks_in(off + margin, off + len(data) - margin)
