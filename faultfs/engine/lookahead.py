@@ -21,12 +21,14 @@ Invariants:
 - The index is used for prefetch alone: a wrong or stale guess costs a fetch, never a byte.
 - Only reads of the view are scanned, and only for tags found to be HDF5 at their first byte;
   other tags pay one dictionary lookup per read.
-- At most ``MAX_TAGS`` files and ``MAX_CHUNKS`` chunks each are remembered.
+- At most ``MAX_TAGS`` files are remembered, each with ``MAX_CHUNKS`` chunks (2 MiB), ``MAX_NODES``
+  index nodes and ``SMALL_READS`` small reads (128 KiB): outside ``--memory-mb``, and bounded.
 """
 
 from __future__ import annotations
 
 import bisect
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,14 +39,15 @@ from faultfs.stats import Stats
 
 LOOKAHEAD_BYTES = 32 << 20  # chunk bytes prefetched ahead of a reader at most
 LOOKAHEAD_CHUNKS = 16  # ... and chunks
-MAX_TAGS = 64
-MAX_CHUNKS = 1 << 20
+MAX_TAGS = 16  # files remembered, each with up to SMALL_READS * SMALL_READ bytes of reads ...
+MAX_CHUNKS = 1 << 17  # ... and this many chunks (16 bytes each: 2 MiB)
+MAX_NODES = 1 << 12  # index nodes remembered per file
 MAX_LAG = 4  # chunks read per repeat of a pattern, at most
 DENSE_RUN = 8  # chunks read one after another before the blob window takes a reader over ...
 NEXT_CHUNKS = 8  # ... until then, the chunks right after its reads are prefetched
-SMALL_READ = 64 << 10  # reads up to this are kept (the last ``SMALL_READS``): a node crossing
+SMALL_READ = 16 << 10  # reads up to this are kept (the last ``SMALL_READS``): a node crossing
 PAGE = 4096  # a read starts at most this before the chunk it was made for
-SMALL_READS = 16  # a page boundary is served in two reads, in either order
+SMALL_READS = 8  # a page boundary is served in two reads, in either order
 
 Starter = Callable[[Tag, list[int]], int]  # blob indices to prefetch -> how many started
 
@@ -53,8 +56,8 @@ Starter = Callable[[Tag, list[int]], int]  # blob indices to prefetch -> how man
 class ChunkMap:
     """The chunks of one HDF5 file seen so far, in address order, and the chunks read last."""
 
-    addresses: list[int] = field(default_factory=list)
-    sizes: dict[int, int] = field(default_factory=dict)
+    addresses: array[int] = field(default_factory=lambda: array("q"))  # in order ...
+    sizes: array[int] = field(default_factory=lambda: array("q"))  # ... and each one's size
     read: list[int] = field(default_factory=list)  # addresses of the last chunks read
     lag: int = 0  # a steady pattern: every ``lag`` chunks read, the reader moves ``period``
     period: int = 0  # chunks on (0: no steady pattern)
@@ -67,7 +70,7 @@ class ChunkMap:
     node_order: list[int] = field(default_factory=list)  # ... in order
 
     def node_read(self, address: int) -> None:
-        if address not in self.nodes and len(self.nodes) < MAX_CHUNKS:
+        if address not in self.nodes and len(self.nodes) < MAX_NODES:
             self.nodes.add(address)
             bisect.insort(self.node_order, address)
 
@@ -97,16 +100,18 @@ class ChunkMap:
         """Chunks of a leaf seen; whether any was new."""
         new = False
         for address, size in chunks:
-            if address not in self.sizes and len(self.sizes) < MAX_CHUNKS:
-                bisect.insort(self.addresses, address)
-                self.sizes[address] = size
+            i = bisect.bisect_left(self.addresses, address)
+            if len(self.sizes) < MAX_CHUNKS and (i == len(self.addresses)
+                                                 or self.addresses[i] != address):
+                self.addresses.insert(i, address)
+                self.sizes.insert(i, size)
                 new = True
         return new
 
     def chunks_in(self, off: int, end: int) -> tuple[int, int]:
         """Positions ``[a, b]`` of the chunks with bytes in ``[off, end)`` (``a > b``: none)."""
         a = bisect.bisect_right(self.addresses, off) - 1
-        if a < 0 or off >= self.addresses[a] + self.sizes[self.addresses[a]]:
+        if a < 0 or off >= self.addresses[a] + self.sizes[a]:
             a += 1
         return a, bisect.bisect_left(self.addresses, end) - 1
 
@@ -158,11 +163,10 @@ class ChunkMap:
             for j in sorted(p + k * self.period for p in last):
                 if j >= len(self.addresses) or len(out) >= LOOKAHEAD_CHUNKS:
                     return out
-                address = self.addresses[j]
-                total += self.sizes[address]
+                total += self.sizes[j]
                 if total > LOOKAHEAD_BYTES and out:
                     return out
-                out.append((address, self.sizes[address]))
+                out.append((self.addresses[j], self.sizes[j]))
         return out
 
 
@@ -213,7 +217,8 @@ class Hdf5Lookahead:
         if m.moved(a) and m.strided:
             ahead = m.ahead()
         elif m.holds_window and m.grew:  # it may read every chunk: the next ones
-            ahead = [(x, m.sizes[x]) for x in m.addresses[b + 1:b + 1 + NEXT_CHUNKS]]
+            ahead = list(zip(m.addresses[b + 1:b + 1 + NEXT_CHUNKS],
+                             m.sizes[b + 1:b + 1 + NEXT_CHUNKS], strict=True))
         else:
             return
         self.stats.add("hdf5_lookaheads", self._fetch(tag, ahead))
