@@ -119,3 +119,32 @@ def test_the_settings_reach_the_mount_from_the_environment():
     assert Config.build(env={"FAULTFS_URING_PUNT": "0"}).uring_punt is False
     with pytest.raises(InvalidInput, match="FAULTFS_URING must be one of"):
         Config.build(env={"FAULTFS_URING": "sometimes"})
+
+
+def test_prefetch_reads_a_range_into_the_page_cache_in_the_background(big):
+    """``prefetch`` (a shuffled stream's advice for its next windows' pieces) brings the
+    range, and not the rest of the file, into the page cache without reading it itself; a
+    range past the end and a closed source are advice that does nothing."""
+    import time
+
+    from faultfs.stream.shards import ShardFile
+
+    path, data = big
+    file = ShardFile(LocalFileSource(str(path), str(path)), len(data))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        off, size = 2 * MiB, 256 * KiB
+        assert cached_pages(fd, off, size) == 0
+        file.prefetch(off, size)
+        deadline = time.monotonic() + 10
+        while cached_pages(fd, off, size) != size // 4096 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert cached_pages(fd, off, size) == size // 4096
+        assert cached_pages(fd, 4 * MiB, 2 * MiB) == 0
+        file.prefetch(len(data) - 100, 10 * MiB)  # past the end: clipped
+        file.prefetch(len(data) + 1, 4096)
+        assert file.tell() == 0 and file.read(16) == data[:16]
+    finally:
+        os.close(fd)
+        file.close()
+    file.prefetch(0, 4096)  # closed: nothing

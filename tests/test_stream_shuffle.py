@@ -223,7 +223,8 @@ def test_a_windows_block_read_at_once_holds_what_the_shard_reader_reads(
 ):
     """``line_piece`` (a window's block in one read) gives the records, their bounds and
     ends that ``LineShardReader`` gives over the same range — blank lines, "\r\n", lines
-    longer than the read's tail, a last line without a terminator — or declines (False)."""
+    longer than the read's tail, a last line without a terminator — or declines (False);
+    with the compiled line scan and with numpy's alike."""
     root = tmp_path_factory.mktemp("piece")
     raw = sep.join(lines) + (sep if final else b"")
     if not raw:
@@ -233,27 +234,33 @@ def test_a_windows_block_read_at_once_holds_what_the_shard_reader_reads(
     lo = data.draw(st.integers(0, len(raw) - 1))
     hi = data.draw(st.none() | st.integers(lo + 1, len(raw)))
     hi = None if hi == len(raw) else hi
-    file = shard.open()
-    try:
-        with pytest.MonkeyPatch.context() as mp:
-            # a short tail: lines longer than it (declined); the real one: most lines whole
-            mp.setattr(window_room, "TAIL_PEEK", data.draw(st.sampled_from([16, 4096])))
-            piece = window_room.line_piece(shard, 0, file, lo, hi, len(raw))
-    finally:
-        file.close()
+    tail = data.draw(st.sampled_from([16, 4096]))
+    pieces = []
+    for scan in {window_room._lines, None}:  # the compiled line scan, and numpy's
+        file = shard.open()
+        try:
+            with pytest.MonkeyPatch.context() as mp:
+                # a short tail: lines longer than it (declined); the real one: most lines whole
+                mp.setattr(window_room, "TAIL_PEEK", tail)
+                mp.setattr(window_room, "_lines", scan)
+                pieces.append(window_room.line_piece(shard, 0, file, lo, hi, len(raw)))
+        finally:
+            file.close()
     reader = LineShardReader(shard, 0, 0, 0, ranges=[(lo, hi, lo == 0)])
     try:
         blocks = list(iter(reader.next_block, None))
     finally:
         reader.close()
-    if piece is False:
-        return
-    want = [r for b in blocks for r in b.records]
-    assert (piece.records if piece is not None else []) == want
-    if piece is not None:
-        assert piece.ends.tolist() == [int(e) for b in blocks for e in b.ends]
-        assert [piece.line_offset(i) for i in range(piece.count)] == [
-            b.line_offset(i) for b in blocks for i in range(b.count)]
+    assert len({type(p) for p in pieces}) == 1  # both declined, found nothing, or read
+    for piece in pieces:
+        if piece is False:
+            continue
+        want = [r for b in blocks for r in b.records]
+        assert (piece.records if piece is not None else []) == want
+        if piece is not None:
+            assert piece.ends.tolist() == [int(e) for b in blocks for e in b.ends]
+            assert [piece.line_offset(i) for i in range(piece.count)] == [
+                b.line_offset(i) for b in blocks for i in range(b.count)]
 
 
 def test_odd_lines_parse_whole_windows_and_a_bad_record_is_named_in_its_shard(tmp_path):

@@ -124,6 +124,16 @@ class LocalFileSource:
         out = self._read(off, size, pooled=False)
         return out if isinstance(out, bytes) else bytes(out)
 
+    def prefetch(self, off: int, size: int) -> None:
+        """Have the kernel read ``[off, off+size)`` into the page cache in the background
+        (``POSIX_FADV_WILLNEED``): advice only, it reads nothing here and never fails. A
+        reader that jumps between ranges (a shuffled stream's blocks) gets no readahead from
+        the kernel otherwise, and waits for each cold range in turn."""
+        try:
+            os.posix_fadvise(self._fd, off, size, os.POSIX_FADV_WILLNEED)
+        except (OSError, AttributeError):  # a closed descriptor, a platform without it
+            pass
+
     def _read(self, off: int, size: int, *, pooled: bool) -> bytes | memoryview:
         try:
             out: bytes | memoryview | None = None

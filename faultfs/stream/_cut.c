@@ -11,6 +11,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* A one-dimensional, C-contiguous buffer of native int64 (numpy's int64/intp here). */
@@ -79,6 +80,83 @@ done:
     return out;
 }
 
+/* lines(data, skip, end) -> (starts, stops, ends) or None: the lines of a read buffer that
+   start before offset end, as three bytes objects of native int64 each (numpy views them):
+   line i is data[starts[i]:stops[i]], its terminator excluded (a "\r" before the "\n" too),
+   and ends[i] is just past its "\n". With skip, the buffer's first line is the tail of a
+   line that starts before it: the lines begin after the first "\n". Blank lines are not
+   lines. None where the buffer does not settle it: skip and no "\n", or a line that starts
+   before end has no "\n" in the buffer (faultfs/stream/shuffle/window.py, line_piece, then
+   reads the range with the shard reader). One memchr pass, without the GIL. */
+static PyObject *lines(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer data;
+    int skip;
+    Py_ssize_t end;
+    if (!PyArg_ParseTuple(args, "y*pn", &data, &skip, &end))
+        return NULL;
+    const char *buf = (const char *)data.buf;
+    Py_ssize_t len = data.len, pos = 0, n = 0, cap = 0;
+    int settled = 1;
+    int64_t *out = NULL;
+    if (end > len)
+        end = len;
+    Py_BEGIN_ALLOW_THREADS
+    if (skip) {
+        const char *p = memchr(buf, '\n', (size_t)len);
+        if (p == NULL)
+            settled = 0;
+        else
+            pos = p - buf + 1;
+    }
+    /* three arrays of cap entries in one allocation, grown (doubled) as lines are found */
+    if (settled) {
+        cap = len / 32 + 16;
+        out = malloc(sizeof(int64_t) * 3 * (size_t)cap);
+    }
+    while (settled && out != NULL && pos < end) {
+        const char *p = memchr(buf + pos, '\n', (size_t)(len - pos));
+        if (p == NULL) {  /* a line that starts before end has no terminator here */
+            settled = 0;
+            break;
+        }
+        Py_ssize_t nl = p - buf, stop = nl;
+        if (stop > pos && buf[stop - 1] == '\r')
+            stop--;
+        if (stop > pos) {
+            if (n == cap) {
+                int64_t *grown = malloc(sizeof(int64_t) * 6 * (size_t)cap);
+                if (grown != NULL)
+                    for (int k = 0; k < 3; k++)
+                        memcpy(grown + 2 * cap * k, out + cap * k, sizeof(int64_t) * (size_t)n);
+                free(out);
+                out = grown;
+                cap *= 2;
+                if (out == NULL)
+                    break;
+            }
+            out[n] = pos;
+            out[cap + n] = stop;
+            out[2 * cap + n] = nl + 1;
+            n++;
+        }
+        pos = nl + 1;
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&data);
+    if (!settled) {
+        free(out);
+        Py_RETURN_NONE;
+    }
+    if (out == NULL)
+        return PyErr_NoMemory();
+    PyObject *res = Py_BuildValue("(y#y#y#)", (const char *)out, (Py_ssize_t)(8 * n),
+                                  (const char *)(out + cap), (Py_ssize_t)(8 * n),
+                                  (const char *)(out + 2 * cap), (Py_ssize_t)(8 * n));
+    free(out);
+    return res;
+}
+
 /* permutation(key, n) -> bytes: a seeded permutation of range(n) as n native int64, the
    Fisher-Yates shuffle driven by splitmix64 seeded with key: for i from n-1 down to 1, swap
    i with j = (r * (i + 1)) >> 64 for the next 64-bit output r. A shuffled stream mixes each
@@ -120,6 +198,8 @@ static PyObject *permutation(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"cut", cut, METH_VARARGS,
      "cut(data, starts, stops) -> [data[a:b] for a, b in zip(starts, stops)] (int64 arrays)"},
+    {"lines", lines, METH_VARARGS,
+     "lines(data, skip, end) -> (starts, stops, ends) as int64 bytes, or None (unsettled)"},
     {"permutation", permutation, METH_VARARGS,
      "permutation(key, n) -> bytes of n int64: a seeded Fisher-Yates permutation of range(n)"},
     {NULL, NULL, 0, NULL},

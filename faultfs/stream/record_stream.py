@@ -17,8 +17,9 @@ Invariants:
 - Every ``format`` yields the same batches: the same records (a parsed row is its raw
   record, parsed; dedup is by the raw record's bytes), the same batch ids and coordinates,
   so a checkpoint written while reading one format resumes in any other.
-- Parsed formats and dedup read ahead (``read_ahead``); the first block after opening is
-  handed out before any read-ahead starts, and ``close`` waits for the workers.
+- Parsed formats, dedup and shuffled streams read ahead (``read_ahead``); the first block
+  after opening is handed out before any read-ahead starts, and ``close`` waits for the
+  workers.
 - A partitioned stream (``rank``/``world_size``, ``worker``/``num_workers``) is one reader of
   a partition (``faultfs.stream.partition``) and keeps its own state file; with dedup it
   also skips the hashes carried from before the last repartition. Everything above holds per
@@ -294,7 +295,9 @@ class RecordStream:
                     self._view = (view[0], view[1], ahead.records)
                 if self._opened:
                     self._opened = False  # a restart's first batch waits for no read-ahead
-                elif view[0] != "raw" or self.dedup:  # raw records alone: no gain ahead
+                elif view[0] != "raw" or self.dedup or isinstance(self._reader, EpochReader):
+                    # a shuffled window's raw records are cut ahead too: the cut overlaps the
+                    # consumer's commits (an fsync each); a file's alone gain nothing ahead
                     self._ahead.start(self._reader, view)
                 return True
             self._ahead.wait()  # the reads after the last block find nothing either

@@ -42,6 +42,7 @@ class ShardFile(io.RawIOBase):
         self._source = source
         # a source that reads into one new bytes object saves the copy out of its buffer
         self._pread_bytes = getattr(source, "pread_bytes", None)
+        self._prefetch = getattr(source, "prefetch", None)  # local files: page cache advice
         self._size = size
         self._pos = 0
 
@@ -79,6 +80,13 @@ class ShardFile(io.RawIOBase):
             data = got if isinstance(got, bytes) else bytes(got)
         self._pos += len(data)
         return data
+
+    def prefetch(self, offset: int, size: int) -> None:
+        """Advise that ``[offset, offset+size)`` is read soon (a local shard's pages are read
+        into the page cache in the background; nothing for other sources)."""
+        size = min(size, self._size - offset)
+        if self._prefetch is not None and size > 0 and offset >= 0:
+            self._prefetch(offset, size)
 
     def readinto(self, buffer: Any) -> int:
         data = self.read(len(buffer))

@@ -6,7 +6,8 @@ Invariants:
   a block, in file order; the block's pieces are read as the stream's own shard readers read
   a range (a line that crosses a block's end is read whole by the block it starts in; a
   Parquet row group by the block that holds its position): a line piece in one read and one
-  scan (``line_piece``), the shard reader where one read does not settle it. Position ``q`` of the window delivers record
+  scan (``line_piece``; the scan compiled where it is built, ``scan_lines``), the shard
+  reader where one read does not settle it. Position ``q`` of the window delivers record
   ``order[q]``, ``order`` the window key's ``permutation``: record order is decided here.
 - ``MixedBlock`` ``k`` of a window holds positions ``[a, b)``; its records, hashes and parsed
   rows are those of its window at ``order[a:b]``, so dedup decides them in the mixed order
@@ -16,6 +17,8 @@ Invariants:
   and a position in it): only that window is read again, nothing before it. While a window
   is handed out the next one is read (and hashed, with dedup) in a thread (the reads take
   turns in window order): memory is two windows of bytes, and a window's parsed table.
+  The kernel is asked to read the local pieces of the next ``ADVISED_AHEAD`` windows into the
+  page cache in the background (advice: what is read, and when, does not change).
 - A line window's records are cut from one buffer that joins its blocks' lines (a line
   without a terminator, a shard's last, gets one in the buffer), so a mixed block's records
   are one compiled cut, and a parsed window one parse of the buffer (by the read-ahead worker
@@ -35,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from faultfs.core.coord import StreamCoordinate
+from faultfs.sources import local_path
 from faultfs.stream.columns import block_table, concat, take_rows
 from faultfs.stream.hashing import record_hashes, span_hashes
 from faultfs.stream.readers import (
@@ -49,15 +53,20 @@ from faultfs.stream.readers import (
 from faultfs.stream.shards import Shard, ShardFile
 from faultfs.stream.shuffle.plan import EpochGrid, WindowSpec, permutation
 
-try:  # the compiled cut (setup.py); optional: the same records by slicing
-    from faultfs.stream._cut import cut as _cut
+try:  # the compiled cut and line scan (setup.py); optional: the same records by slicing
+    from faultfs.stream import _cut as _compiled
 except ImportError:  # pragma: no cover - built wherever a compiler is
-    _cut = None
+    _compiled = None
+_cut = getattr(_compiled, "cut", None)
+_lines = getattr(_compiled, "lines", None)  # a build older than the scan has none
 
 MIXED_BLOCK = 65536  # positions per mixed block: what one read-ahead step makes
 FIRST_MIXED = 4096  # the first after opening: a restart's first batch parses this many rows,
 # not a whole window's
 WINDOWS_AHEAD = 1  # windows read ahead: the next window is read while this one is used
+ADVISED_AHEAD = 2  # windows past the one being read whose local pieces the kernel is asked to
+# read into the page cache (``ShardFiles.advise``): their cold pages arrive in parallel, in
+# the background, instead of one piece's disk latency after another
 OPEN_SHARDS = 64  # shards a reader keeps open between blocks (an S3 shard's open is a HEAD)
 PARSE_THREADS_FROM = 2 << 20  # a smaller window is parsed on its worker's thread alone (the
 # read-ahead's two workers parse two at once): pyarrow's threads cost ~20 % more CPU on 1 MiB
@@ -88,6 +97,20 @@ class ShardFiles:
         while len(self._open) > OPEN_SHARDS:
             self._open.popitem(last=False)[1][0].close()
         return file, parquet
+
+    def advise(self, spec: WindowSpec, grid: EpochGrid) -> None:
+        """Ask the kernel to read the pieces of a window's blocks in local line shards into
+        the page cache in the background (``ShardFile.prefetch``; advice: it changes what is
+        read nowhere). A shuffled reader jumps between blocks, where the kernel's readahead,
+        made for a file read in order, does not help."""
+        for b in spec.blocks:
+            for shard_id, lo, hi in grid.pieces(b):
+                shard = self._shards[shard_id]
+                if shard.format != "lines" or local_path(shard.url) is None:
+                    continue
+                start = lo - 1 if lo else 0  # line_piece's read
+                end = grid.sizes[shard_id] if hi is None else hi + TAIL_PEEK
+                self.get(shard_id)[0].prefetch(start, end - start)
 
     def close(self) -> None:
         while self._open:
@@ -145,34 +168,55 @@ def line_piece(shard: Shard, shard_id: int, file: ShardFile, lo: int, hi: int | 
     buf = file.read(want)
     if len(buf) != want:
         return False
-    arr = np.frombuffer(buf, dtype=np.uint8)
-    nl = np.flatnonzero(arr == 10)  # each line's "\n"
-    if lo and not nl.size:
+    found = scan_lines(buf, bool(lo), end - start)
+    if found is None:
         return False
-    first = int(nl[0]) + 1 if lo else 0
-    rel_end = end - start  # the records start before it
-    stops = nl[nl >= first]
-    starts = np.empty_like(stops)
-    if stops.size:
+    starts, stops, ends = found
+    if not ends.size:
+        return None
+    return RecordBlock(
+        kind="lines", shard=shard, shard_id=shard_id, ends=ends + start, global_start=0,
+        data=buf, data_offset=start, starts=starts, stops=stops,
+    )
+
+
+def scan_lines(buf: bytes, skip: bool, end: int
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """The lines of ``buf`` that start before ``end``: int64 ``(starts, stops, ends)``, line
+    ``i`` being ``buf[starts[i]:stops[i]]`` without its terminator (nor the "\r" of a
+    "\r\n") and ``ends[i]`` just past its "\n"; blank lines left out. ``skip``: the first
+    line is the tail of one that starts before ``buf`` (the lines begin after the first
+    "\n"). None where ``buf`` does not settle it: ``skip`` and no "\n", or a line that
+    starts before ``end`` has no "\n" in ``buf``. One compiled pass where it is built
+    (``_cut.lines``, without the GIL), else numpy: the same lines."""
+    if _lines is not None:
+        got = _lines(buf, skip, end)
+        if got is None:
+            return None
+        starts, stops, ends = (np.frombuffer(b, dtype=np.int64) for b in got)
+        return starts, stops, ends
+    arr = np.frombuffer(buf, dtype=np.uint8)
+    nl = np.flatnonzero(arr == 10).astype(np.int64)  # each line's "\n"
+    if skip and not nl.size:
+        return None
+    first = int(nl[0]) + 1 if skip else 0
+    ends = nl[nl >= first] + 1
+    starts = np.empty_like(ends)
+    if ends.size:
         starts[0] = first
-        starts[1:] = stops[:-1] + 1
-    k = int(np.searchsorted(starts, rel_end))
-    tail = int(stops[k - 1]) + 1 if k else first  # the next line's start
-    if k == stops.size and tail < rel_end and tail < len(buf):
-        return False  # a line that starts here ends past the read, or without a "\n"
-    starts, stops = starts[:k], stops[:k]
-    ends = stops + 1
+        starts[1:] = ends[:-1]
+    k = int(np.searchsorted(starts, end))
+    tail = int(ends[k - 1]) if k else first  # the next line's start
+    if k == ends.size and tail < min(end, len(buf)):
+        return None  # a line that starts before end has no "\n" in buf
+    starts, ends = starts[:k], ends[:k]
+    stops = ends - 1
     if buf.find(b"\r", first, tail) >= 0:  # strip the "\r" of "\r\n"
         stops = stops - ((stops > starts) & (arr[np.maximum(stops - 1, 0)] == 13))
     keep = stops > starts
     if not keep.all():  # empty lines are not records
         starts, stops, ends = starts[keep], stops[keep], ends[keep]
-    if not ends.size:
-        return None
-    return RecordBlock(
-        kind="lines", shard=shard, shard_id=shard_id, ends=ends.astype(np.int64) + start,
-        global_start=0, data=buf, data_offset=start, starts=starts, stops=stops,
-    )
+    return starts, stops, ends
 
 
 class _Source:
@@ -421,6 +465,7 @@ class EpochReader:
         # window's global_row_idx follows from the count of the one before
         self._turns = threading.Condition()
         self._turn = first
+        self._advised = first  # the next window whose pieces the kernel is told of
         if first < len(windows):
             position = max(position, windows[first].start)
         self._zero = global_row_idx - position  # global_zero of the window read next
@@ -441,7 +486,10 @@ class EpochReader:
                 self._turns.wait()
         try:
             spec = self.windows[index]
+            self._advise(index)  # its pieces read in parallel, if not told of before
             blocks = read_blocks(spec, self.grid, self.shards, self._files)
+            if ahead:  # not before a restart's first batch
+                self._advise(index + ADVISED_AHEAD)
             zero = self._zero
             if index + 1 < len(self.windows):
                 self._zero = zero + sum(b.count for b in blocks) - self.windows[index + 1].start
@@ -453,6 +501,14 @@ class EpochReader:
         if ahead:
             window.prepare(*self.want)
         return window
+
+    def _advise(self, last: int) -> None:
+        """Tell the kernel of the windows up to ``last`` not told of yet (in a read's turn:
+        the files are one thread's at a time)."""
+        last = min(last, len(self.windows) - 1)
+        while self._advised <= last:
+            self._files.advise(self.windows[self._advised], self.grid)
+            self._advised += 1
 
     def _read_ahead(self) -> None:
         """Keep the next window being read in a thread."""
