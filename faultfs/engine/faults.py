@@ -215,11 +215,12 @@ class Faulter:
         shared = self.tiers.shared
         try:
             if shared is not None:
-                checked = time.monotonic()
-                got = await shared.load_run(keys)
-                if shared.claims is not None and shared.up and None in got:
+                if shared.claims is not None and shared.up and tag.id in shared.tags:
+                    # the windows' claims say what is published: no GET for each blob
                     held = await self._coordinate(shared, shared.claims, tag, first, got,
-                                                  ahead=not demand, since=checked)
+                                                  ahead=not demand)
+                else:
+                    got = await shared.load_run(keys)
             for i, data in enumerate(got):
                 if data is not None:  # from the shared tier: no source read for it
                     settle_budget(i)
@@ -299,11 +300,11 @@ class Faulter:
         return flights
 
     async def _coordinate(self, shared: SharedTier, board: ClaimBoard, tag: Tag, first: int,
-                          got: list[Buffer | None], *, ahead: bool, since: float
-                          ) -> list[Held]:
+                          got: list[Buffer | None], *, ahead: bool) -> list[Held]:
         """Claim the windows of the blobs in ``got`` still missing (``ahead``, a prefetch:
         to the window's end), or wait for other nodes to bring them; fills ``got`` with what
-        landed meanwhile. The claims held."""
+        the shared store has of them (the windows' index) and what landed meanwhile. The
+        claims held."""
         tier_tag = shared.tags.get(tag.id)
         if tier_tag is None:
             return []
@@ -313,8 +314,7 @@ class Faulter:
             datas = await shared.load_run([(tag.id, i) for i in indices])
             return {i: d for i, d in zip(indices, datas, strict=True) if d is not None}
 
-        found, held = await board.coordinate(tier_tag, missing, load, ahead=ahead,
-                                             since=since)
+        found, held = await board.coordinate(tier_tag, missing, load, ahead=ahead)
         for index, data in found.items():
             got[index - first] = data
         return held
@@ -327,16 +327,22 @@ class Faulter:
         assert shared is not None and shared.claims is not None
         board = shared.claims
 
+        stored: list[int] = []  # blobs in the store now: the windows' markers name them
+
+        async def one(key: BlobKey, data: Buffer) -> None:
+            if await shared.publish_counted(key, data):
+                stored.append(key[1])
+
         async def run() -> None:
             try:
                 async with trio.open_nursery() as nursery:
                     for key, data in fresh:
-                        nursery.start_soon(shared.publish_counted, key, data)
+                        nursery.start_soon(one, key, data)
             except Exception:  # a background task must never take the mount down
                 log.exception("publishing claimed blobs failed")
                 self.stats.add("shared_publish_failures")
             finally:
-                await board.release(held, fetched=[key[1] for key, _ in fresh])
+                await board.release(held, fetched=stored)
 
         if self._nursery is None:
             await run()

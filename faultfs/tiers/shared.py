@@ -201,29 +201,32 @@ class SharedTier:
         self.pending += 1
         self._nursery.start_soon(self._publish_behind, key, payload)
 
-    async def publish_counted(self, key: BlobKey, payload: Buffer) -> None:
+    async def publish_counted(self, key: BlobKey, payload: Buffer) -> bool:
         """``publish``, counted among the publishes under way (``drain`` waits for it), its
-        failures logged: for blobs fetched under a claim, which other nodes wait for."""
+        failures logged: for blobs fetched under a claim, which other nodes wait for.
+        Whether the blob is in the store now (published, or there already)."""
         if key[0] not in self.tags:
-            return
+            return False
         self.waiting += len(payload)
         self.pending += 1
-        await self._publish_behind(key, payload)
+        return await self._publish_behind(key, payload)
 
-    async def _publish_behind(self, key: BlobKey, payload: Buffer) -> None:
+    async def _publish_behind(self, key: BlobKey, payload: Buffer) -> bool:
         try:
-            await self.publish(key, payload)
+            return await self.publish(key, payload) is not None
         except Exception:  # a background task must never take the mount down
             log.exception("publishing blob %s failed", key)
             self.stats.add("shared_publish_failures")
+            return False
         finally:
             self.waiting -= len(payload)
             self.pending -= 1
             if self.pending == 0 and self._idle is not None:
                 self._idle.set()
 
-    async def publish(self, key: BlobKey, payload: Buffer) -> bool:
-        """Put blob ``key`` in the shared store unless it is there; True when written."""
+    async def publish(self, key: BlobKey, payload: Buffer) -> bool | None:
+        """Put blob ``key`` in the shared store unless it is there; True when written, False
+        when it was there, None when the store failed."""
         tag = self.tags[key[0]]
         replace = key in self._damaged
         parts = encode_blob_object(tag, key[1], payload)
@@ -237,7 +240,7 @@ class SharedTier:
         except OSError as exc:
             self.stats.add("shared_publish_failures")
             self._failed("a publish", exc)
-            return False
+            return None
         self._worked()
         self._damaged.discard(key)
         if written:
