@@ -31,7 +31,7 @@ MiB = 1 << 20
 READERS = 8
 NODE_COUNTERS = ("shared_hits", "shared_misses", "claims_won", "claim_waits", "claim_wait_ms",
                  "claim_takeovers", "claim_waits_given_up", "claim_errors", "shared_publishes",
-                 "shared_publish_skipped")
+                 "shared_publish_skipped", "shared_publishes_held", "shared_index_misses")
 
 
 def random_read(view: Path, size: int, seed: int) -> float:
@@ -117,6 +117,7 @@ def part3(args, work: Path, env: dict, proxies, size: int, digest: str, *, Node,
             started = time.monotonic()
             seconds = at_once(fns)
             wall = time.monotonic() - started
+            ended = time.strftime("%H:%M:%S") + f".{int(time.time() * 1000) % 1000:03d}"
             used = cpu.stop() if cpu is not None else {}
             for n in nodes:
                 if case != "none":
@@ -153,7 +154,8 @@ def part3(args, work: Path, env: dict, proxies, size: int, digest: str, *, Node,
         if args.keep_logs:
             log(f"  requests: shared store {methods_line(seen['shared'])}; source "
                 f"{methods_line(seen['source'])}")
-        log(f"{count} node(s), {case}, {mode}: slowest {max(seconds):.2f} s, source "
+        log(f"{count} node(s), {case}, {mode}: reads ended {ended}, slowest "
+            f"{max(seconds):.2f} s, source "
             f"{row['source']:.2f}x, claims won {row['won']}, waits {row['waits']} "
             f"({row['wait_s']:.1f} s), takeovers {row['takeovers']}")
 

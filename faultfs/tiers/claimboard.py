@@ -61,21 +61,19 @@ from faultfs.iopool import run_in_thread
 from faultfs.stats import Stats
 from faultfs.tiers.base import Buffer, TierTag, version_hash
 from faultfs.tiers.claims import Claim, ClaimStore, claim_key, done_mask
+from faultfs.tiers.estimate import LEASE_MAX_S, FetchEstimate
+from faultfs.tiers.mailbox import MAILBOX_PREFIX, Mailbox, stale_mailbox
 
 log = logging.getLogger("faultfs.shared")
 
 CLAIM_WINDOW_BYTES = 8 << 20  # blobs claimed together: one prefetch run at most
 CLAIM_WINDOW_MAX_BLOBS = 4096  # and at most this many (a claim's ``done`` bitmap stays small)
 CLAIM_THREADS = 8  # claim requests have threads of their own, apart from loads and publishes
-LEASE_SLACK_S = 1.0  # a claim outlives its holder's estimate by this (and twice the estimate)
-LEASE_MAX_S = 60.0
 POLL_FIRST_S, POLL_MAX_S = 0.02, 0.2  # a waiter looks at the claim this often (doubling)
 # a prefetch's claim to the window's end outlives a pause between its runs by this much: its
 # next run rejoins it instead of another node taking the blobs it was about to fetch
 IDLE_HOLD_S = 1.0
 RENEW_MIN_S = 0.2  # a holder renews its claim's deadline at most this often
-FIRST_BYTE_S = 0.05  # a source request's first byte, before this node has measured any
-FIRST_RATE = 50e6  # bytes per second, likewise
 
 
 def node_id() -> str:
@@ -110,48 +108,25 @@ class Held:
 Loader = Callable[[list[int]], Awaitable[dict[int, Buffer]]]
 
 
-class ClaimBoard:
+class ClaimBoard(FetchEstimate):
     def __init__(self, store: ClaimStore, stats: Stats, *, node: str | None = None) -> None:
         self.store = store
         self.stats = stats
         self.node = node or node_id()
         self.mode = store.mode
+        self.mailbox = Mailbox(store, self.node, stats)  # who waits on whom
         self._mine: dict[tuple[int, int], Held] = {}
         # windows this node is claiming now: its other faults of them wait for the answer
         # rather than find their own node's claim and wait on it as on another node's
         self._claiming: dict[tuple[int, int], trio.Event] = {}
         self._limiter: trio.CapacityLimiter | None = None
-        self._seconds_per_byte = 1.0 / FIRST_RATE
-        self._measured = False  # a source read of this node has set the estimate
+        FetchEstimate.__init__(self)
         self.idle_hold_s = IDLE_HOLD_S
         self._nursery: trio.Nursery | None = None
 
     def attach(self, nursery: trio.Nursery) -> None:
         """Grow claims in ``nursery`` (the mount's), beside the fetch; without it, inline."""
         self._nursery = nursery
-
-    # -- estimates ---------------------------------------------------------------------------
-
-    def observe(self, nbytes: int, seconds: float) -> None:
-        """A source read of this node: ``nbytes`` in ``seconds`` (the estimate follows it)."""
-        if nbytes > 0:
-            self._measured = True
-            spb = max(0.0, seconds - FIRST_BYTE_S) / nbytes
-            self._seconds_per_byte = 0.8 * self._seconds_per_byte + 0.2 * spb
-
-    def lease(self, nbytes: int) -> float:
-        """How long fetching ``nbytes`` may take this node, generously."""
-        estimate = FIRST_BYTE_S + nbytes * self._seconds_per_byte
-        return min(LEASE_MAX_S, 3 * estimate + LEASE_SLACK_S)
-
-    def patience(self, nbytes: int, claim: Claim) -> float:
-        """How long to wait on ``claim`` for ``nbytes`` before fetching them here: this
-        node's own ``lease``, or, before it has measured its source, the holder's (its
-        deadline: the same source, measured there), whichever is longer."""
-        own = self.lease(nbytes)
-        if self._measured:
-            return own
-        return max(own, min(LEASE_MAX_S, claim.deadline_ms / 1000 - time.time()))
 
     # -- keys --------------------------------------------------------------------------------
 
@@ -318,7 +293,8 @@ class ClaimBoard:
                 if waited_from is None:
                     waited_from = now
                     self.stats.add("claim_waits")
-                if seen_gen != (claim.gen, etag):  # a new holder: a new bound
+                if seen_gen != (claim.gen, etag):  # a new holder: a new bound; tell it
+                    await self._ring(claim.node)
                     seen_gen = (claim.gen, etag)
                     give_up = now + self.patience(nbytes, claim)
                     progressed = False
@@ -380,6 +356,14 @@ class ClaimBoard:
         finally:
             if waited_from is not None:
                 self.stats.add("claim_wait_ms", round(1000 * (time.monotonic() - waited_from)))
+
+    async def _ring(self, holder: str) -> None:
+        """Tell ``holder`` that this node waits on it (it publishes at once then), beside
+        the wait when attached to a mount."""
+        if self._nursery is not None:
+            self._nursery.start_soon(self._io, self.mailbox.ring, holder)
+        else:
+            await self._io(self.mailbox.ring, holder)
 
     async def _attempt(self, tag: TierTag, window: int, key: str, need: list[int],
                        force: str = "", ahead: bool = False) -> Held | tuple[Claim, str]:
@@ -531,8 +515,9 @@ def _grown(claim: Claim, raw: bytes) -> Claim | None:
 def sweep(store: ClaimStore, *, dry_run: bool = False, grace_s: float = 60.0) -> list[str]:
     """Clean the claim prefix (blocking; ``faultfs gc --shared-store``): a claim past its
     deadline by more than ``grace_s`` becomes its window's marker when blobs of the window
-    are published (``done``), else it is removed; objects that are not claims are removed;
-    markers stay (they are the windows' index). The keys changed or removed."""
+    are published (``done``), else it is removed; objects that are not claims are removed,
+    and mailboxes rung longer ago than ``grace_s``; markers stay (they are the windows'
+    index). The keys changed or removed."""
     from faultfs.tiers.claims import CLAIM_PREFIX
 
     swept = []
@@ -542,6 +527,12 @@ def sweep(store: ClaimStore, *, dry_run: bool = False, grace_s: float = 60.0) ->
             continue
         seen = store.read(key)
         if seen is None:
+            continue
+        if key.startswith(MAILBOX_PREFIX):  # a mailbox: kept while it may still be looked at
+            if stale_mailbox(seen[0], cutoff):
+                if not dry_run:
+                    store.delete(key)
+                swept.append(key)
             continue
         try:
             claim: Claim | None = Claim.decode(seen[0])

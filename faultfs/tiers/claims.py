@@ -122,6 +122,10 @@ class ClaimStore(Protocol):
         """Replace the object only if it is still the one of ``tag``: the new tag, or None."""
         ...
 
+    def put(self, key: str, data: bytes) -> None:
+        """Write the object whatever is there (a mailbox: ``mailbox.py``)."""
+        ...
+
     def delete(self, key: str) -> None: ...
 
     def list(self, prefix: str) -> list[str]: ...
@@ -183,6 +187,9 @@ class DirectoryClaims:
         finally:
             os.unlink(aside)
         return self.create(key, data)
+
+    def put(self, key: str, data: bytes) -> None:
+        self.objects.put(key, data)
 
     def delete(self, key: str) -> None:
         self.objects.delete(key)
@@ -252,6 +259,9 @@ class S3Claims:
 
     def replace(self, key: str, data: bytes, tag: str) -> str | None:
         return self._put(key, data, IfMatch=tag)
+
+    def put(self, key: str, data: bytes) -> None:
+        self.objects.put(key, data)
 
     def delete(self, key: str) -> None:
         self.objects.delete(key)
