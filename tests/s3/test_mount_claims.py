@@ -376,3 +376,38 @@ def test_a_lone_node_publishes_after_its_source_reads_and_a_later_node_finds_eve
     assert read(os.path.join(b.tag("field"), "field.bin")) == data
     counters = settled(b)
     assert counters["source_bytes"] == 0 and counters["shared_hits"] == 12
+
+
+def test_a_holder_holding_its_publishes_back_sends_them_when_another_node_waits(cluster):
+    """Node A reads alone (its publishes held back, its faults never idle: a slow source,
+    one blob at a time); node B then needs blobs A fetched: it waits on A's claim and rings
+    A's mailbox, and A publishes at once — B reads them from the shared store long before
+    A's reads end, and neither fetches a blob twice."""
+    data = payload(8 * MiB, 41)
+    c = cluster(data, delay_ms=20, mbps=3)
+    a, b = c.node("a"), c.node("b")
+    done = {}
+
+    def reader_a() -> None:
+        for i in range(8):
+            want = data[i * MiB:(i + 1) * MiB]
+            assert pread(os.path.join(a.tag("field"), f"chunk_{i}")) == want
+        done["a"] = time.monotonic()
+
+    t = threading.Thread(target=reader_a)
+    t.start()
+    try:
+        deadline = time.monotonic() + 30
+        while a.counters()["shared_publishes_held"] < 3:
+            assert time.monotonic() < deadline, a.counters()
+            time.sleep(0.05)
+        assert a.counters()["shared_publishes"] == 0  # held back: A looks alone
+        got = [pread(os.path.join(b.tag("field"), f"chunk_{i}")) for i in range(3)]
+        done["b"] = time.monotonic()
+    finally:
+        t.join(timeout=60)
+    assert got == [data[i * MiB:(i + 1) * MiB] for i in range(3)]
+    assert done["b"] < done["a"]
+    cb, ca = settled(b), settled(a)
+    assert cb["source_bytes"] == 0 and cb["shared_hits"] == 3 and cb["claim_waits"] >= 1
+    assert ca["source_bytes"] == len(data) and ca["shared_publishes"] == 8
