@@ -17,6 +17,7 @@ slowest node's seconds / the lone node's seconds without a shared store (same mo
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import random
 import signal
@@ -128,6 +129,9 @@ def part3(args, work: Path, env: dict, proxies, size: int, digest: str, *, Node,
                 for n in nodes:
                     check_view(n, digest)
             seen = proxies.stats(bool(args.keep_logs))
+            if args.keep_logs:  # every request both proxies saw, on the read's clock
+                Path(args.keep_logs, f"requests-{case}-{count}-{mode}-{rep}.json").write_text(
+                    json.dumps({"read_started": started, "read_s": seconds, "proxies": seen}))
         finally:
             for n in nodes:
                 n.umount()

@@ -294,9 +294,9 @@ class ClaimBoard(FetchEstimate):
                     waited_from = now
                     self.stats.add("claim_waits")
                 if seen_gen != (claim.gen, etag):  # a new holder: a new bound; tell it
-                    await self._ring(claim.node)
                     seen_gen = (claim.gen, etag)
-                    give_up = now + self.patience(nbytes, claim)
+                    give_up = now + self.patience(nbytes, claim) * (
+                        2 if await self._ring(claim.node) else 1)
                     progressed = False
                 deadline = now + max(0.0, claim.deadline_ms / 1000 - time.time())
                 # a holder whose blobs keep landing is slow, not dead: its deadline is not
@@ -357,13 +357,18 @@ class ClaimBoard(FetchEstimate):
             if waited_from is not None:
                 self.stats.add("claim_wait_ms", round(1000 * (time.monotonic() - waited_from)))
 
-    async def _ring(self, holder: str) -> None:
+    async def _ring(self, holder: str) -> bool:
         """Tell ``holder`` that this node waits on it (it publishes at once then), beside
-        the wait when attached to a mount."""
+        the wait when attached to a mount. True the first time: the holder may have held
+        its publishes back, and learns of this wait within a look (``heldback.LOOK_S``)
+        and a few requests: the wait's bound is doubled that once."""
+        if not self.mailbox.first(holder):
+            return False
         if self._nursery is not None:
             self._nursery.start_soon(self._io, self.mailbox.ring, holder)
         else:
             await self._io(self.mailbox.ring, holder)
+        return True
 
     async def _attempt(self, tag: TierTag, window: int, key: str, need: list[int],
                        force: str = "", ahead: bool = False) -> Held | tuple[Claim, str]:

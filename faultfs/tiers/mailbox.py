@@ -65,13 +65,17 @@ class Mailbox:
         self.company = False  # another node waited on us, or we on another: publish at once
         self._rung: set[str] = set()
 
-    def ring(self, holder: str) -> None:
-        """Tell ``holder`` a node waits on its claim (once per holder); this node is in
+    def first(self, holder: str) -> bool:
+        """Whether ``holder`` is to be rung (not yet, not this node); this node is in
         company from now on."""
         self.company = True
         if holder in self._rung or holder == self.node:
-            return
+            return False
         self._rung.add(holder)
+        return True
+
+    def ring(self, holder: str) -> None:
+        """Tell ``holder`` a node waits on its claim (blocking)."""
         try:
             self.store.put(mailbox_key(holder), encode_ring(int(time.time() * 1000)))
         except OSError as exc:
