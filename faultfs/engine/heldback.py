@@ -40,7 +40,8 @@ from faultfs.tiers.shared import SharedTier
 log = logging.getLogger("faultfs.engine")
 
 IDLE_S = 0.2  # faults idle this long: the source path is free, held-back publishes go
-LOOK_S = 0.25  # a holder with publishes held back looks at its mailbox this often
+LOOK_S = 0.5  # a holder with publishes held back looks at its mailbox this often
+TICK_S = 0.1  # ... and at its faults (idle?) and the mount (ending?) this often
 HOLD_MAX = 16  # claims whose publishes are held back at once (128 MiB of 1 MiB blobs)
 SENDING = 8  # held-back blobs read back and published at once
 
@@ -92,13 +93,16 @@ class HeldBack:
     async def _run(self) -> None:
         """Send the held-back publishes when the faults are idle, another node waits, or
         the mount ends."""
+        looked = time.monotonic()
         try:
             while self.entries:
-                await trio.sleep(LOOK_S)
-                if self._limiter is None:
-                    self._limiter = trio.CapacityLimiter(1)
-                wanted = self.board.mailbox.company or await run_in_thread(
-                    self._limiter, self.board.mailbox.look)
+                await trio.sleep(TICK_S)
+                wanted = self.board.mailbox.company
+                if not wanted and time.monotonic() - looked >= LOOK_S:
+                    if self._limiter is None:
+                        self._limiter = trio.CapacityLimiter(1)
+                    wanted = await run_in_thread(self._limiter, self.board.mailbox.look)
+                    looked = time.monotonic()
                 if wanted or self.shared.flushing or self._idle():
                     entries, self.entries = self.entries, []
                     await self._send(entries, "another node waits" if wanted else
