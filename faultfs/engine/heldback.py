@@ -6,8 +6,10 @@ own source reads for the network, the store and the CPU, and nobody is waiting f
 a node that has met no other node (``Mailbox.company``) holds them back, claims still held,
 and sends them once its faults have been idle for ``IDLE_S`` — or at once when another node
 waits on one of its claims: a waiter rings the holder's mailbox, and a holder with publishes
-held back looks at its mailbox every ``LOOK_S`` (one GET), so a waiter waits that much longer
-at most, once. Held back are the keys, not the bytes: a publish reads its blob back from
+held back looks at its mailbox (one GET) 0.1, 0.3 and 0.7 s after it began to hold back,
+then every ``LOOK_S``, so a waiter waits that much longer at most, once; and a holder killed
+early in a read that others share loses little of what it held back (the others fetch that
+again). Held back are the keys, not the bytes: a publish reads its blob back from
 the local store (memory while its store write is pending), so waiting publishes take
 nothing from the memory budget the reads need.
 
@@ -40,7 +42,8 @@ from faultfs.tiers.shared import SharedTier
 log = logging.getLogger("faultfs.engine")
 
 IDLE_S = 0.2  # faults idle this long: the source path is free, held-back publishes go
-LOOK_S = 0.5  # a holder with publishes held back looks at its mailbox this often
+LOOK_S = 0.5  # a holder with publishes held back looks at its mailbox this often (at first
+# every TICK_S, doubling: 0.1, 0.2, 0.4 s after its first blob is held back)
 TICK_S = 0.1  # ... and at its faults (idle?) and the mount (ending?) this often
 HOLD_MAX = 16  # claims whose publishes are held back at once (128 MiB of 1 MiB blobs)
 SENDING = 8  # held-back blobs read back and published at once
@@ -93,16 +96,16 @@ class HeldBack:
     async def _run(self) -> None:
         """Send the held-back publishes when the faults are idle, another node waits, or
         the mount ends."""
-        looked = time.monotonic()
-        try:
+        looked, every = time.monotonic(), TICK_S  # soon at first: nodes that start together
+        try:  # ring within a few round trips, and what is held back is lost if this one dies
             while self.entries:
                 await trio.sleep(TICK_S)
                 wanted = self.board.mailbox.company
-                if not wanted and time.monotonic() - looked >= LOOK_S:
+                if not wanted and time.monotonic() - looked >= every:
                     if self._limiter is None:
                         self._limiter = trio.CapacityLimiter(1)
                     wanted = await run_in_thread(self._limiter, self.board.mailbox.look)
-                    looked = time.monotonic()
+                    looked, every = time.monotonic(), min(LOOK_S, every * 2)
                 if wanted or self.shared.flushing or self._idle():
                     entries, self.entries = self.entries, []
                     await self._send(entries, "another node waits" if wanted else
