@@ -14,17 +14,17 @@ Invariants:
   (no object) knows nothing of the window was published under a claim and reads the source
   without a GET per blob; one that finds an object loads the blobs its ``done`` names.
   Blobs published without a claim (claims off, a claim request that failed) are not in it:
-  a node with claims may fetch such a blob once more (never wrong bytes: the publish of an
-  object that is there is skipped).
+  a node with claims may fetch such a blob once more and writes its own over it (a claimed
+  publish is unconditional: the marker names only what its holder wrote).
 - A node holds at most one claim per window; its own later faults of the window share it
   (``_mine``, counted by users) and the last one releases it, after the blobs it fetched are
   published, so a waiter that sees the claim gone finds them (or claims the window itself).
 - The claim object says what its holder fetches: a later fault of the holder outside the
   claimed blobs grows the claim to cover them (a conditional replace of its own object, which
   also renews the deadline; behind the fetch when attached to a mount), and the ``published``
-  marker a release leaves adds what it fetched under the claim, all of it, to ``done``. A prefetch run
-  claims to the window's end (its next runs follow), and the last user's release of such a
-  claim waits ``IDLE_HOLD_S`` for them before it lets the rest of the window go.
+  marker a release leaves adds what it fetched under the claim, all of it, to ``done``. A
+  prefetch run claims to the window's end (its next runs follow), and the last user's
+  release of such a claim waits ``IDLE_HOLD_S`` for them before it lets the rest go.
 - A claim's deadline is its holder's bound: ``lease`` = three times the node's own estimate
   of the fetch (the fetch, its publish, the waiters' load), plus ``LEASE_SLACK_S``; a live
   holder renews it each time half of it is gone (``_renew``), so only a dead or cut-off one
