@@ -30,9 +30,9 @@ COUNTERS = (
     "coherence_claimed_bytes",
     "xattrs_refused", "fuse_fast_waits", "fuse_waits", "fuse_waits_lost",
     "fast_reads", "fast_passed",
-    "shared_hits", "shared_misses", "shared_damaged", "shared_errors", "shared_skipped",
+    "shared_hits", "shared_misses", "shared_index_misses", "shared_damaged", "shared_errors", "shared_skipped",
     "shared_publishes", "shared_publish_failures", "shared_publish_skipped",
-    "shared_publish_dropped", "shared_bytes_in", "shared_bytes_out",
+    "shared_publish_dropped", "shared_publishes_held", "shared_bytes_in", "shared_bytes_out",
     "claims_won", "claim_takeovers", "claim_waits", "claim_wait_ms", "claim_waits_given_up",
     "claims_released", "claims_grown", "claims_renewed", "claim_errors",
 )

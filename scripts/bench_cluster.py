@@ -17,6 +17,7 @@ slowest node's seconds / the lone node's seconds without a shared store (same mo
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import random
 import signal
@@ -31,7 +32,7 @@ MiB = 1 << 20
 READERS = 8
 NODE_COUNTERS = ("shared_hits", "shared_misses", "claims_won", "claim_waits", "claim_wait_ms",
                  "claim_takeovers", "claim_waits_given_up", "claim_errors", "shared_publishes",
-                 "shared_publish_skipped")
+                 "shared_publish_skipped", "shared_publishes_held", "shared_index_misses")
 
 
 def random_read(view: Path, size: int, seed: int) -> float:
@@ -117,6 +118,7 @@ def part3(args, work: Path, env: dict, proxies, size: int, digest: str, *, Node,
             started = time.monotonic()
             seconds = at_once(fns)
             wall = time.monotonic() - started
+            ended = time.strftime("%H:%M:%S") + f".{int(time.time() * 1000) % 1000:03d}"
             used = cpu.stop() if cpu is not None else {}
             for n in nodes:
                 if case != "none":
@@ -127,6 +129,9 @@ def part3(args, work: Path, env: dict, proxies, size: int, digest: str, *, Node,
                 for n in nodes:
                     check_view(n, digest)
             seen = proxies.stats(bool(args.keep_logs))
+            if args.keep_logs:  # every request both proxies saw, on the read's clock
+                Path(args.keep_logs, f"requests-{case}-{count}-{mode}-{rep}.json").write_text(
+                    json.dumps({"read_started": started, "read_s": seconds, "proxies": seen}))
         finally:
             for n in nodes:
                 n.umount()
@@ -153,7 +158,8 @@ def part3(args, work: Path, env: dict, proxies, size: int, digest: str, *, Node,
         if args.keep_logs:
             log(f"  requests: shared store {methods_line(seen['shared'])}; source "
                 f"{methods_line(seen['source'])}")
-        log(f"{count} node(s), {case}, {mode}: slowest {max(seconds):.2f} s, source "
+        log(f"{count} node(s), {case}, {mode}: reads ended {ended}, slowest "
+            f"{max(seconds):.2f} s, source "
             f"{row['source']:.2f}x, claims won {row['won']}, waits {row['waits']} "
             f"({row['wait_s']:.1f} s), takeovers {row['takeovers']}")
 

@@ -99,7 +99,8 @@ def _gc_claims(args: argparse.Namespace) -> int:
         print(f"faultfs gc: shared store {args.shared_store}: {exc}", file=sys.stderr)
         return 2
     verb = "would remove" if args.dry_run else "removed"
-    print(f"gc {objects.url}: {verb} {len(removed)} stray claims")
+    print(f"gc {objects.url}: {verb} {len(removed)} stray claims (a dead holder's claim over "
+          "published blobs is kept as its window's marker, the index of what is published)")
     if args.verbose:
         for key in removed:
             print(f"  {key}")

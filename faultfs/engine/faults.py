@@ -28,6 +28,7 @@ from assimilators.binary import BinaryFileAssimilator
 from faultfs.buffers import alloc
 from faultfs.core.chunks import ChunkLayout, zero_fill
 from faultfs.engine.flights import Flight, Flights
+from faultfs.engine.heldback import HeldBack, publish_then_release
 from faultfs.engine.tags import Tag
 from faultfs.errors import FaultfsError, SourceChanged, SourceError
 from faultfs.iopool import IoPool, run_in_thread
@@ -93,11 +94,15 @@ class Faulter:
         self._told_unavailable: set[int] = set()  # tags whose unreachable source was logged
         self._demand: trio.CapacityLimiter | None = None
         self._nursery: trio.Nursery | None = None
+        self._held_back: HeldBack | None = None  # claimed blobs' publishes, while alone
 
     def attach(self, nursery: trio.Nursery) -> None:
         """Run the faults readers of streaming sources wait for in ``nursery`` (the mount's),
         so a reader can be answered from its blob's head while the rest still lands."""
         self._nursery = nursery
+        shared = self.tiers.shared
+        if shared is not None and shared.claims is not None:
+            self._held_back = HeldBack(shared, shared.claims, self.stats, self._read_back)
 
     async def fault(self, tag: Tag, index: int) -> Buffer:
         """Blob ``index`` of ``tag``, all of it, from the source (single-flight)."""
@@ -213,13 +218,16 @@ class Faulter:
 
         held: list[Held] = []  # claims of this node on the windows it fetches
         shared = self.tiers.shared
+        if self._held_back is not None:
+            self._held_back.fault_started()
         try:
             if shared is not None:
-                checked = time.monotonic()
-                got = await shared.load_run(keys)
-                if shared.claims is not None and shared.up and None in got:
+                if shared.claims is not None and shared.up and tag.id in shared.tags:
+                    # the windows' claims say what is published: no GET for each blob
                     held = await self._coordinate(shared, shared.claims, tag, first, got,
-                                                  ahead=not demand, since=checked)
+                                                  ahead=not demand)
+                else:
+                    got = await shared.load_run(keys)
             for i, data in enumerate(got):
                 if data is not None:  # from the shared tier: no source read for it
                     settle_budget(i)
@@ -280,6 +288,8 @@ class Faulter:
                     self.tiers.hold(key, data)
                 self.flights.settle([key], [flight])
             self.stats.latencies.append(time.monotonic() - started)
+            if self._held_back is not None:
+                self._held_back.fault_ended()
             if held and error is not None:  # nothing to publish: others may claim at once
                 assert shared is not None and shared.claims is not None
                 with trio.CancelScope(shield=True):
@@ -299,11 +309,11 @@ class Faulter:
         return flights
 
     async def _coordinate(self, shared: SharedTier, board: ClaimBoard, tag: Tag, first: int,
-                          got: list[Buffer | None], *, ahead: bool, since: float
-                          ) -> list[Held]:
+                          got: list[Buffer | None], *, ahead: bool) -> list[Held]:
         """Claim the windows of the blobs in ``got`` still missing (``ahead``, a prefetch:
         to the window's end), or wait for other nodes to bring them; fills ``got`` with what
-        landed meanwhile. The claims held."""
+        the shared store has of them (the windows' index) and what landed meanwhile. The
+        claims held."""
         tier_tag = shared.tags.get(tag.id)
         if tier_tag is None:
             return []
@@ -313,8 +323,7 @@ class Faulter:
             datas = await shared.load_run([(tag.id, i) for i in indices])
             return {i: d for i, d in zip(indices, datas, strict=True) if d is not None}
 
-        found, held = await board.coordinate(tier_tag, missing, load, ahead=ahead,
-                                             since=since)
+        found, held = await board.coordinate(tier_tag, missing, load, ahead=ahead)
         for index, data in found.items():
             got[index - first] = data
         return held
@@ -322,26 +331,33 @@ class Faulter:
     async def _publish_then_release(self, fresh: list[tuple[BlobKey, Buffer]],
                                     held: list[Held]) -> None:
         """Publish what this node fetched under its claims, then release them (behind the
-        reader when attached): a waiter that sees a claim gone finds its blobs."""
+        reader when attached; held back while this node looks alone: ``heldback``): a
+        waiter that sees a claim gone finds its blobs."""
         shared = self.tiers.shared
         assert shared is not None and shared.claims is not None
-        board = shared.claims
+        datas = dict(fresh)
 
-        async def run() -> None:
-            try:
-                async with trio.open_nursery() as nursery:
-                    for key, data in fresh:
-                        nursery.start_soon(shared.publish_counted, key, data)
-            except Exception:  # a background task must never take the mount down
-                log.exception("publishing claimed blobs failed")
-                self.stats.add("shared_publish_failures")
-            finally:
-                await board.release(held, fetched=[key[1] for key, _ in fresh])
+        async def publish(key: BlobKey) -> bool:
+            return await shared.publish_counted(key, datas.pop(key))
 
         if self._nursery is None:
-            await run()
-        else:
-            self._nursery.start_soon(run)
+            await publish_then_release(shared.claims, list(datas), held, publish)
+        elif self._held_back is None or not self._held_back.offer(list(datas), held,
+                                                                  self._nursery):
+            self._nursery.start_soon(publish_then_release, shared.claims, list(datas), held,
+                                     publish)
+
+    async def _read_back(self, key: BlobKey) -> Buffer | None:
+        """A blob this node faulted, for its held-back publish: from memory while its store
+        write is pending, else verified from the local store; None when it is not there."""
+        data = self.tiers.held(key)
+        if data is not None:
+            return data
+        try:
+            return (await self.pool.run(self.tiers.read_ahead_blocking, [key]))[0]
+        except Exception:  # forgotten, evicted, unreadable: not published
+            log.debug("blob %s could not be read back for its publish", key, exc_info=True)
+            return None
 
     def _lane_quiet(self) -> bool:
         """Whether the demand lane has room for a split fault's second read: with many

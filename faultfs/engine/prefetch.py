@@ -39,7 +39,7 @@ from faultfs.engine.tags import Tag
 from faultfs.iopool import IoPool
 from faultfs.stats import Stats
 from faultfs.tiers.budget import PREFETCH_SHARE
-from faultfs.tiers.claimboard import CLAIM_WINDOW_BYTES
+from faultfs.tiers.claimboard import CLAIM_WINDOW_BYTES, CLAIM_WINDOW_MAX_BLOBS
 from faultfs.tiers.multilevel import TierStack
 
 log = logging.getLogger("faultfs.engine")
@@ -186,7 +186,7 @@ class Prefetcher:
         shared = self.tiers.shared
         if shared is None or shared.claims is None:
             return 1 << 62
-        return max(1, CLAIM_WINDOW_BYTES // chunk_size)
+        return max(1, min(CLAIM_WINDOW_MAX_BLOBS, CLAIM_WINDOW_BYTES // chunk_size))
 
     def _start_fault(self, nursery: trio.Nursery, tag: Tag, first: int, count: int) -> None:
         budget = self.tiers.budget

@@ -8,15 +8,23 @@ blob. A claim says which blobs of the window its holder fetches, by whom, until 
 (``claims.Claim``).
 
 Invariants:
+- A window's claim object, once made, stays: released, it is a ``published`` marker whose
+  ``done`` lists the blobs published under the window's claims (each holder adds what it
+  fetched; a takeover carries it on). It is the window's index: a node whose create wins
+  (no object) knows nothing of the window was published under a claim and reads the source
+  without a GET per blob; one that finds an object loads the blobs its ``done`` names.
+  Blobs published without a claim (claims off, a claim request that failed) are not in it:
+  a node with claims may fetch such a blob once more and writes its own over it (a claimed
+  publish is unconditional: the marker names only what its holder wrote).
 - A node holds at most one claim per window; its own later faults of the window share it
   (``_mine``, counted by users) and the last one releases it, after the blobs it fetched are
   published, so a waiter that sees the claim gone finds them (or claims the window itself).
 - The claim object says what its holder fetches: a later fault of the holder outside the
   claimed blobs grows the claim to cover them (a conditional replace of its own object, which
   also renews the deadline; behind the fetch when attached to a mount), and the ``published``
-  marker a release leaves covers what it fetched under the claim, all of it. A prefetch run
-  claims to the window's end (its next runs follow), and the last user's release of such a
-  claim waits ``IDLE_HOLD_S`` for them before it lets the rest of the window go.
+  marker a release leaves adds what it fetched under the claim, all of it, to ``done``. A
+  prefetch run claims to the window's end (its next runs follow), and the last user's
+  release of such a claim waits ``IDLE_HOLD_S`` for them before it lets the rest go.
 - A claim's deadline is its holder's bound: ``lease`` = three times the node's own estimate
   of the fetch (the fetch, its publish, the waiters' load), plus ``LEASE_SLACK_S``; a live
   holder renews it each time half of it is gone (``_renew``), so only a dead or cut-off one
@@ -30,8 +38,9 @@ Invariants:
   peer costs latency, never a failure or wrong bytes, and a blob is fetched twice at most.
 - Any failure of the store ends the coordination for that fault: the caller fetches from the
   source (the shared tier's back-off keeps later faults from trying meanwhile).
-- A claim whose holder is past its deadline is never deleted by it unless it is still the
-  object it wrote (checked first); expired claims nobody needs are removed by ``faultfs gc``.
+- A claim whose holder is past its deadline is never replaced by it (If-Match); an expired
+  claim nobody took over is turned into its marker, or removed when nothing of its window was
+  published, by ``faultfs gc``.
 """
 
 from __future__ import annotations
@@ -51,25 +60,20 @@ from faultfs.errors import CorruptionError
 from faultfs.iopool import run_in_thread
 from faultfs.stats import Stats
 from faultfs.tiers.base import Buffer, TierTag, version_hash
-from faultfs.tiers.claims import Claim, ClaimStore, claim_key
+from faultfs.tiers.claims import Claim, ClaimStore, claim_key, done_mask
+from faultfs.tiers.estimate import LEASE_MAX_S, FetchEstimate
+from faultfs.tiers.mailbox import MAILBOX_PREFIX, Mailbox, stale_mailbox
 
 log = logging.getLogger("faultfs.shared")
 
 CLAIM_WINDOW_BYTES = 8 << 20  # blobs claimed together: one prefetch run at most
+CLAIM_WINDOW_MAX_BLOBS = 4096  # and at most this many (a claim's ``done`` bitmap stays small)
 CLAIM_THREADS = 8  # claim requests have threads of their own, apart from loads and publishes
-LEASE_SLACK_S = 1.0  # a claim outlives its holder's estimate by this (and twice the estimate)
-LEASE_MAX_S = 60.0
-# a released claim stays this long marked published: a node whose miss came just before the
-# publish (its claim request after it) finds the blobs instead of claiming the window again
-LINGER_S = 3.0
 POLL_FIRST_S, POLL_MAX_S = 0.02, 0.2  # a waiter looks at the claim this often (doubling)
 # a prefetch's claim to the window's end outlives a pause between its runs by this much: its
 # next run rejoins it instead of another node taking the blobs it was about to fetch
 IDLE_HOLD_S = 1.0
 RENEW_MIN_S = 0.2  # a holder renews its claim's deadline at most this often
-RECHECK_S = 1.0  # a miss older than this when its claim is won is checked again (< LINGER_S)
-FIRST_BYTE_S = 0.05  # a source request's first byte, before this node has measured any
-FIRST_RATE = 50e6  # bytes per second, likewise
 
 
 def node_id() -> str:
@@ -104,20 +108,19 @@ class Held:
 Loader = Callable[[list[int]], Awaitable[dict[int, Buffer]]]
 
 
-class ClaimBoard:
+class ClaimBoard(FetchEstimate):
     def __init__(self, store: ClaimStore, stats: Stats, *, node: str | None = None) -> None:
         self.store = store
         self.stats = stats
         self.node = node or node_id()
         self.mode = store.mode
+        self.mailbox = Mailbox(store, self.node, stats)  # who waits on whom
         self._mine: dict[tuple[int, int], Held] = {}
         # windows this node is claiming now: its other faults of them wait for the answer
         # rather than find their own node's claim and wait on it as on another node's
         self._claiming: dict[tuple[int, int], trio.Event] = {}
         self._limiter: trio.CapacityLimiter | None = None
-        self._seconds_per_byte = 1.0 / FIRST_RATE
-        self._measured = False  # a source read of this node has set the estimate
-        self.linger_s = LINGER_S
+        FetchEstimate.__init__(self)
         self.idle_hold_s = IDLE_HOLD_S
         self._nursery: trio.Nursery | None = None
 
@@ -125,34 +128,11 @@ class ClaimBoard:
         """Grow claims in ``nursery`` (the mount's), beside the fetch; without it, inline."""
         self._nursery = nursery
 
-    # -- estimates ---------------------------------------------------------------------------
-
-    def observe(self, nbytes: int, seconds: float) -> None:
-        """A source read of this node: ``nbytes`` in ``seconds`` (the estimate follows it)."""
-        if nbytes > 0:
-            self._measured = True
-            spb = max(0.0, seconds - FIRST_BYTE_S) / nbytes
-            self._seconds_per_byte = 0.8 * self._seconds_per_byte + 0.2 * spb
-
-    def lease(self, nbytes: int) -> float:
-        """How long fetching ``nbytes`` may take this node, generously."""
-        estimate = FIRST_BYTE_S + nbytes * self._seconds_per_byte
-        return min(LEASE_MAX_S, 3 * estimate + LEASE_SLACK_S)
-
-    def patience(self, nbytes: int, claim: Claim) -> float:
-        """How long to wait on ``claim`` for ``nbytes`` before fetching them here: this
-        node's own ``lease``, or, before it has measured its source, the holder's (its
-        deadline: the same source, measured there), whichever is longer."""
-        own = self.lease(nbytes)
-        if self._measured:
-            return own
-        return max(own, min(LEASE_MAX_S, claim.deadline_ms / 1000 - time.time()))
-
     # -- keys --------------------------------------------------------------------------------
 
     @staticmethod
     def window_blobs(tag: TierTag) -> int:
-        return max(1, CLAIM_WINDOW_BYTES // max(1, tag.blob_size))
+        return max(1, min(CLAIM_WINDOW_MAX_BLOBS, CLAIM_WINDOW_BYTES // max(1, tag.blob_size)))
 
     def _key(self, tag: TierTag, window: int) -> str:
         from urllib.parse import quote
@@ -168,18 +148,15 @@ class ClaimBoard:
     # -- the fault path ----------------------------------------------------------------------
 
     async def coordinate(self, tag: TierTag, missing: list[int], load: Loader, *,
-                         ahead: bool = False, since: float | None = None
-                         ) -> tuple[dict[int, Buffer], list[Held]]:
-        """Before blobs ``missing`` of ``tag`` are read from the source: claim their windows,
-        or wait for other nodes' claims on them. Returns the blobs that landed in the shared
-        store meanwhile (``load`` reads them) and the claims now held, which the caller
-        releases (``release``) once it has published what it fetched. Every blob not returned
-        is the caller's to fetch: under a claim it holds, or because the wait ended.
-        ``ahead``: a prefetch run, whose next runs fetch the rest of the window: claim it to
-        the window's end. ``since``: when the shared store missed them (monotonic); a claim
-        won more than ``RECHECK_S`` later looks again first (the blobs may have been
-        published and their claim's marker gone meanwhile, on a starved machine)."""
-        since = time.monotonic() if since is None else since
+                         ahead: bool = False) -> tuple[dict[int, Buffer], list[Held]]:
+        """Before blobs ``missing`` of ``tag`` (not staged here) are read from the source:
+        claim their windows, or wait for other nodes' claims on them. Returns the blobs found
+        in the shared store (``load`` reads them: those the window's index names, those that
+        landed while this node waited) and the claims now held, which the caller releases
+        (``release``) once it has published what it fetched. Every blob not returned is the
+        caller's to fetch: under a claim it holds, or because the wait ended (or a claim
+        request failed: then ``load`` was asked for them first). ``ahead``: a prefetch run,
+        whose next runs fetch the rest of the window: claim it to the window's end."""
         per = self.window_blobs(tag)
         windows: dict[int, list[int]] = {}
         for index in missing:
@@ -188,7 +165,7 @@ class ClaimBoard:
         held: list[Held] = []
 
         async def one(window: int, need: list[int]) -> None:
-            found, mine = await self._window(tag, window, need, load, ahead, since)
+            found, mine = await self._window(tag, window, need, load, ahead)
             got.update(found)
             if mine is not None:
                 held.append(mine)
@@ -217,6 +194,16 @@ class ClaimBoard:
                 await self._grow(tag, mine)
         return mine
 
+    async def _indexed(self, tag: TierTag, held: Held, need: list[int], load: Loader,
+                       *, everything: bool = False) -> dict[int, Buffer]:
+        """The blobs of ``need`` that the index of ``held``'s window names (``everything``:
+        all of ``need``, after a takeover: a dead holder may have published some it never
+        marked); the rest are known absent without a request each."""
+        ask = need if everything else held.claim.published_of(held.window * held.per, need)
+        got = await load(ask) if ask else {}
+        self.stats.add("shared_index_misses", len(need) - len(ask))
+        return got
+
     async def _grow(self, tag: TierTag, h: Held, *, renew: bool = False) -> None:
         """Replace ``h``'s object by one covering ``h.want`` with a renewed deadline (If-Match
         on its tag): waiters then wait for those blobs too, and nobody takes them over.
@@ -229,7 +216,8 @@ class ClaimBoard:
             lo, hi = min(lo, first), max(hi, end)
             c = h.claim
             h.lease_s = self.lease((hi - lo) * tag.blob_size)
-            claim = Claim(self.node, c.gen, _now_ms() + int(1000 * h.lease_s), lo, hi - lo)
+            claim = Claim(self.node, c.gen, _now_ms() + int(1000 * h.lease_s), lo, hi - lo,
+                          done=c.done)
             try:
                 etag = await self._io(self.store.replace, h.key, claim.encode(), h.etag)
             except OSError as exc:
@@ -256,12 +244,14 @@ class ClaimBoard:
             await self._grow(tag, h, renew=True)
 
     async def _window(self, tag: TierTag, window: int, need: list[int], load: Loader,
-                      ahead: bool = False, since: float = 0.0
-                      ) -> tuple[dict[int, Buffer], Held | None]:
+                      ahead: bool = False) -> tuple[dict[int, Buffer], Held | None]:
         mine = self._mine.get((tag.id, window))
         if mine is not None:
-            return {}, await self._join(tag, mine, need, ahead)
+            got = await self._indexed(tag, mine, need, load)
+            left = [i for i in need if i not in got]
+            return got, (await self._join(tag, mine, left, ahead) if left else None)
         key = self._key(tag, window)
+        base = window * self.window_blobs(tag)
         nbytes = len(need) * tag.blob_size
         got: dict[int, Buffer] = {}
         waited_from: float | None = None
@@ -276,7 +266,9 @@ class ClaimBoard:
                     await self._claiming[(tag.id, window)].wait()
                 mine = self._mine.get((tag.id, window))  # one of our faults claimed meanwhile
                 if mine is not None:
-                    return got, await self._join(tag, mine, need, ahead)
+                    got.update(await self._indexed(tag, mine, need, load))
+                    need = [i for i in need if i not in got]
+                    return got, (await self._join(tag, mine, need, ahead) if need else None)
                 claiming = self._claiming[(tag.id, window)] = trio.Event()
                 try:
                     outcome = await self._attempt(tag, window, key, need, force, ahead)
@@ -284,15 +276,13 @@ class ClaimBoard:
                     del self._claiming[(tag.id, window)]
                     claiming.set()
                 loaded, force = bool(force), ""  # a forced takeover follows a load
-                if isinstance(outcome, Held):
-                    stale = time.monotonic() - since > RECHECK_S  # the miss is old news
-                    if (outcome.claim.gen > 1 or stale) and not loaded:  # some may have landed
-                        got.update(await load(need))
-                        need = [i for i in need if i not in got]
+                if isinstance(outcome, Held):  # the index; after a takeover, every blob
+                    got.update(await self._indexed(tag, outcome, need, load, everything=(
+                        outcome.claim.gen > 1 and not loaded)))
                     return got, outcome
                 claim, etag = outcome
-                if claim.published:  # its blobs are in the store (those it fetched)
-                    covered = [i for i in need if claim.first <= i < claim.first + claim.count]
+                if claim.published:  # the window's index: load what it names, claim the rest
+                    covered = claim.published_of(base, need)
                     got.update(await load(covered) if covered else {})
                     need = [i for i in need if i not in got]
                     if not need:
@@ -303,9 +293,10 @@ class ClaimBoard:
                 if waited_from is None:
                     waited_from = now
                     self.stats.add("claim_waits")
-                if seen_gen != (claim.gen, etag):  # a new holder: a new bound
+                if seen_gen != (claim.gen, etag):  # a new holder: a new bound; tell it
                     seen_gen = (claim.gen, etag)
-                    give_up = now + self.patience(nbytes, claim)
+                    give_up = now + self.patience(nbytes, claim) * (
+                        2 if await self._ring(claim.node) else 1)
                     progressed = False
                 deadline = now + max(0.0, claim.deadline_ms / 1000 - time.time())
                 # a holder whose blobs keep landing is slow, not dead: its deadline is not
@@ -314,7 +305,8 @@ class ClaimBoard:
                 while True:
                     await trio.sleep(max(0.0, min(delay, until - time.monotonic())))
                     delay = min(POLL_MAX_S, delay * 2)
-                    covered = [i for i in need if claim.first <= i < claim.first + claim.count]
+                    covered = [i for i in need if claim.first <= i < claim.first + claim.count
+                               or claim.published_of(base, [i])]
                     landed = await load(covered) if covered else {}
                     if landed:  # the holder's blobs as each is published: it makes progress
                         got.update(landed)
@@ -359,10 +351,24 @@ class ClaimBoard:
             self.stats.add("claim_errors")
             log.warning("shared store %s: claims failed (%s): fetching from the source",
                         tag.name, exc.strerror or exc)
+            got.update(await load([i for i in need if i not in got]))  # no index: each blob
             return got, None
         finally:
             if waited_from is not None:
                 self.stats.add("claim_wait_ms", round(1000 * (time.monotonic() - waited_from)))
+
+    async def _ring(self, holder: str) -> bool:
+        """Tell ``holder`` that this node waits on it (it publishes at once then), beside
+        the wait when attached to a mount. True the first time: the holder may have held
+        its publishes back, and learns of this wait within a look (``heldback.LOOK_S``)
+        and a few requests: the wait's bound is doubled that once."""
+        if not self.mailbox.first(holder):
+            return False
+        if self._nursery is not None:
+            self._nursery.start_soon(self._io, self.mailbox.ring, holder)
+        else:
+            await self._io(self.mailbox.ring, holder)
+        return True
 
     async def _attempt(self, tag: TierTag, window: int, key: str, need: list[int],
                        force: str = "", ahead: bool = False) -> Held | tuple[Claim, str]:
@@ -372,7 +378,7 @@ class ClaimBoard:
         replaced it meanwhile is waited on, not taken over."""
         for _ in range(8):  # the claim comes and goes between our requests: try again
             span = _span(tag, window, need, ahead)
-            claim = self._new_claim(tag, span, gen=1)
+            claim = self._new_claim(tag, span, gen=1, done=0)
             etag = await self._io(self.store.create, key, claim.encode())
             if etag is not None:
                 self.stats.add("claims_won")
@@ -390,7 +396,8 @@ class ClaimBoard:
             if theirs is not None and force != etag and (theirs.published
                                                          or not theirs.expired(_now_ms())):
                 return theirs, etag
-            claim = self._new_claim(tag, span, gen=(theirs.gen + 1) if theirs else 1)
+            claim = self._new_claim(tag, span, gen=(theirs.gen + 1) if theirs else 1,
+                                    done=theirs.done if theirs else 0)
             new = await self._io(self.store.replace, key, claim.encode(), etag)
             if new is not None:
                 self.stats.add("claims_won")
@@ -402,10 +409,10 @@ class ClaimBoard:
             # another node took it over first: its claim is live, wait on it
         raise OSError(5, "the claim of a window kept changing")
 
-    def _new_claim(self, tag: TierTag, span: tuple[int, int], gen: int) -> Claim:
+    def _new_claim(self, tag: TierTag, span: tuple[int, int], gen: int, done: int) -> Claim:
         lo, hi = span
         deadline = time.time() + self.lease((hi - lo) * tag.blob_size)
-        return Claim(self.node, gen, int(deadline * 1000), lo, hi - lo)
+        return Claim(self.node, gen, int(deadline * 1000), lo, hi - lo, done=done)
 
     def _hold(self, tag: TierTag, window: int, key: str, etag: str, claim: Claim,
               ahead: bool) -> Held:
@@ -421,17 +428,18 @@ class ClaimBoard:
 
     async def release(self, held: list[Held], *, published: bool = True,
                       fetched: Iterable[int] = ()) -> None:
-        """The caller is done with these claims, having fetched the blobs ``fetched``: the
-        last user of each marks it published (``published``: what it fetched is in the
-        store) for ``linger_s``, then removes it; or removes it at once (the fetch failed:
-        another node may claim now). A claim made ahead whose blobs are not all fetched is
-        held on ``idle_hold_s`` first, for its node's next run. Failures are counted, never
-        raised (the claim expires)."""
+        """The caller is done with these claims, having fetched (and, ``published``,
+        published) the blobs ``fetched``: the last user of each turns it into the window's
+        marker, ``done`` grown by them; or, when nothing of the window is published, removes
+        it (another node may claim at once). A claim made ahead whose blobs are not all
+        fetched is held on ``idle_hold_s`` first, for its node's next run. Failures are
+        counted, never raised (the claim expires)."""
         indices = list(fetched)
         last: list[Held] = []
         for h in held:
             lo = h.window * h.per
-            h.fetched.update(i for i in indices if lo <= i < lo + h.per)
+            if published:
+                h.fetched.update(i for i in indices if lo <= i < lo + h.per)
             h.users -= 1
             if h.users == 0:
                 last.append(h)
@@ -444,14 +452,13 @@ class ClaimBoard:
             marks = {id(h): idle for h, idle in holding}
             last = [h for h in last if id(h) not in marks
                     or (h.users == 0 and h.idle == marks[id(h)])]
-        markers: list[tuple[str, str]] = []
         with trio.CancelScope(shield=True):
             for h in last:
                 if self._mine.get((h.tag_id, h.window)) is h:
                     del self._mine[(h.tag_id, h.window)]
                 ending = self._claiming.setdefault((h.tag_id, h.window), trio.Event())
                 try:
-                    marker = await self._end(h, published)
+                    await self._end(h)
                 except OSError as exc:
                     self.stats.add("claim_errors")
                     log.warning("releasing claim %s failed (%s): it expires", h.key,
@@ -462,42 +469,29 @@ class ClaimBoard:
                         del self._claiming[(h.tag_id, h.window)]
                     ending.set()
                 self.stats.add("claims_released")
-                if marker is not None:
-                    markers.append((h.key, marker))
-        if not markers:
-            return
-        try:
-            await trio.sleep(self.linger_s)
-        finally:
-            with trio.CancelScope(shield=True):
-                for key, etag in markers:
-                    await self._remove_if(key, etag)
 
-    async def _end(self, h: Held, published: bool) -> str | None:
-        """Mark ``h`` published over the blobs it fetched (its new tag) or delete it (None);
-        leave it alone when it is no longer ours (taken over after its deadline)."""
+    async def _end(self, h: Held) -> None:
+        """Replace ``h`` by its window's marker (``done`` and the blobs it fetched) or, when
+        nothing of the window is published, delete it; leave it alone when it is no longer
+        ours (taken over after its deadline)."""
         async with h.lock:
             if h.lost:
-                return None
+                return
             h.lost = True  # ended: no more growing
-            if published and h.fetched:
-                c = h.claim
-                lo, hi = min(h.fetched), max(h.fetched) + 1
-                done = Claim(c.node, c.gen, _now_ms() + int(self.linger_s * 1000) + 1000, lo,
-                             hi - lo, published=True)
-                return await self._io(self.store.replace, h.key, done.encode(), h.etag)
-            await self._remove_if(h.key, h.etag)
-            return None
+            c = h.claim
+            done = c.done | done_mask(h.window * h.per, h.fetched)
+            if not done:
+                await self._remove_if(h.key, h.etag)
+                return
+            lo, hi = (min(h.fetched), max(h.fetched) + 1) if h.fetched else h.covers
+            marker = Claim(c.node, c.gen, _now_ms(), lo, hi - lo, published=True, done=done)
+            await self._io(self.store.replace, h.key, marker.encode(), h.etag)
 
     async def _remove_if(self, key: str, etag: str) -> None:
         """Delete the claim at ``key`` if it is still the one of ``etag``."""
-        try:
-            seen = await self._io(self.store.read, key)
-            if seen is not None and seen[1] == etag:
-                await self._io(self.store.delete, key)
-        except OSError as exc:
-            self.stats.add("claim_errors")
-            log.warning("removing claim %s failed (%s): it expires", key, exc.strerror or exc)
+        seen = await self._io(self.store.read, key)
+        if seen is not None and seen[1] == etag:
+            await self._io(self.store.delete, key)
 
 
 def _span(tag: TierTag, window: int, need: list[int], ahead: bool) -> tuple[int, int]:
@@ -524,11 +518,14 @@ def _grown(claim: Claim, raw: bytes) -> Claim | None:
 
 
 def sweep(store: ClaimStore, *, dry_run: bool = False, grace_s: float = 60.0) -> list[str]:
-    """Remove claims past their deadline by more than ``grace_s`` and objects under the claim
-    prefix that are not claims (blocking; ``faultfs gc --shared-store``). The keys removed."""
+    """Clean the claim prefix (blocking; ``faultfs gc --shared-store``): a claim past its
+    deadline by more than ``grace_s`` becomes its window's marker when blobs of the window
+    are published (``done``), else it is removed; objects that are not claims are removed,
+    and mailboxes rung longer ago than ``grace_s``; markers stay (they are the windows'
+    index). The keys changed or removed."""
     from faultfs.tiers.claims import CLAIM_PREFIX
 
-    removed = []
+    swept = []
     cutoff = _now_ms() - int(grace_s * 1000)
     for key in store.list(CLAIM_PREFIX):
         if ".tmp-" in key:
@@ -536,12 +533,24 @@ def sweep(store: ClaimStore, *, dry_run: bool = False, grace_s: float = 60.0) ->
         seen = store.read(key)
         if seen is None:
             continue
+        if key.startswith(MAILBOX_PREFIX):  # a mailbox: kept while it may still be looked at
+            if stale_mailbox(seen[0], cutoff):
+                if not dry_run:
+                    store.delete(key)
+                swept.append(key)
+            continue
         try:
-            stale = Claim.decode(seen[0]).expired(cutoff)
+            claim: Claim | None = Claim.decode(seen[0])
         except CorruptionError:
-            stale = True
-        if stale:
-            if not dry_run:
+            claim = None
+        if claim is not None and (claim.published or not claim.expired(cutoff)):
+            continue
+        if not dry_run:
+            if claim is not None and claim.done:
+                marker = Claim(claim.node, claim.gen, claim.deadline_ms, claim.first,
+                               claim.count, published=True, done=claim.done)
+                store.replace(key, marker.encode(), seen[1])
+            else:
                 store.delete(key)
-            removed.append(key)
-    return removed
+        swept.append(key)
+    return swept

@@ -4,12 +4,15 @@ offers for them (blocking; the claim board runs them on threads).
 
 A claim object lives at ``claims/<fault key>/<version hash>/<window>``, apart from the blob
 objects (``blobs/…``) and the registry, and is canonical JSON (sorted keys, no spaces):
-``{"count":N,"deadline_ms":T,"first":I,"gen":G,"node":"…","state":"fetching","v":1}`` — the
-blobs ``[first, first+count)`` of the window, the claimer's node id, the wall-clock deadline
-in milliseconds since the epoch after which any node may take it over, the generation (1 when
-created, one more at each takeover), and the state: ``fetching``, or ``published`` once the
-holder's blobs are in the store (kept a few seconds, so a node whose miss came just before
-the publish finds them instead of claiming the window again). docs/FORMAT.md pins it.
+``{"count":N,"deadline_ms":T,"done":"…","first":I,"gen":G,"node":"…","state":"fetching","v":2}``
+— the blobs ``[first, first+count)`` of the window, the claimer's node id, the wall-clock
+deadline in milliseconds since the epoch after which any node may take it over, the
+generation (1 when created, one more at each takeover), the state: ``fetching``, or
+``published`` once the holder's blobs are in the store; and ``done``, the blobs of the window
+published under its claims so far (a bitmap in hex, bit ``i`` = the window's blob ``i``).
+A released claim stays as a ``published`` marker: the window's **index**. A window with no
+claim object has had no claim, so nothing of it was published under one: a node whose create
+wins reads the source without asking the store for each blob. docs/FORMAT.md pins it.
 
 Invariants:
 - ``create`` makes an object only where none is (``If-None-Match: *`` on S3; a hard link in
@@ -26,7 +29,9 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import secrets
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -35,8 +40,9 @@ from faultfs.tiers.objects import FsspecObjects, LocalObjects, Objects
 from faultfs.tiers.sealed import SealedObjects
 
 CLAIM_PREFIX = "claims/"
-CLAIM_VERSION = 1
+CLAIM_VERSION = 2  # 2: ``done``, and released claims stay as the window's index
 CLAIM_MAX_BYTES = 4096  # a claim is a few dozen bytes: anything larger is not one of ours
+DONE_MAX_DIGITS = 1024  # a window of 4096 blobs at most (8 MiB of 2 KiB blobs)
 MODES = ("conditional", "exclusive", "off")
 
 
@@ -48,9 +54,11 @@ class Claim:
     first: int
     count: int
     published: bool = False  # the holder's blobs are in the store: load them
+    done: int = 0  # bitmap of the window's blobs published under its claims (bit i: blob i)
 
     def encode(self) -> bytes:
         return json.dumps({"count": self.count, "deadline_ms": self.deadline_ms,
+                           "done": format(self.done, "x"),
                            "first": self.first, "gen": self.gen, "node": self.node,
                            "state": "published" if self.published else "fetching",
                            "v": CLAIM_VERSION}, sort_keys=True,
@@ -68,15 +76,30 @@ class Claim:
         if not isinstance(d, dict) or d.get("v") != CLAIM_VERSION:
             raise CorruptionError("claim object of an unknown version")
         ints = ("count", "deadline_ms", "first", "gen")
-        if (set(d) != {*ints, "node", "state", "v"} or not isinstance(d["node"], str)
+        if (set(d) != {*ints, "done", "node", "state", "v"} or not isinstance(d["node"], str)
                 or d["state"] not in ("fetching", "published")
-                or not all(type(d[k]) is int and d[k] >= 0 for k in ints)):
+                or not all(type(d[k]) is int and d[k] >= 0 for k in ints)
+                or not isinstance(d["done"], str) or len(d["done"]) > DONE_MAX_DIGITS
+                or not re.fullmatch("0|[1-9a-f][0-9a-f]*", d["done"])):
             raise CorruptionError("claim object has wrong fields")
         return cls(d["node"], d["gen"], d["deadline_ms"], d["first"], d["count"],
-                   d["state"] == "published")
+                   d["state"] == "published", int(d["done"], 16))
 
     def expired(self, now_ms: int) -> bool:
         return now_ms >= self.deadline_ms
+
+    def published_of(self, base: int, indices: list[int]) -> list[int]:
+        """Those of ``indices`` (blobs of the window starting at blob ``base``) that ``done``
+        says are published."""
+        return [i for i in indices if 0 <= i - base and self.done >> (i - base) & 1]
+
+
+def done_mask(base: int, indices: Iterable[int]) -> int:
+    """The ``done`` bits of blobs ``indices`` of the window starting at blob ``base``."""
+    mask = 0
+    for i in indices:
+        mask |= 1 << (i - base)
+    return mask
 
 
 def claim_key(fault: str, version_hash: str, window: int) -> str:
@@ -97,6 +120,10 @@ class ClaimStore(Protocol):
 
     def replace(self, key: str, data: bytes, tag: str) -> str | None:
         """Replace the object only if it is still the one of ``tag``: the new tag, or None."""
+        ...
+
+    def put(self, key: str, data: bytes) -> None:
+        """Write the object whatever is there (a mailbox: ``mailbox.py``)."""
         ...
 
     def delete(self, key: str) -> None: ...
@@ -160,6 +187,9 @@ class DirectoryClaims:
         finally:
             os.unlink(aside)
         return self.create(key, data)
+
+    def put(self, key: str, data: bytes) -> None:
+        self.objects.put(key, data)
 
     def delete(self, key: str) -> None:
         self.objects.delete(key)
@@ -229,6 +259,9 @@ class S3Claims:
 
     def replace(self, key: str, data: bytes, tag: str) -> str | None:
         return self._put(key, data, IfMatch=tag)
+
+    def put(self, key: str, data: bytes) -> None:
+        self.objects.put(key, data)
 
     def delete(self, key: str) -> None:
         self.objects.delete(key)

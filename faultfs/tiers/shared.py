@@ -95,6 +95,7 @@ class SharedTier:
         self._loads: trio.CapacityLimiter | None = None
         self._publishes: trio.CapacityLimiter | None = None
         self.claims: ClaimBoard | None = None  # cross-node single flight (DESIGN §17)
+        self.flushing = False  # unmounting: publishes held back go now
 
     async def _run(self, publishing: bool, fn, *args):
         if self._loads is None or self._publishes is None:
@@ -201,31 +202,57 @@ class SharedTier:
         self.pending += 1
         self._nursery.start_soon(self._publish_behind, key, payload)
 
-    async def publish_counted(self, key: BlobKey, payload: Buffer) -> None:
-        """``publish``, counted among the publishes under way (``drain`` waits for it), its
-        failures logged: for blobs fetched under a claim, which other nodes wait for."""
+    def reserve(self, count: int) -> None:
+        """Count publishes to come, their bytes not held yet (``drain`` waits for them;
+        ``publish_reserved`` sends each, or ``unreserve`` gives it up)."""
+        self.pending += count
+
+    def unreserve(self) -> None:
+        self._done_with(b"")
+
+    async def publish_reserved(self, key: BlobKey, payload: Buffer) -> bool:
+        """``publish_counted`` of a blob ``reserve`` counted."""
+        self.waiting += len(payload)
+        if key[0] not in self.tags:  # forgotten meanwhile
+            self._done_with(payload)
+            return False
+        return await self._publish_behind(key, payload, claimed=True)
+
+    async def publish_counted(self, key: BlobKey, payload: Buffer) -> bool:
+        """``publish`` of a blob fetched under a claim, counted among the publishes under way
+        (``drain`` waits for it), its failures logged: other nodes wait for it. Whether the
+        blob is in the store now."""
         if key[0] not in self.tags:
-            return
+            return False
         self.waiting += len(payload)
         self.pending += 1
-        await self._publish_behind(key, payload)
+        return await self._publish_behind(key, payload, claimed=True)
 
-    async def _publish_behind(self, key: BlobKey, payload: Buffer) -> None:
+    async def _publish_behind(self, key: BlobKey, payload: Buffer, *,
+                              claimed: bool = False) -> bool:
         try:
-            await self.publish(key, payload)
+            return await self.publish(key, payload, claimed=claimed) is not None
         except Exception:  # a background task must never take the mount down
             log.exception("publishing blob %s failed", key)
             self.stats.add("shared_publish_failures")
+            return False
         finally:
-            self.waiting -= len(payload)
-            self.pending -= 1
-            if self.pending == 0 and self._idle is not None:
-                self._idle.set()
+            self._done_with(payload)
 
-    async def publish(self, key: BlobKey, payload: Buffer) -> bool:
-        """Put blob ``key`` in the shared store unless it is there; True when written."""
+    def _done_with(self, payload: Buffer) -> None:
+        self.waiting -= len(payload)
+        self.pending -= 1
+        if self.pending == 0 and self._idle is not None:
+            self._idle.set()
+
+    async def publish(self, key: BlobKey, payload: Buffer, *,
+                      claimed: bool = False) -> bool | None:
+        """Put blob ``key`` in the shared store unless it is there; True when written, False
+        when it was there, None when the store failed. ``claimed``: fetched under a claim of
+        its window, whose marker will name it: written over whatever is there (nothing was
+        published under a claim; an object there came without one, or is not a blob's)."""
         tag = self.tags[key[0]]
-        replace = key in self._damaged
+        replace = claimed or key in self._damaged
         parts = encode_blob_object(tag, key[1], payload)
 
         def put() -> bool:
@@ -237,7 +264,7 @@ class SharedTier:
         except OSError as exc:
             self.stats.add("shared_publish_failures")
             self._failed("a publish", exc)
-            return False
+            return None
         self._worked()
         self._damaged.discard(key)
         if written:
@@ -248,7 +275,9 @@ class SharedTier:
         return written
 
     async def drain(self) -> None:
-        """Wait for every publish under way (the caller bounds the wait)."""
+        """Wait for every publish under way, held back ones sent now (the caller bounds the
+        wait)."""
+        self.flushing = True
         while self.pending:
             self._idle = trio.Event()
             await self._idle.wait()
