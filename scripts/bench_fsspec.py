@@ -5,7 +5,7 @@ One S3 endpoint on 127.0.0.1 (s3rver, or moto when node/npm are missing), reache
 faultfs.testing.proxy.LatencyProxy in a process of its own (--latency-ms before each
 response's first byte, --conn-mbps per connection). Every case runs in fresh reader
 processes (nothing of a previous case in their memory) with a fresh cache directory, --runs
-times (medians reported); the systems take turns within each run:
+times (medians reported); the systems take turns within each case of a run:
 - seq: one sequential read of the whole --size-mb object with 1 MiB reads (open included);
 - rand4k1 / rand4k8 / rand64k1 / rand64k8: --rand-ops reads of 4 KiB or 64 KiB at random
   aligned offsets, in 1 process or 8 processes at once on one cache directory (ops/s);
@@ -231,9 +231,10 @@ def measure(args, proxy: Proxy, work: Path, env: dict, expect: dict) -> dict:
     results: dict[tuple[str, str, bool], list[float]] = {}
     source: dict[tuple[str, str, bool], list[int]] = {}
     for run in range(args.runs):
-        for system in args.systems[run % len(args.systems):] + args.systems[:run % len(
-                args.systems)]:
-            for case in args.cases:
+        for case in args.cases:  # the systems of one case run back to back: a load that
+            # comes and goes on a shared machine weighs on the ratios less
+            for system in args.systems[run % len(args.systems):] + args.systems[:run % len(
+                    args.systems)]:
                 cache = work / f"cache-{system}-{case}-{run}"
                 cache.mkdir()
                 key = H5_KEY if case == "h5py" else KEY

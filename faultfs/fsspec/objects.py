@@ -12,6 +12,8 @@ Invariants:
   the blob's claim (``claims.py``); a blob is published whole (``BlobStore.publish``).
 - A blob that may not be stored (reserve, cap, back-off, a full file system) is served from
   the bytes read; nothing partial is left.
+- A reader of a chunk in flight here waits for its own bytes only (``landing.py``); a fault
+  that failed is dropped from the flights, so the next read asks the source again.
 """
 
 from __future__ import annotations
