@@ -350,8 +350,20 @@ class PinnedObject:
             for old in done[:max(0, len(self._flights) - KEPT_FLIGHTS)]:
                 del self._flights[old]
             flight = self._flights[index] = Landing()
-        self.shared.submit(self._fault_into, index, flight, at)
+        try:
+            self.shared.submit(self._fault_into, index, flight, at)
+        except BaseException as exc:  # no pool (the interpreter is exiting): no one waits
+            self._drop_failed(index, flight, exc)
+            raise
         return flight
+
+    def _drop_failed(self, index: int, flight: Landing, exc: BaseException) -> None:
+        """A fault that failed: its readers get ``exc`` (nothing if it had its bytes), and
+        the next read asks the source again."""
+        flight.fail(exc)
+        with self._lock:
+            if self._flights.get(index) is flight:
+                del self._flights[index]
 
     def _fault_into(self, index: int, landed: Landing, at: int) -> None:
         """Run on the pool: fault chunk ``index``, its bytes shown to ``landed`` as they
@@ -362,10 +374,7 @@ class PinnedObject:
         try:
             stored = self._fault_here(index, landed, at)
         except BaseException as exc:
-            landed.fail(exc)  # its readers get the error (nothing if it had its bytes)
-            with self._lock:  # and the next read tries the source again
-                if self._flights.get(index) is landed:
-                    del self._flights[index]
+            self._drop_failed(index, landed, exc)
             if not isinstance(exc, Exception):
                 raise
             return
