@@ -20,6 +20,9 @@ HEAD, the behaviour before the ttl), blockcache:: and simplecache:: over s3fs (8
 shared by 8 readers gave simplecache:: wrong bytes), plain s3fs (50 MiB readahead blocks). Every read is checked against
 the object. The results section of docs/benchmarks-fsspec.md is rewritten (--no-doc to skip).
 --quick: a 64 MiB object, 48 random reads per process, one run (a test may call it).
+--variant NAME=DIR: another tree's faultfs:: beside, as system faultfs-NAME (a before/after
+in one run). Each case's log line has the GETs and MiB the proxy served, the readers' open
+time and read latencies, and faultfs::'s counters.
 """
 
 from __future__ import annotations
