@@ -5,7 +5,7 @@ One S3 endpoint on 127.0.0.1 (s3rver, or moto when node/npm are missing), reache
 faultfs.testing.proxy.LatencyProxy in a process of its own (--latency-ms before each
 response's first byte, --conn-mbps per connection). Every case runs in fresh reader
 processes (nothing of a previous case in their memory) with a fresh cache directory, --runs
-times (medians reported); the systems take turns within each run:
+times (medians reported); the systems take turns within each case of a run:
 - seq: one sequential read of the whole --size-mb object with 1 MiB reads (open included);
 - rand4k1 / rand4k8 / rand64k1 / rand64k8: --rand-ops reads of 4 KiB or 64 KiB at random
   aligned offsets, in 1 process or 8 processes at once on one cache directory (ops/s);
@@ -20,6 +20,9 @@ HEAD, the behaviour before the ttl), blockcache:: and simplecache:: over s3fs (8
 shared by 8 readers gave simplecache:: wrong bytes), plain s3fs (50 MiB readahead blocks). Every read is checked against
 the object. The results section of docs/benchmarks-fsspec.md is rewritten (--no-doc to skip).
 --quick: a 64 MiB object, 48 random reads per process, one run (a test may call it).
+--variant NAME=DIR: another tree's faultfs:: beside, as system faultfs-NAME (a before/after
+in one run). Each case's log line has the GETs and MiB the proxy served, the readers' open
+time and read latencies, and faultfs::'s counters.
 """
 
 from __future__ import annotations
@@ -55,6 +58,11 @@ BEGIN, END = "<!-- bench_fsspec results: begin -->", "<!-- bench_fsspec results:
 BUCKET, KEY, H5_KEY = "faultfs-bench", "run42/field.bin", "run42/chunks.h5"
 SYSTEMS = ("faultfs", "faultfs-ttl0", "blockcache", "simplecache", "s3fs")
 OURS = ("faultfs", "faultfs-ttl0")
+VARIANTS: dict[str, str] = {}  # faultfs-NAME: the tree its readers import (--variant)
+
+
+def ours(system: str) -> bool:
+    return system in OURS or system in VARIANTS
 CASES = ("seq", "rand4k1", "rand4k8", "rand64k1", "rand64k8", "h5py")
 RANDOM = {"rand4k1": (4096, 1), "rand4k8": (4096, 8), "rand64k1": (65536, 1),
           "rand64k8": (65536, 8)}
@@ -71,7 +79,7 @@ s3 = {"endpoint_url": endpoint, "key": sys.argv[11], "secret": sys.argv[12],
       "client_kwargs": {"region_name": sys.argv[13]}, "use_listings_cache": False}
 if case == "h5py":
     import h5py
-if system in ("faultfs", "faultfs-ttl0"):
+if system.startswith("faultfs"):
     fs = fsspec.filesystem("faultfs", target_protocol="s3", target_options=s3, store=cache,
                            reserve_mb=0, **({"pin_ttl": 0} if system == "faultfs-ttl0" else {}))
 elif system in ("blockcache", "simplecache"):
@@ -85,12 +93,17 @@ began = time.perf_counter()
 out = {}
 if case in ("seq", "shared8"):
     h = hashlib.sha256()
+    lat = []
     with fs.open(key, "rb") as f:
+        out["open"] = time.perf_counter() - began
         while True:
+            t0 = time.perf_counter()
             block = f.read(1 << 20)
+            lat.append(time.perf_counter() - t0)
             if not block:
                 break
             h.update(block)
+    out["lat"] = lat
     out["sha"] = h.hexdigest()
 elif case == "h5py":
     with fs.open(key, "rb") as f, h5py.File(f, "r") as h5:
@@ -98,14 +111,21 @@ elif case == "h5py":
     out["sum"] = float(data.sum(dtype="f8"))
 else:
     rng = random.Random(seed)
-    got = []
+    got, lat = [], []
     with fs.open(key, "rb") as f:
+        out["open"] = time.perf_counter() - began
         for _ in range(ops):
             off = rng.randrange(0, size // n) * n
+            t0 = time.perf_counter()
             f.seek(off)
-            got.append((off, hashlib.sha256(f.read(n)).hexdigest()))
-    out["got"] = got
+            piece = f.read(n)
+            lat.append(time.perf_counter() - t0)
+            got.append((off, hashlib.sha256(piece).hexdigest()))
+    out["got"], out["lat"] = got, lat
 out["seconds"] = time.perf_counter() - began
+if system.startswith("faultfs"):
+    fs.drain(30)
+    out["stats"] = fs.stats()
 print(json.dumps(out))
 """
 
@@ -158,7 +178,9 @@ def readers(system: str, proxy: Proxy, cache: Path, case: str, key: str, size: i
     # fsspec's caches are not safe for processes sharing a directory (simplecache:: served
     # wrong bytes to 8 readers of one directory here): each process gets its own, as a
     # careful user must; faultfs:: processes share one store, as they are meant to
-    dirs = [cache if system in OURS or procs == 1 else cache / str(i) for i in range(procs)]
+    dirs = [cache if ours(system) or procs == 1 else cache / str(i) for i in range(procs)]
+    if ours(system):  # this tree's faultfs, or a variant's (--variant NAME=DIR)
+        env = dict(env, PYTHONPATH=VARIANTS.get(system, str(ROOT)))
     for d in dirs:
         d.mkdir(exist_ok=True)
     children = [subprocess.Popen(
@@ -174,6 +196,26 @@ def readers(system: str, proxy: Proxy, cache: Path, case: str, key: str, size: i
             raise SystemExit(f"{WHO}: {system} {case} failed: {stderr.strip()[-800:]}")
         out.append(json.loads(stdout))
     return out
+
+
+def where_time_went(answers: list[dict], served: dict) -> str:
+    """The per-run line's detail: GETs and MiB the proxy served, the readers' open and read
+    latencies (random cases: median, p90, max in ms), and faultfs::'s counters."""
+    out = f"; {served['gets']} GETs, {served['get_bytes'] / 2**20:.1f} MiB"
+    lat = sorted(x for a in answers for x in a.get("lat", ()))
+    if lat:
+        opened = statistics.median(a["open"] for a in answers)
+        out += (f"; open {opened * 1e3:.0f} ms, reads p50/p90/max "
+                f"{lat[len(lat) // 2] * 1e3:.1f}/{lat[len(lat) * 9 // 10] * 1e3:.1f}/"
+                f"{lat[-1] * 1e3:.1f} ms, sum {sum(lat) / len(answers) * 1e3:.0f} ms/proc")
+    stats: dict[str, int] = {}
+    for a in answers:
+        for k, v in a.get("stats", {}).items():
+            stats[k] = stats.get(k, 0) + v
+    keep = ("faults", "source_reads", "hits", "joined", "memory_hits", "claim_waits",
+            "head_reads", "split_faults", "stored")
+    shown = [f"{k}={stats[k]}" for k in keep if stats.get(k)]
+    return out + ("; " + " ".join(shown) if shown else "")
 
 
 def check(case: str, answers: list[dict], expect: dict) -> None:
@@ -192,9 +234,10 @@ def measure(args, proxy: Proxy, work: Path, env: dict, expect: dict) -> dict:
     results: dict[tuple[str, str, bool], list[float]] = {}
     source: dict[tuple[str, str, bool], list[int]] = {}
     for run in range(args.runs):
-        for system in args.systems[run % len(args.systems):] + args.systems[:run % len(
-                args.systems)]:
-            for case in args.cases:
+        for case in args.cases:  # the systems of one case run back to back: a load that
+            # comes and goes on a shared machine weighs on the ratios less
+            for system in args.systems[run % len(args.systems):] + args.systems[:run % len(
+                    args.systems)]:
                 cache = work / f"cache-{system}-{case}-{run}"
                 cache.mkdir()
                 key = H5_KEY if case == "h5py" else KEY
@@ -208,10 +251,11 @@ def measure(args, proxy: Proxy, work: Path, env: dict, expect: dict) -> dict:
                     took = max(a["seconds"] for a in answers)
                     value = (args.rand_ops * procs / took) if case in RANDOM else took
                     results.setdefault((system, case, warm), []).append(value)
-                    source.setdefault((system, case, warm), []).append(
-                        proxy.window()["get_bytes"])
+                    served = proxy.window()
+                    source.setdefault((system, case, warm), []).append(served["get_bytes"])
                     log(f"run {run + 1} {system:11s} {case:8s} {'warm' if warm else 'cold'}: "
-                        f"{value:9.2f} {'ops/s' if case in RANDOM else 's'}", WHO)
+                        f"{value:9.2f} {'ops/s' if case in RANDOM else 's'}"
+                        f"{where_time_went(answers, served)}", WHO)
                 shutil.rmtree(cache, ignore_errors=True)
     shared = []
     for run in range(args.runs):
@@ -247,11 +291,11 @@ def render(args, measured: dict, meta: dict) -> str:
             cells = [f"{med[(s, case, warm)]:.2f}" for s in args.systems]
             lines.append(f"| {case} {'warm' if warm else 'cold'} ({unit}) | "
                          + " | ".join(cells) + " |")
-    others = [s for s in args.systems if s not in OURS]
-    for ours in [s for s in OURS if s in args.systems]:
+    others = [s for s in args.systems if not ours(s)]
+    for mine in [s for s in args.systems if ours(s)]:
         if not others:
             break
-        lines += ["", f"{ours} against each (speed-up: >1 means it is faster; target ≥ 1.5 "
+        lines += ["", f"{mine} against each (speed-up: >1 means it is faster; target ≥ 1.5 "
                   "cold, ≥ 2 warm):", "",
                   "| case | " + " | ".join(f"vs {s}" for s in others) + " |",
                   "| --- |" + " ---: |" * len(others)]
@@ -259,8 +303,8 @@ def render(args, measured: dict, meta: dict) -> str:
             for warm in (False, True):
                 cells = []
                 for s in others:
-                    mine, theirs = med[(ours, case, warm)], med[(s, case, warm)]
-                    ratio = mine / theirs if case in RANDOM else theirs / mine
+                    value, theirs = med[(mine, case, warm)], med[(s, case, warm)]
+                    ratio = value / theirs if case in RANDOM else theirs / value
                     target = 2.0 if warm else 1.5
                     cells.append(f"{ratio:.2f}×" + ("" if ratio >= target else " (below)"))
                 lines.append(f"| {case} {'warm' if warm else 'cold'} | " + " | ".join(cells)
@@ -306,6 +350,9 @@ def main() -> int:
     parser.add_argument("--conn-mbps", type=float, default=100.0)
     parser.add_argument("--server", choices=("s3rver", "moto"), default="s3rver")
     parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=DIR",
+                        help="also run faultfs:: from another tree as system faultfs-NAME "
+                        "(its readers import DIR: a before/after in one run)")
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--cache", default=str(Path.home() / ".cache" / "faultfs-bench"))
     parser.add_argument("--no-doc", action="store_true")
@@ -314,8 +361,15 @@ def main() -> int:
         args.size_mb, args.h5_mb, args.rand_ops = 64, 16, 48
     args.runs = args.runs or (1 if args.quick else 3)
     args.systems = [s for s in args.systems.split(",") if s]
+    for variant in args.variant:
+        name, _, tree = variant.partition("=")
+        if not name or not os.path.isdir(os.path.join(tree, "faultfs")):
+            parser.error(f"--variant {variant!r}: NAME=DIR, DIR a faultfs tree")
+        VARIANTS[f"faultfs-{name}"] = os.path.abspath(tree)
+        if f"faultfs-{name}" not in args.systems:
+            args.systems.insert(1, f"faultfs-{name}")
     args.cases = [c for c in args.cases.split(",") if c]
-    unknown = sorted(set(args.systems) - set(SYSTEMS)) + sorted(set(args.cases) - set(CASES))
+    unknown = sorted(set(args.systems) - set(SYSTEMS) - set(VARIANTS)) + sorted(set(args.cases) - set(CASES))
     if unknown:
         parser.error(f"unknown system or case: {', '.join(unknown)}")
     work = Path(tempfile.mkdtemp(prefix="bench-fsspec-"))

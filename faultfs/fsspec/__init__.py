@@ -5,6 +5,7 @@ installed.
 
 Rooms: ``filesystem`` (the fsspec face: options, passthrough of listings, pinned opens,
 writes refused), ``objects`` (one pinned object's chunks: hit, wait, fault, publish),
+``landing`` (a fault in flight: readers answered as their bytes land, split source reads),
 ``claims`` (a per-blob lock file: one source read per blob per store), ``space`` (reserve,
 cap and LRU read from the file system), ``shared`` (the shared tier: chunks other nodes
 faulted, in an object store). Public here: ``FaultFileSystem``, ``FaultFile`` and

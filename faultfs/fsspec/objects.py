@@ -12,6 +12,8 @@ Invariants:
   the blob's claim (``claims.py``); a blob is published whole (``BlobStore.publish``).
 - A blob that may not be stored (reserve, cap, back-off, a full file system) is served from
   the bytes read; nothing partial is left.
+- A reader of a chunk in flight here waits for its own bytes only (``landing.py``); a fault
+  that failed is dropped from the flights, so the next read asks the source again.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from faultfs.core.context import fnv1a64
 from faultfs.core.names import PROTOCOL_TAG_PREFIX
 from faultfs.errors import CorruptionError, FaultfsError, SourceChanged, StoreFull
 from faultfs.fsspec.claims import Claim, Claims
+from faultfs.fsspec.landing import Landing, SplitLane, read_chunk, split_at
 from faultfs.fsspec.mounted import MountBlob, MountTags
 from faultfs.fsspec.pins import PinRecords
 from faultfs.fsspec.space import SharedSpace
@@ -121,6 +124,7 @@ class Shared:
     store_enabled: bool = True
     tier: SharedBlobs | None = None  # shared_store: blobs other nodes faulted (shared.py)
     running: set[concurrent.futures.Future[None]] = field(default_factory=set)
+    lane: SplitLane = field(default_factory=SplitLane)  # split faults' second parts
 
     def submit(self, fn: Callable[..., None], *args: object) -> None:
         """Run ``fn`` on the pool; ``drain`` waits for it."""
@@ -164,7 +168,7 @@ class PinnedObject:
         self.size = size
         self.chunk_size = chunk_size
         self.shared = shared
-        self._flights: dict[int, concurrent.futures.Future[bytes]] = {}
+        self._flights: dict[int, Landing] = {}
         self._lock = threading.Lock()
         self._source_lock = threading.Lock()  # held while a recorded pin's source opens
         self._open: dict[int, _Held] = {}
@@ -188,13 +192,7 @@ class PinnedObject:
                     index):
                 self._start_fault(index)
         if first == last:
-            off = start - first * cs
-            if first not in self._flights:  # the hit path: one pread of a held blob file
-                data = self._hit(first, off, end - start)
-                if data is not None:
-                    self.shared.stats.add("hits")
-                    return data
-            return bytes(memoryview(self._fault(first))[off:off + end - start])
+            return self._range(first, start - first * cs, end - start)
         # several chunks: their faults run at once (each on the pool), then the pieces join
         for index in range(first + 1, last + 1):
             if index not in self._open and self._hit(index, 0, 0) is None:
@@ -203,7 +201,7 @@ class PinnedObject:
         for index in range(first, last + 1):
             lo = max(start, index * cs) - index * cs
             hi = min(end, (index + 1) * cs) - index * cs
-            parts.append(self._chunk_bytes(index, lo, hi - lo))
+            parts.append(self._range(index, lo, hi - lo))
         return b"".join(parts)
 
     def close(self) -> None:
@@ -243,13 +241,25 @@ class PinnedObject:
 
     # -- one chunk -------------------------------------------------------------------------
 
-    def _chunk_bytes(self, index: int, off: int, size: int) -> bytes:
-        data = None if index in self._flights else self._hit(index, off, size)
-        if data is not None:
-            self.shared.stats.add("hits")
-            return data
-        whole = self._fault(index)
-        return bytes(memoryview(whole)[off:off + size])
+    def _range(self, index: int, off: int, size: int) -> bytes:
+        """Bytes ``[off, off + size)`` of chunk ``index``: a hit (one pread of a held blob
+        file), or from its fault in flight here as soon as they have landed, or from a fault
+        started now (split at ``off``, far enough in: ``landing.split_at``)."""
+        with self._lock:
+            flight = self._flights.get(index)
+        stats = self.shared.stats
+        if flight is None:
+            data = self._hit(index, off, size)
+            if data is not None:
+                stats.add("hits")
+                return data
+            flight = self._start_fault(index, at=off)
+        else:
+            stats.add("memory_hits" if flight.done() else "joined")
+        got, early = flight.range(off, off + size)
+        if early:
+            stats.add("head_reads")
+        return bytes(got)
 
     def _hit(self, index: int, off: int, size: int) -> bytes | None:
         """Bytes of a staged, verified blob, or None (absent, stale, damaged: dropped)."""
@@ -327,10 +337,11 @@ class PinnedObject:
         if close:
             held.blob.close()
 
-    def _start_fault(self, index: int) -> concurrent.futures.Future[bytes]:
-        """A fault of chunk ``index`` on the pool (or the one in flight). Its bytes wait in
-        ``_flights`` for the reader that takes them (``_fault``), so a chunk that could not
-        be stored is not read twice; the oldest finished ones go past ``KEPT_FLIGHTS``."""
+    def _start_fault(self, index: int, *, at: int = 0) -> Landing:
+        """A fault of chunk ``index`` on the pool (or the one in flight); ``at``: where its
+        reader's bytes start. Its bytes wait in ``_flights`` for the reader that takes them
+        (``_range``), so a chunk that could not be stored is not read twice; the oldest
+        finished ones go past ``KEPT_FLIGHTS``."""
         with self._lock:
             flight = self._flights.get(index)
             if flight is not None:
@@ -338,45 +349,39 @@ class PinnedObject:
             done = [i for i, f in self._flights.items() if f.done()]
             for old in done[:max(0, len(self._flights) - KEPT_FLIGHTS)]:
                 del self._flights[old]
-            flight = concurrent.futures.Future()
-            self._flights[index] = flight
-        self.shared.submit(self._fault_into, index, flight)
+            flight = self._flights[index] = Landing()
+        try:
+            self.shared.submit(self._fault_into, index, flight, at)
+        except BaseException as exc:  # no pool (the interpreter is exiting): no one waits
+            self._drop_failed(index, flight, exc)
+            raise
         return flight
 
-    def _fault_into(self, index: int, landed: concurrent.futures.Future[bytes]) -> None:
-        """Run on the pool: fault chunk ``index``, its bytes handed to ``landed`` as soon as
-        they are read (its store write follows, off the reader's path). The flight stays in
-        ``_flights`` until its blob is published, so a read meanwhile takes the bytes from
-        memory; a chunk that was not stored stays there for its reader."""
-        if not landed.set_running_or_notify_cancel():
-            return
+    def _drop_failed(self, index: int, flight: Landing, exc: BaseException) -> None:
+        """A fault that failed: its readers get ``exc`` (nothing if it had its bytes), and
+        the next read asks the source again."""
+        flight.fail(exc)
+        with self._lock:
+            if self._flights.get(index) is flight:
+                del self._flights[index]
+
+    def _fault_into(self, index: int, landed: Landing, at: int) -> None:
+        """Run on the pool: fault chunk ``index``, its bytes shown to ``landed`` as they
+        land and handed to it whole once read (its store write follows, off the reader's
+        path). The flight stays in ``_flights`` until its blob is published, so a read
+        meanwhile takes the bytes from memory; a chunk that was not stored stays there for
+        its reader."""
         try:
-            stored = self._fault_here(index, landed)
+            stored = self._fault_here(index, landed, at)
         except BaseException as exc:
-            if not landed.done():
-                landed.set_exception(exc)
-            elif not isinstance(exc, Exception):
+            self._drop_failed(index, landed, exc)
+            if not isinstance(exc, Exception):
                 raise
             return
         if stored:
             with self._lock:
                 if self._flights.get(index) is landed:
                     del self._flights[index]
-
-    def _fault(self, index: int) -> bytes:
-        """The whole chunk ``index``: from a fault in flight (or just landed) here, else
-        faulted."""
-        with self._lock:
-            flight = self._flights.get(index)
-        if flight is None:
-            hit = self._hit(index, 0, self._chunk_len(index))  # stored by a read-ahead's holder
-            if hit is not None:
-                self.shared.stats.add("hits")
-                return hit
-            flight = self._start_fault(index)
-        else:
-            self.shared.stats.add("memory_hits" if flight.done() else "joined")
-        return flight.result()
 
     def _on_disk(self, index: int) -> bool:
         """Whether a blob file of chunk ``index`` stands in the store (ours or the mount's)."""
@@ -387,13 +392,14 @@ class PinnedObject:
     def _chunk_len(self, index: int) -> int:
         return min(self.chunk_size, self.size - index * self.chunk_size)
 
-    def _fault_here(self, index: int, landed: concurrent.futures.Future[bytes]) -> bool:
+    def _fault_here(self, index: int, landed: Landing, at: int) -> bool:
         """Fault chunk ``index`` under its claim into ``landed``: another process's fault is
-        waited for and read from the store; else the source is read, the bytes handed over,
-        and the blob published. Whether the blob is in the store now."""
+        waited for and read from the store; else the source is read, the bytes shown as
+        they land and handed over, and the blob published. Whether the blob is in the store
+        now."""
         shared, name, length = self.shared, str(index), self._chunk_len(index)
         if not shared.store_enabled or not shared.store.writable:
-            landed.set_result(self._from_shared(index, length)[0])
+            landed.finish(self._from_shared(index, length, landed, at)[0])
             return False
         claim = shared.claims.acquire(
             self.tag, name, deadline_s=CLAIM_WAIT_S,
@@ -402,16 +408,17 @@ class PinnedObject:
             hit = self._hit(index, 0, length)
             if hit is not None:
                 shared.stats.add("claim_waits")
-            landed.set_result(hit if hit is not None else self._from_source(index, length))
+            landed.finish(hit if hit is not None else self._from_source(index, length, landed,
+                                                                        at))
             return hit is not None
         try:
             hit = self._hit(index, 0, length)  # published just before we held the claim
             if hit is not None:
                 shared.stats.add("claim_waits")
-                landed.set_result(hit)
+                landed.finish(hit)
                 return True
-            data, origin = self._from_shared(index, length)
-            landed.set_result(data)
+            data, origin = self._from_shared(index, length, landed, at)
+            landed.finish(data)
             stored = self._store(name, data, claim)
             if origin:  # read from the source: other nodes may want it
                 self._publish(index, data, replace=origin == "damaged")
@@ -419,20 +426,22 @@ class PinnedObject:
         finally:
             claim.release()
 
-    def _from_shared(self, index: int, length: int) -> tuple[bytes, str]:
-        """The chunk from the shared tier, or from the source; with "" when it came from the
-        tier, else what the tier said ("miss", "damaged", ...; "none": no tier)."""
+    def _from_shared(self, index: int, length: int, landed: Landing, at: int
+                     ) -> tuple[bytes | memoryview, str]:
+        """The chunk from the shared tier, or from the source (shown to ``landed`` as it
+        lands); with "" when it came from the tier, else what the tier said ("miss",
+        "damaged", ...; "none": no tier)."""
         tier = self.shared.tier
         if tier is None:
-            return self._from_source(index, length), "none"
+            return self._from_source(index, length, landed, at), "none"
         data, said = tier.load(self._chunk_tag(index, length), index)
         self.shared.stats.add(f"shared_{said}")
         if data is not None:
             self.shared.stats.add("shared_bytes", len(data))
             return data, ""
-        return self._from_source(index, length), said
+        return self._from_source(index, length, landed, at), said
 
-    def _publish(self, index: int, data: bytes, *, replace: bool) -> None:
+    def _publish(self, index: int, data: bytes | memoryview, *, replace: bool) -> None:
         tier = self.shared.tier
         if tier is not None and tier.publish(self._chunk_tag(index, len(data)), index, data,
                                              replace=replace):
@@ -443,18 +452,24 @@ class PinnedObject:
 
         return chunk_tag(self.tag, self.version, self.num_chunks, length)
 
-    def _from_source(self, index: int, length: int) -> bytes:
-        stats = self.shared.stats
+    def _from_source(self, index: int, length: int, landed: Landing, at: int
+                     ) -> bytes | memoryview:
+        """Chunk ``index`` read from the source, shown to ``landed`` as it lands; split at
+        ``at`` when its reader starts far enough in (``landing.split_at``)."""
+        shared, stats = self.shared, self.shared.stats
         stats.add("faults")
-        data = self.source.pread(index * self.chunk_size, length)
+        data, split = read_chunk(self.source, index * self.chunk_size, length, landed.show,
+                                 at=split_at(at, length), lane=shared.lane)
         if len(data) != length:
             raise FaultfsError(f"source {self.source.url} returned {len(data)} bytes of chunk "
                                f"{index} instead of {length}: it changed or was cut short")
         stats.add("source_reads")
         stats.add("source_bytes", length)
-        return bytes(data)
+        if split:
+            stats.add("split_faults")
+        return data
 
-    def _store(self, name: str, data: bytes, claim: Claim) -> bool:
+    def _store(self, name: str, data: bytes | memoryview, claim: Claim) -> bool:
         shared = self.shared
         need = len(data) + HEADER_LEN  # what the blob file takes
         skipped = shared.space.admit(need)

@@ -14,6 +14,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import weakref
@@ -174,10 +175,30 @@ def s3_client(fs: Any) -> Any:
         # (sources.s3http) are SigV4 too, which every region accepts
         config_kwargs.setdefault("signature_version", "s3v4")
         session = botocore.session.Session(profile=fs.kwargs.get("profile"))
+        data_path = session.get_config_variable("data_path")  # AWS_DATA_PATH, as botocore reads it
+        session.register_component("data_loader", _s3_loader()(extra_search_paths=[
+            os.path.expanduser(os.path.expandvars(p)) for p in data_path.split(os.pathsep)
+        ] if data_path else []))
         client = session.create_client("s3", config=Config(**config_kwargs), **init_kwargs,
                                        **client_kwargs)
         _S3_CLIENTS[fs] = client
         return client
+
+
+@functools.cache
+def _s3_loader() -> type:
+    """botocore's data loader for a session that makes S3 clients only. Before it loads a
+    service's model, botocore's own asks which services exist by listing every model
+    directory it ships (about 400, with a stat of each version's file): 0.1-0.2 s of every
+    new process's first S3 request (DataLoader and Dask workers, ``faultfs::`` readers, a
+    mount), for an answer that is always "S3 is one"."""
+    from botocore.loaders import Loader
+
+    class S3Loader(Loader):  # type: ignore[misc]
+        def list_available_services(self, type_name: str) -> list[str]:
+            return ["s3"]  # a type S3 has no file of is still a DataNotFoundError
+
+    return S3Loader
 
 
 def s3_connections(fs: Any) -> Any:

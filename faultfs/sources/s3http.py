@@ -195,7 +195,9 @@ class PresignedGets:
                where: tuple[str, str, int], whole: bool) -> None:
         if whole and resp.isclosed() and not resp.will_close:
             self._pool.give(where, conn)
-        else:
+        else:  # the response first: its file holds the socket open (a body cut by a
+            # timeout left it so until a garbage collection, and "unclosed socket")
+            resp.close()
             conn.close()
 
     @staticmethod

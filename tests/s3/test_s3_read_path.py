@@ -212,3 +212,27 @@ def test_error_answers_are_classified(s3_client, make_bucket, proxy, monkeypatch
     s3_client.put_object(Bucket=bucket, Key="k.bin", Body=payload(MiB, 6))
     with pytest.raises(SourceChanged):
         src.pread(0, 100)
+
+
+def test_the_s3_client_is_made_without_listing_every_service_botocore_ships(
+        s3_client, make_bucket, monkeypatch):
+    """botocore asks which services exist by listing every model directory it ships (~870
+    listdirs here, 0.1-0.2 s of a new process's first S3 request): the S3 client's session
+    asks about S3 alone, and the client still reads."""
+    import os
+
+    import botocore
+
+    from faultfs.sources import filesystems
+
+    bucket = make_bucket()
+    s3_client.put_object(Bucket=bucket, Key="k.bin", Body=b"x" * 1000)
+    data_dir = os.path.join(os.path.dirname(botocore.__file__), "data")
+    listed = []
+    real = os.listdir
+    monkeypatch.setattr(os, "listdir", lambda path=".": (
+        listed.append(path) if str(path).startswith(data_dir) else None, real(path))[1])
+    filesystems.clear_filesystems()  # a new client, as in a new process
+    src = open_source(f"s3://{bucket}/k.bin")
+    assert src.pread(10, 20) == b"x" * 20
+    assert 0 < len(listed) < 10, listed[:20]
