@@ -49,6 +49,8 @@ ROOMS_OPEN_TO_TESTS = {
     "faultfs.stream.shuffle": "its format tests pin the shuffle record's and the carried "
                               "rest's bytes, and its resume test counts the blocks a restart "
                               "reads and hashes",
+    "faultfs.fsspec": "its landing tests drive a fault in flight piece by piece from a fake "
+                      "source, a timing no reader through the face can set up",
 }
 WRITES = "faultfs.engine.writes"  # a package of rooms: the engine calls it, nothing above does
 FACE_ONLY = ("faultfs.namespace", "faultfs.fuse")  # they call the engine, never a room of it

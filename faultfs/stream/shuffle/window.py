@@ -54,7 +54,7 @@ from faultfs.stream.shards import Shard, ShardFile
 from faultfs.stream.shuffle.plan import EpochGrid, WindowSpec, permutation
 
 try:  # the compiled cut and line scan (setup.py); optional: the same records by slicing
-    from faultfs.stream import _cut as _compiled
+    import faultfs.stream._cut as _compiled
 except ImportError:  # pragma: no cover - built wherever a compiler is
     _compiled = None
 _cut = getattr(_compiled, "cut", None)
