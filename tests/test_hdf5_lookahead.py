@@ -139,9 +139,15 @@ def test_a_readers_pattern_over_chunks():
     assert (m.lag, m.period) == (2, 4) and m.holds_window
     assert [a // 1000 for a, _ in m.ahead()][:4] == [12, 13, 16, 17]
     m = pattern([(0, 3), (3, 6), 7])  # a whole dataset, with the kernel's readahead
-    assert not m.strided and m.grew and m.run == 8 and not m.holds_window
+    assert not m.strided and m.grew and m.dense and not m.holds_window
+    m = pattern([(0, 1), (4, 5), (2, 3), 6, 7])  # readahead requests answered out of order
+    assert m.dense and not m.holds_window
+    m = pattern([0, 1, 3, 4, 5, 6, 7])  # one chunk not (yet) read of the last 8: dense
+    assert m.dense
     m = pattern([(0, 4), 8])  # the readahead after the first chunk, then a hyperslab's
-    assert not m.grew and m.run == 1 and m.holds_window
+    assert not m.grew and not m.dense and m.holds_window
+    m = pattern([0, 2, 4, 6, 8, 10, 12, 14])  # every other chunk: not dense
+    assert not m.dense and m.strided and m.holds_window
     m = pattern([10, 3, 40, 7])  # random: no pattern
     assert m.period == 0 and not m.strided and m.holds_window
     assert ChunkMap().chunks_in(0, 100) == (0, -1)

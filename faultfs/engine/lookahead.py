@@ -44,6 +44,7 @@ MAX_CHUNKS = 1 << 17  # ... and this many chunks (16 bytes each: 2 MiB)
 MAX_NODES = 1 << 12  # index nodes remembered per file
 MAX_LAG = 4  # chunks read per repeat of a pattern, at most
 DENSE_RUN = 8  # chunks read one after another before the blob window takes a reader over ...
+TOUCHED = 256  # chunk positions read that are remembered
 NEXT_CHUNKS = 8  # ... until then, the chunks right after its reads are prefetched
 SMALL_READ = 16 << 10  # reads up to this are kept (the last ``SMALL_READS``): a node crossing
 PAGE = 4096  # a read starts at most this before the chunk it was made for
@@ -62,9 +63,9 @@ class ChunkMap:
     lag: int = 0  # a steady pattern: every ``lag`` chunks read, the reader moves ``period``
     period: int = 0  # chunks on (0: no steady pattern)
     in_chunk: bool = False  # the last read (not of the index) was of chunks
-    end: int = -1  # the position of the last chunk the last chunk read touched
-    run: int = 0  # chunks read one after another up to ``end``, with no chunk skipped
-    grew: bool = False  # the last chunk read went on from the one before (or was the first)
+    end: int = -1  # the position of the furthest chunk read
+    touched: set[int] = field(default_factory=set)  # positions read, the last TOUCHED of them
+    grew: bool = False  # the last chunk read went on from the furthest (or was the first)
     small: OrderedDict[int, bytes] = field(default_factory=OrderedDict)  # offset -> bytes
     nodes: set[int] = field(default_factory=set)  # addresses of the index nodes read ...
     node_order: list[int] = field(default_factory=list)  # ... in order
@@ -116,11 +117,21 @@ class ChunkMap:
         return a, bisect.bisect_left(self.addresses, end) - 1
 
     def covered(self, a: int, b: int) -> None:
-        """A read touched chunks ``a..b``: the run of chunks read one after another grows,
-        or starts again after chunks skipped (or a read back)."""
-        self.grew = self.end < 0 or (a <= self.end + 1 and b >= self.end)
-        self.run = self.run + b - self.end if self.end >= 0 and self.grew else b - a + 1
-        self.end = b
+        """A read touched chunks ``a..b``. Reads arrive out of order (the kernel's readahead
+        requests are answered as they come), so what counts is which chunks were read, not
+        the order: ``dense`` looks at the chunks just before the furthest read."""
+        self.grew = self.end < 0 or (a <= self.end + 1 and b > self.end)
+        self.touched.update(range(a, b + 1))
+        self.end = max(self.end, b)
+        if len(self.touched) > TOUCHED:
+            self.touched = {p for p in self.touched if p > self.end - TOUCHED // 2}
+
+    @property
+    def dense(self) -> bool:
+        """Whether the reader read every chunk (one may be missing: a request still on its
+        way) of the ``DENSE_RUN`` up to its furthest: a whole dataset, not a hyperslab."""
+        span = range(self.end - DENSE_RUN + 1, self.end + 1)
+        return self.end >= DENSE_RUN - 1 and sum(p in self.touched for p in span) >= DENSE_RUN - 1
 
     def moved(self, i: int) -> bool:
         """The reader read chunk ``i`` (a position): True when it went on to another chunk
@@ -149,10 +160,10 @@ class ChunkMap:
 
     @property
     def holds_window(self) -> bool:
-        """Whether the blob window holds still: the reader reads chunks, and has not yet read
-        ``DENSE_RUN`` of them one after another (a hyperslab that skips chunks must not get a
-        window over the chunks it skips; a whole dataset gets it after a few chunks)."""
-        return self.in_chunk and self.run < DENSE_RUN
+        """Whether the blob window holds still: the reader reads chunks, and not yet densely
+        (a hyperslab that skips chunks must not get a window over the chunks it skips; a whole
+        dataset gets it after a few chunks)."""
+        return self.in_chunk and not self.dense
 
     def ahead(self) -> list[tuple[int, int]]:
         """(address, size) of the chunks the pattern reads next, nearest first."""
@@ -205,8 +216,9 @@ class Hdf5Lookahead:
                 self._fetch(tag, [(child, 1) for child in node.children])
         if grown and m.strided:  # the pattern goes on into the chunks of a leaf just read
             self.stats.add("hdf5_lookaheads", self._fetch(tag, m.ahead()))
-        if m.node_in(off, off + len(data)):
-            return  # a read of the index (met before or now), not of a chunk
+        if len(data) <= SMALL_READ and m.node_in(off, off + len(data)):
+            return  # a read of the index (met before or now), not of a chunk; a large read
+            # over a node between chunks (the kernel's readahead) is of the chunks around it
         # a chunk read starts at the page before the chunk's first byte: placed by its middle
         margin = min(len(data) // 4, PAGE)  # and ends at the page after its last byte
         a, b = m.chunks_in(off + margin, off + len(data) - margin)
