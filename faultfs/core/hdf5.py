@@ -33,7 +33,6 @@ from dataclasses import dataclass
 SIGNATURE = b"\x89HDF\r\n\x1a\n"
 UNDEFINED = (1 << 64) - 1  # HDF5's undefined address
 MAX_RANK = 32  # HDF5's limit on a dataset's rank
-MAX_ENTRIES = 1 << 16  # 2K entries at most; K is a 16-bit number in the superblock
 MAX_CANDIDATES = 64  # places that look like a node examined in one call, at most
 NODE_HEADER = 24  # "TREE", type, level, entries used, left and right sibling
 _NODE = re.compile(rb"TREE\x01")  # a node of a chunk index (type 1)
@@ -49,7 +48,6 @@ class ChunkNode:
     level: int
     children: tuple[int, ...]
     sizes: tuple[int, ...]
-    rank: int  # the dataset's rank (the keys' offsets, less the datatype's)
 
     @property
     def chunks(self) -> list[tuple[int, int]]:
@@ -93,7 +91,7 @@ def _node_at(data: bytes | memoryview, at: int, base: int,
     if at + NODE_HEADER > len(data):
         return None
     _, _, level, entries, left, right = _HEAD.unpack_from(data, at)
-    if not 0 < entries <= MAX_ENTRIES:
+    if entries == 0:  # a 16-bit count: no upper bound to check
         return None
     if any(s != UNDEFINED and s >= file_size for s in (left, right)):
         return None
@@ -136,4 +134,4 @@ def _parse(data: bytes | memoryview, at: int, base: int, file_size: int, level: 
         spans = sorted(zip(children, sizes, strict=True))
         if any(a + n > b for (a, n), (b, _) in itertools.pairwise(spans)):
             return None
-    return ChunkNode(base + at, level, tuple(children), tuple(sizes), rank)
+    return ChunkNode(base + at, level, tuple(children), tuple(sizes))
