@@ -305,3 +305,34 @@ def test_a_registry_entry_claiming_two_to_the_64_bytes_is_a_problem_not_a_failed
         problems = [i for i in items if isinstance(i, RegistryProblem)]
         assert [p.key for p in problems] == [bad_key]
         assert [i[0] for i in items if not isinstance(i, RegistryProblem)] == [good.key]
+
+
+def test_writers_making_a_new_tags_directory_at_once_keep_each_others_blobs(tmp_path):
+    """The first blobs of a new tag, staged at once by several writers (threads here; the
+    protocol's processes and a mount alike), each make the tag's directory: none may remove
+    it under the others. A check-then-remove-then-make lost blobs another writer had just
+    published (a faultfs:: read faulted them a second time)."""
+    import threading
+
+    stores = [BlobStore(str(tmp_path / "store")) for _ in range(2)]
+    writers = 8
+    failed: list[BaseException] = []
+    for round_ in range(25):
+        tag = f"new-{round_}"
+        barrier = threading.Barrier(writers)
+
+        def stage(i: int, tag: str = tag, barrier: threading.Barrier = barrier) -> None:
+            try:
+                barrier.wait()
+                store = stores[i % 2]
+                store.publish(tag, str(i), bytes([i + 1]) * 1000, store.temp_path(tag))
+            except BaseException as exc:
+                failed.append(exc)
+
+        threads = [threading.Thread(target=stage, args=(i,)) for i in range(writers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not failed, failed
+        assert sorted(stores[0].list_blobs(tag), key=int) == [str(i) for i in range(writers)]

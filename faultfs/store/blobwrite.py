@@ -26,10 +26,9 @@ from faultfs.store import direct
 from faultfs.store.blobfile import FLAG_DIRTY, encode_header
 from faultfs.store.durable import fsync_dir, write_atomic, write_parts
 from faultfs.store.entries import (
-    PRIVATE,
     TAG_STATE,
     blob_path,
-    real_dir,
+    make_real_dir,
     remove_entry,
     tag_dir,
     unlink_quietly,
@@ -157,9 +156,7 @@ class BlobWriter:
         """The tag's directory, made (0700) if needed; whatever else stands there (a link, a
         file) is removed first, so no write lands outside the store."""
         directory = tag_dir(self.root, tag)
-        if not real_dir(directory):
-            remove_entry(directory)
-        os.makedirs(directory, mode=PRIVATE, exist_ok=True)
+        make_real_dir(directory)  # never a remove-then-make: another writer's blobs are in it
         self._real_dirs.add(directory)
         return directory
 

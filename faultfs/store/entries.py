@@ -85,6 +85,20 @@ def remove_entry(path: str) -> None:
         pass
 
 
+def make_real_dir(path: str) -> None:
+    """Make directory ``path`` (and its parents, ``PRIVATE``) unless one stands there;
+    whatever else stands there (a link, a file) is removed first. A directory is never
+    removed: threads and processes making the same one at once all end with it, and with
+    what the first of them already put in it."""
+    try:
+        if stat_mod.S_ISDIR(os.lstat(path).st_mode):
+            return
+        os.unlink(path)  # a link or a file: what a link points to is never followed
+    except FileNotFoundError:
+        pass
+    os.makedirs(path, mode=PRIVATE, exist_ok=True)
+
+
 def real_dir(path: str) -> bool:
     """Whether ``path`` is a directory itself (not a link to one)."""
     try:
