@@ -85,6 +85,8 @@ class Checkpoints:
         self.running: trio.Event | None = None  # set when the checkpoint under way ends
         self.kept_from = 1  # the first seq the journal keeps (none trimmed up to it yet)
         self._retry_at = 0.0  # a checkpoint that failed is started again no sooner than this
+        self._deleting: set[tuple[str, str]] = set()  # dirty files (tag, name) being deleted
+        self._deleted = trio.Event()  # ... set once they are gone
 
     # -- bounds ------------------------------------------------------------------------------
 
@@ -168,7 +170,7 @@ class Checkpoints:
             await self.pool.run(self.delete_direct, gone)
             gone_files, self.table.doomed = (self.table.doomed[:doomed],
                                              self.table.doomed[doomed:])
-            await self.pool.run(self._delete_doomed, gone_files)
+            await self._delete_doomed(gone_files)
             self.stats.add("checkpoints")
             if failed:
                 blob, exc = failed[0]
@@ -222,12 +224,25 @@ class Checkpoints:
         if failed:
             raise failed[0][1]
 
-    def _delete_doomed(self, doomed: list[tuple[str, str]]) -> None:
-        """Delete the dirty files of dropped blobs whose names no blob has again."""
+    async def _delete_doomed(self, doomed: list[tuple[str, str]]) -> None:
+        """Delete the dirty files of dropped blobs whose names no blob has again. The names
+        are checked here, on the loop's thread (the table changes under a thread that walks
+        it); a fold of a blob that takes such a name meanwhile waits until its file is gone,
+        so a deletion never removes the new blob's file."""
         live = {(b.tag.name, b.name) for b in self.table}
+        doomed = [d for d in doomed if d not in live]
+        if not doomed:
+            return
+        self._deleting, done = set(doomed), trio.Event()
+        self._deleted = done
+        try:
+            await self.pool.run(self._delete_files, doomed)
+        finally:
+            self._deleting = set()
+            done.set()
+
+    def _delete_files(self, doomed: list[tuple[str, str]]) -> None:
         for tag, name in doomed:
-            if (tag, name) in live:
-                continue
             try:
                 self.files.delete(tag, name)
             except OSError as exc:  # left behind: void at the next mount, which dooms it again
@@ -252,6 +267,8 @@ class Checkpoints:
                 return
             if unwritten(blob):
                 return  # nothing was written to it: no dirty copy of its source chunk
+            while (blob.tag.name, blob.name) in self._deleting:  # a dropped blob's file
+                await self._deleted.wait()
             if not blob.pending and blob.base is DIRECT:
                 await self._adopt(blob, sync_dir=sync_dir)
                 return
