@@ -497,7 +497,7 @@ def test_clones_beside_writers_checkpoints_resets_and_each_other_are_each_an_ins
 
     async def main():
         await w.create_user(tag, "stamps")
-        with trio.fail_after(60):
+        with trio.fail_after(150):  # a hang guard: 20 s quiet, 79 s once at load 17
             async with trio.open_nursery() as nursery:
                 eng.attach(nursery)
                 async with trio.open_nursery() as work:
