@@ -339,8 +339,9 @@ class RecordStream:
         short. Each batch is pending until ``commit`` of its id (or a later one).
 
         ``format``: ``"raw"`` (a list of ``bytes`` lines, or of Parquet rows as dicts),
-        ``"arrow"`` (a ``pyarrow.Table``: jsonl parsed by pyarrow's JSON reader, one column
-        per field; txt as one ``text`` column; Parquet columns as stored) or ``"pydict"``
+        ``"arrow"`` (a ``pyarrow.Table``: jsonl as pyarrow's JSON reader makes it, one column
+        per field, flat records in one compiled pass; txt as one ``text`` column; Parquet
+        columns as stored) or ``"pydict"``
         (that table as a dict of column lists). ``schema`` (a ``pyarrow.Schema``) fixes the
         columns and types of parsed batches; without it they are inferred per block.
         """
