@@ -122,6 +122,14 @@ def test_what_it_declines(line):
         assert check(lines) is None, lines
 
 
+def test_strings_that_only_look_like_other_values_are_taken_as_strings():
+    values = [" 2020-01-01", "+2020-01-01", "-2020-01-01", "T10:00:00", "now", "\t2020-01-01",
+              "\uff11\uff12", "inf", "NaN", "true", "null", "", "x" * 300]
+    lines = [json.dumps({"a": v}).encode() for v in values]
+    table = check(lines)
+    assert table is not None and table.column("a").to_pylist() == values
+
+
 def test_another_key_order_a_missing_or_extra_key_or_kind_declines():
     base = b'{"a": 1, "b": "x"}'
     for other in (b'{"b": "x", "a": 1}', b'{"a": 1}', b'{"a": 1, "b": "x", "c": 2}',
