@@ -1,8 +1,9 @@
-"""The compiled pieces, both optional (without a compiler the install goes on):
+"""The compiled pieces, all optional (without a compiler the install goes on):
 ``faultfs.fuse._fastread`` (staged reads answered in C, see faultfs/fuse/fastread.py; without
-it or libfuse3's headers mounts serve every read through pyfuse3) and ``faultfs.stream._cut``
+it or libfuse3's headers mounts serve every read through pyfuse3), ``faultfs.stream._cut``
 (a line block's records cut in one pass, see faultfs/stream/readers.py; without it they are
-split and picked in Python)."""
+split and picked in Python) and ``faultfs.stream._flatjson`` (flat JSON records parsed in one
+pass, see faultfs/stream/columns.py; without it pyarrow's reader parses them)."""
 
 import shutil
 import subprocess
@@ -30,4 +31,6 @@ setup(ext_modules=[Extension(
     libraries=[*libraries, "pthread", "dl"], extra_compile_args=["-O2", "-Wall", "-Wextra"],
     optional=True), Extension(
     "faultfs.stream._cut", ["faultfs/stream/_cut.c"], extra_compile_args=["-O2", "-Wall", "-Wextra"],
-    optional=True)])
+    optional=True), Extension(
+    "faultfs.stream._flatjson", ["faultfs/stream/_flatjson.c"],
+    extra_compile_args=["-O2", "-Wall", "-Wextra"], optional=True)])

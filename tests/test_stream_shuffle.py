@@ -421,6 +421,52 @@ def test_a_resume_reads_the_checkpoints_window_again_and_nothing_before_it(
     assert first == expected
 
 
+@pytest.mark.parametrize("near_end", [False, True])
+def test_a_restarts_first_batch_parses_its_own_rows_and_starts_no_read_ahead(
+    tmp_path, monkeypatch, near_end
+):
+    """Wherever the checkpoint falls in its window — also a few positions before its end,
+    where the first batch crosses into the next window — the first batch after a restart
+    parses about its own rows (no window is parsed whole) and no read-ahead runs beside it;
+    the batches are those of the uninterrupted run, and read-ahead starts after the first."""
+    make_lines(tmp_path, [400, 1300, 200])
+    src, state = str(tmp_path / "part-*.jsonl"), tmp_path / "run.meta"
+    monkeypatch.setattr(window_room, "FIRST_MIXED", 40)
+    kw = {"dedup": False, "shuffle_window": 8192}
+    with open_stream(src, state, **kw) as s:
+        batches = s.batches(10, format="arrow")
+        for batch_id, _ in batches:
+            block = s._block
+            left = block.window.count - (block.a + s._pos)
+            if s._epochs.record.slot.window >= 2 and (0 < left < 10 if near_end else left > 50):
+                s.commit(batch_id)
+                break
+            s.commit(batch_id)
+        assert block.window.count > 100, "windows of more rows than the first blocks' twice"
+        expected = [next(batches)[1].to_pylist() for _ in range(3)]
+    whole, parsed_rows = [], []
+    real_parse, real_table = window_room.Window._parse, window_room.block_table
+
+    def parse(self, schema):
+        whole.append(self.count)
+        return real_parse(self, schema)
+
+    def block_table(block, schema=None, **kw):
+        parsed_rows.append(block.count)
+        return real_table(block, schema, **kw)
+
+    monkeypatch.setattr(window_room.Window, "_parse", parse)
+    monkeypatch.setattr(window_room, "block_table", block_table)
+    with open_stream(src, state, **kw) as s:
+        batches = s.batches(10, format="arrow")
+        got = [next(batches)[1].to_pylist()]
+        assert not whole and sum(parsed_rows) <= 10 + 10, (whole, parsed_rows)
+        assert not len(s._ahead) and not s._reader.read_ahead, "no read-ahead beside it"
+        got += [next(batches)[1].to_pylist() for _ in range(2)]
+        assert s._reader.read_ahead, "read-ahead from the second batch on"
+    assert got == expected
+
+
 def test_dedup_drops_a_record_where_it_falls_again_in_the_shuffled_order(tmp_path):
     records = make_lines(tmp_path, SMALL * 4, dups=0.3)
     src = str(tmp_path / "part-*.jsonl")

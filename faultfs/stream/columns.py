@@ -10,6 +10,13 @@ Invariants:
 - A table has exactly ``block.count`` rows and row ``i`` is record ``i``; nothing is dropped,
   merged or shifted. A record that cannot be a row raises ``RecordParseError`` naming the
   shard, the byte offset (or row group and row) and the record's ``global_row_idx``.
+- Flat records of the common shape (the same keys in the same order on every line, each
+  column all integers, all booleans or all strings) are parsed in one compiled pass where it
+  is built (``_flatjson``, ``flat_table``), ~4x cheaper than pyarrow's reader; it declines
+  anything whose table could differ from what pyarrow's reader makes of the same bytes
+  (nulls, fractions, nesting, a string pyarrow might read as a timestamp, invalid text...),
+  which pyarrow then parses as below: the table is pyarrow's either way (a property test
+  holds the two to it).
 - The JSON fast path parses the block in one call and is accepted only when every record
   starts with ``{`` and ends with ``}`` and the parser returns one row per record. That
   proves the rows are the records in order: a value cannot continue past a line ending in
@@ -31,6 +38,11 @@ import numpy as np
 
 from faultfs.errors import InvalidInput
 from faultfs.stream.readers import RecordBlock
+
+try:  # the compiled parse of flat records (setup.py); optional: pyarrow's reader parses them
+    from faultfs.stream._flatjson import flat as _flat
+except ImportError:  # pragma: no cover - built wherever a compiler is
+    _flat = None
 
 JSON_CHUNK = 1 << 20  # pyarrow's default JSON block: a 4 MiB read is parsed as 4 chunks in
 # parallel; raised for a block whose longest line does not fit (pyarrow needs whole lines)
@@ -165,9 +177,37 @@ def _options(
     return read, paj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore")
 
 
+def flat_table(data: Any, starts: np.ndarray, stops: np.ndarray) -> Any:
+    """The records ``data[starts[i]:stops[i]]`` (at least one) as the table pyarrow's JSON
+    reader makes of them, from the compiled pass (``_flatjson``), or None where it declines
+    them or is not built (module doc)."""
+    if _flat is None or not len(starts):
+        return None
+    pa, _ = import_arrow()
+    got = _flat(data, np.ascontiguousarray(starts, dtype=np.int64),
+                np.ascontiguousarray(stops, dtype=np.int64))
+    if got is None:
+        return None
+    names, columns = got
+    n = len(starts)
+    arrays = []
+    for kind, values, text in columns:
+        if kind == 2:
+            arrays.append(pa.Array.from_buffers(
+                pa.string(), n, [None, pa.py_buffer(values), pa.py_buffer(text)]))
+        else:
+            arrays.append(pa.Array.from_buffers(pa.int64() if kind == 0 else pa.bool_(), n,
+                                                [None, pa.py_buffer(values)]))
+    return pa.Table.from_arrays(arrays, names=names)
+
+
 def _json_table(block: RecordBlock, schema: Any, threads: bool = True) -> Any:
     pa, paj = import_arrow()
     assert block.starts is not None and block.stops is not None
+    if schema is None:
+        table = flat_table(block.data, block.starts, block.stops)
+        if table is not None:
+            return table
     cut = int(block.ends[-1]) - block.data_offset
     longest = int((block.stops - block.starts).max())
     arr = np.frombuffer(block.data, dtype=np.uint8, count=cut)

@@ -17,9 +17,8 @@ Invariants:
 - Every ``format`` yields the same batches: the same records (a parsed row is its raw
   record, parsed; dedup is by the raw record's bytes), the same batch ids and coordinates,
   so a checkpoint written while reading one format resumes in any other.
-- Parsed formats, dedup and shuffled streams read ahead (``read_ahead``); the first block
-  after opening is handed out before any read-ahead starts, and ``close`` waits for the
-  workers.
+- Parsed formats, dedup and shuffled streams read ahead (``read_ahead``); the first batch
+  after opening is made before any read-ahead starts, and ``close`` waits for the workers.
 - A partitioned stream (``rank``/``world_size``, ``worker``/``num_workers``) is one reader of
   a partition (``faultfs.stream.partition``) and keeps its own state file; with dedup it
   also skips the hashes carried from before the last repartition. Everything above holds per
@@ -190,7 +189,8 @@ class RecordStream:
         self._view: tuple[str, Any, Any] | None = None  # (format, schema, records)
         # the next blocks of the open reader, each read, decided and made into records ahead
         self._ahead = ReadAhead(self._dedup)
-        self._opened = True  # no block handed out yet: the first is read without read-ahead
+        self._opened = True  # no batch handed out yet: the first is made without read-ahead
+        self._batch_size = 0  # of the batches() under way
         self._pos = 0  # next index into the fresh records
         self._scanned = coord.global_row_idx  # raw records scanned, lookahead included
         self._commits = Commits(
@@ -283,6 +283,7 @@ class RecordStream:
                     continue
                 if isinstance(self._reader, EpochReader):  # each window made ready ahead
                     self._reader.want = (self.dedup, (view[0] != "raw", view[1]))
+                    self._reader.first_block = min(self._reader.first_block, self._batch_size)
             ahead = self._ahead.next()  # its error, raised here
             block = self._reader.next_block() if ahead is None else ahead.block
             if block is not None:
@@ -294,10 +295,13 @@ class RecordStream:
                 if ahead is not None and ahead.view[0] == view[0] and ahead.view[1] is view[1]:
                     self._view = (view[0], view[1], ahead.records)
                 if self._opened:
-                    self._opened = False  # a restart's first batch waits for no read-ahead
-                elif view[0] != "raw" or self.dedup or isinstance(self._reader, EpochReader):
+                    pass  # a restart's first batch is made here, with no read-ahead beside it
+                elif isinstance(self._reader, EpochReader):
                     # a shuffled window's raw records are cut ahead too: the cut overlaps the
-                    # consumer's commits (an fsync each); a file's alone gain nothing ahead
+                    # consumer's commits (an fsync each); its next window is read ahead
+                    self._reader.read_ahead = True
+                    self._ahead.start(self._reader, view)
+                elif view[0] != "raw" or self.dedup:  # a file's raw blocks gain nothing ahead
                     self._ahead.start(self._reader, view)
                 return True
             self._ahead.wait()  # the reads after the last block find nothing either
@@ -335,8 +339,9 @@ class RecordStream:
         short. Each batch is pending until ``commit`` of its id (or a later one).
 
         ``format``: ``"raw"`` (a list of ``bytes`` lines, or of Parquet rows as dicts),
-        ``"arrow"`` (a ``pyarrow.Table``: jsonl parsed by pyarrow's JSON reader, one column
-        per field; txt as one ``text`` column; Parquet columns as stored) or ``"pydict"``
+        ``"arrow"`` (a ``pyarrow.Table``: jsonl as pyarrow's JSON reader makes it, one column
+        per field, flat records in one compiled pass; txt as one ``text`` column; Parquet
+        columns as stored) or ``"pydict"``
         (that table as a dict of column lists). ``schema`` (a ``pyarrow.Schema``) fixes the
         columns and types of parsed batches; without it they are inferred per block.
         """
@@ -350,6 +355,7 @@ class RecordStream:
         if schema is not None and not parsed:
             raise InvalidInput("schema= applies to parsed batches (format='arrow' or 'pydict')")
         view = "arrow" if parsed else "raw"
+        self._batch_size = batch_size  # a restart's first blocks are this size (shuffled)
         if self._epochs is not None and self._epochs.exhausted:
             self._start_epoch(None)  # iterating again: the next epoch
         while True:
@@ -368,6 +374,7 @@ class RecordStream:
             if batch is None:
                 return
             records, hashes, coord, slot = batch
+            self._opened = False  # the first batch is out: read ahead from the next block on
             batch_id = self._commits.hand_out(coord, hashes, slot)
             if self._epochs is not None:
                 self._epochs.handed_out = True

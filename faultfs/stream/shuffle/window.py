@@ -14,9 +14,14 @@ Invariants:
   (the first occurrence of a record is the first in the shuffled order), and a batch's
   coordinate is that of its last record. The window is read, hashed and parsed once.
 - ``EpochReader`` hands out the windows of one reader's epoch from a resume point (a window
-  and a position in it): only that window is read again, nothing before it. While a window
-  is handed out the next one is read (and hashed, with dedup) in a thread (the reads take
-  turns in window order): memory is two windows of bytes, and a window's parsed table.
+  and a position in it): only that window is read again, nothing before it. Once the
+  stream says so (``read_ahead``: after a restart's first batch), while a window is handed
+  out the next one is read (and hashed, with dedup) in a thread (the reads take turns in
+  window order): memory is two windows of bytes, and a window's parsed table. The first
+  ``FIRST_MIXED`` positions after opening are handed out in blocks of the stream's batch
+  size (``first_block``) at most, also where they cross into the next window, so a
+  restart's first batch parses only about its own rows wherever the checkpoint falls in
+  its window.
   The kernel is asked to read the local pieces of the next ``ADVISED_AHEAD`` windows into the
   page cache in the background (advice: what is read, and when, does not change).
 - A line window's records are cut from one buffer that joins its blocks' lines (a line
@@ -61,8 +66,9 @@ _cut = getattr(_compiled, "cut", None)
 _lines = getattr(_compiled, "lines", None)  # a build older than the scan has none
 
 MIXED_BLOCK = 65536  # positions per mixed block: what one read-ahead step makes
-FIRST_MIXED = 4096  # the first after opening: a restart's first batch parses this many rows,
-# not a whole window's
+FIRST_MIXED = 4096  # the first positions after opening, in blocks of at most this many (the
+# next window's first ones too, where a restart's first batch crosses into it): a restart's
+# first batch parses these rows, not a whole window's
 WINDOWS_AHEAD = 1  # windows read ahead: the next window is read while this one is used
 ADVISED_AHEAD = 2  # windows past the one being read whose local pieces the kernel is asked to
 # read into the page cache (``ShardFiles.advise``): their cold pages arrive in parallel, in
@@ -387,8 +393,9 @@ class Window:
                 global_start=0, data=b"\n".join(self.records(idx)) + b"\n", data_offset=0,
                 starts=stops - lengths, stops=stops,
             )
-            try:
-                return block_table(block, schema)
+            try:  # on this thread alone: a hand-off to pyarrow's threads costs a restart
+                # more than the parse of a few rows, on a busy host several times more
+                return block_table(block, schema, threads=False)
             except Exception:  # the window's table, parsed block by block, names the record
                 pass
         return take_rows(self.table(schema), idx)
@@ -471,10 +478,13 @@ class EpochReader:
         self._zero = global_row_idx - position  # global_zero of the window read next
         self._window: Window | None = None
         self._pos = 0
-        self._size = FIRST_MIXED  # positions of the next mixed block
+        self._first_left = FIRST_MIXED  # of the first positions after opening: small blocks
+        self.first_block = FIRST_MIXED  # their size: the stream's batch size, where smaller
         self._ahead: deque[Future[Window]] = deque()  # windows _next.. being read, in order
         self._submitted = first
-        self._handed = False  # a mixed block was handed out: read ahead from now on
+        # the next window read in a thread while this one is used: set by the stream once a
+        # restart's first batch is out (that batch shares the CPU and the GIL with no read)
+        self.read_ahead = False
         self._pool: ThreadPoolExecutor | None = None
         # what each window read ahead is made ready for: (its hashes, (parsed, schema))
         self.want: tuple[bool, tuple[bool, Any]] = (False, (False, None))
@@ -519,9 +529,9 @@ class EpochReader:
             self._submitted += 1
 
     def next_block(self) -> MixedBlock | None:
-        """The next positions of the epoch (None: its end). The next window is read ahead
-        once a block was handed out: a restart's first batch shares the GIL with no read."""
-        if self._handed:
+        """The next positions of the epoch (None: its end); the next window read ahead once
+        ``read_ahead`` is set (module doc)."""
+        if self.read_ahead:
             self._read_ahead()
         while True:
             window = self._window
@@ -537,13 +547,13 @@ class EpochReader:
                 self._window, self._pos = window, max(start, window.spec.start)
                 self._next += 1
                 self._submitted = max(self._submitted, self._next)
-                if self._handed:
+                if self.read_ahead:
                     self._read_ahead()
             if self._pos < window.count:
                 a = self._pos
-                self._pos = min(window.count, a + self._size)
-                self._size = MIXED_BLOCK
-                self._handed = True
+                step = min(self._first_left, self.first_block) if self._first_left else MIXED_BLOCK
+                self._pos = min(window.count, a + step)
+                self._first_left = max(0, self._first_left - (self._pos - a))
                 return MixedBlock(window, a, self._pos)
             self._window = None
 
