@@ -157,6 +157,7 @@ with proxy:
         proxy.reset_stats()
         gets = [r for r in s["log"] if r["method"] == "GET"]
         print(json.dumps({"gets": len(gets),
+                          "heads": sum(r["method"] == "HEAD" for r in s["log"]),
                           "get_bytes": sum(r["response_bytes"] for r in gets)}), flush=True)
 """
 
@@ -227,7 +228,8 @@ def readers(system: str, proxy: Proxy, cache: Path, case: str, key: str, size: i
 def where_time_went(answers: list[dict], served: dict) -> str:
     """The per-run line's detail: GETs and MiB the proxy served, the readers' open and read
     latencies (random cases: median, p90, max in ms), and faultfs::'s counters."""
-    out = f"; {served['gets']} GETs, {served['get_bytes'] / 2**20:.1f} MiB"
+    out = (f"; {served['gets']} GETs, {served['get_bytes'] / 2**20:.1f} MiB, "
+           f"{served['heads']} HEADs")
     out += f"; cpu {statistics.median(a['cpu'] for a in answers) * 1e3:.1f} ms/proc"
     lat = sorted(x for a in answers for x in a.get("lat", ()))
     if lat:

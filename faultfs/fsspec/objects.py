@@ -173,6 +173,7 @@ class PinnedObject:
         self._source_lock = threading.Lock()  # held while a recorded pin's source opens
         self._open: dict[int, _Held] = {}
         self._paths: dict[int, str] = {}  # blob files by chunk: their names encoded once
+        self._seen: set[int] = set()  # chunks found staged by the read-ahead (``_on_disk``)
         self._closed = False
         OPEN_SHARE.join()
 
@@ -415,9 +416,16 @@ class PinnedObject:
                     del self._flights[index]
 
     def _on_disk(self, index: int) -> bool:
-        """Whether a blob file of chunk ``index`` stands in the store (ours or the mount's)."""
-        return os.path.exists(self._path(index)) or (
+        """Whether a blob file of chunk ``index`` stands in the store (ours or the mount's);
+        a chunk once seen there is not looked for again (read-ahead asks on every read: an
+        evicted one is faulted when its reader gets there)."""
+        if index in self._seen:
+            return True
+        found = os.path.exists(self._path(index)) or (
             self._mounted is not None and os.path.exists(self._mounted.path(index)))
+        if found:
+            self._seen.add(index)
+        return found
 
     def _path(self, index: int) -> str:
         """The file of chunk ``index``'s blob in this object's tag."""
