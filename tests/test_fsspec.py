@@ -230,6 +230,23 @@ def test_warm_reads_check_every_block_even_read_into_the_callers_buffer(ffs, sam
         assert fs.drain(timeout=60)
 
 
+def test_tags_keep_their_names():
+    """A tag names staged blobs in every store: its name is fnv1a64 of the JSON of the
+    object's URL, endpoint, version and chunk size, whatever builds it."""
+    from faultfs.core.context import fnv1a64
+    from faultfs.core.names import PROTOCOL_TAG_PREFIX
+    from faultfs.fsspec.objects import tag_for
+
+    for url, endpoint, version in (("s3://b/k.h5", "http://127.0.0.1:9000", "5 etag:\"ab\""),
+                                   ("/data/é \\ \"q\"\n\x01.bin", "", "7 mtime_ns:1"),
+                                   ("https://h/p?versionId=3", "", "0 etag:🙂")):
+        identity = json.dumps([url, endpoint, version, 4 << 20], separators=(",", ":"))
+        assert tag_for(url, endpoint, version, 4 << 20) == (
+            f"{PROTOCOL_TAG_PREFIX}{fnv1a64(identity.encode()):016x}")
+    assert tag_for("s3://b/k", "", "1 etag:x", 1 << 20) == ".fsspec-" + format(
+        fnv1a64(b'["s3://b/k","","1 etag:x",1048576]'), "016x")
+
+
 def test_text_mode_pickling_and_forked_workers(ffs, tmp_path):
     """Text mode wraps the binary file as fsspec does; the file system pickles (Dask ships it
     to workers) and works in a forked child after the parent used it (a DataLoader worker):

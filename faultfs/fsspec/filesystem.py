@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import errno
 import functools
-import json
 import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from json.encoder import encode_basestring_ascii as _json_str
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import fsspec
@@ -195,7 +195,8 @@ class FaultFileSystem(_Base):
         options = SourceOptions(storage_options=dict(self.target_options))
         shared = self._shared_here()
         shown = display_url(url)
-        identity = json.dumps([shown, self._endpoint, self.chunk_size])
+        # json.dumps([shown, endpoint, chunk_size]) without its encoder's setup per process
+        identity = f"[{_json_str(shown)}, {_json_str(self._endpoint)}, {self.chunk_size}]"
         version = shared.pins.fresh(identity, self.pin_ttl)
         source: Source | Callable[[], Source]
         forget = None

@@ -22,13 +22,13 @@ import collections
 import concurrent.futures
 import errno
 import functools
-import json
 import logging
 import os
 import resource
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring_ascii as _json_str
 from typing import TYPE_CHECKING
 
 from faultfs.core.context import fnv1a64
@@ -88,7 +88,10 @@ OPEN_SHARE = _OpenShare()
 @functools.lru_cache(maxsize=4096)  # fnv1a64 is pure Python: paid once per object version
 def tag_for(url: str, endpoint: str, version: str, chunk_size: int) -> str:
     """The tag of ``url`` (reached at ``endpoint``) at ``version``, cut in ``chunk_size``."""
-    identity = json.dumps([url, endpoint, version, chunk_size], separators=(",", ":"))
+    # json.dumps([url, endpoint, version, chunk_size], separators=(",", ":")), byte for byte
+    # (tags are persistent names), without its encoder's setup in every new process
+    identity = (f"[{_json_str(url)},{_json_str(endpoint)},{_json_str(version)},"
+                f"{int(chunk_size)}]")
     return f"{PROTOCOL_TAG_PREFIX}{fnv1a64(identity.encode()):016x}"
 
 
