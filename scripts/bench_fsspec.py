@@ -17,8 +17,11 @@ Each system with its defaults: faultfs:: (4 MiB chunks, read-ahead 4; 8 processe
 store; pin_ttl 60 s, its default: an object pinned in the last minute by any process opens
 without asking S3), faultfs-ttl0 (the same with pin_ttl=0: every open pins the object with a
 HEAD, the behaviour before the ttl), blockcache:: and simplecache:: over s3fs (8 processes: a cache directory each — one
-shared by 8 readers gave simplecache:: wrong bytes), plain s3fs (50 MiB readahead blocks). Every read is checked against
-the object. The results section of docs/benchmarks-fsspec.md is rewritten (--no-doc to skip).
+shared by 8 readers gave simplecache:: wrong bytes), plain s3fs (50 MiB readahead blocks), and
+local: the object's bytes in a local file read with open() — the floor of any cache's warm
+pass (its "cold" rows read the same file). Every read is checked against the object. The
+readers of a case start together once all have imported their modules and made their file
+system (a barrier); each reports the wall time and the CPU time of its timed part. The results section of docs/benchmarks-fsspec.md is rewritten (--no-doc to skip).
 --quick: a 64 MiB object, 48 random reads per process, one run (a test may call it).
 --variant NAME=DIR: another tree's faultfs:: beside, as system faultfs-NAME (a before/after
 in one run). Each case's log line has the GETs and MiB the proxy served, the readers' open
@@ -56,7 +59,8 @@ ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks-fsspec.md"
 BEGIN, END = "<!-- bench_fsspec results: begin -->", "<!-- bench_fsspec results: end -->"
 BUCKET, KEY, H5_KEY = "faultfs-bench", "run42/field.bin", "run42/chunks.h5"
-SYSTEMS = ("faultfs", "faultfs-ttl0", "blockcache", "simplecache", "s3fs")
+SYSTEMS = ("faultfs", "faultfs-ttl0", "blockcache", "simplecache", "s3fs", "local")
+LOCAL_FILES: dict[str, str] = {}  # system "local": each key's bytes in a local file
 OURS = ("faultfs", "faultfs-ttl0")
 VARIANTS: dict[str, str] = {}  # faultfs-NAME: the tree its readers import (--variant)
 
@@ -73,10 +77,10 @@ WHO = "bench_fsspec"
 READER = r"""
 import hashlib, json, random, sys, time
 import fsspec
-system, endpoint, cache, case, key, size, n, ops, seed, start_at = sys.argv[1:11]
-size, n, ops, seed, start_at = int(size), int(n), int(ops), int(seed), float(start_at)
-s3 = {"endpoint_url": endpoint, "key": sys.argv[11], "secret": sys.argv[12],
-      "client_kwargs": {"region_name": sys.argv[13]}, "use_listings_cache": False}
+system, endpoint, cache, case, key, size, n, ops, seed = sys.argv[1:10]
+size, n, ops, seed = int(size), int(n), int(ops), int(seed)
+s3 = {"endpoint_url": endpoint, "key": sys.argv[10], "secret": sys.argv[11],
+      "client_kwargs": {"region_name": sys.argv[12]}, "use_listings_cache": False}
 if case == "h5py":
     import h5py
 if system.startswith("faultfs"):
@@ -85,15 +89,20 @@ if system.startswith("faultfs"):
 elif system in ("blockcache", "simplecache"):
     fs = fsspec.filesystem(system, target_protocol="s3", target_options=s3,
                            cache_storage=cache)
+elif system == "local":  # the floor of any cache: the object's bytes in a local file (key)
+    class _Local:
+        open = staticmethod(lambda path, mode: open(path, mode))
+    fs = _Local()
 else:
     fs = fsspec.filesystem("s3", **s3)
-while time.time() < start_at:
-    time.sleep(0.001)
-began = time.perf_counter()
+print("ready", flush=True)  # the barrier: every reader is up before any starts
+sys.stdin.readline()
+began, cpu = time.perf_counter(), time.process_time()
 out = {}
+# the bytes read are checked after the timed part (a sha256 of 64 MiB took longer than a
+# warm cache's whole read of them)
 if case in ("seq", "shared8"):
-    h = hashlib.sha256()
-    lat = []
+    blocks, lat = [], []
     with fs.open(key, "rb") as f:
         out["open"] = time.perf_counter() - began
         while True:
@@ -102,27 +111,33 @@ if case in ("seq", "shared8"):
             lat.append(time.perf_counter() - t0)
             if not block:
                 break
-            h.update(block)
-    out["lat"] = lat
-    out["sha"] = h.hexdigest()
+            blocks.append(block)
 elif case == "h5py":
     with fs.open(key, "rb") as f, h5py.File(f, "r") as h5:
         data = h5["field"][...]
-    out["sum"] = float(data.sum(dtype="f8"))
 else:
     rng = random.Random(seed)
-    got, lat = [], []
+    pieces, lat = [], []
     with fs.open(key, "rb") as f:
         out["open"] = time.perf_counter() - began
         for _ in range(ops):
             off = rng.randrange(0, size // n) * n
             t0 = time.perf_counter()
             f.seek(off)
-            piece = f.read(n)
+            pieces.append((off, f.read(n)))
             lat.append(time.perf_counter() - t0)
-            got.append((off, hashlib.sha256(piece).hexdigest()))
-    out["got"], out["lat"] = got, lat
 out["seconds"] = time.perf_counter() - began
+out["cpu"] = time.process_time() - cpu  # all of the process's threads
+if case in ("seq", "shared8"):
+    h = hashlib.sha256()
+    for block in blocks:
+        h.update(block)
+    out["lat"], out["sha"] = lat, h.hexdigest()
+elif case == "h5py":
+    out["sum"] = float(data.sum(dtype="f8"))
+else:
+    out["lat"] = lat
+    out["got"] = [(off, hashlib.sha256(piece).hexdigest()) for off, piece in pieces]
 if system.startswith("faultfs"):
     fs.drain(30)
     out["stats"] = fs.stats()
@@ -142,6 +157,7 @@ with proxy:
         proxy.reset_stats()
         gets = [r for r in s["log"] if r["method"] == "GET"]
         print(json.dumps({"gets": len(gets),
+                          "heads": sum(r["method"] == "HEAD" for r in s["log"]),
                           "get_bytes": sum(r["response_bytes"] for r in gets)}), flush=True)
 """
 
@@ -174,7 +190,6 @@ class Proxy:
 def readers(system: str, proxy: Proxy, cache: Path, case: str, key: str, size: int, n: int,
             ops: int, procs: int, env: dict) -> list[dict]:
     """``procs`` reader processes of one case, started together; their JSON answers."""
-    start_at = time.time() + 1.0 + 0.1 * procs  # every interpreter is up by then
     # fsspec's caches are not safe for processes sharing a directory (simplecache:: served
     # wrong bytes to 8 readers of one directory here): each process gets its own, as a
     # careful user must; faultfs:: processes share one store, as they are meant to
@@ -185,10 +200,22 @@ def readers(system: str, proxy: Proxy, cache: Path, case: str, key: str, size: i
         d.mkdir(exist_ok=True)
     children = [subprocess.Popen(
         [sys.executable, "-c", READER, system, proxy.url, str(dirs[i]), case,
-         f"{BUCKET}/{key}", str(size), str(n), str(ops), str(1000 + i), str(start_at),
+         LOCAL_FILES[key] if system == "local" else f"{BUCKET}/{key}", str(size), str(n), str(ops), str(1000 + i),
          S3_KEY_ID, S3_SECRET, S3_REGION],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd="/")
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=env, cwd="/")
         for i in range(procs)]
+    # a barrier: every reader has imported its modules and made its file system before any
+    # starts (a reader still importing would take the cores from the others' timed reads)
+    for child in children:
+        assert child.stdout is not None
+        if child.stdout.readline().strip() != "ready":
+            _, stderr = child.communicate(timeout=CASE_TIMEOUT_S)
+            raise SystemExit(f"{WHO}: {system} {case} failed: {stderr.strip()[-800:]}")
+    for child in children:
+        assert child.stdin is not None
+        child.stdin.write("go\n")
+        child.stdin.flush()
     out = []
     for child in children:
         stdout, stderr = child.communicate(timeout=CASE_TIMEOUT_S)
@@ -201,7 +228,9 @@ def readers(system: str, proxy: Proxy, cache: Path, case: str, key: str, size: i
 def where_time_went(answers: list[dict], served: dict) -> str:
     """The per-run line's detail: GETs and MiB the proxy served, the readers' open and read
     latencies (random cases: median, p90, max in ms), and faultfs::'s counters."""
-    out = f"; {served['gets']} GETs, {served['get_bytes'] / 2**20:.1f} MiB"
+    out = (f"; {served['gets']} GETs, {served['get_bytes'] / 2**20:.1f} MiB, "
+           f"{served['heads']} HEADs")
+    out += f"; cpu {statistics.median(a['cpu'] for a in answers) * 1e3:.1f} ms/proc"
     lat = sorted(x for a in answers for x in a.get("lat", ()))
     if lat:
         opened = statistics.median(a["open"] for a in answers)
@@ -233,6 +262,7 @@ def measure(args, proxy: Proxy, work: Path, env: dict, expect: dict) -> dict:
     """results[(system, case, warm)] = list of values (seconds, or ops/s for random cases)."""
     results: dict[tuple[str, str, bool], list[float]] = {}
     source: dict[tuple[str, str, bool], list[int]] = {}
+    cpu: dict[tuple[str, str, bool], list[float]] = {}  # a reader's CPU seconds (median)
     for run in range(args.runs):
         for case in args.cases:  # the systems of one case run back to back: a load that
             # comes and goes on a shared machine weighs on the ratios less
@@ -251,6 +281,8 @@ def measure(args, proxy: Proxy, work: Path, env: dict, expect: dict) -> dict:
                     took = max(a["seconds"] for a in answers)
                     value = (args.rand_ops * procs / took) if case in RANDOM else took
                     results.setdefault((system, case, warm), []).append(value)
+                    cpu.setdefault((system, case, warm), []).append(
+                        statistics.median(a["cpu"] for a in answers))
                     served = proxy.window()
                     source.setdefault((system, case, warm), []).append(served["get_bytes"])
                     log(f"run {run + 1} {system:11s} {case:8s} {'warm' if warm else 'cold'}: "
@@ -267,7 +299,7 @@ def measure(args, proxy: Proxy, work: Path, env: dict, expect: dict) -> dict:
         check("shared8", answers, expect)
         shared.append(proxy.window()["get_bytes"] / (args.size_mb << 20))
         shutil.rmtree(cache, ignore_errors=True)
-    return {"results": results, "source": source, "shared8": shared}
+    return {"results": results, "source": source, "cpu": cpu, "shared8": shared}
 
 
 def render(args, measured: dict, meta: dict) -> str:
@@ -303,12 +335,24 @@ def render(args, measured: dict, meta: dict) -> str:
             for warm in (False, True):
                 cells = []
                 for s in others:
+                    if s == "local" and not warm:
+                        cells.append("—")  # a local file is never cold: no target
+                        continue
                     value, theirs = med[(mine, case, warm)], med[(s, case, warm)]
                     ratio = value / theirs if case in RANDOM else theirs / value
                     target = 2.0 if warm else 1.5
                     cells.append(f"{ratio:.2f}×" + ("" if ratio >= target else " (below)"))
                 lines.append(f"| {case} {'warm' if warm else 'cold'} | " + " | ".join(cells)
                              + " |")
+    cpu = {k: statistics.median(v) for k, v in measured["cpu"].items()}
+    lines += ["", "CPU milliseconds of one reader process (the timed part, all its threads; "
+              "median of the processes, then of the runs) — what a loaded machine moves less:",
+              "", "| case | " + " | ".join(args.systems) + " |",
+              "| --- |" + " ---: |" * len(args.systems)]
+    for case in args.cases:
+        for warm in (False, True):
+            cells = [f"{cpu[(s, case, warm)] * 1e3:.2f}" for s in args.systems]
+            lines.append(f"| {case} {'warm' if warm else 'cold'} | " + " | ".join(cells) + " |")
     src = {k: statistics.median(v) for k, v in measured["source"].items()}
     lines += ["", "Bytes the proxy served per case, over the object (cold / warm):", "",
               "| case | " + " | ".join(args.systems) + " |",
@@ -385,6 +429,9 @@ def main() -> int:
         h5 = work / "chunks.h5"
         h5sum = h5_object(h5, args.h5_mb)
         client.upload_file(str(h5), BUCKET, H5_KEY)
+        if "local" in args.systems:
+            (work / "object.bin").write_bytes(data)
+            LOCAL_FILES.update({KEY: str(work / "object.bin"), H5_KEY: str(h5)})
         import hashlib
 
         pieces = {}

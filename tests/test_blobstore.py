@@ -170,6 +170,44 @@ def test_a_small_read_verifies_its_own_block_only(store):
     blob.close()
 
 
+@pytest.mark.parametrize("damaged", [0, 2, 4])  # the first, an inner and the last block read
+def test_a_read_over_blocks_checks_each_without_joining_them(store, damaged):
+    """A read over several blocks returns the bytes asked for read once (``pread``) or
+    straight into the caller's buffer (``preadinto``), the rest of its end blocks read apart:
+    every block it lies in is checked, the first and last too, whatever the offsets."""
+    payload = os.urandom(100 << 10)  # 16 KiB blocks: seven of them
+    store.put("tag", "b", payload, flags=FLAG_NO_FAULT)
+    blob = store.open_blob("tag", "b")
+    bs = blob.header.block_size
+    assert bs == 16 << 10
+    for off, size in ((5, 3 * bs), (bs, 2 * bs), (bs - 1, 2), (7, 100 << 10), (0, 5 << 20),
+                      (3 * bs + 9, 1)):
+        want = payload[off:off + size]
+        assert blob.pread(size, off) == want
+        buf = bytearray(size + 3)
+        assert blob.preadinto(memoryview(buf)[:size], off) == len(want)
+        assert bytes(buf[:len(want)]) == want
+    blob.close()
+    with open(store.blob_path("tag", "b"), "r+b") as f:  # one byte of one block
+        at = damaged * bs + bs // 2
+        f.seek(HEADER_LEN + at)
+        f.write(bytes([payload[at] ^ 0x40]))
+    blob = store.open_blob("tag", "b")
+    # the damaged byte in the bytes asked for, or only in the rest of an end block
+    for off, size in ((bs // 3, 4 * bs + 100), (damaged * bs + 1, bs), (1, 5 * bs - 2),
+                      (damaged * bs + bs // 2 + 10, bs), (max(0, damaged - 1) * bs, bs + 9)):
+        if not off // bs <= damaged <= (off + size - 1) // bs:
+            continue
+        with pytest.raises(CorruptionError, match=f"block {damaged} failed its checksum"):
+            blob.pread(size, off)
+        with pytest.raises(CorruptionError, match=f"block {damaged} failed its checksum"):
+            blob.preadinto(memoryview(bytearray(size)), off)
+    # the blocks around it still read
+    good = 5 * bs + 3
+    assert blob.pread(bs, good) == payload[good:good + bs]
+    blob.close()
+
+
 def test_huge_length_gives_exact_error():
     header, _ = encode_header("t", "b", b"data", flags=FLAG_NO_FAULT)
     raw = bytearray(header)

@@ -171,7 +171,12 @@ def test_threads_reading_one_object_at_once(ffs, sample):
         for _ in range(300):
             start = rng.randrange(0, len(data))
             end = min(len(data), start + rng.choice([1, 4096, 70_000, 300_000]))
-            assert obj.read(start, end, ahead=rng.choice([0, 2])) == data[start:end]
+            if rng.random() < 0.5:
+                assert obj.read(start, end, ahead=rng.choice([0, 2])) == data[start:end]
+            else:  # straight into a buffer (readinto): the same bytes
+                buf = bytearray(end - start + 5)
+                got = obj.read_into(start, memoryview(buf)[:end - start])
+                assert got == end - start and buf[:got] == data[start:end]
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         for done in [pool.submit(reader, seed) for seed in range(8)]:
@@ -179,6 +184,67 @@ def test_threads_reading_one_object_at_once(ffs, sample):
     assert fs.drain(timeout=60)
     obj.close()
     assert fs.stats().get("damaged_dropped", 0) == 0
+
+
+def test_warm_reads_check_every_block_even_read_into_the_callers_buffer(ffs, sample, tmp_path):
+    """Warm hits over several blocks — ``read``, and ``readinto`` straight into the caller's
+    buffer, as h5py and numpy read — return the object's bytes; a block damaged on disk, in
+    the bytes asked for or only beside them in an end block, is a miss: the chunk is faulted
+    again and its new blob serves the next reads, never the damaged bytes."""
+    import array
+    import glob
+
+    path = sample(300_001)
+    data = content(path)
+    fs = ffs()  # 64 KiB chunks of 16 KiB blocks
+    with fs.open(path) as f:
+        assert f.read() == data
+    assert fs.drain(timeout=60)
+    at = 65536 + 2 * 16384 + 9000  # chunk 1, its third block
+
+    def damage() -> None:
+        blob = glob.glob(str(tmp_path / "store" / "tags" / "*" / "b-1"))
+        assert len(blob) == 1
+        with open(blob[0], "r+b") as f:
+            f.seek(4096 + at - 65536)
+            f.write(bytes([data[at] ^ 1]))
+
+    # readinto from 100 bytes past the damaged byte: it lies only in the rest of the first
+    # block read; then from before it; then read()
+    for start, how in ((at + 100, "readinto"), (at - 5000, "readinto"), (at - 40_000, "read")):
+        damage()
+        fs = ffs()
+        with fs.open(path) as f:
+            f.seek(start)
+            if how == "readinto":
+                ints = array.array("I", bytes(4 * 3000))  # 12000 bytes over two blocks, cast
+                assert f.readinto(ints) == 12000
+                assert ints.tobytes() == data[start:start + 12000]
+            else:
+                assert f.read(50_000) == data[start:start + 50_000]
+            stats = fs.stats()
+            assert stats["damaged_dropped"] == 1 and stats["faults"] == 1
+            f.seek(start)  # the chunk faulted again: a hit
+            assert f.read(10) == data[start:start + 10]
+            assert fs.stats()["faults"] == 1
+        assert fs.drain(timeout=60)
+
+
+def test_tags_keep_their_names():
+    """A tag names staged blobs in every store: its name is fnv1a64 of the JSON of the
+    object's URL, endpoint, version and chunk size, whatever builds it."""
+    from faultfs.core.context import fnv1a64
+    from faultfs.core.names import PROTOCOL_TAG_PREFIX
+    from faultfs.fsspec.objects import tag_for
+
+    for url, endpoint, version in (("s3://b/k.h5", "http://127.0.0.1:9000", "5 etag:\"ab\""),
+                                   ("/data/é \\ \"q\"\n\x01.bin", "", "7 mtime_ns:1"),
+                                   ("https://h/p?versionId=3", "", "0 etag:🙂")):
+        identity = json.dumps([url, endpoint, version, 4 << 20], separators=(",", ":"))
+        assert tag_for(url, endpoint, version, 4 << 20) == (
+            f"{PROTOCOL_TAG_PREFIX}{fnv1a64(identity.encode()):016x}")
+    assert tag_for("s3://b/k", "", "1 etag:x", 1 << 20) == ".fsspec-" + format(
+        fnv1a64(b'["s3://b/k","","1 etag:x",1048576]'), "016x")
 
 
 def test_text_mode_pickling_and_forked_workers(ffs, tmp_path):

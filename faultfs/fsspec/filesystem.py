@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import errno
 import functools
-import json
 import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from json.encoder import encode_basestring_ascii as _json_str
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import fsspec
@@ -195,7 +195,8 @@ class FaultFileSystem(_Base):
         options = SourceOptions(storage_options=dict(self.target_options))
         shared = self._shared_here()
         shown = display_url(url)
-        identity = json.dumps([shown, self._endpoint, self.chunk_size])
+        # json.dumps([shown, endpoint, chunk_size]) without its encoder's setup per process
+        identity = f"[{_json_str(shown)}, {_json_str(self._endpoint)}, {self.chunk_size}]"
         version = shared.pins.fresh(identity, self.pin_ttl)
         source: Source | Callable[[], Source]
         forget = None
@@ -353,15 +354,20 @@ class FaultFile(AbstractBufferedFile):
         self._direct = self.cache.name == "none"  # reads go to the store as they come
 
     def _fetch_range(self, start: int, end: int) -> bytes:
+        try:
+            return self._obj.read(start, end, ahead=self._sequential(start, end))
+        except FaultfsError as exc:
+            raise as_oserror(exc, self.path) from None
+
+    def _sequential(self, start: int, end: int) -> int:
+        """The read-ahead for a read of ``[start, end)``: doubled for a read where the last
+        ended (or from the start), up to ``read_ahead`` chunks; none for a jump."""
         if start == self._next or start == 0:  # a read from the start is taken as sequential
             self._ahead = min(max(1, self._ahead * 2), self.fs.read_ahead)
         else:
             self._ahead = 0
         self._next = end
-        try:
-            return self._obj.read(start, end, ahead=self._ahead)
-        except FaultfsError as exc:
-            raise as_oserror(exc, self.path) from None
+        return self._ahead
 
     def read(self, length: int = -1) -> bytes:
         """fsspec's ``read`` without its cache layer when there is none to use (the default,
@@ -380,6 +386,26 @@ class FaultFile(AbstractBufferedFile):
             self.loc += len(out)
             return out
         return super().read(length)  # type: ignore[no-any-return]
+
+    def readinto(self, b: Any) -> int:
+        """fsspec's ``readinto`` reads and then copies; without a cache layer a hit is read
+        straight into ``b`` (h5py and numpy read this way)."""
+        if not self._direct:
+            return super().readinto(b)  # type: ignore[no-any-return]
+        if self.closed:
+            raise ValueError("I/O operation on closed file.")
+        out = memoryview(b).cast("B")
+        start = self.loc
+        end = min(start + len(out), self.size)
+        if end <= start:
+            return 0
+        try:
+            got = self._obj.read_into(start, out[:end - start],
+                                      ahead=self._sequential(start, end))
+        except FaultfsError as exc:
+            raise as_oserror(exc, self.path) from None
+        self.loc += got
+        return got
 
     def close(self) -> None:
         super().close()

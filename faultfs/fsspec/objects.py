@@ -22,13 +22,13 @@ import collections
 import concurrent.futures
 import errno
 import functools
-import json
 import logging
 import os
 import resource
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring_ascii as _json_str
 from typing import TYPE_CHECKING
 
 from faultfs.core.context import fnv1a64
@@ -88,7 +88,10 @@ OPEN_SHARE = _OpenShare()
 @functools.lru_cache(maxsize=4096)  # fnv1a64 is pure Python: paid once per object version
 def tag_for(url: str, endpoint: str, version: str, chunk_size: int) -> str:
     """The tag of ``url`` (reached at ``endpoint``) at ``version``, cut in ``chunk_size``."""
-    identity = json.dumps([url, endpoint, version, chunk_size], separators=(",", ":"))
+    # json.dumps([url, endpoint, version, chunk_size], separators=(",", ":")), byte for byte
+    # (tags are persistent names), without its encoder's setup in every new process
+    identity = (f"[{_json_str(url)},{_json_str(endpoint)},{_json_str(version)},"
+                f"{int(chunk_size)}]")
     return f"{PROTOCOL_TAG_PREFIX}{fnv1a64(identity.encode()):016x}"
 
 
@@ -172,6 +175,8 @@ class PinnedObject:
         self._lock = threading.Lock()
         self._source_lock = threading.Lock()  # held while a recorded pin's source opens
         self._open: dict[int, _Held] = {}
+        self._paths: dict[int, str] = {}  # blob files by chunk: their names encoded once
+        self._seen: set[int] = set()  # chunks found staged by the read-ahead (``_on_disk``)
         self._closed = False
         OPEN_SHARE.join()
 
@@ -187,11 +192,14 @@ class PinnedObject:
             return b""
         cs = self.chunk_size
         first, last = start // cs, (end - 1) // cs
-        for index in range(last + 1, min(last + 1 + ahead, self.num_chunks)):
-            if index not in self._open and index not in self._flights and not self._on_disk(
-                    index):
-                self._start_fault(index)
+        if ahead:
+            self._read_ahead(last, ahead)
         if first == last:
+            if first not in self._flights:  # a staged chunk needs no flight: a hit at once
+                data = self._hit(first, start - first * cs, end - start)
+                if data is not None:
+                    self.shared.stats.add("hits")
+                    return data  # type: ignore[return-value]
             return self._range(first, start - first * cs, end - start)
         # several chunks: their faults run at once (each on the pool), then the pieces join
         for index in range(first + 1, last + 1):
@@ -203,6 +211,33 @@ class PinnedObject:
             hi = min(end, (index + 1) * cs) - index * cs
             parts.append(self._range(index, lo, hi - lo))
         return b"".join(parts)
+
+    def read_into(self, start: int, out: memoryview, *, ahead: int = 0) -> int:
+        """As ``read``, into ``out`` (bytes from ``start``, as many as fit); how many. A hit
+        within one chunk is read straight into ``out`` (``OpenBlob.preadinto``)."""
+        end = min(start + len(out), self.size)
+        if start >= end:
+            return 0
+        cs = self.chunk_size
+        index = start // cs
+        if (end - 1) // cs == index and index not in self._flights:
+            if ahead:
+                self._read_ahead(index, ahead)
+                ahead = 0
+            got = self._hit(index, start - index * cs, end - start, into=out)
+            if got is not None:
+                self.shared.stats.add("hits")
+                return int(got)  # type: ignore[arg-type]
+        data = self.read(start, end, ahead=ahead)
+        out[:len(data)] = data
+        return len(data)
+
+    def _read_ahead(self, last: int, ahead: int) -> None:
+        """Fault the ``ahead`` chunks after chunk ``last`` that are not here yet."""
+        for index in range(last + 1, min(last + 1 + ahead, self.num_chunks)):
+            if index not in self._open and index not in self._flights and not self._on_disk(
+                    index):
+                self._start_fault(index)
 
     def close(self) -> None:
         with self._lock:
@@ -261,8 +296,10 @@ class PinnedObject:
             stats.add("head_reads")
         return bytes(got)
 
-    def _hit(self, index: int, off: int, size: int) -> bytes | None:
-        """Bytes of a staged, verified blob, or None (absent, stale, damaged: dropped)."""
+    def _hit(self, index: int, off: int, size: int, *, into: memoryview | None = None
+             ) -> bytes | int | None:
+        """Bytes of a staged, verified blob (read into ``into`` when given: how many), or
+        None (absent, stale, damaged: dropped)."""
         with self._lock:
             held = self._open.pop(index, None)
             if held is not None:
@@ -276,6 +313,8 @@ class PinnedObject:
             if size == 0:
                 return b""
             try:
+                if into is not None:
+                    return held.blob.preadinto(into[:size], off)
                 return held.blob.pread(size, off)
             except CorruptionError:
                 with self._lock:
@@ -297,14 +336,10 @@ class PinnedObject:
             if held is not None:
                 held.users += 1
                 return held
-        tag, name = self.tag, str(index)
-        blob = self.shared.store.open_blob(tag, name, source_version=self.version)
-        if blob is not None:
-            try:  # the protocol's LRU: a mount's blobs are the mount's to keep or evict
-                self.shared.space.touch(self.shared.store.blob_path(tag, name),
-                                        os.fstat(blob.fd).st_mtime)
-            except OSError:
-                pass
+        tag, name, path = self.tag, str(index), self._path(index)
+        blob = self.shared.store.open_blob(tag, name, source_version=self.version, path=path)
+        if blob is not None:  # the protocol's LRU: a mount's blobs are the mount's to keep
+            self.shared.space.touch(path, blob.mtime)
         elif self._mounted is not None:
             blob = self._mounted.open(index)
             tag, name = self._mounted.tag, self._mounted.name(index)
@@ -384,10 +419,23 @@ class PinnedObject:
                     del self._flights[index]
 
     def _on_disk(self, index: int) -> bool:
-        """Whether a blob file of chunk ``index`` stands in the store (ours or the mount's)."""
-        store = self.shared.store
-        return os.path.exists(store.blob_path(self.tag, str(index))) or (
+        """Whether a blob file of chunk ``index`` stands in the store (ours or the mount's);
+        a chunk once seen there is not looked for again (read-ahead asks on every read: an
+        evicted one is faulted when its reader gets there)."""
+        if index in self._seen:
+            return True
+        found = os.path.exists(self._path(index)) or (
             self._mounted is not None and os.path.exists(self._mounted.path(index)))
+        if found:
+            self._seen.add(index)
+        return found
+
+    def _path(self, index: int) -> str:
+        """The file of chunk ``index``'s blob in this object's tag."""
+        path = self._paths.get(index)
+        if path is None:
+            path = self._paths[index] = self.shared.store.blob_path(self.tag, str(index))
+        return path
 
     def _chunk_len(self, index: int) -> int:
         return min(self.chunk_size, self.size - index * self.chunk_size)
@@ -403,7 +451,7 @@ class PinnedObject:
             return False
         claim = shared.claims.acquire(
             self.tag, name, deadline_s=CLAIM_WAIT_S,
-            done=lambda: os.path.exists(shared.store.blob_path(self.tag, name)))
+            done=lambda: os.path.exists(self._path(index)))
         if claim is None:  # published by another process meanwhile (or it took too long)
             hit = self._hit(index, 0, length)
             if hit is not None:

@@ -24,7 +24,8 @@ import os
 import time
 from typing import Any
 
-from faultfs.core.context import fnv1a64
+import xxhash
+
 from faultfs.sources import SourceVersion
 from faultfs.store.durable import write_atomic
 
@@ -35,8 +36,9 @@ DEFAULT_PIN_TTL = 60.0  # seconds: mountpoint-s3's metadata ttl when it caches d
 
 @functools.lru_cache(maxsize=4096)
 def identity_hash(identity: str) -> int:
-    """The record name of ``identity`` (fnv1a64 is pure Python: ~15 µs, paid once here)."""
-    return fnv1a64(identity.encode())
+    """The record name of ``identity`` (xxh3: a record is a hint, so its name may change
+    between versions — a record of another name is no record, and the next open asks)."""
+    return xxhash.xxh3_64_intdigest(identity.encode())
 
 
 class PinRecords:

@@ -67,8 +67,8 @@ def _url_secrets(url: str) -> list[str]:
 
 def display_url(url: str) -> str:
     """``url`` with userinfo dropped and query values (except ``versionId``) shown as ``***``."""
-    if "://" not in url:
-        return url
+    if "://" not in url or ("@" not in url and "?" not in url):
+        return url  # no userinfo, no query: nothing to hide (and no parse)
     parts = urlsplit(url)
     if "@" not in parts.netloc and not parts.query:
         return url

@@ -26,7 +26,13 @@ import xxhash
 from faultfs.buffers import pread_full
 from faultfs.errors import CorruptionError
 from faultfs.store.blobfile import HEADER_LEN, MAX_PAYLOAD, BlobHeader, block_span, decode_header
-from faultfs.store.entries import DEGRADED_ERRNOS, ForeignEntry, blob_path, open_regular
+from faultfs.store.entries import (
+    DEGRADED_ERRNOS,
+    ForeignEntry,
+    blob_path,
+    open_regular,
+    open_regular_stat,
+)
 
 NOWAIT_MAX = 256 << 10  # cached reads up to this size are served on the event loop's thread
 SMALL_READ = 256 << 10  # below this a read returns its own bytes (no pooled mapping: buffers.py)
@@ -43,6 +49,7 @@ class OpenBlob:
     header: BlobHeader
     loaded: memoryview | None = None  # the stored payload, when opened ``whole``
     ino: int | None = None  # the file's inode: which file a damaged read came from
+    mtime: float = 0.0  # the file's mtime when opened (its last use, for an LRU)
 
     def pread(self, size: int, off: int, *, nowait: bool = False) -> bytes | None:
         """Payload bytes ``[off, off+size)``; CorruptionError if a block fails its checksum.
@@ -52,7 +59,6 @@ class OpenBlob:
         h = self.header
         if not nowait and self.loaded is None and 0 <= off < h.payload_len and 0 < size \
                 and not h.all_zero:
-            # the common small read, within one block: one pread, one checksum, one slice
             bs = h.block_size
             first = off // bs
             start = first * bs
@@ -60,14 +66,83 @@ class OpenBlob:
             lo = off - start
             size = min(size, h.payload_len - off)
             if lo + size <= want:
+                # the common small read, within one block: one pread, one checksum, one slice
                 data = os.pread(self.fd, want, HEADER_LEN + start)
                 if len(data) != want:
                     raise CorruptionError(f"blob {h.name} of tag {h.tag} is truncated")
                 if _xxh3(data) != h.block_sums[first]:
                     h.check_blocks(first, data)  # raises, naming the block
                 return data if lo == 0 and size == want else data[lo:lo + size]
+            # over several blocks: the bytes asked for read into the bytes returned (one
+            # copy), the parts of the end blocks around them read apart, all checked
+            data = os.pread(self.fd, size, HEADER_LEN + off)
+            head, tail = self._edges(off, size)
+            if len(data) != size:
+                raise CorruptionError(f"blob {h.name} of tag {h.tag} is truncated")
+            self._check_around(off, memoryview(data), head, tail)
+            return data
         data = self.pread_view(size, off, nowait=nowait)
         return None if data is None else bytes(data)
+
+    def preadinto(self, out: memoryview, off: int) -> int:
+        """Payload bytes from ``off`` read straight into ``out`` (as many as fit, clipped to
+        the blob), every block they lie in checked; how many. CorruptionError if a block
+        fails its checksum (``out`` then holds nothing to use)."""
+        h = self.header
+        size = min(len(out), h.payload_len - off)
+        if size <= 0:
+            return 0
+        if h.all_zero or self.loaded is not None:
+            data = self.pread_view(size, off)
+            assert data is not None
+            out[:size] = data
+            return size
+        bs = h.block_size
+        start = off // bs * bs
+        head = bytearray(off - start)
+        end = off + size
+        tail = bytearray(min(-(-end // bs) * bs, h.stored_len) - end)
+        got = os.preadv(self.fd, [head, out[:size], tail], HEADER_LEN + start)
+        if got != len(head) + size + len(tail):
+            raise CorruptionError(f"blob {h.name} of tag {h.tag} is truncated")
+        self._check_around(off, out[:size], head, tail)
+        return size
+
+    def _edges(self, off: int, size: int) -> tuple[bytes, bytes]:
+        """The parts of the blocks around payload ``[off, off+size)`` outside it: the first
+        block's before it, the last block's after it."""
+        h = self.header
+        bs = h.block_size
+        start, end = off // bs * bs, off + size
+        stop = min(-(-end // bs) * bs, h.stored_len)
+        head = os.pread(self.fd, off - start, HEADER_LEN + start) if off > start else b""
+        tail = os.pread(self.fd, stop - end, HEADER_LEN + end) if stop > end else b""
+        if len(head) != off - start or len(tail) != stop - end:
+            raise CorruptionError(f"blob {h.name} of tag {h.tag} is truncated")
+        return head, tail
+
+    def _check_around(self, off: int, body: memoryview, head: bytes | bytearray,
+                      tail: bytes | bytearray) -> None:
+        """Check the blocks ``head + body + tail`` make up (``body``: payload from ``off``;
+        ``head``, ``tail``: the rest of its first and last blocks) without joining them."""
+        h = self.header
+        bs, sums = h.block_size, h.block_sums
+        end = off + len(body)
+        first, last = off // bs, (end - 1) // bs
+        if first == last:
+            if _sum(head, body, tail) != sums[first]:
+                h.check_blocks(first, b"".join((head, body, tail)))
+            return
+        cut = (first + 1) * bs - off  # where the second block starts in body
+        if _sum(head, body[:cut], b"") != sums[first]:
+            h.check_blocks(first, b"".join((head, body[:cut])))
+        for i in range(first + 1, last):
+            at = cut + (i - first - 1) * bs
+            if _xxh3(body[at:at + bs]) != sums[i]:
+                h.check_blocks(i, body[at:at + bs])
+        at = last * bs - off
+        if _sum(b"", body[at:], tail) != sums[last]:
+            h.check_blocks(last, b"".join((body[at:], tail)))
 
     def pread_view(self, size: int, off: int, *, nowait: bool = False
                    ) -> bytes | memoryview | None:
@@ -129,6 +204,16 @@ class OpenBlob:
             self.fd = -1
 
 
+def _sum(head: bytes | bytearray, body: memoryview, tail: bytes | bytearray) -> int:
+    """The block checksum of ``head + body + tail``, without joining them."""
+    if not head and not tail:
+        return _xxh3(body)
+    state = xxhash.xxh3_64(head)
+    state.update(body)
+    state.update(tail)
+    return state.intdigest()
+
+
 class BlobOpener:
     """Blob files of the store at ``root`` opened and read whole, verified; ``drop_foreign``
     removes what is not a file where one should be (when the store may be written)."""
@@ -153,26 +238,27 @@ class BlobOpener:
             os.close(fd)
 
     def open_blob(self, tag: str, name: str, *, source_version: str | None = None,
-                  whole: bool = False) -> OpenBlob | None:
+                  whole: bool = False, path: str | None = None) -> OpenBlob | None:
         """Open a blob whose header verifies, or None when it is absent, foreign, torn or
         stale (a clean one is then deleted, so it re-faults). Payload blocks are verified
         by each read (``OpenBlob.pread``).
 
         ``whole``: read header and payload in one request (one disk read instead of two, for
         a caller about to read all of it); the blob's reads are then served from memory.
+        ``path``: the blob's file, when the caller has it (``blob_path(root, tag, name)``).
 
         Raises CorruptionError only for a damaged *dirty* blob: user data that is gone
         must be reported, not silently re-faulted."""
-        path = blob_path(self.root, tag, name)
+        path = path or blob_path(self.root, tag, name)
         try:
-            fd = open_regular(path)
+            opened = open_regular_stat(path)
         except ForeignEntry:
             self._drop_foreign(path)
             return None
-        if fd is None:
+        if opened is None:
             return None
+        fd, st = opened
         try:
-            st = os.fstat(fd)
             loaded: memoryview | None = None
             if whole and HEADER_LEN <= st.st_size <= HEADER_LEN + WHOLE_READ_MAX:
                 raw = pread_full(fd, st.st_size, 0)
@@ -196,11 +282,11 @@ class BlobOpener:
         verifies and names blob ``name`` of ``tag`` staged from ``source_version``.
         Otherwise ``fd`` is closed, a damaged or stale clean file deleted, and None returned;
         CorruptionError for a damaged dirty one (as ``open_blob``)."""
-        path = blob_path(self.root, tag, name)
         try:
             header = decode_header(bytes(head), file_size=st.st_size)
             if header.tag != tag or header.name != name:
-                raise CorruptionError(f"{path} holds blob {header.name!r} of tag {header.tag!r}")
+                raise CorruptionError(f"blob {name} of tag {tag} holds blob {header.name!r} "
+                                      f"of tag {header.tag!r}")
         except CorruptionError:
             os.close(fd)
             self.discard_damaged(tag, name, ino=st.st_ino)
@@ -211,9 +297,10 @@ class BlobOpener:
         if (source_version is not None and not header.dirty
                 and header.source_version != source_version):
             os.close(fd)
-            self._discard(path, st.st_ino)  # stale: staged from another version of the source
+            # stale: staged from another version of the source
+            self._discard(blob_path(self.root, tag, name), st.st_ino)
             return None
-        return OpenBlob(fd, header, loaded, st.st_ino)
+        return OpenBlob(fd, header, loaded, st.st_ino, st.st_mtime)
 
     def discard_damaged(self, tag: str, name: str, *, ino: int | None = None) -> bool:
         """Delete a blob that failed verification — unless it is dirty (user data), which

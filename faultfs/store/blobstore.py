@@ -283,10 +283,12 @@ class BlobStore:
         return self._opener.read_header(path)
 
     def open_blob(self, tag: str, name: str, *, source_version: str | None = None,
-                  whole: bool = False) -> OpenBlob | None:
+                  whole: bool = False, path: str | None = None) -> OpenBlob | None:
         """A blob whose header verifies, open for reads verified block by block; None when
-        it is absent, foreign, torn or stale (``BlobOpener.open_blob``)."""
-        return self._opener.open_blob(tag, name, source_version=source_version, whole=whole)
+        it is absent, foreign, torn or stale (``BlobOpener.open_blob``; ``path``: its file,
+        ``blob_path(tag, name)``, when the caller has it)."""
+        return self._opener.open_blob(tag, name, source_version=source_version, whole=whole,
+                                      path=path)
 
     def accept_blob(self, fd: int, st: os.stat_result, head: bytes | bytearray | memoryview,
                     tag: str, name: str, *, source_version: str | None = None,

@@ -14,6 +14,7 @@ Invariants:
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import os
 import stat as stat_mod
@@ -35,6 +36,7 @@ def encode_component(prefix: str, name: str) -> str:
     return prefix + encoded
 
 
+@functools.lru_cache(maxsize=256)  # a tag's blobs are found under it again and again
 def tag_dir(root: str, tag: str) -> str:
     """The directory of ``tag``'s staged blobs in the store at ``root``."""
     return os.path.join(root, "tags", encode_component("t-", tag))
@@ -58,6 +60,13 @@ def open_regular(path: str, flags: int = os.O_RDONLY) -> int | None:
     """A descriptor of the regular file ``path`` names, never following a symbolic link and
     never blocking (a FIFO's open would); None when it is absent. ForeignEntry for anything
     else, so no hostile entry in the store can hang a request or lead outside the store."""
+    opened = open_regular_stat(path, flags)
+    return None if opened is None else opened[0]
+
+
+def open_regular_stat(path: str, flags: int = os.O_RDONLY
+                      ) -> tuple[int, os.stat_result] | None:
+    """``open_regular``, with the file's ``fstat`` (taken to check it is regular)."""
     try:
         fd = os.open(path, flags | OPEN_FLAGS)
     except FileNotFoundError:
@@ -66,10 +75,11 @@ def open_regular(path: str, flags: int = os.O_RDONLY) -> int | None:
         if exc.errno in FOREIGN_ERRNOS:
             raise ForeignEntry(path) from None
         raise
-    if not stat_mod.S_ISREG(os.fstat(fd).st_mode):
+    st = os.fstat(fd)
+    if not stat_mod.S_ISREG(st.st_mode):
         os.close(fd)
         raise ForeignEntry(path)
-    return fd
+    return fd, st
 
 
 def remove_entry(path: str) -> None:
