@@ -285,18 +285,21 @@ class CrossName:
         """Tell the writers and the cloner to stop, and collect their reports (a Hang when
         one does not stop)."""
         workers = [*self.writers.values(), *self.others.values()]
-        for w in workers:
-            if not self._done(w):
-                w.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_S
-        while time.monotonic() < deadline and not all(self._done(w) for w in workers):
-            self.poll()
-            time.sleep(POLL_S)
-        left = {w.label: (w.proc.pid, w.tail.last_intent if w.tail else "")
-                for w in workers if not self._done(w)}
-        if left:
-            raise Hang(f"{len(left)} workers did not stop within {STOP_S:.0f} s of SIGTERM",
-                       left)
+        # the writers first: a writer ends the op under way, whose read back may go through
+        # the holder's map (a holder stopped with them went away under that read, once)
+        for group in (list(self.writers.values()), list(self.others.values())):
+            for w in group:
+                if not self._done(w):
+                    w.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + STOP_S
+            while time.monotonic() < deadline and not all(self._done(w) for w in group):
+                self.poll()
+                time.sleep(POLL_S)
+            left = {w.label: (w.proc.pid, w.tail.last_intent if w.tail else "")
+                    for w in group if not self._done(w)}
+            if left:
+                raise Hang(f"{len(left)} workers did not stop within {STOP_S:.0f} s of "
+                           "SIGTERM", left)
         for w in workers:
             self._collect(w)
         self.poll()
