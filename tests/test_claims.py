@@ -411,6 +411,47 @@ def test_a_prefetch_claim_is_held_on_for_its_next_run_and_ends_when_none_comes(t
     assert a.stats.counters["claims_won"] == 1 and a.stats.counters["claims_released"] == 1
 
 
+def test_a_lone_node_claims_windows_ahead_its_faults_join_them_and_unread_ones_end(tmp_path):
+    """A node that looks alone claims the windows ahead of its sequential reader in the
+    background (``claim_ahead``): whole windows, each tried once. A fault of such a window
+    joins the claim without a request of its own (no create on its path: before, the first
+    fault of every window made one and waited for it); a window claimed ahead that no fault
+    asks for is ended once the tag's faults have been quiet for ``ahead_hold_s``, so it keeps
+    nobody waiting; and a node in company claims nothing ahead."""
+    c = Cluster(str(tmp_path))
+    a, b = c.board("a"), c.board("b")
+    a.ahead_hold_s = a.idle_hold_s = 0.3
+    b.mailbox.company = True
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            a.attach(nursery)
+            b.attach(nursery)
+            _, held = await a.coordinate(TAG, [0], c.load)
+            assert a.claim_ahead(TAG, 23) == 2  # windows 1 and 2 (window 0: held)
+            assert a.claim_ahead(TAG, 23) == 0  # tried already
+            assert b.claim_ahead(TAG, 40) == 0  # in company
+            await trio.sleep(0.1)
+            for window in (1, 2):
+                claim = Claim.decode(c.store.read(a._key(TAG, window))[0])
+                assert (claim.node, claim.first, claim.count, claim.published) == (
+                    "a", 8 * window, 8, False)
+            creates = a.stats.counters["claims_won"]
+            got = await c.fault(a, [8, 9], ahead=True)  # joins window 1's claim
+            assert got == {8: b"blob 8", 9: b"blob 9"}
+            assert a.stats.counters["claims_won"] == creates
+            assert a.stats.counters["shared_index_misses"] == 3  # fresh claims: no loads
+            await trio.sleep(1.0)  # the faults quiet: window 2 ended, window 1 marked
+            assert c.store.read(a._key(TAG, 2)) is None
+            assert c.marker(1).published and c.marker(1).published_of(8, [8, 9, 10]) == [8, 9]
+            await a.release(held, fetched=[0])
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert a.stats.counters["claims_ahead"] == 2 and c.asked == []
+    assert sorted(i for _, i in c.fetches) == [8, 9]
+
+
 def test_sweep_removes_expired_and_foreign_claims_and_keeps_live_ones_and_markers(tmp_path):
     c = Cluster(str(tmp_path))
     now = int(time.time() * 1000)

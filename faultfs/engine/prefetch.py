@@ -12,7 +12,8 @@ the layout can fetch with one source read (``BlobLayout.coalesce``) of ``run_blo
 a full window keeps about ``GETS_IN_FLIGHT`` requests in flight, and a run is started only
 once that many blobs at the window's end are free (no trickle of one-blob requests as the
 reader moves on); each blob of a run reaches its readers as soon as it lands (``faults``).
-With claims in a shared store, a run also ends at a claim window's end (one claim a run).
+With claims in a shared store, a run also ends at a claim window's end (one claim a run), and
+the windows up to one past the prefetch's reach are claimed before it gets there.
 Staged blobs are read from the store in runs of up to ``LOAD_RUN_BYTES`` with one trip to the
 I/O pool.
 
@@ -111,6 +112,7 @@ class Prefetcher:
         tag.window = min(limit, max(max_run, FIRST_WINDOW_BYTES // cs, tag.window * 2))
         max_load = max(1, LOAD_RUN_BYTES // cs)
         per = self._claim_window(cs)  # a run stops at a claim window's end: one claim each
+        self._claim_ahead(clean, index + tag.window + per)
         run_start, run_len = -1, 0
         load: list[int] = []  # adjacent staged blobs ahead, read from the store in one trip
         for ahead in range(index + 1, min(index + 1 + tag.window, layout.num_blobs)):
@@ -187,6 +189,16 @@ class Prefetcher:
         if shared is None or shared.claims is None:
             return 1 << 62
         return max(1, min(CLAIM_WINDOW_MAX_BLOBS, CLAIM_WINDOW_BYTES // chunk_size))
+
+    def _claim_ahead(self, tag: Tag, last: int) -> None:
+        """Claim the shared store's windows up to blob ``last`` (one window past the reach
+        of the prefetch) before the prefetch gets there (``tiers/ahead.py``)."""
+        shared = self.tiers.shared
+        if shared is None or shared.claims is None or not shared.up:
+            return
+        tier_tag = shared.tags.get(tag.id)
+        if tier_tag is not None:
+            shared.claims.claim_ahead(tier_tag, last)
 
     def _start_fault(self, nursery: trio.Nursery, tag: Tag, first: int, count: int) -> None:
         budget = self.tiers.budget

@@ -4,7 +4,8 @@ instead of fetching them itself (DESIGN §17). The object store is the only coor
 
 A window is ``CLAIM_WINDOW_BYTES`` of adjacent blobs (aligned), so a sequential or prefetched
 run costs one claim (two where it straddles a boundary; prefetch runs stop at one), not one a
-blob. A claim says which blobs of the window its holder fetches, by whom, until when
+blob; while the node looks alone, the windows ahead of a sequential reader's prefetch are
+claimed before it gets there, off the faults' path (``ahead.py``). A claim says which blobs of the window its holder fetches, by whom, until when
 (``claims.Claim``).
 
 Invariants:
@@ -59,6 +60,7 @@ import trio
 from faultfs.errors import CorruptionError
 from faultfs.iopool import run_in_thread
 from faultfs.stats import Stats
+from faultfs.tiers.ahead import AheadClaims
 from faultfs.tiers.base import Buffer, TierTag, version_hash
 from faultfs.tiers.claims import Claim, ClaimStore, claim_key, done_mask
 from faultfs.tiers.estimate import LEASE_MAX_S, FetchEstimate
@@ -108,7 +110,7 @@ class Held:
 Loader = Callable[[list[int]], Awaitable[dict[int, Buffer]]]
 
 
-class ClaimBoard(FetchEstimate):
+class ClaimBoard(FetchEstimate, AheadClaims):
     def __init__(self, store: ClaimStore, stats: Stats, *, node: str | None = None) -> None:
         self.store = store
         self.stats = stats
@@ -121,6 +123,7 @@ class ClaimBoard(FetchEstimate):
         self._claiming: dict[tuple[int, int], trio.Event] = {}
         self._limiter: trio.CapacityLimiter | None = None
         FetchEstimate.__init__(self)
+        self._init_ahead()
         self.idle_hold_s = IDLE_HOLD_S
         self._nursery: trio.Nursery | None = None
 
@@ -157,6 +160,7 @@ class ClaimBoard(FetchEstimate):
         caller's to fetch: under a claim it holds, or because the wait ended (or a claim
         request failed: then ``load`` was asked for them first). ``ahead``: a prefetch run,
         whose next runs fetch the rest of the window: claim it to the window's end."""
+        self.asked(tag)
         per = self.window_blobs(tag)
         windows: dict[int, list[int]] = {}
         for index in missing:
@@ -452,6 +456,10 @@ class ClaimBoard(FetchEstimate):
             marks = {id(h): idle for h, idle in holding}
             last = [h for h in last if id(h) not in marks
                     or (h.users == 0 and h.idle == marks[id(h)])]
+        await self._finish(last)
+
+    async def _finish(self, last: list[Held]) -> None:
+        """End the claims ``last`` (no user left): markers, or deleted (``_end``)."""
         with trio.CancelScope(shield=True):
             for h in last:
                 if self._mine.get((h.tag_id, h.window)) is h:
