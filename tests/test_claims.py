@@ -452,6 +452,36 @@ def test_a_lone_node_claims_windows_ahead_its_faults_join_them_and_unread_ones_e
     assert sorted(i for _, i in c.fetches) == [8, 9]
 
 
+def test_a_settled_claim_doubles_its_lease_at_each_renewal_up_to_a_bound(tmp_path):
+    """A claim whose blobs are fetched and whose publishes are all held back (``parked``)
+    is renewed with twice its last lease, up to ``SETTLED_LEASE_MAX_S``: a lone node's long
+    read renews its held claims a few times, not every half lease. One still fetching keeps
+    its node's estimate."""
+    from faultfs.tiers.claimboard import SETTLED_LEASE_MAX_S
+
+    c = Cluster(str(tmp_path))
+    a = c.board("a")
+
+    async def main():
+        _, [h] = await a.coordinate(TAG, [0, 1, 2], c.load, ahead=True)
+        base = a.lease(8 * MiB)
+        await a._grow(TAG, h, renew=True)
+        assert h.lease_s == pytest.approx(base)  # fetching: its estimate
+        h.parked = 1  # its one user holds its publishes back
+        leases = []
+        for _ in range(4):
+            await a._grow(TAG, h, renew=True)
+            leases.append(h.lease_s)
+        stored = Claim.decode(c.store.read(h.key)[0])
+        assert stored.deadline_ms / 1000 - time.time() == pytest.approx(leases[-1], abs=0.5)
+        return leases, base
+
+    leases, base = trio.run(main)
+    assert leases == [pytest.approx(min(SETTLED_LEASE_MAX_S, base * 2 ** (i + 1)))
+                      for i in range(4)]
+    assert leases[-1] == SETTLED_LEASE_MAX_S
+
+
 def test_sweep_removes_expired_and_foreign_claims_and_keeps_live_ones_and_markers(tmp_path):
     c = Cluster(str(tmp_path))
     now = int(time.time() * 1000)

@@ -76,6 +76,10 @@ POLL_FIRST_S, POLL_MAX_S = 0.02, 0.2  # a waiter looks at the claim this often (
 # next run rejoins it instead of another node taking the blobs it was about to fetch
 IDLE_HOLD_S = 1.0
 RENEW_MIN_S = 0.2  # a holder renews its claim's deadline at most this often
+# a settled claim (fetched, publishes held back) doubles its lease at each renewal up to this:
+# fewer renewals over a long read; a waiter that has not measured its source waits up to it
+# on a dead holder (a live one is rung and publishes)
+SETTLED_LEASE_MAX_S = 4.0
 
 
 def node_id() -> str:
@@ -101,6 +105,12 @@ class Held:
     ahead: bool = False  # claimed or grown to its window's end by a prefetch run
     idle: int = 0  # releases of its last user: a held-on claim ends if none came since
     lease_s: float = 0.0  # the lease its deadline was last given
+    parked: int = 0  # its users whose blobs are fetched and whose publishes are held back
+
+    @property
+    def settled(self) -> bool:
+        """Its blobs fetched, all its users waiting to publish (``heldback``)."""
+        return 0 < self.users <= self.parked
 
     @property
     def covers(self) -> tuple[int, int]:
@@ -219,7 +229,10 @@ class ClaimBoard(FetchEstimate, AheadClaims):
                 return
             lo, hi = min(lo, first), max(hi, end)
             c = h.claim
-            h.lease_s = self.lease((hi - lo) * tag.blob_size)
+            lease = self.lease((hi - lo) * tag.blob_size)
+            if renew and h.settled:  # only its publishes are left: a longer lease, bounded
+                lease = max(lease, min(SETTLED_LEASE_MAX_S, 2 * h.lease_s))
+            h.lease_s = lease
             claim = Claim(self.node, c.gen, _now_ms() + int(1000 * h.lease_s), lo, hi - lo,
                           done=c.done)
             try:
