@@ -13,7 +13,7 @@ a full window keeps about ``GETS_IN_FLIGHT`` requests in flight, and a run is st
 once that many blobs at the window's end are free (no trickle of one-blob requests as the
 reader moves on); each blob of a run reaches its readers as soon as it lands (``faults``).
 With claims in a shared store, a run also ends at a claim window's end (one claim a run), and
-the windows up to one past the prefetch's reach are claimed before it gets there.
+the windows up to two past the prefetch's reach are claimed before it gets there.
 Staged blobs are read from the store in runs of up to ``LOAD_RUN_BYTES`` with one trip to the
 I/O pool.
 
@@ -54,6 +54,10 @@ MIN_RUN_BYTES = 2 << 20  # ... each at least this (per-request costs stay small)
 PREFETCH_RUN_BYTES = 8 << 20  # ... and at most this: adjacent blobs fetched in one request
 FIRST_WINDOW_BYTES = 8 << 20  # a reader found sequential gets this much ahead at once ...
 OPENING_GETS = 8  # ... its next blobs (up to this many) one request each, the rest in runs
+# claim windows of the shared store this many past the prefetch's reach (one window's lead
+# is 80 ms of a 100 MB/s reader, less than a create on a busy store); a first read of a
+# tag's first blob claims them too, with the window it is in
+AHEAD_WINDOWS = 2
 
 
 class Prefetcher:
@@ -103,6 +107,8 @@ class Prefetcher:
         nursery = self._nursery
         if not sequential or limit <= 0 or nursery is None or self.closing:
             tag.window = 0
+            if last < 0 and index == 0 and limit > 0:  # a first read from the start: likely
+                self._claim_ahead(clean, AHEAD_WINDOWS * self._claim_window(cs))  # sequential
             return
         max_run = self.run_blobs(cs)
         # the window opens with one request for each of the next OPENING_GETS blobs, all at
@@ -112,7 +118,7 @@ class Prefetcher:
         tag.window = min(limit, max(max_run, FIRST_WINDOW_BYTES // cs, tag.window * 2))
         max_load = max(1, LOAD_RUN_BYTES // cs)
         per = self._claim_window(cs)  # a run stops at a claim window's end: one claim each
-        self._claim_ahead(clean, index + tag.window + per)
+        self._claim_ahead(clean, index + tag.window + AHEAD_WINDOWS * per)
         run_start, run_len = -1, 0
         load: list[int] = []  # adjacent staged blobs ahead, read from the store in one trip
         for ahead in range(index + 1, min(index + 1 + tag.window, layout.num_blobs)):
@@ -191,8 +197,8 @@ class Prefetcher:
         return max(1, min(CLAIM_WINDOW_MAX_BLOBS, CLAIM_WINDOW_BYTES // chunk_size))
 
     def _claim_ahead(self, tag: Tag, last: int) -> None:
-        """Claim the shared store's windows up to blob ``last`` (one window past the reach
-        of the prefetch) before the prefetch gets there (``tiers/ahead.py``)."""
+        """Claim the shared store's windows up to blob ``last`` (``AHEAD_WINDOWS`` past the
+        reach of the prefetch) before the prefetch gets there (``tiers/ahead.py``)."""
         shared = self.tiers.shared
         if shared is None or shared.claims is None or not shared.up:
             return

@@ -10,7 +10,8 @@ a window claimed ahead join the claim (``ClaimBoard._mine``) without a request. 
 
 Invariants:
 - Only a create: a window with any object (another node's live claim, a marker) is left to
-  the faults that need it, which read it as before. A claim made ahead covers its whole
+  the faults that need it, which read it as before (without a create of their own: the
+  create ahead just lost, ``_taken``). A claim made ahead covers its whole
   window (its prefetch will fetch all of it), renewed as any held claim.
 - Faults of a window whose create ahead is under way wait for its answer
   (``ClaimBoard._claiming``), as for any create of this node: they never find their own
@@ -52,6 +53,8 @@ class AheadClaims:
     def _init_ahead(self) -> None:
         self._ahead_to: dict[int, int] = {}  # tag id: the furthest window tried ahead
         self._asked: dict[int, float] = {}  # tag id: when its faults last asked for a claim
+        # windows whose create ahead lost: their next fault reads the object, no create
+        self._taken: dict[tuple[int, int], bool] = {}
         self.ahead_hold_s = AHEAD_HOLD_S
 
     def asked(self, tag: TierTag) -> None:
@@ -95,7 +98,9 @@ class AheadClaims:
             claim = self._new_claim(tag, span, gen=1, done=0)
             key = self._key(tag, window)
             etag = await self._io(self.store.create, key, claim.encode())
-            if etag is not None:  # else another node's claim or a marker: the faults read it
+            if etag is None:  # another node's claim or a marker: the faults read it
+                self._taken[(tag.id, window)] = True
+            else:
                 self.stats.add("claims_won")
                 self.stats.add("claims_ahead")
                 held = self._hold(tag, window, key, etag, claim, True)

@@ -396,7 +396,8 @@ class ClaimBoard(FetchEstimate, AheadClaims):
         for _ in range(8):  # the claim comes and goes between our requests: try again
             span = _span(tag, window, need, ahead)
             claim = self._new_claim(tag, span, gen=1, done=0)
-            etag = await self._io(self.store.create, key, claim.encode())
+            etag = None if self._taken.pop((tag.id, window), False) else await self._io(
+                self.store.create, key, claim.encode())  # (a create ahead just lost)
             if etag is not None:
                 self.stats.add("claims_won")
                 return self._hold(tag, window, key, etag, claim, ahead)
