@@ -416,8 +416,8 @@ def test_a_lone_node_claims_windows_ahead_its_faults_join_them_and_unread_ones_e
     background (``claim_ahead``): whole windows, each tried once. A fault of such a window
     joins the claim without a request of its own (no create on its path: before, the first
     fault of every window made one and waited for it); a window claimed ahead that no fault
-    asks for is ended once the tag's faults have been quiet for ``ahead_hold_s``, so it keeps
-    nobody waiting; and a node in company claims nothing ahead."""
+    joins is ended ``ahead_hold_s`` after it was made, and at once when its node meets
+    another, so it keeps nobody waiting; and a node in company claims nothing ahead."""
     c = Cluster(str(tmp_path))
     a, b = c.board("a"), c.board("b")
     a.ahead_hold_s = a.idle_hold_s = 0.3
@@ -441,9 +441,18 @@ def test_a_lone_node_claims_windows_ahead_its_faults_join_them_and_unread_ones_e
             assert got == {8: b"blob 8", 9: b"blob 9"}
             assert a.stats.counters["claims_won"] == creates
             assert a.stats.counters["shared_index_misses"] == 3  # fresh claims: no loads
-            await trio.sleep(1.0)  # the faults quiet: window 2 ended, window 1 marked
+            await trio.sleep(1.0)  # nobody joined window 2: ended; window 1 marked
             assert c.store.read(a._key(TAG, 2)) is None
             assert c.marker(1).published and c.marker(1).published_of(8, [8, 9, 10]) == [8, 9]
+            d = c.board("d")  # another node, alone too: claims 2..4 (1 is a's marker)
+            d.attach(nursery)
+            assert d.claim_ahead(TAG, 39) == 5
+            await trio.sleep(0.1)
+            assert [c.store.read(d._key(TAG, w)) is not None for w in (2, 3, 4)] == [True] * 3
+            d.mailbox.company = True  # it meets another node: what it claimed ahead ends
+            await trio.sleep(0.3)
+            assert [c.store.read(d._key(TAG, w)) for w in (2, 3, 4)] == [None] * 3
+            assert d.stats.counters["claims_ahead"] == 3
             await a.release(held, fetched=[0])
             nursery.cancel_scope.cancel()
 

@@ -55,8 +55,7 @@ PREFETCH_RUN_BYTES = 8 << 20  # ... and at most this: adjacent blobs fetched in 
 FIRST_WINDOW_BYTES = 8 << 20  # a reader found sequential gets this much ahead at once ...
 OPENING_GETS = 8  # ... its next blobs (up to this many) one request each, the rest in runs
 # claim windows of the shared store this many past the prefetch's reach (one window's lead
-# is 80 ms of a 100 MB/s reader, less than a create on a busy store); a first read of a
-# tag's first blob claims them too, with the window it is in
+# is 80 ms of a 100 MB/s reader, less than a create on a busy store)
 AHEAD_WINDOWS = 2
 
 
@@ -100,6 +99,7 @@ class Prefetcher:
         if 0 <= index < last and tag.window and self._here(clean, index):
             return  # a look back at bytes here or on their way: the stream goes on
         sequential = last >= 0 and last < index <= last + 1 + max(1, tag.window)
+        streaming = sequential and tag.window > 0  # sequential twice running: claim ahead
         tag.last_index = index
         layout = tag.layout
         cs = layout.chunk_size
@@ -107,8 +107,6 @@ class Prefetcher:
         nursery = self._nursery
         if not sequential or limit <= 0 or nursery is None or self.closing:
             tag.window = 0
-            if last < 0 and index == 0 and limit > 0:  # a first read from the start: likely
-                self._claim_ahead(clean, AHEAD_WINDOWS * self._claim_window(cs))  # sequential
             return
         max_run = self.run_blobs(cs)
         # the window opens with one request for each of the next OPENING_GETS blobs, all at
@@ -118,7 +116,8 @@ class Prefetcher:
         tag.window = min(limit, max(max_run, FIRST_WINDOW_BYTES // cs, tag.window * 2))
         max_load = max(1, LOAD_RUN_BYTES // cs)
         per = self._claim_window(cs)  # a run stops at a claim window's end: one claim each
-        self._claim_ahead(clean, index + tag.window + AHEAD_WINDOWS * per)
+        if streaming:  # (one random read after another can look sequential once)
+            self._claim_ahead(clean, index + tag.window + AHEAD_WINDOWS * per)
         run_start, run_len = -1, 0
         load: list[int] = []  # adjacent staged blobs ahead, read from the store in one trip
         for ahead in range(index + 1, min(index + 1 + tag.window, layout.num_blobs)):

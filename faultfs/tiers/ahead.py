@@ -17,8 +17,9 @@ Invariants:
   (``ClaimBoard._claiming``), as for any create of this node: they never find their own
   node's claim and wait on it as on another's.
 - A claim made ahead that no fault joined is ended (deleted: nothing of it was published)
-  once the faults of its tag have not asked for a claim for ``AHEAD_HOLD_S``: a reader that
-  stopped keeps no other node waiting longer than that (and than the claim's deadline).
+  ``AHEAD_HOLD_S`` after it was made, and at once when the node turns out to be in company
+  (another node waited on it, or it on another: the others would wait on a window nobody
+  fetches yet): a node claims ahead only what its own reader is about to reach.
 - Each window of a tag is tried ahead at most once (``_ahead_to``: the furthest tried): a
   reader moving on by a blob costs no request.
 - In company (a node that waited on another, or was told one waits on it) nothing is claimed
@@ -42,9 +43,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("faultfs.shared")
 
-# a claim made ahead that no fault joined ends once its tag's faults asked for no claim for
-# this long (the reader stopped or went elsewhere)
+# a claim made ahead that no fault joined this long after it was made ends (the reader
+# stopped, went elsewhere, or is slower than this for two windows)
 AHEAD_HOLD_S = 2.0
+AHEAD_TICK_S = 0.1  # ... looked at this often (joined? in company?)
 
 
 class AheadClaims:
@@ -52,14 +54,9 @@ class AheadClaims:
 
     def _init_ahead(self) -> None:
         self._ahead_to: dict[int, int] = {}  # tag id: the furthest window tried ahead
-        self._asked: dict[int, float] = {}  # tag id: when its faults last asked for a claim
         # windows whose create ahead lost: their next fault reads the object, no create
         self._taken: dict[tuple[int, int], bool] = {}
         self.ahead_hold_s = AHEAD_HOLD_S
-
-    def asked(self, tag: TierTag) -> None:
-        """A fault of ``tag`` asks for its windows' claims now."""
-        self._asked[tag.id] = time.monotonic()
 
     def claim_ahead(self: ClaimBoard, tag: TierTag, last: int) -> int:
         """Claim, in the background, the windows of ``tag`` up to the one of blob ``last``
@@ -115,13 +112,14 @@ class AheadClaims:
             event.set()
         if held is None:
             return
+        made = time.monotonic()
         with contextlib.suppress(trio.Cancelled):  # unmounting: end it now
             while True:
-                await trio.sleep(self.ahead_hold_s)
+                await trio.sleep(AHEAD_TICK_S)
                 if held.idle or held.lost:
                     return  # joined: its last user releases it
-                if time.monotonic() - self._asked.get(tag.id, 0.0) >= self.ahead_hold_s:
-                    break
+                if self.mailbox.company or time.monotonic() - made >= self.ahead_hold_s:
+                    break  # others read too (they would wait on it), or no reader came
         log.info("tag %s: window %d was claimed ahead and not read: ending it", tag.name,
                  window)
         await self._finish([held])

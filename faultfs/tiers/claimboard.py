@@ -170,7 +170,6 @@ class ClaimBoard(FetchEstimate, AheadClaims):
         caller's to fetch: under a claim it holds, or because the wait ended (or a claim
         request failed: then ``load`` was asked for them first). ``ahead``: a prefetch run,
         whose next runs fetch the rest of the window: claim it to the window's end."""
-        self.asked(tag)
         per = self.window_blobs(tag)
         windows: dict[int, list[int]] = {}
         for index in missing:
