@@ -65,6 +65,15 @@ def split_at(tag: Tag, index: int, at: int) -> int:
     return at if at < end - start else 0
 
 
+def count_claim_path(stats: Stats, flights: list[Flight], demand: bool, seconds: float) -> None:
+    """A fault's claim requests took ``seconds`` before its source read: on a reader's path
+    when a reader waits for the fault (``claim_path_ms``, ``claim_path_faults``)."""
+    if seconds >= CLAIM_TRIP_S and (demand or any(
+            f.done.statistics().tasks_waiting or f.wait_end != NOBODY for f in flights)):
+        stats.add("claim_path_faults")
+        stats.add("claim_path_ms", round(1000 * seconds))
+
+
 def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
     out: list[BaseException] = []
     for exc in group.exceptions:
@@ -228,7 +237,7 @@ class Faulter:
                     asked = time.monotonic()
                     held = await self._coordinate(shared, shared.claims, tag, first, got,
                                                   ahead=not demand)
-                    self._count_claim_path(flights, demand, time.monotonic() - asked)
+                    count_claim_path(self.stats, flights, demand, time.monotonic() - asked)
                 else:
                     got = await shared.load_run(keys)
             for i, data in enumerate(got):
@@ -330,14 +339,6 @@ class Faulter:
         for index, data in found.items():
             got[index - first] = data
         return held
-
-    def _count_claim_path(self, flights: list[Flight], demand: bool, seconds: float) -> None:
-        """A fault's claim requests took ``seconds`` before its source read: on a reader's
-        path when a reader waits for the fault (``claim_path_ms``, ``claim_path_faults``)."""
-        if seconds >= CLAIM_TRIP_S and (demand or any(f.done.statistics().tasks_waiting or f.wait_end != NOBODY
-                         for f in flights)):
-            self.stats.add("claim_path_faults")
-            self.stats.add("claim_path_ms", round(1000 * seconds))
 
     async def _publish_then_release(self, fresh: list[tuple[BlobKey, Buffer]],
                                     held: list[Held]) -> None:
