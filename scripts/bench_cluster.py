@@ -32,7 +32,8 @@ MiB = 1 << 20
 READERS = 8
 NODE_COUNTERS = ("shared_hits", "shared_misses", "claims_won", "claim_waits", "claim_wait_ms",
                  "claim_takeovers", "claim_waits_given_up", "claim_errors", "shared_publishes",
-                 "shared_publish_skipped", "shared_publishes_held", "shared_index_misses")
+                 "shared_publish_skipped", "shared_publishes_held", "shared_index_misses",
+                 "claims_grown", "claims_renewed", "claim_path_faults", "claim_path_ms")
 
 
 def random_read(view: Path, size: int, seed: int) -> float:
@@ -102,7 +103,8 @@ def part3(args, work: Path, env: dict, proxies, size: int, digest: str, *, Node,
             extra.append("--no-shared-claims")
         node_args = [f"s3://{args.src_bucket}/{key}", "--s3-endpoint-url",
                      proxies.urls["source"], *extra, *args.faultfs_args.split()]
-        nodes = [Node(work, f"c{i}", env) for i in range(count)]
+        tree = {"tree": args.base_tree} if case == "claims-base" else {}
+        nodes = [Node(work, f"c{i}", env, **tree) for i in range(count)]
         for n in nodes:
             n.mount(node_args)
         try:
@@ -165,9 +167,12 @@ def part3(args, work: Path, env: dict, proxies, size: int, digest: str, *, Node,
 
     for rep in range(args.cluster_reps):
         for mode in ("seq", "rand"):
-            run("none", 1, mode, rep)
-            run("claims", 1, mode, rep)
-            run("no-claims", 1, mode, rep)  # the tier's own cost on a lone node, apart
+            lone = args.lone_cases.split(",")
+            for case in ("none", "claims", "claims-base", "no-claims"):
+                # no-claims: the tier's own cost on a lone node, apart; claims-base: the
+                # --base-tree's faultfs (A/B); a case with its rows
+                if case in lone or (case == "claims-base" and args.base_tree):
+                    run(case, 1, mode, rep)
             for count in args.cluster_counts:
                 run("claims", count, mode, rep)
                 run("no-claims", count, mode, rep)
@@ -263,6 +268,18 @@ def render3(args, results: dict, size: int) -> list[str]:
                 f"{med([r['takeovers'] for r in c]):.0f} |")
         out.append(f"| 1 | {label}, no shared store (lone) | 1.00 | - | 1.00 ({lone:.2f} s) "
                    "| - | - | - |")
+    for mode in ("seq", "rand"):  # --base-tree: the lone node's A/B, rep by rep
+        base = results.get(("claims-base", 1, mode))
+        if base:
+            lone_s = [max(r["seconds"]) for r in results[("none", 1, mode)]]
+            new_s = [max(r["seconds"]) for r in results[("claims", 1, mode)]]
+            old_s = [max(r["seconds"]) for r in base]
+            out += ["", f"Lone node, {mode}, this tree against --base-tree (claims; medians "
+                    f"of {len(base)}): none {med(lone_s):.2f} s, this tree {med(new_s):.2f} s "
+                    f"({med(new_s) / med(lone_s):.2f}×), base {med(old_s):.2f} s "
+                    f"({med(old_s) / med(lone_s):.2f}×); per rep none/this/base: " + ", ".join(
+                        f"{a:.2f}/{b:.2f}/{c:.2f}" for a, b, c in zip(lone_s, new_s, old_s,
+                                                                        strict=True)) + "."]
     k = results.get("kill")
     out += [] if k is None else ["", f"kill -9 of one of 4 nodes 0.5 s into a sequential read: the other three "
             f"read {'the right bytes' if k['right'] else 'WRONG BYTES'} in "

@@ -110,6 +110,8 @@ def _summary(proxy, with_log: bool) -> dict:
         out["methods"] = {k: [n, b, statistics.median(d) if d else 0.0]
                           for k, (n, b, d) in methods.items()}
         out["log_complete"] = s["requests"] <= LOG_LENGTH
+        out["log"] = [{k: rec[k] for k in ("method", "path", "status", "start", "end")}
+                      for rec in s["log"]]  # --keep-logs writes it (on the read's clock)
     return out
 
 
@@ -194,10 +196,11 @@ def unmount_all() -> None:
 class Node:
     """One faultfs daemon with its own store and mountpoint."""
 
-    def __init__(self, work: Path, name: str, env: dict) -> None:
+    def __init__(self, work: Path, name: str, env: dict, tree: Path = ROOT) -> None:
         self.work = work
         self.name = name
-        self.env = env
+        self.tree = tree  # the faultfs source tree the daemon runs (another: an A/B run)
+        self.env = env if tree == ROOT else {**env, "PYTHONPATH": str(tree)}
         self.store = work / f"store-{name}"
         self.mnt = work / f"mnt-{name}"
         self.pid: int | None = None
@@ -218,7 +221,7 @@ class Node:
                "--store", str(self.store)]
         LIVE.add(self)
         self.mounting = subprocess.Popen(cmd, env=self.env, stdout=subprocess.PIPE,
-                                         stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                                         stderr=subprocess.PIPE, text=True, cwd=self.tree,
                                          start_new_session=True)
         try:
             _, err = self.mounting.communicate(timeout=MOUNT_TIMEOUT_S)
@@ -717,6 +720,11 @@ def parse_args():
     p.add_argument("--cluster-reps", type=int, default=3, help="repetitions of part 3 (3)")
     p.add_argument("--keep-logs", metavar="DIR",
                    help="copy each node's daemon log here at unmount (NAME-RUN.log)")
+    p.add_argument("--base-tree", metavar="DIR", type=Path,
+                   help="part 3's lone node with claims also runs the faultfs of this source "
+                        "tree (its compiled extensions beside it), in the same reps: an A/B")
+    p.add_argument("--lone-cases", default="none,claims,no-claims",
+                   help="part 3's lone-node cases (none,claims,no-claims)")
     p.add_argument("--quick", action="store_true",
                    help="part 3 alone, 32 MiB, 2 and 4 nodes, one rep, moto, no doc")
     args = p.parse_args()

@@ -411,6 +411,86 @@ def test_a_prefetch_claim_is_held_on_for_its_next_run_and_ends_when_none_comes(t
     assert a.stats.counters["claims_won"] == 1 and a.stats.counters["claims_released"] == 1
 
 
+def test_a_lone_node_claims_windows_ahead_its_faults_join_them_and_unread_ones_end(tmp_path):
+    """A node that looks alone claims the windows ahead of its sequential reader in the
+    background (``claim_ahead``): whole windows, each tried once. A fault of such a window
+    joins the claim without a request of its own (no create on its path: before, the first
+    fault of every window made one and waited for it); a window claimed ahead that no fault
+    joins is ended ``ahead_hold_s`` after it was made, and at once when its node meets
+    another, so it keeps nobody waiting; and a node in company claims nothing ahead."""
+    c = Cluster(str(tmp_path))
+    a, b = c.board("a"), c.board("b")
+    a.ahead_hold_s = a.idle_hold_s = 0.3
+    b.mailbox.company = True
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            a.attach(nursery)
+            b.attach(nursery)
+            _, held = await a.coordinate(TAG, [0], c.load)
+            assert a.claim_ahead(TAG, 23) == 2  # windows 1 and 2 (window 0: held)
+            assert a.claim_ahead(TAG, 23) == 0  # tried already
+            assert b.claim_ahead(TAG, 40) == 0  # in company
+            await trio.sleep(0.1)
+            for window in (1, 2):
+                claim = Claim.decode(c.store.read(a._key(TAG, window))[0])
+                assert (claim.node, claim.first, claim.count, claim.published) == (
+                    "a", 8 * window, 8, False)
+            creates = a.stats.counters["claims_won"]
+            got = await c.fault(a, [8, 9], ahead=True)  # joins window 1's claim
+            assert got == {8: b"blob 8", 9: b"blob 9"}
+            assert a.stats.counters["claims_won"] == creates
+            assert a.stats.counters["shared_index_misses"] == 3  # fresh claims: no loads
+            await trio.sleep(1.0)  # nobody joined window 2: ended; window 1 marked
+            assert c.store.read(a._key(TAG, 2)) is None
+            assert c.marker(1).published and c.marker(1).published_of(8, [8, 9, 10]) == [8, 9]
+            d = c.board("d")  # another node, alone too: claims 2..4 (1 is a's marker)
+            d.attach(nursery)
+            assert d.claim_ahead(TAG, 39) == 5
+            await trio.sleep(0.1)
+            assert [c.store.read(d._key(TAG, w)) is not None for w in (2, 3, 4)] == [True] * 3
+            d.mailbox.company = True  # it meets another node: what it claimed ahead ends
+            await trio.sleep(0.3)
+            assert [c.store.read(d._key(TAG, w)) for w in (2, 3, 4)] == [None] * 3
+            assert d.stats.counters["claims_ahead"] == 3
+            await a.release(held, fetched=[0])
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert a.stats.counters["claims_ahead"] == 2 and c.asked == []
+    assert sorted(i for _, i in c.fetches) == [8, 9]
+
+
+def test_a_settled_claim_doubles_its_lease_at_each_renewal_up_to_a_bound(tmp_path):
+    """A claim whose blobs are fetched and whose publishes are all held back (``parked``)
+    is renewed with twice its last lease, up to ``SETTLED_LEASE_MAX_S``: a lone node's long
+    read renews its held claims a few times, not every half lease. One still fetching keeps
+    its node's estimate."""
+    from faultfs.tiers.claimboard import SETTLED_LEASE_MAX_S
+
+    c = Cluster(str(tmp_path))
+    a = c.board("a")
+
+    async def main():
+        _, [h] = await a.coordinate(TAG, [0, 1, 2], c.load, ahead=True)
+        base = a.lease(8 * MiB)
+        await a._grow(TAG, h, renew=True)
+        assert h.lease_s == pytest.approx(base)  # fetching: its estimate
+        h.parked = 1  # its one user holds its publishes back
+        leases = []
+        for _ in range(4):
+            await a._grow(TAG, h, renew=True)
+            leases.append(h.lease_s)
+        stored = Claim.decode(c.store.read(h.key)[0])
+        assert stored.deadline_ms / 1000 - time.time() == pytest.approx(leases[-1], abs=0.5)
+        return leases, base
+
+    leases, base = trio.run(main)
+    assert leases == [pytest.approx(min(SETTLED_LEASE_MAX_S, base * 2 ** (i + 1)))
+                      for i in range(4)]
+    assert leases[-1] == SETTLED_LEASE_MAX_S
+
+
 def test_sweep_removes_expired_and_foreign_claims_and_keeps_live_ones_and_markers(tmp_path):
     c = Cluster(str(tmp_path))
     now = int(time.time() * 1000)

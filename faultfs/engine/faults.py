@@ -27,7 +27,7 @@ import trio
 from assimilators.binary import BinaryFileAssimilator
 from faultfs.buffers import alloc
 from faultfs.core.chunks import ChunkLayout, zero_fill
-from faultfs.engine.flights import Flight, Flights
+from faultfs.engine.flights import NOBODY, Flight, Flights
 from faultfs.engine.heldback import HeldBack, publish_then_release
 from faultfs.engine.tags import Tag
 from faultfs.errors import FaultfsError, SourceChanged, SourceError
@@ -51,6 +51,7 @@ DEMAND_LANE = 16
 SPLIT_MIN = 256 << 10
 SPLIT_ALIGN = 64 << 10
 SPLIT_LANE_BUSY = 4  # ... and only while fewer reads than this take the demand lane
+CLAIM_TRIP_S = 0.002  # a fault's claim step took a request to the shared store (or waited)
 
 
 def split_at(tag: Tag, index: int, at: int) -> int:
@@ -62,6 +63,15 @@ def split_at(tag: Tag, index: int, at: int) -> int:
         return 0
     start, end = tag.layout.source_range(index)
     return at if at < end - start else 0
+
+
+def count_claim_path(stats: Stats, flights: list[Flight], demand: bool, seconds: float) -> None:
+    """A fault's claim requests took ``seconds`` before its source read: on a reader's path
+    when a reader waits for the fault (``claim_path_ms``, ``claim_path_faults``)."""
+    if seconds >= CLAIM_TRIP_S and (demand or any(
+            f.done.statistics().tasks_waiting or f.wait_end != NOBODY for f in flights)):
+        stats.add("claim_path_faults")
+        stats.add("claim_path_ms", round(1000 * seconds))
 
 
 def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
@@ -224,8 +234,10 @@ class Faulter:
             if shared is not None:
                 if shared.claims is not None and shared.up and tag.id in shared.tags:
                     # the windows' claims say what is published: no GET for each blob
+                    asked = time.monotonic()
                     held = await self._coordinate(shared, shared.claims, tag, first, got,
                                                   ahead=not demand)
+                    count_claim_path(self.stats, flights, demand, time.monotonic() - asked)
                 else:
                     got = await shared.load_run(keys)
             for i, data in enumerate(got):

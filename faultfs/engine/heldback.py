@@ -17,7 +17,10 @@ Invariants:
 - Held-back blobs count as pending publishes (``SharedTier.reserve``): ``faultfs stat``
   shows them, an unmount sends them (``SharedTier.flushing``) and waits for them, bounded.
 - Their claims stay held (renewed) until the blobs are published: a node that comes meanwhile
-  waits on them (and rings), it never finds a window free and fetches it again. At most
+  waits on them (and rings), it never finds a window free and fetches it again. A claim all
+  of whose users are held back here is *settled* (``Held.settled``): each renewal doubles
+  its lease, up to ``SETTLED_LEASE_MAX_S``, so a long read renews it a few times, not every
+  half lease. At most
   ``HOLD_MAX`` claims' blobs are held back (each held claim is renewed: a request every
   half lease); past it the oldest go at once.
 - A blob that cannot be read back (evicted, damaged, its tag forgotten) is not published and
@@ -84,6 +87,8 @@ class HeldBack:
             return False
         self.shared.reserve(len(keys))
         self.entries.append((keys, held))
+        for h in held:
+            h.parked += 1  # all its users parked here: renewed with a longer lease
         self.stats.add("shared_publishes_held", len(keys))
         while len({id(h) for _, hs in self.entries for h in hs}) > HOLD_MAX:
             # too many claims held (each renewed): the oldest blobs go now
@@ -131,6 +136,8 @@ class HeldBack:
 
         async with trio.open_nursery() as nursery:
             for keys, held in entries:
+                for h in held:
+                    h.parked -= 1
                 nursery.start_soon(publish_then_release, self.board, keys, held, one)
 
 

@@ -12,7 +12,8 @@ the layout can fetch with one source read (``BlobLayout.coalesce``) of ``run_blo
 a full window keeps about ``GETS_IN_FLIGHT`` requests in flight, and a run is started only
 once that many blobs at the window's end are free (no trickle of one-blob requests as the
 reader moves on); each blob of a run reaches its readers as soon as it lands (``faults``).
-With claims in a shared store, a run also ends at a claim window's end (one claim a run).
+With claims in a shared store, a run also ends at a claim window's end (one claim a run), and
+the windows up to two past the prefetch's reach are claimed before it gets there.
 Staged blobs are read from the store in runs of up to ``LOAD_RUN_BYTES`` with one trip to the
 I/O pool.
 
@@ -53,6 +54,9 @@ MIN_RUN_BYTES = 2 << 20  # ... each at least this (per-request costs stay small)
 PREFETCH_RUN_BYTES = 8 << 20  # ... and at most this: adjacent blobs fetched in one request
 FIRST_WINDOW_BYTES = 8 << 20  # a reader found sequential gets this much ahead at once ...
 OPENING_GETS = 8  # ... its next blobs (up to this many) one request each, the rest in runs
+# claim windows of the shared store this many past the prefetch's reach (one window's lead
+# is 80 ms of a 100 MB/s reader, less than a create on a busy store)
+AHEAD_WINDOWS = 2
 
 
 class Prefetcher:
@@ -95,6 +99,7 @@ class Prefetcher:
         if 0 <= index < last and tag.window and self._here(clean, index):
             return  # a look back at bytes here or on their way: the stream goes on
         sequential = last >= 0 and last < index <= last + 1 + max(1, tag.window)
+        streaming = sequential and tag.window > 0  # sequential twice running: claim ahead
         tag.last_index = index
         layout = tag.layout
         cs = layout.chunk_size
@@ -111,6 +116,8 @@ class Prefetcher:
         tag.window = min(limit, max(max_run, FIRST_WINDOW_BYTES // cs, tag.window * 2))
         max_load = max(1, LOAD_RUN_BYTES // cs)
         per = self._claim_window(cs)  # a run stops at a claim window's end: one claim each
+        if streaming:  # (one random read after another can look sequential once)
+            self._claim_ahead(clean, index + tag.window + AHEAD_WINDOWS * per)
         run_start, run_len = -1, 0
         load: list[int] = []  # adjacent staged blobs ahead, read from the store in one trip
         for ahead in range(index + 1, min(index + 1 + tag.window, layout.num_blobs)):
@@ -187,6 +194,16 @@ class Prefetcher:
         if shared is None or shared.claims is None:
             return 1 << 62
         return max(1, min(CLAIM_WINDOW_MAX_BLOBS, CLAIM_WINDOW_BYTES // chunk_size))
+
+    def _claim_ahead(self, tag: Tag, last: int) -> None:
+        """Claim the shared store's windows up to blob ``last`` (``AHEAD_WINDOWS`` past the
+        reach of the prefetch) before the prefetch gets there (``tiers/ahead.py``)."""
+        shared = self.tiers.shared
+        if shared is None or shared.claims is None or not shared.up:
+            return
+        tier_tag = shared.tags.get(tag.id)
+        if tier_tag is not None:
+            shared.claims.claim_ahead(tier_tag, last)
 
     def _start_fault(self, nursery: trio.Nursery, tag: Tag, first: int, count: int) -> None:
         budget = self.tiers.budget

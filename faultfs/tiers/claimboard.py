@@ -4,7 +4,8 @@ instead of fetching them itself (DESIGN §17). The object store is the only coor
 
 A window is ``CLAIM_WINDOW_BYTES`` of adjacent blobs (aligned), so a sequential or prefetched
 run costs one claim (two where it straddles a boundary; prefetch runs stop at one), not one a
-blob. A claim says which blobs of the window its holder fetches, by whom, until when
+blob; while the node looks alone, the windows ahead of a sequential reader's prefetch are
+claimed before it gets there, off the faults' path (``ahead.py``). A claim says which blobs of the window its holder fetches, by whom, until when
 (``claims.Claim``).
 
 Invariants:
@@ -59,6 +60,7 @@ import trio
 from faultfs.errors import CorruptionError
 from faultfs.iopool import run_in_thread
 from faultfs.stats import Stats
+from faultfs.tiers.ahead import AheadClaims
 from faultfs.tiers.base import Buffer, TierTag, version_hash
 from faultfs.tiers.claims import Claim, ClaimStore, claim_key, done_mask
 from faultfs.tiers.estimate import LEASE_MAX_S, FetchEstimate
@@ -74,6 +76,10 @@ POLL_FIRST_S, POLL_MAX_S = 0.02, 0.2  # a waiter looks at the claim this often (
 # next run rejoins it instead of another node taking the blobs it was about to fetch
 IDLE_HOLD_S = 1.0
 RENEW_MIN_S = 0.2  # a holder renews its claim's deadline at most this often
+# a settled claim (fetched, publishes held back) doubles its lease at each renewal up to this:
+# fewer renewals over a long read; a waiter that has not measured its source waits up to it
+# on a dead holder (a live one is rung and publishes)
+SETTLED_LEASE_MAX_S = 4.0
 
 
 def node_id() -> str:
@@ -99,6 +105,12 @@ class Held:
     ahead: bool = False  # claimed or grown to its window's end by a prefetch run
     idle: int = 0  # releases of its last user: a held-on claim ends if none came since
     lease_s: float = 0.0  # the lease its deadline was last given
+    parked: int = 0  # its users whose blobs are fetched and whose publishes are held back
+
+    @property
+    def settled(self) -> bool:
+        """Its blobs fetched, all its users waiting to publish (``heldback``)."""
+        return 0 < self.users <= self.parked
 
     @property
     def covers(self) -> tuple[int, int]:
@@ -108,7 +120,7 @@ class Held:
 Loader = Callable[[list[int]], Awaitable[dict[int, Buffer]]]
 
 
-class ClaimBoard(FetchEstimate):
+class ClaimBoard(FetchEstimate, AheadClaims):
     def __init__(self, store: ClaimStore, stats: Stats, *, node: str | None = None) -> None:
         self.store = store
         self.stats = stats
@@ -121,6 +133,7 @@ class ClaimBoard(FetchEstimate):
         self._claiming: dict[tuple[int, int], trio.Event] = {}
         self._limiter: trio.CapacityLimiter | None = None
         FetchEstimate.__init__(self)
+        self._init_ahead()
         self.idle_hold_s = IDLE_HOLD_S
         self._nursery: trio.Nursery | None = None
 
@@ -215,7 +228,10 @@ class ClaimBoard(FetchEstimate):
                 return
             lo, hi = min(lo, first), max(hi, end)
             c = h.claim
-            h.lease_s = self.lease((hi - lo) * tag.blob_size)
+            lease = self.lease((hi - lo) * tag.blob_size)
+            if renew and h.settled:  # only its publishes are left: a longer lease, bounded
+                lease = max(lease, min(SETTLED_LEASE_MAX_S, 2 * h.lease_s))
+            h.lease_s = lease
             claim = Claim(self.node, c.gen, _now_ms() + int(1000 * h.lease_s), lo, hi - lo,
                           done=c.done)
             try:
@@ -379,7 +395,8 @@ class ClaimBoard(FetchEstimate):
         for _ in range(8):  # the claim comes and goes between our requests: try again
             span = _span(tag, window, need, ahead)
             claim = self._new_claim(tag, span, gen=1, done=0)
-            etag = await self._io(self.store.create, key, claim.encode())
+            etag = None if self._taken.pop((tag.id, window), False) else await self._io(
+                self.store.create, key, claim.encode())  # (a create ahead just lost)
             if etag is not None:
                 self.stats.add("claims_won")
                 return self._hold(tag, window, key, etag, claim, ahead)
@@ -452,6 +469,10 @@ class ClaimBoard(FetchEstimate):
             marks = {id(h): idle for h, idle in holding}
             last = [h for h in last if id(h) not in marks
                     or (h.users == 0 and h.idle == marks[id(h)])]
+        await self._finish(last)
+
+    async def _finish(self, last: list[Held]) -> None:
+        """End the claims ``last`` (no user left): markers, or deleted (``_end``)."""
         with trio.CancelScope(shield=True):
             for h in last:
                 if self._mine.get((h.tag_id, h.window)) is h:

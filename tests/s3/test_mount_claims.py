@@ -411,3 +411,40 @@ def test_a_holder_holding_its_publishes_back_sends_them_when_another_node_waits(
     cb, ca = settled(b), settled(a)
     assert cb["source_bytes"] == 0 and cb["shared_hits"] == 3 and cb["claim_waits"] >= 1
     assert ca["source_bytes"] == len(data) and ca["shared_publishes"] == 8
+
+
+def test_a_lone_sequential_reader_finds_each_window_claimed_before_it_gets_there(
+        cluster, s3_env):
+    """A node reading alone and in order claims the windows ahead of its prefetch in the
+    background: past the prefetch's opening (which finds window 1 as the reader is found
+    sequential), the claim create of every window has ended before the reader asks for the
+    window's first blob (the proxies' logs and the reader on one clock; a prefetch of 2
+    blobs, a source at 10 MB/s a connection, a shared store 150 ms away, so a create made by
+    the window's first fault would still be under way), and its faults join the claims
+    without a request. Before, the first fault of each window made its create and waited
+    for it."""
+    data = payload(32 * MiB, 42)
+    c = cluster(data, delay_ms=20, mbps=10)
+    endpoint = urlsplit(s3_env)
+    with LatencyProxy(endpoint.hostname, endpoint.port, delay_ms=150, conn_mbps=None) as shared:
+        a = c.node("a", "--shared-store-endpoint-url", shared.url, "--prefetch-mb", "2",
+                   prefetch=True)
+        shared.reset_stats()
+        reached, got = {}, bytearray()
+        with open(os.path.join(a.tag("field"), "field.bin"), "rb", buffering=0) as f:
+            for i in range(32):
+                if i % 8 == 0:
+                    reached[i // 8] = time.monotonic()
+                got += f.read(MiB)
+        assert got == data
+        counters = settled(a)
+        creates: dict[int, dict] = {}  # each window's first claim PUT: its create
+        for r in sorted(shared.stats()["log"], key=lambda r: r["start"]):
+            if r["method"] == "PUT" and "/claims/" in r["path"] and "/wanted/" not in r["path"]:
+                creates.setdefault(int(r["path"].rsplit("/", 1)[1]), r)
+    assert sorted(creates) == [0, 1, 2, 3]
+    late = {w: round(creates[w]["end"] - reached[w], 3) for w in (2, 3)
+            if creates[w]["end"] >= reached[w]}
+    assert not late, late  # seconds the reader was at the window before its claim was made
+    assert counters["claims_ahead"] == 3 and counters["claims_won"] == 4
+    assert counters["source_bytes"] == len(data) and counters["claim_takeovers"] == 0
