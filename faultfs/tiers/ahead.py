@@ -32,14 +32,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING
 
 import trio
 
 from faultfs.tiers.base import TierTag
-
-if TYPE_CHECKING:
-    from faultfs.tiers.claimboard import ClaimBoard
 
 log = logging.getLogger("faultfs.shared")
 
@@ -58,7 +54,7 @@ class AheadClaims:
         self._taken: dict[tuple[int, int], bool] = {}
         self.ahead_hold_s = AHEAD_HOLD_S
 
-    def claim_ahead(self: ClaimBoard, tag: TierTag, last: int) -> int:
+    def claim_ahead(self, tag: TierTag, last: int) -> int:
         """Claim, in the background, the windows of ``tag`` up to the one of blob ``last``
         that were not tried yet, while this node looks alone; how many were started."""
         nursery = self._nursery
@@ -79,14 +75,14 @@ class AheadClaims:
             started += 1
         return started
 
-    async def _claim_ahead(self: ClaimBoard, tag: TierTag, window: int,
+    async def _claim_ahead(self, tag: TierTag, window: int,
                            event: trio.Event) -> None:
         try:
             await self._ahead_one(tag, window, event)
         except Exception:  # a background task must never take the mount down
             log.exception("tag %s: claiming window %d ahead failed", tag.name, window)
 
-    async def _ahead_one(self: ClaimBoard, tag: TierTag, window: int,
+    async def _ahead_one(self, tag: TierTag, window: int,
                          event: trio.Event) -> None:
         per = self.window_blobs(tag)
         span = (window * per, min((window + 1) * per, tag.num_blobs))
