@@ -294,14 +294,14 @@ class RecordStream:
                 self._fresh = self._dedup.decide(block) if ahead is None else ahead.fresh
                 if ahead is not None and ahead.view[0] == view[0] and ahead.view[1] is view[1]:
                     self._view = (view[0], view[1], ahead.records)
-                if self._opened:
-                    pass  # a restart's first batch is made here, with no read-ahead beside it
-                elif isinstance(self._reader, EpochReader):
-                    # a shuffled window's raw records are cut ahead too: the cut overlaps the
-                    # consumer's commits (an fsync each); its next window is read ahead
-                    self._reader.read_ahead = True
-                    self._ahead.start(self._reader, view)
-                elif view[0] != "raw" or self.dedup:  # a file's raw blocks gain nothing ahead
+                # a restart's first batch is made here, with no read-ahead beside it; then a
+                # shuffled window's raw records are cut ahead too (the cut overlaps the
+                # consumer's commits, an fsync each) and its next window is read ahead; a
+                # file's raw blocks gain nothing ahead
+                shuffled = isinstance(self._reader, EpochReader)
+                if not self._opened and (shuffled or view[0] != "raw" or self.dedup):
+                    if shuffled:
+                        self._reader.read_ahead = True
                     self._ahead.start(self._reader, view)
                 return True
             self._ahead.wait()  # the reads after the last block find nothing either
@@ -322,15 +322,6 @@ class RecordStream:
         records = fresh_records(block, self._fresh, table)
         self._view = (fmt, schema, records)
         return records
-
-    def _coord_after(self, block: RecordBlock | MixedBlock, i: int) -> StreamCoordinate:
-        if isinstance(block, MixedBlock):
-            return block.coord_after(i)
-        end = int(block.ends[i])
-        global_row_idx = block.global_start + i + 1
-        if block.kind == "lines":
-            return StreamCoordinate(block.shard_id, end, 0, 0, 0, global_row_idx)
-        return StreamCoordinate(block.shard_id, 0, block.row_group_idx, 0, end, global_row_idx)
 
     def batches(
         self, batch_size: int, *, format: str = "raw", schema: Any = None
@@ -436,7 +427,7 @@ class RecordStream:
                 slot = self._epochs.slot_after(*last[0].progress_after(last[1]))
             else:
                 slot = self._epochs.slot_after(0, 0, finished=True)
-        return batch, hashes, self._coord_after(*last), slot
+        return batch, hashes, _coord_after(*last), slot
 
     def _fresh_follows(self, want: View) -> bool:
         """Whether a record to deliver follows (the next blocks read as far as it takes)."""
@@ -477,6 +468,17 @@ class RecordStream:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _coord_after(block: RecordBlock | MixedBlock, i: int) -> StreamCoordinate:
+    """The coordinate just past record ``i`` of ``block``."""
+    if isinstance(block, MixedBlock):
+        return block.coord_after(i)
+    end = int(block.ends[i])
+    global_row_idx = block.global_start + i + 1
+    if block.kind == "lines":
+        return StreamCoordinate(block.shard_id, end, 0, 0, 0, global_row_idx)
+    return StreamCoordinate(block.shard_id, 0, block.row_group_idx, 0, end, global_row_idx)
 
 
 def _check_u64(name: str, value: Any) -> None:
