@@ -5,8 +5,8 @@ instead of fetching them itself (DESIGN §17). The object store is the only coor
 A window is ``CLAIM_WINDOW_BYTES`` of adjacent blobs (aligned), so a sequential or prefetched
 run costs one claim (two where it straddles a boundary; prefetch runs stop at one), not one a
 blob; while the node looks alone, the windows ahead of a sequential reader's prefetch are
-claimed before it gets there, off the faults' path (``ahead.py``). A claim says which blobs of the window its holder fetches, by whom, until when
-(``claims.Claim``).
+claimed before it gets there, off the faults' path (``ahead.py``). A claim says which blobs
+of the window its holder fetches, by whom, until when (``claims.Claim``).
 
 Invariants:
 - A window's claim object, once made, stays: released, it is a ``published`` marker whose
