@@ -33,24 +33,7 @@ def fuse_missing_reason() -> str | None:
     return None
 
 
-# The suite's longest tests (20-80 s each on 2 cores), run first: started last, one of them
-# alone kept a worker busy after the others had run out of work (a tail of the wall time).
-SLOW_FIRST = (
-    "tests/test_writes_model.py::test_a_crash_at_every",
-    "tests/test_clones.py::test_clones_beside_writers",
-    "tests/test_crossname.py",
-    "tests/test_stream_torch.py::test_workers_started_by_spawn",
-    "tests/s3/test_mount_claims.py::test_nodes_reading_at_once",
-    "tests/test_torture.py",
-    "tests/test_writes_model.py::test_the_writes_model_catches",
-    "tests/s3/test_mount_s3.py::test_registry_and_store_hold_no_secret",
-    "tests/test_mount_posix.py::test_unlinks_renames_and_closes",
-    "tests/test_writes_hostile.py::test_a_blob_whose_spilled_write",
-)
-
-
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: not item.nodeid.startswith(SLOW_FIRST))  # stable: else as is
     reason = fuse_missing_reason()
     if reason is None:
         return
