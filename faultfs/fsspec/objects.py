@@ -195,11 +195,6 @@ class PinnedObject:
         if ahead:
             self._read_ahead(last, ahead)
         if first == last:
-            if first not in self._flights:  # a staged chunk needs no flight: a hit at once
-                data = self._hit(first, start - first * cs, end - start)
-                if data is not None:
-                    self.shared.stats.add("hits")
-                    return data  # type: ignore[return-value]
             return self._range(first, start - first * cs, end - start)
         # several chunks: their faults run at once (each on the pool), then the pieces join
         for index in range(first + 1, last + 1):
