@@ -188,7 +188,9 @@ def test_two_nodes_claiming_one_blob_within_a_millisecond_fetch_it_once(cluster)
         want = data[(11 + attempt) * MiB:(12 + attempt) * MiB]
         assert got == [want, want]
     assert total((a, b), "source_reads") == 3 and total((a, b), "claims_won") == 3
-    assert total((a, b), "claim_waits") == 3
+    # the second node of each pair waited on the first's claim, or (its read started late on a
+    # loaded host) found the blob already published: either way never a second source read
+    assert total((a, b), "shared_hits") == 3 and total((a, b), "claim_waits") <= 3
 
 
 def test_sequential_nodes_on_a_slow_source_read_it_once_without_takeovers(cluster):
