@@ -29,6 +29,13 @@ static int int64_buffer(PyObject *obj, Py_buffer *view, const char *what) {
     return 0;
 }
 
+/* Records cut this many ahead of the one copied have their cache lines prefetched: a
+   shuffled window's records are cut in the mixed order, each from anywhere in the window's
+   megabyte, which by then is rarely in this core's cache; one miss after another was most of
+   the cut (~100 against ~50 ns a record in file order, cold). Prefetched, the misses of
+   several records overlap. */
+#define CUT_AHEAD 8
+
 static PyObject *cut(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *starts_obj, *stops_obj;
@@ -58,6 +65,15 @@ static PyObject *cut(PyObject *self, PyObject *args) {
     const char *base = (const char *)data.buf;
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t lo, hi;
+        if (i + CUT_AHEAD < n) {  /* a later record's bytes asked of memory now (below) */
+            int64_t at, to;
+            memcpy(&at, (const char *)starts.buf + 8 * (i + CUT_AHEAD), 8);
+            memcpy(&to, (const char *)stops.buf + 8 * (i + CUT_AHEAD), 8);
+            if (at >= 0 && at <= to && to <= (int64_t)data.len) {
+                for (int64_t c = at & ~(int64_t)63; c < to; c += 64)
+                    __builtin_prefetch(base + c);
+            }
+        }
         memcpy(&lo, (const char *)starts.buf + 8 * i, 8);  /* no alignment assumed */
         memcpy(&hi, (const char *)stops.buf + 8 * i, 8);
         if (lo < 0 || lo > hi || hi > (int64_t)data.len) {
