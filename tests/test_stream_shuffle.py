@@ -16,6 +16,7 @@ import os
 import random
 import shutil
 import struct
+import time
 import zlib
 from collections import Counter
 from itertools import pairwise
@@ -465,6 +466,63 @@ def test_a_restarts_first_batch_parses_its_own_rows_and_starts_no_read_ahead(
         got += [next(batches)[1].to_pylist() for _ in range(2)]
         assert s._reader.read_ahead, "read-ahead from the second batch on"
     assert got == expected
+
+
+def test_pace_reads_ahead_only_while_the_consumer_leaves_the_cpu_idle(monkeypatch):
+    """Read-ahead of a shuffled stream's raw records costs hand-offs; ``Pace`` wants it once
+    the consumer's idle time between batches (away, less the CPU the process used meanwhile)
+    is at least half the time taken to make them, and says the same until a batch is made."""
+    from faultfs.stream import read_ahead
+
+    clock = {"wall": 0.0, "cpu": 0.0}
+    monkeypatch.setattr(read_ahead.time, "perf_counter", lambda: clock["wall"])
+    monkeypatch.setattr(read_ahead.time, "process_time", lambda: clock["cpu"])
+    pace = read_ahead.Pace()
+
+    def batch(make: float, away: float, cpu_away: float, decide: bool = False) -> bool | None:
+        pace.back()
+        said = pace.ahead() if decide else None  # the stream decides as it takes a block
+        assert not decide or pace.ahead() == said, "unchanged until a batch is made"
+        clock["wall"] += make
+        clock["cpu"] += make
+        pace.out()
+        clock["wall"] += away
+        clock["cpu"] += cpu_away
+        return said
+
+    assert not batch(0.001, 0.003, 0.003, decide=True), "nothing measured: not ahead"
+    for _ in range(4):  # a consumer running Python between batches: no idle time
+        batch(0.001, 0.003, 0.003)
+    assert not batch(0.001, 0.003, 0.0001, decide=True)
+    for _ in range(4):  # a consumer blocked in an fsync or a device: idle
+        batch(0.001, 0.003, 0.0001)
+    assert batch(0.001, 0.0004, 0.0, decide=True)
+    for _ in range(4):  # idle under half the making: on the consumer's thread again
+        batch(0.001, 0.0004, 0.0)
+    assert not batch(0.001, 0.0, 0.0, decide=True)
+
+
+def test_a_consumer_that_idles_gets_raw_records_made_ahead_and_the_same_batches(tmp_path):
+    """A consumer that sleeps between batches gets the next windows read and cut in threads
+    (a quick one has them made on its own thread: the Pace test above); the batches are the
+    same either way."""
+    make_lines(tmp_path, [3000, 2500, 1800])
+    src = str(tmp_path / "part-*.jsonl")
+
+    def run(name: str, sleep: float) -> tuple[list[list[bytes]], int]:
+        got, ahead = [], 0
+        with open_stream(src, tmp_path / name, dedup=False, shuffle_window=8192) as s:
+            for batch_id, records in s.batches(50):
+                got.append(records)
+                ahead += bool(len(s._ahead)) or bool(s._reader and s._reader.read_ahead)
+                s.commit(batch_id)
+                time.sleep(sleep)
+        return got, ahead
+
+    quick, _ = run("quick.meta", 0.0)
+    slow, ahead = run("slow.meta", 0.004)
+    assert ahead > len(slow) // 2, f"made ahead at {ahead} of {len(slow)} batches"
+    assert slow == quick and sum(map(len, quick)) == 7300
 
 
 def test_dedup_drops_a_record_where_it_falls_again_in_the_shuffled_order(tmp_path):

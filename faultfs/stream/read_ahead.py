@@ -10,11 +10,16 @@ Invariants:
   reader's end (or failed), later turns read nothing.
 - A block's error is raised when the stream takes that block (``next``), as without
   read-ahead; ``wait`` and ``close`` wait for every worker, their errors dropped.
+- ``Pace`` says when read-ahead pays where the stream could do without it (a shuffled
+  stream's raw records): only while the consumer leaves the CPU idle between batches. Read
+  ahead or not, the same blocks are taken in the same order: it decides who makes them and
+  when, never what they are.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -28,6 +33,47 @@ READ_AHEAD = 2  # blocks on their way: two parses at once keep both of pyarrow's
 # busy while the next block is read (and with dedup, one block's hashing overlaps another's read)
 
 View = tuple[str, Any]  # the records' format ("raw" or "arrow") and schema (None for raw)
+IDLE_SHARE = 0.5  # read ahead once the consumer's idle time between batches is this share of
+# the stream's own time making them: the workers' hand-offs cost ~40 % more CPU than making
+# the same records on the consumer's thread (a raw shuffled pass, 2 cores), won back only
+# where a worker runs while the consumer waits (an fsync, a sleep, a GPU)
+
+
+class Pace:
+    """Whether the next block is made ahead, by the workers, or when it is needed, on the
+    consumer's thread. Made ahead, a block's records are made while the consumer is away
+    between batches, at the cost of the hand-offs; that pays only if the process has CPU to
+    spare meanwhile (the consumer blocked in an fsync, a sleep or a device, not running
+    Python). ``back``/``out`` mark the consumer's return for a batch and the batch going out;
+    ``ahead`` decides from the batches since it last decided: idle time (the time away less
+    the CPU the process used meanwhile) against the time taken to make them."""
+
+    def __init__(self) -> None:
+        self._busy = 0.0  # seconds making batches, since the last decision
+        self._idle = 0.0  # seconds away with the process's CPU unused, since then
+        self._back = 0.0
+        self._away: tuple[float, float] | None = None  # (wall, process CPU) at the last out
+        self.read_ahead = False
+
+    def back(self) -> None:
+        now = time.perf_counter()
+        if self._away is not None:
+            wall, cpu = self._away
+            self._idle += max(0.0, now - wall - (time.process_time() - cpu))
+            self._away = None
+        self._back = now
+
+    def out(self) -> None:
+        now = time.perf_counter()
+        self._busy += now - (self._back or now)  # the first batch of a stream is not counted
+        self._away = (now, time.process_time())
+
+    def ahead(self) -> bool:
+        """Read the next block ahead? (Unchanged until a batch was made since it last said.)"""
+        if self._busy > 0.0:
+            self.read_ahead = self._idle >= IDLE_SHARE * self._busy
+            self._busy = self._idle = 0.0
+        return self.read_ahead
 
 
 @dataclass(frozen=True)
@@ -97,6 +143,7 @@ class ReadAhead:
         self._ahead: deque[Future[Ahead]] = deque()
         self._turns: _Turns | None = None  # the workers' turns on the open reader
         self._pool: ThreadPoolExecutor | None = None
+        self.pace = Pace()  # where read-ahead is the stream's choice (``Pace``)
 
     def __len__(self) -> int:
         """Blocks on their way."""

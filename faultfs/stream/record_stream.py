@@ -294,14 +294,16 @@ class RecordStream:
                 self._fresh = self._dedup.decide(block) if ahead is None else ahead.fresh
                 if ahead is not None and ahead.view[0] == view[0] and ahead.view[1] is view[1]:
                     self._view = (view[0], view[1], ahead.records)
-                # a restart's first batch is made here, with no read-ahead beside it; then a
-                # shuffled window's raw records are cut ahead too (the cut overlaps the
-                # consumer's commits, an fsync each) and its next window is read ahead; a
-                # file's raw blocks gain nothing ahead
+                # a restart's first batch is made here, with no read-ahead beside it; then
+                # parsed and deduplicated blocks are made ahead, a shuffled window's raw
+                # records while the consumer idles between batches (``Pace``), and with them
+                # the next window read; a file's raw blocks gain nothing ahead
                 shuffled = isinstance(self._reader, EpochReader)
-                if not self._opened and (shuffled or view[0] != "raw" or self.dedup):
-                    if shuffled:
-                        self._reader.read_ahead = True
+                early = not self._opened and (view[0] != "raw" or self.dedup
+                                              or shuffled and self._ahead.pace.ahead())
+                if shuffled:
+                    self._reader.read_ahead = early
+                if early:
                     self._ahead.start(self._reader, view)
                 return True
             self._ahead.wait()  # the reads after the last block find nothing either
@@ -311,17 +313,23 @@ class RecordStream:
         self._block = None
         return False
 
-    def _records(self, fmt: str, schema: Any) -> Any:
-        """The block's fresh records in ``fmt``: a list (raw) or a table (parsed)."""
+    def _records(self, fmt: str, schema: Any, start: int, stop: int) -> Any:
+        """The block's fresh records ``[start, stop)`` in ``fmt``: a list (raw) or a table
+        (parsed). A shuffled block's raw records, all fresh and not made ahead, are cut for
+        these alone: each ``bytes`` is made, used and freed while it is in the cache, where
+        the block's whole list would be touched again by each batch's slice and its free."""
         view = self._view
-        if view is not None and view[0] == fmt and view[1] is schema:
-            return view[2]
-        block = self._block
-        assert block is not None
-        table = None if fmt == "raw" else block_table(block, schema)
-        records = fresh_records(block, self._fresh, table)
-        self._view = (fmt, schema, records)
-        return records
+        if view is None or view[0] != fmt or view[1] is not schema:
+            block = self._block
+            assert block is not None
+            if fmt == "raw" and self._fresh[0] is None and isinstance(block, MixedBlock):
+                return block.window.records(block.idx[start:stop])
+            table = None if fmt == "raw" else block_table(block, schema)
+            view = self._view = (fmt, schema, fresh_records(block, self._fresh, table))
+        records = view[2]
+        if fmt != "raw":
+            return records.slice(start, stop - start)
+        return records if start == 0 and stop == len(records) else records[start:stop]
 
     def batches(
         self, batch_size: int, *, format: str = "raw", schema: Any = None
@@ -371,7 +379,9 @@ class RecordStream:
                 self._epochs.handed_out = True
             if format == "pydict":
                 records = records.to_pydict()
+            self._ahead.pace.out()
             yield batch_id, records
+            self._ahead.pace.back()
 
     def _end_epoch(self) -> None:
         """A shuffled epoch has nothing left: the next ``batches()`` starts another. If this
@@ -401,14 +411,9 @@ class RecordStream:
                 if not self._next_block(want):
                     break
                 continue
-            records = self._records(view, schema)
             start = self._pos
             stop = min(fresh_count, start + batch_size - count)
-            if view == "raw":
-                parts.append(records if start == 0 and stop == len(records)
-                             else records[start:stop])
-            else:
-                parts.append(records.slice(start, stop - start))
+            parts.append(self._records(view, schema, start, stop))
             if self.dedup:
                 hashes.append(fresh_hashes[start:stop])
             last = (block, stop - 1 if idx is None else int(idx[stop - 1]))
