@@ -478,6 +478,7 @@ def test_pace_reads_ahead_only_while_the_consumer_leaves_the_cpu_idle(monkeypatc
     monkeypatch.setattr(read_ahead.time, "perf_counter", lambda: clock["wall"])
     monkeypatch.setattr(read_ahead.time, "process_time", lambda: clock["cpu"])
     pace = read_ahead.Pace()
+    pace.start()
 
     def batch(make: float, away: float, cpu_away: float, decide: bool = False) -> bool | None:
         pace.back()

@@ -55,6 +55,11 @@ class Pace:
         self._away: tuple[float, float] | None = None  # (wall, process CPU) at the last out
         self.read_ahead = False
 
+    def start(self) -> None:
+        """A new ``batches()``: the time since the last batch went out is neither."""
+        self._away = None
+        self._back = time.perf_counter()
+
     def back(self) -> None:
         now = time.perf_counter()
         if self._away is not None:
@@ -65,7 +70,7 @@ class Pace:
 
     def out(self) -> None:
         now = time.perf_counter()
-        self._busy += now - (self._back or now)  # the first batch of a stream is not counted
+        self._busy += now - self._back
         self._away = (now, time.process_time())
 
     def ahead(self) -> bool:

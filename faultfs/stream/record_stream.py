@@ -357,6 +357,7 @@ class RecordStream:
         self._batch_size = batch_size  # a restart's first blocks are this size (shuffled)
         if self._epochs is not None and self._epochs.exhausted:
             self._start_epoch(None)  # iterating again: the next epoch
+        self._ahead.pace.start()
         while True:
             if self._failed is not None:
                 raise InvalidInput(
