@@ -300,7 +300,7 @@ class RecordStream:
                 # the next window read; a file's raw blocks gain nothing ahead
                 shuffled = isinstance(self._reader, EpochReader)
                 early = not self._opened and (view[0] != "raw" or self.dedup
-                                              or shuffled and self._ahead.pace.ahead())
+                                              or (shuffled and self._ahead.pace.ahead()))
                 if shuffled:
                     self._reader.read_ahead = early
                 if early:
