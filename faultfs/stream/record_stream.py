@@ -17,7 +17,8 @@ Invariants:
 - Every ``format`` yields the same batches: the same records (a parsed row is its raw
   record, parsed; dedup is by the raw record's bytes), the same batch ids and coordinates,
   so a checkpoint written while reading one format resumes in any other.
-- Parsed formats, dedup and shuffled streams read ahead (``read_ahead``); the first batch
+- Parsed formats and dedup read ahead (``read_ahead``), and so do a shuffled stream's raw
+  records while the consumer idles between batches (``read_ahead.Pace``); the first batch
   after opening is made before any read-ahead starts, and ``close`` waits for the workers.
 - A partitioned stream (``rank``/``world_size``, ``worker``/``num_workers``) is one reader of
   a partition (``faultfs.stream.partition``) and keeps its own state file; with dedup it
