@@ -146,15 +146,8 @@ class PresignedGets:
         params = {"Bucket": self._bucket, "Key": self._key}
         if version_id:
             params["VersionId"] = version_id
-        url = self._client.generate_presigned_url("get_object", Params=params,
-                                                  ExpiresIn=URL_EXPIRES_S)
-        parts = urllib.parse.urlsplit(url)
-        scheme = parts.scheme.lower()
-        port = parts.port or (443 if scheme == "https" else 80)
-        where = (scheme, parts.hostname or "", port)
-        target = parts.path or "/"
-        if parts.query:
-            target += "?" + parts.query
+        where, target = split_url(self._client.generate_presigned_url(
+            "get_object", Params=params, ExpiresIn=URL_EXPIRES_S))
         with self._lock:
             self._urls[version_id] = (now, where, target)
         return where, target
@@ -168,52 +161,154 @@ class PresignedGets:
         headers = {"Range": f"bytes={start}-{end - 1}"}
         if etag and not version_id:
             headers["If-Match"] = etag
-        for fresh_try in (False, True):
-            conn, reused = self._pool.take(where)
-            try:
-                conn.request("GET", target, headers=headers)
-                if conn.sock is not None:
-                    conn.sock.settimeout(self._pool.read_timeout)
-                resp = conn.getresponse()
-            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
-                conn.close()
-                if reused and not fresh_try:
-                    continue  # the server closed an idle kept-alive connection: a new one
-                raise
-            except BaseException:
-                conn.close()
-                raise
-            if resp.status in (200, 206):
-                return resp, conn, where
-            try:
-                raise self._error(resp)
-            finally:
-                conn.close()
-        raise AssertionError("unreachable")  # pragma: no cover
+        resp, conn = send(self._pool, where, "GET", target, headers)
+        if resp.status in (200, 206):
+            return resp, conn, where
+        try:
+            raise answer_error(resp, "GetObject")
+        finally:
+            conn.close()
 
     def finish(self, conn: http.client.HTTPConnection, resp: http.client.HTTPResponse,
                where: tuple[str, str, int], whole: bool) -> None:
-        if whole and resp.isclosed() and not resp.will_close:
-            self._pool.give(where, conn)
-        else:  # the response first: its file holds the socket open (a body cut by a
-            # timeout left it so until a garbage collection, and "unclosed socket")
-            resp.close()
-            conn.close()
+        finish(self._pool, conn, resp, where, whole)
 
-    @staticmethod
-    def _error(resp: http.client.HTTPResponse) -> Exception:
-        from botocore.exceptions import ClientError
 
+class PresignedObjects:
+    """Whole small objects of one bucket (a shared store's blobs and claims), read and written
+    through presigned URLs: a GET of an object's head (``limit`` bytes), a PUT, either
+    conditional (``If-None-Match: *``, ``If-Match``). A PUT this way sends its body once, with
+    no payload hash or checksum (the URL is signed for ``UNSIGNED-PAYLOAD``): the objects
+    carry their own checksums, which every reader verifies, and TLS guards an https
+    endpoint's bytes in transit. botocore's PUT hashed the body twice (SHA-256 to sign it on
+    http, a CRC32 trailer) on an event loop behind fsspec's ``sync``: 3-5 ms of CPU a
+    megabyte object against under 1 here (docs/benchmarks-shared.md, §3e)."""
+
+    def __init__(self, client: Any, pool: ConnectionPool, bucket: str) -> None:
+        self._client = client
+        self._pool = pool
+        self.bucket = bucket
+
+    def _target(self, method: str, key: str) -> tuple[tuple[str, str, int], str]:
+        return split_url(self._client.generate_presigned_url(
+            method, Params={"Bucket": self.bucket, "Key": key}, ExpiresIn=URL_EXPIRES_S))
+
+    def get(self, key: str, limit: int) -> tuple[bytes, str] | None:
+        """The object's first ``limit + 1`` bytes and its ETag; None when there is none.
+        Raises ``ClientError`` (an error answer), ``UseBotocore`` or the transport's error."""
+        where, target = self._target("get_object", key)
+        resp, conn = send(self._pool, where, "GET", target, {"Range": f"bytes=0-{limit}"})
+        whole = False
         try:
-            body = resp.read(ERROR_BODY_LIMIT).decode("utf-8", "replace")
-        except (OSError, http.client.HTTPException):
-            body = ""
-        code = _xml_field(body, "Code") or str(resp.status)
-        if resp.status in (301, 302, 307) or code in REDIRECT_CODES:
-            return UseBotocore(f"{code} (HTTP {resp.status})")
-        error = {"Code": code, "Message": _xml_field(body, "Message")}
-        return ClientError({"Error": error,
-                            "ResponseMetadata": {"HTTPStatusCode": resp.status}}, "GetObject")
+            if resp.status in (200, 206):
+                body = resp.read(limit + 1)
+                whole = not resp.length
+                return body, resp.getheader("ETag", "")
+            if resp.status == 416:  # a range of an empty object
+                resp.read()
+                whole = True
+                return b"", resp.getheader("ETag", "")
+            error = answer_error(resp, "GetObject")
+            if resp.status == 404 and _code(error) in ("NoSuchKey", "404"):
+                return None
+            raise error
+        finally:
+            finish(self._pool, conn, resp, where, whole)
+
+    def put(self, key: str, data: bytes | memoryview, *, if_none_match: bool = False,
+            if_match: str = "") -> str | None:
+        """Store ``data`` under ``key``; its ETag, or None when a condition failed (412; a
+        409 for another conditional write under way; 404 for ``If-Match`` on an object gone).
+        Raises ``ClientError`` for any other error answer (501 NotImplemented: an endpoint
+        without conditional writes), ``UseBotocore`` or the transport's error."""
+        where, target = self._target("put_object", key)
+        headers = {"Content-Length": str(len(data))}
+        if if_none_match:
+            headers["If-None-Match"] = "*"
+        if if_match:
+            headers["If-Match"] = if_match
+        resp, conn = send(self._pool, where, "PUT", target, headers, data)
+        whole = False
+        try:
+            if resp.status == 200:
+                resp.read()
+                whole = True
+                return resp.getheader("ETag", "")
+            error = answer_error(resp, "PutObject")
+            conditional = if_none_match or bool(if_match)
+            if conditional and (resp.status in (409, 412) or (
+                    if_match and resp.status == 404)):
+                return None
+            raise error
+        finally:
+            finish(self._pool, conn, resp, where, whole)
+
+
+def _code(error: Exception) -> str:
+    return getattr(error, "response", {}).get("Error", {}).get("Code", "")
+
+
+def split_url(url: str) -> tuple[tuple[str, str, int], str]:
+    """((scheme, host, port), request target) of a URL."""
+    parts = urllib.parse.urlsplit(url)
+    scheme = parts.scheme.lower()
+    port = parts.port or (443 if scheme == "https" else 80)
+    target = parts.path or "/"
+    if parts.query:
+        target += "?" + parts.query
+    return (scheme, parts.hostname or "", port), target
+
+
+def send(pool: ConnectionPool, where: tuple[str, str, int], method: str, target: str,
+         headers: dict[str, str], body: bytes | memoryview | None = None
+         ) -> tuple[http.client.HTTPResponse, http.client.HTTPConnection]:
+    """Send a request on a kept-alive connection to ``where`` and read the answer's head; a
+    connection the server closed while idle is replaced once, at once (the request never
+    reached it). The caller reads the body and ``finish``es."""
+    for fresh_try in (False, True):
+        conn, reused = pool.take(where)
+        try:
+            conn.request(method, target, body=body, headers=headers)
+            if conn.sock is not None:
+                conn.sock.settimeout(pool.read_timeout)
+            return conn.getresponse(), conn
+        except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+            conn.close()
+            if reused and not fresh_try:
+                continue  # the server closed an idle kept-alive connection: a new one
+            raise
+        except BaseException:
+            conn.close()
+            raise
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def finish(pool: ConnectionPool, conn: http.client.HTTPConnection,
+           resp: http.client.HTTPResponse, where: tuple[str, str, int], whole: bool) -> None:
+    """The connection back to the pool after a whole answer, else closed."""
+    if whole and resp.isclosed() and not resp.will_close:
+        pool.give(where, conn)
+    else:  # the response first: its file holds the socket open (a body cut by a
+        # timeout left it so until a garbage collection, and "unclosed socket")
+        resp.close()
+        conn.close()
+
+
+def answer_error(resp: http.client.HTTPResponse, operation: str) -> Exception:
+    """An error answer as botocore would raise it (``ClientError`` with the status and the S3
+    error code of the body), or ``UseBotocore`` for a redirect."""
+    from botocore.exceptions import ClientError
+
+    try:
+        body = resp.read(ERROR_BODY_LIMIT).decode("utf-8", "replace")
+    except (OSError, http.client.HTTPException):
+        body = ""
+    code = _xml_field(body, "Code") or str(resp.status)
+    if resp.status in (301, 302, 307) or code in REDIRECT_CODES:
+        return UseBotocore(f"{code} (HTTP {resp.status})")
+    error = {"Code": code, "Message": _xml_field(body, "Message")}
+    return ClientError({"Error": error, "ResponseMetadata": {"HTTPStatusCode": resp.status}},
+                       operation)
 
 
 def _xml_field(body: str, name: str) -> str:

@@ -1,4 +1,5 @@
-"""Objects of a shared store: whole-object gets and atomic whole-object puts, on S3 (s3fs),
+"""Objects of a shared store: whole-object gets and atomic whole-object puts, on S3 (presigned
+requests on kept-alive connections where the client allows, else s3fs; s3fs lists and deletes),
 a local directory, or any fsspec file system (DESIGN §13).
 
 Invariants:
@@ -20,9 +21,11 @@ Invariants:
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import secrets
 import stat
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, Protocol
 
@@ -30,6 +33,8 @@ from faultfs.errors import InvalidInput
 from faultfs.sources import S3_PROTOCOLS, SourceOptions, local_path, url_protocol
 from faultfs.sources.filesystems import s3_filesystem_kwargs
 from faultfs.sources.secrets import display_url
+
+log = logging.getLogger("faultfs.shared")
 
 # A shared store is a cache: when it is slow the source is the faster way. Give up early.
 CONNECT_TIMEOUT_S = 3.0
@@ -123,17 +128,48 @@ class FsspecObjects:
     """Objects on an fsspec file system (S3 through s3fs, GCS, …) under ``root``."""
 
     def __init__(self, fs: Any, root: str, url: str, *, conditional: bool = True,
-                 get_options: dict | None = None) -> None:
+                 get_options: dict | None = None, direct: Any = None) -> None:
         self.fs = fs
         self.root = root.rstrip("/")
         self.url = url
         self.conditional = conditional  # the store honours If-None-Match (found out on use)
         self.get_options = get_options or {}
+        # S3: gets and puts through presigned URLs (sources.s3http.PresignedObjects) where
+        # the client's settings allow; None after a redirect (botocore follows those)
+        self.direct = direct
 
     def _path(self, key: str) -> str:
         return f"{self.root}/{key}"
 
+    def direct_key(self, key: str) -> str:
+        """``key``'s object key within the bucket (``direct``'s)."""
+        return self._path(key).partition("/")[2]
+
+    def via_direct(self, call: Callable[[Any], Any]) -> tuple[bool, Any]:
+        """``call(direct)`` where the presigned path is: (True, what it answered); (False,
+        None) where it is not, or a redirect just turned it off (botocore from then on). Its
+        failures are raised as ``OSError``."""
+        direct = self.direct
+        if direct is None:
+            return False, None
+        from faultfs.sources.s3http import UseBotocore
+
+        try:
+            return True, call(direct)
+        except UseBotocore as exc:
+            log.info("shared store %s: %s: objects through botocore from now on", self.url,
+                     exc)
+            self.direct = None
+            return False, None
+        except OSError:
+            raise
+        except Exception as exc:  # an error answer, http.client's own errors
+            raise _failure(exc) from None
+
     def get(self, key: str, *, limit: int) -> bytes | None:
+        done, got = self.via_direct(lambda direct: direct.get(self.direct_key(key), limit))
+        if done:
+            return None if got is None else got[0]
         try:  # a ranged GET: the endpoint sends no more than that
             return bytes(self.fs.cat_file(self._path(key), start=0, end=limit + 1,
                                           **self.get_options))
@@ -147,6 +183,9 @@ class FsspecObjects:
             raise _failure(exc) from None
 
     def put(self, key: str, data: bytes | memoryview, *, create: bool = False) -> bool:
+        done, put = self.via_direct(lambda direct: self._put_direct(direct, key, data, create))
+        if done:
+            return put
         path = self._path(key)
         body = bytes(data)
         try:
@@ -170,6 +209,21 @@ class FsspecObjects:
             raise
         except Exception as exc:
             raise _failure(exc) from None
+
+    def _put_direct(self, direct: Any, key: str, data: bytes | memoryview, create: bool) -> bool:
+        """``put`` through the presigned path (its errors raised as they come)."""
+        where = self.direct_key(key)
+        if create and self.conditional:
+            try:
+                return direct.put(where, data, if_none_match=True) is not None
+            except Exception as exc:
+                if not _unsupported(exc):
+                    raise
+                self.conditional = False  # an endpoint without conditional puts
+        if create and direct.get(where, 0) is not None:
+            return False
+        direct.put(where, data)
+        return True
 
     def delete(self, key: str) -> None:
         try:
@@ -197,6 +251,13 @@ class FsspecObjects:
 
 def _failure(exc: Exception) -> OSError:
     return OSError(errno.EIO, f"{type(exc).__name__}: {exc}")
+
+
+def _unsupported(exc: Exception) -> bool:
+    """An answer saying the endpoint has no conditional puts (501 NotImplemented)."""
+    meta = getattr(exc, "response", None) or {}
+    return (meta.get("ResponseMetadata", {}).get("HTTPStatusCode") == 501
+            or meta.get("Error", {}).get("Code") == "NotImplemented")
 
 
 def open_objects(url: str, options: SourceOptions, *, endpoint_url: str = "",
@@ -230,12 +291,28 @@ def open_objects(url: str, options: SourceOptions, *, endpoint_url: str = "",
         # one GET per object: without it s3fs asks for the size first (a HEAD, and a LIST
         # after a 404), doubling the round trips of every load and miss
         return FsspecObjects(fs, root, shown, conditional=conditional,
-                             get_options={"max_concurrency": 1})
+                             get_options={"max_concurrency": 1}, direct=_direct(fs, root))
     try:
         fs, root = fsspec.core.url_to_fs(url)
     except Exception as exc:
         raise InvalidInput(f"shared store {shown}: {exc}") from None
     return FsspecObjects(fs, root, shown, conditional=conditional)
+
+
+def _direct(fs: Any, root: str) -> Any:
+    """Presigned gets and puts of the store's bucket, or None (botocore: a proxy, client
+    certificates … ``sources.s3http.usable``)."""
+    from faultfs.sources.filesystems import s3_client, s3_connections
+    from faultfs.sources.s3http import PresignedObjects
+
+    try:
+        pool = s3_connections(fs)
+        if pool is None:
+            return None
+        return PresignedObjects(s3_client(fs), pool, root.partition("/")[0])
+    except Exception as exc:  # a client botocore cannot make: s3fs will say so on use
+        log.debug("shared store: no presigned path: %s", exc)
+        return None
 
 
 def probe(objects: Objects) -> None:
