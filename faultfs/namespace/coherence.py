@@ -27,7 +27,11 @@ wedged the mount. So a drop of pages that another change through that name cover
 for without end while that change has not reached its own drops (it gets there without
 waiting for this one); once it has, at most ``HELD_WAIT_S`` more: a page a WRITE keeps locked
 is one the kernel has not read (it reads it again once let go), and the drop lands then, in
-the background. The one exception: a change that claims its bytes waits for a page being
+the background. That shortcut counts from the drop's start on its thread (not while it waits
+for one), and holds off while a read of those pages is being answered here (``reading``): a
+read keeps its pages locked too, its answer may hold bytes from before the change, and it
+ends by itself — answering the change before that drop lands served the old bytes to a read
+right after it. The one exception: a change that claims its bytes waits for a page being
 written back to the end (that page is readable and older than the change); the write-back
 waits for nobody longer than ``HELD_WAIT_S``, so it ends. Every wait ends after ``WAIT_S``
 (counted, logged): nothing ever wedges. Drops run on threads of their own, never on the
@@ -82,6 +86,7 @@ class Coherence:
         self.claims: dict[int, list[Flight]] = {}  # inode -> other names' changes' bytes in it
         self._order: dict[int, trio.Lock] = {}  # tag id -> its aliased changes, one at a time
         self._waiting: set[trio.Event] = set()  # drops waiting: woken when a flight moves on
+        self.reads: dict[int, list[tuple[int, int]]] = {}  # inode -> pages of reads under way
         # every drop asked for runs, also one no change waits for any more
         self._threads = ThreadPoolExecutor(THREADS, thread_name_prefix="faultfs-drop")
 
@@ -118,6 +123,22 @@ class Coherence:
             if mine is not None:
                 _remove(self.flying, mine)
                 self._wake()
+
+    def reading(self, inode: int, off: int, size: int) -> tuple[int, int]:
+        """A read of ``inode`` starts: until ``read_done``, its pages are locked in the
+        kernel, and a drop of them waits for its answer (which may hold bytes from before a
+        change: the drop must land after it)."""
+        pages = (off // PAGE, (off + max(size, 1) - 1) // PAGE)
+        self.reads.setdefault(inode, []).append(pages)
+        return pages
+
+    def read_done(self, inode: int, pages: tuple[int, int]) -> None:
+        reads = self.reads[inode]
+        reads.remove(pages)
+        if not reads:
+            del self.reads[inode]
+        if self._waiting:
+            self._wake()
 
     def _unclaimed(self, mine: Flight) -> list[tuple[int, int]]:
         """The runs of ``mine``'s bytes no other name's change claims now."""
@@ -159,7 +180,7 @@ class Coherence:
                     then: Callable[[], None], patient: bool) -> None:
         """Drop one range and wait as the module docstring says."""
         assert self.drop is not None
-        state: dict = {"done": False, "wake": trio.Event()}
+        state: dict = {"done": False, "started": False, "wake": trio.Event()}
 
         def finished() -> None:
             state["done"] = True
@@ -172,7 +193,18 @@ class Coherence:
             except trio.RunFinishedError:
                 pass  # unmounted meanwhile: nobody waits
 
-        self._threads.submit(self.drop, inode, off, size).add_done_callback(landed)
+        def started() -> None:
+            state["started"] = True
+            state["wake"].set()
+
+        def run() -> None:
+            try:
+                token.run_sync_soon(started)
+            except trio.RunFinishedError:
+                return
+            self.drop(inode, off, size)
+
+        self._threads.submit(run).add_done_callback(landed)
         first, last = off // PAGE, (off + size - 1) // PAGE if size > 0 else 1 << 62
         until = trio.current_time() + WAIT_S
         while not state["done"]:
@@ -180,8 +212,12 @@ class Coherence:
                        if f.lo // PAGE <= last and first <= (f.hi - 1) // PAGE]
             # a write through that name that drops too may wait on this change's pages
             # (a change that claims its bytes waits for a write-back to the end: the page
-            # being written back is readable, old; the write-back waits for nobody long)
-            held = any(f.dropping and not (patient and f.cached) for f in holders)
+            # being written back is readable, old; the write-back waits for nobody long).
+            # Not while the drop waits for a thread, or a read of those pages is answered:
+            # that read may hold bytes from before the change, and it ends by itself.
+            reading = any(a <= last and first <= b for a, b in self.reads.get(inode, ()))
+            held = state["started"] and not reading and any(
+                f.dropping and not (patient and f.cached) for f in holders)
             wake = state["wake"] = trio.Event()
             self._waiting.add(wake)
             try:

@@ -87,13 +87,18 @@ class BlobFile(PlainFile):
         return name
 
     async def read(self, off: int, size: int) -> Buffer:
-        if self.kind == KIND_CHUNK:
-            return await self.engine.read_blob(self.tag, self.index, off, size)
-        if self.kind == KIND_VIEW:
-            return await self.engine.read_view(self.tag, off, size)
-        if self.kind == KIND_USER:
-            return await self.engine.read_user(self.tag, self._user(), off, size)
-        return await self.engine.pages.read_page(self.tag, self.index, off, size)
+        coherence = self.files.coherence
+        pages = coherence.reading(self.inode, off, size)
+        try:
+            if self.kind == KIND_CHUNK:
+                return await self.engine.read_blob(self.tag, self.index, off, size)
+            if self.kind == KIND_VIEW:
+                return await self.engine.read_view(self.tag, off, size)
+            if self.kind == KIND_USER:
+                return await self.engine.read_user(self.tag, self._user(), off, size)
+            return await self.engine.pages.read_page(self.tag, self.index, off, size)
+        finally:
+            coherence.read_done(self.inode, pages)
 
     async def write(self, off: int, data: bytes, *, cached: bool = False) -> int:
         return await self.files.write(self, off, data, self._write, cached=cached)
