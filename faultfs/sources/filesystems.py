@@ -9,7 +9,9 @@ Invariants:
   shared configuration), resolved here so that the shared instance is keyed by them.
 - S3 object reads use one synchronous botocore client per shared instance (``s3_client``),
   built from that instance's settings exactly as s3fs builds its aiobotocore one, so both
-  reach the same endpoint with the same credentials.
+  reach the same endpoint with the same credentials — made only when needed: where the
+  settings make a presigned URL plain to derive, reads, stats and a shared store's objects
+  are signed without it (``s3_presigner``, ``sources.s3sign``), the URL the client's own.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ _FILESYSTEMS: dict[str, fsspec.AbstractFileSystem] = {}
 _SYNC_LOCKS: weakref.WeakKeyDictionary[Any, threading.Lock] = weakref.WeakKeyDictionary()
 _S3_CLIENTS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 _S3_POOLS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+_S3_LIGHT: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
 def s3_filesystem_kwargs(options: SourceOptions, environ: dict[str, str] | None = None) -> dict:
@@ -201,17 +204,48 @@ def _s3_loader() -> type:
     return S3Loader
 
 
+def s3_presigner(fs: Any, bucket: str) -> Any:
+    """What makes presigned URLs of ``fs``'s objects in ``bucket``: a client-less presigner
+    where the URL is plain to derive (``sources.s3sign``: no service model loaded), else the
+    client."""
+    light = _light(fs)
+    if light is not None and (not light.virtual or _hostable(bucket)):
+        return light
+    return s3_client(fs)
+
+
+def _light(fs: Any) -> Any:
+    with _FS_LOCK:
+        if fs in _S3_LIGHT:
+            return _S3_LIGHT[fs]
+    from faultfs.sources.s3sign import light_presigner
+
+    try:
+        light = light_presigner(fs)
+    except Exception:  # a profile botocore cannot read: its client will say what is wrong
+        light = None
+    with _FS_LOCK:
+        return _S3_LIGHT.setdefault(fs, light)
+
+
+def _hostable(bucket: str) -> bool:
+    from faultfs.sources.s3sign import virtual_hostable
+
+    return virtual_hostable(bucket)
+
+
 def s3_connections(fs: Any) -> Any:
     """The pool of kept-alive connections that presigned GETs of ``fs``'s objects use
     (``sources.s3http``), or None when that path does not fit its settings."""
-    client = s3_client(fs)
+    light = _light(fs)
+    client = None if light is not None else s3_client(fs)
     with _FS_LOCK:
         if fs in _S3_POOLS:
             return _S3_POOLS[fs]
         from faultfs.sources.s3http import ConnectionPool, ssl_context_for, usable
 
         pool = None
-        if usable(fs, client):
+        if usable(fs, client, light.endpoint if light is not None else ""):
             config = fs._prepare_config_kwargs()
             pool = ConnectionPool(config.get("connect_timeout") or CONNECT_TIMEOUT_S,
                                   config.get("read_timeout") or READ_TIMEOUT_S,
@@ -228,6 +262,7 @@ def clear_filesystems() -> None:
             if pool is not None:
                 pool.close()
         _S3_POOLS.clear()
+        _S3_LIGHT.clear()
         for client in _S3_CLIENTS.values():
             client.close()
         _S3_CLIENTS.clear()

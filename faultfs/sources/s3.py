@@ -17,6 +17,7 @@ Invariants:
 
 from __future__ import annotations
 
+import email.utils
 import http.client
 import logging
 import time
@@ -25,7 +26,7 @@ from datetime import datetime
 from typing import Any
 
 from faultfs.buffers import alloc
-from faultfs.sources.filesystems import s3_client, s3_connections
+from faultfs.sources.filesystems import s3_client, s3_connections, s3_presigner
 from faultfs.sources.objects import ObjectStat, content_range, etag_core, status_phrase
 from faultfs.sources.retry import (
     HTTP_TRANSIENT_STATUSES,
@@ -103,6 +104,9 @@ class S3Reader:
         return s3_client(self._fs)
 
     def stat(self) -> ObjectStat:
+        head = self._head_presigned()
+        if head is not None:
+            return head
         try:
             s3 = self._client()
             if not self._key or self._key.endswith("/"):
@@ -127,6 +131,51 @@ class S3Reader:
         modified = out.get("LastModified")
         mtime = modified.timestamp() if isinstance(modified, datetime) else time.time()
         size = int(out["ContentLength"])
+        token = f"vid:{vid}" if vid else (f"etag:{etag}" if etag else "unpinned")
+        return ObjectStat(size, token, mtime, etag=etag, version_id=vid)
+
+    def _head_presigned(self) -> ObjectStat | None:
+        """The object's stat from a presigned HEAD where URLs are made without a client
+        (``s3sign``: a new process's first request then waits for no service model); None
+        to ask the client (another setting, or any answer but 200: the client classifies
+        it and tells an object from a prefix)."""
+        from faultfs.sources.s3sign import LightPresigner
+
+        if self._botocore_only or not self._key or self._key.endswith("/"):
+            return None
+        pool = s3_connections(self._fs)
+        presigner = s3_presigner(self._fs, self._bucket)
+        if pool is None or not isinstance(presigner, LightPresigner):
+            return None
+        from faultfs.sources.s3http import finish, send, split_url
+
+        params = {"Bucket": self._bucket, "Key": self._key}
+        if self._version_id:
+            params["VersionId"] = self._version_id
+        where, target = split_url(presigner.generate_presigned_url(
+            "head_object", Params=params, ExpiresIn=900))
+        try:
+            resp, conn = send(pool, where, "HEAD", target, {})
+        except Exception as exc:
+            raise self._classify(exc) from None
+        try:
+            resp.read()
+            if resp.status != 200:
+                return None
+            size = int(resp.getheader("Content-Length") or "")
+            etag = resp.getheader("ETag", "")
+            vid = resp.getheader("x-amz-version-id", "")
+            modified = resp.getheader("Last-Modified", "")
+        except (ValueError, OSError, http.client.HTTPException):
+            return None
+        finally:
+            finish(pool, conn, resp, where, True)
+        if vid == "null":
+            vid = ""
+        try:
+            mtime = email.utils.parsedate_to_datetime(modified).timestamp()
+        except (TypeError, ValueError):
+            mtime = time.time()
         token = f"vid:{vid}" if vid else (f"etag:{etag}" if etag else "unpinned")
         return ObjectStat(size, token, mtime, etag=etag, version_id=vid)
 
@@ -195,7 +244,8 @@ class S3Reader:
             if pool is None:
                 self._botocore_only = True
                 return None
-            self._gets = PresignedGets(self._client(), pool, self._bucket, self._key)
+            self._gets = PresignedGets(s3_presigner(self._fs, self._bucket), pool,
+                                       self._bucket, self._key)
         return self._gets
 
     def _read_presigned(self, gets: Any, pin: ObjectStat, start: int, end: int,

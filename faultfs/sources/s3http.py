@@ -114,13 +114,16 @@ def ssl_context_for(fs: Any) -> ssl.SSLContext:
     return ssl.create_default_context(cafile=get_cert_path(True))
 
 
-def usable(fs: Any, client: Any) -> bool:
-    """Whether reads of ``fs``'s objects may take this path (see the module invariants)."""
+def usable(fs: Any, client: Any, endpoint: str = "") -> bool:
+    """Whether reads of ``fs``'s objects may take this path (see the module invariants):
+    ``client`` its botocore client, or None and ``endpoint`` (``sources.s3sign``)."""
     if fs.requester_pays or fs.s3_additional_kwargs or fs.client_kwargs.get("client_cert"):
         return False
-    if getattr(client.meta.config, "proxies", None):
-        return False
-    host = urllib.parse.urlsplit(client.meta.endpoint_url).hostname or ""
+    if client is not None:
+        if getattr(client.meta.config, "proxies", None):
+            return False
+        endpoint = client.meta.endpoint_url
+    host = urllib.parse.urlsplit(endpoint).hostname or ""
     proxies = urllib.request.getproxies()
     return not proxies or bool(urllib.request.proxy_bypass(host))
 

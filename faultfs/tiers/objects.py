@@ -302,14 +302,15 @@ def open_objects(url: str, options: SourceOptions, *, endpoint_url: str = "",
 def _direct(fs: Any, root: str) -> Any:
     """Presigned gets and puts of the store's bucket, or None (botocore: a proxy, client
     certificates … ``sources.s3http.usable``)."""
-    from faultfs.sources.filesystems import s3_client, s3_connections
+    from faultfs.sources.filesystems import s3_connections, s3_presigner
     from faultfs.sources.s3http import PresignedObjects
 
     try:
         pool = s3_connections(fs)
         if pool is None:
             return None
-        return PresignedObjects(s3_client(fs), pool, root.partition("/")[0])
+        bucket = root.partition("/")[0]
+        return PresignedObjects(s3_presigner(fs, bucket), pool, bucket)
     except Exception as exc:  # a client botocore cannot make: s3fs will say so on use
         log.debug("shared store: no presigned path: %s", exc)
         return None

@@ -10,7 +10,7 @@ import random
 import pytest
 
 from faultfs.errors import SourceChanged, SourceError
-from faultfs.sources import open_source
+from faultfs.sources import SourceOptions, open_source
 from faultfs.sources.retry import DEFAULT_RETRY
 from faultfs.sources.s3 import PROGRESS_STEP
 from faultfs.testing.proxy import FaultPlan, FaultRule, LatencyProxy
@@ -235,4 +235,28 @@ def test_the_s3_client_is_made_without_listing_every_service_botocore_ships(
     filesystems.clear_filesystems()  # a new client, as in a new process
     src = open_source(f"s3://{bucket}/k.bin")
     assert src.pread(10, 20) == b"x" * 20
+    # with an explicit endpoint, reads need no client at all (sources/s3sign.py) ...
+    assert listed == [], listed[:20]
+    # ... and one made (another setting, a fallback) lists S3's models alone
+    fs, _ = filesystems.filesystem_for(f"s3://{bucket}/k.bin", SourceOptions())
+    assert filesystems.s3_client(fs).head_object(Bucket=bucket, Key="k.bin")["ContentLength"] \
+        == 1000
     assert 0 < len(listed) < 10, listed[:20]
+
+
+def test_a_head_without_a_client_pins_as_the_client_does(s3_client, make_bucket):
+    """The presigned HEAD of a client-less presigner (sources/s3sign.py) gives the stat the
+    client's head_object gives: size, ETag, version, time."""
+    from faultfs.sources import filesystems
+    from faultfs.sources.s3 import S3Reader
+
+    for versioned in (False, True):
+        bucket = make_bucket(versioned=versioned)
+        s3_client.put_object(Bucket=bucket, Key="d/k 1.bin", Body=b"y" * 1234)
+        fs, path = filesystems.filesystem_for(f"s3://{bucket}/d/k 1.bin", SourceOptions())
+        reader = S3Reader(fs, path, str)
+        light = reader._head_presigned()
+        assert light is not None and light.size == 1234
+        assert light.version_id if versioned else light.etag
+        reader._botocore_only = True  # the client's head_object
+        assert reader.stat() == light
