@@ -132,6 +132,18 @@ def claim_of(c: Cluster, key: str) -> dict:
     return json.loads(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
 
 
+def released_markers(c: Cluster, timeout: float = 20.0) -> list[dict]:
+    """The claim objects once none is still fetching: a node releases its claims (each one
+    replaced by its window's marker) right after its last publish, so ``settled`` (no
+    publish pending) may return a moment before the markers are there."""
+    deadline = time.monotonic() + timeout
+    while True:
+        markers = [claim_of(c, k) for k in shared_keys(c, "claims/")]
+        if all(m.get("state") == "published" for m in markers) or time.monotonic() > deadline:
+            return markers
+        time.sleep(0.05)
+
+
 def plant_claim(c: Cluster, blob_key: str, window: int, node: str, deadline_s: float) -> str:
     """A claim object of another node on ``window`` of the blobs beside ``blob_key``."""
     bucket, _, _ = c.shared_url[5:].partition("/")
@@ -372,7 +384,7 @@ def test_a_lone_node_publishes_after_its_source_reads_and_a_later_node_finds_eve
                 and "/blobs/" in r["path"]]
         assert len(puts) == 12 and gets
         assert min(p["start"] for p in puts) >= max(g["end"] for g in gets)
-    markers = [claim_of(c, k) for k in shared_keys(c, "claims/")]
+    markers = released_markers(c)
     assert sorted(m["done"] for m in markers) == ["f", "ff"]  # no mailbox: nobody waited  # windows 0 and 1 (blobs 8..11)
     b = c.node("b", prefetch=True)
     assert read(os.path.join(b.tag("field"), "field.bin")) == data
