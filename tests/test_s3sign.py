@@ -54,6 +54,8 @@ def same_second(light: LightPresigner, client: object, operation: str,
     {"client_kwargs": {"region_name": "eu-west-1"}},  # AWS itself, the bucket in the host
     {"client_kwargs": {"region_name": "ap-southeast-2"}},
     {"client_kwargs": {"region_name": "us-east-1"}},
+    {"endpoint_url": "http://minio.local:9000",  # MinIO's usual setting
+     "config_kwargs": {"s3": {"addressing_style": "path"}}},
 ])
 def test_the_url_is_the_clients_own(where):
     fs = filesystem(**where)
@@ -81,6 +83,9 @@ def test_session_credentials_are_signed_with_their_token(monkeypatch):
 
 @pytest.mark.parametrize("setting", [
     {"config_kwargs": {"s3": {"addressing_style": "virtual"}}},
+    {"config_kwargs": {"s3": {"addressing_style": "path"}}},  # AWS itself, path style
+    {"endpoint_url": "http://127.0.0.1:9000",
+     "config_kwargs": {"s3": {"addressing_style": "path", "use_accelerate_endpoint": True}}},
     {"config_kwargs": {"proxies": {"http": "http://proxy:3128"}}},
     {"requester_pays": True},
     {"s3_additional_kwargs": {"ServerSideEncryption": "AES256"}},

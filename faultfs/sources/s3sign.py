@@ -9,7 +9,8 @@ credentials without a client.
 
 Invariants:
 - Used only where the URL is exactly what the client would build: an explicit endpoint
-  (path-style ``{endpoint}/{bucket}/{key}``, as botocore builds it for a custom endpoint), or
+  (path-style ``{endpoint}/{bucket}/{key}``, as botocore builds it for a custom endpoint,
+  with or without ``addressing_style: path``), or
   AWS itself in a known commercial region for a bucket name that is a plain DNS label
   (``https://{bucket}.s3.amazonaws.com``, signed for the region, as botocore presigns it). Any other setting that could change the
   URL or the request — an endpoint in the shared config, FIPS, dual-stack, accelerate, an
@@ -87,6 +88,9 @@ def light_presigner(fs: Any, session: Any = None) -> LightPresigner | None:
     if fs.requester_pays or fs.s3_additional_kwargs:
         return None
     config = dict(fs.config_kwargs or {})
+    path_style = config.pop("s3", None) == {"addressing_style": "path"}  # MinIO's usual
+    if "s3" in (fs.config_kwargs or {}) and not path_style:
+        return None
     if set(config) - _CONFIG_KEYS or set(fs.client_kwargs) - _CLIENT_KEYS:
         return None
     if config.get("signature_version") not in (None, "s3v4") and not fs.anon:
@@ -110,7 +114,7 @@ def light_presigner(fs: Any, session: Any = None) -> LightPresigner | None:
         endpoint = f"{parts.scheme}://{parts.netloc}"
         region = region or "us-east-1"
     else:
-        if not _COMMERCIAL_REGION.fullmatch(region):
+        if path_style or not _COMMERCIAL_REGION.fullmatch(region):
             return None  # unknown (botocore finds it), or another partition
         endpoint, virtual = "https://s3.amazonaws.com", True  # as botocore presigns
     credentials = None
