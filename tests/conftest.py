@@ -55,7 +55,7 @@ def check_concurrent_preads(src, data: bytes, count: int, seed: int) -> None:
 
 
 # Hypothesis's per-example deadline (200 ms) measures the host, not the code, on a suite of
-# three workers sharing two cores (one example of test_chunks took 259 ms so); the examples
+# workers sharing two cores (one example of test_chunks took 259 ms so); the examples
 # themselves still run, and a real hang still meets pytest-timeout's 600 s.
 try:
     from hypothesis import settings as _hypothesis_settings
