@@ -124,15 +124,10 @@ class S3Reader:
                 raise failure from None
         except Exception as exc:
             raise self._classify(exc) from None
-        etag = out.get("ETag", "")
-        vid = out.get("VersionId") or ""
-        if vid == "null":  # written while versioning was off or suspended: not addressable
-            vid = ""
         modified = out.get("LastModified")
         mtime = modified.timestamp() if isinstance(modified, datetime) else time.time()
-        size = int(out["ContentLength"])
-        token = f"vid:{vid}" if vid else (f"etag:{etag}" if etag else "unpinned")
-        return ObjectStat(size, token, mtime, etag=etag, version_id=vid)
+        return _pinned(int(out["ContentLength"]), out.get("ETag", ""),
+                       out.get("VersionId") or "", mtime)
 
     def _head_presigned(self) -> ObjectStat | None:
         """The object's stat from a presigned HEAD where URLs are made without a client
@@ -147,13 +142,13 @@ class S3Reader:
         presigner = s3_presigner(self._fs, self._bucket)
         if pool is None or not isinstance(presigner, LightPresigner):
             return None
-        from faultfs.sources.s3http import finish, send, split_url
+        from faultfs.sources.s3http import URL_EXPIRES_S, finish, send, split_url
 
         params = {"Bucket": self._bucket, "Key": self._key}
         if self._version_id:
             params["VersionId"] = self._version_id
         where, target = split_url(presigner.generate_presigned_url(
-            "head_object", Params=params, ExpiresIn=900))
+            "head_object", Params=params, ExpiresIn=URL_EXPIRES_S))
         try:
             resp, conn = send(pool, where, "HEAD", target, {})
         except Exception as exc:
@@ -170,14 +165,11 @@ class S3Reader:
             return None
         finally:
             finish(pool, conn, resp, where, True)
-        if vid == "null":
-            vid = ""
         try:
             mtime = email.utils.parsedate_to_datetime(modified).timestamp()
         except (TypeError, ValueError):
             mtime = time.time()
-        token = f"vid:{vid}" if vid else (f"etag:{etag}" if etag else "unpinned")
-        return ObjectStat(size, token, mtime, etag=etag, version_id=vid)
+        return _pinned(size, etag, vid, mtime)
 
     def _is_prefix(self, s3: Any, prefix: str) -> bool:
         try:
@@ -318,6 +310,14 @@ def _raw(body: Any) -> tuple[Any, http.client.HTTPResponse | None]:
         return raw, None
     encoding = (raw.headers.get("content-encoding") or "identity").lower()
     return raw, (fp if encoding == "identity" else None)
+
+
+def _pinned(size: int, etag: str, vid: str, mtime: float) -> ObjectStat:
+    """An object's stat, pinned by its version, else its ETag."""
+    if vid == "null":  # written while versioning was off or suspended: not addressable
+        vid = ""
+    token = f"vid:{vid}" if vid else (f"etag:{etag}" if etag else "unpinned")
+    return ObjectStat(size, token, mtime, etag=etag, version_id=vid)
 
 
 def read_body_into(body: Any, buf: memoryview, progress: Progress | None, piece: int) -> None:
