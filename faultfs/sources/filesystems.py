@@ -27,6 +27,7 @@ from fsspec.utils import tokenize
 
 from faultfs.errors import InvalidInput
 from faultfs.sources.base import HTTP_PROTOCOLS, S3_PROTOCOLS, SourceOptions, url_protocol
+from faultfs.sources.s3sign import LightPresigner, light_presigner, virtual_hostable
 from faultfs.sources.secrets import display_url
 
 # The engine runs up to 32 faults at once (FAULTFS_IO_THREADS); the HTTP pool must never queue
@@ -209,29 +210,21 @@ def s3_presigner(fs: Any, bucket: str) -> Any:
     where the URL is plain to derive (``sources.s3sign``: no service model loaded), else the
     client."""
     light = _light(fs)
-    if light is not None and (not light.virtual or _hostable(bucket)):
+    if light is not None and (not light.virtual or virtual_hostable(bucket)):
         return light
     return s3_client(fs)
 
 
-def _light(fs: Any) -> Any:
+def _light(fs: Any) -> LightPresigner | None:
     with _FS_LOCK:
         if fs in _S3_LIGHT:
             return _S3_LIGHT[fs]
-    from faultfs.sources.s3sign import light_presigner
-
     try:
         light = light_presigner(fs)
     except Exception:  # a profile botocore cannot read: its client will say what is wrong
         light = None
     with _FS_LOCK:
         return _S3_LIGHT.setdefault(fs, light)
-
-
-def _hostable(bucket: str) -> bool:
-    from faultfs.sources.s3sign import virtual_hostable
-
-    return virtual_hostable(bucket)
 
 
 def s3_connections(fs: Any) -> Any:

@@ -39,6 +39,7 @@ from faultfs.sources.retry import (
     Transient,
     transport_failure,
 )
+from faultfs.sources.s3sign import LightPresigner
 
 BODY_PIECE = 1 << 20  # a body is read in pieces of at most this (one recv_into loop each)
 PROGRESS_STEP = 128 << 10  # a streaming read tells the progress of its first piece this often
@@ -134,8 +135,6 @@ class S3Reader:
         (``s3sign``: a new process's first request then waits for no service model); None
         to ask the client (another setting, or any answer but 200: the client classifies
         it and tells an object from a prefix)."""
-        from faultfs.sources.s3sign import LightPresigner
-
         if self._botocore_only or not self._key or self._key.endswith("/"):
             return None
         pool = s3_connections(self._fs)
