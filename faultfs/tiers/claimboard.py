@@ -31,12 +31,14 @@ Invariants:
   holder renews it each time half of it is gone (``_renew``), so only a dead or cut-off one
   lets it pass. After it, any node may take the claim over with a conditional replace, and
   exactly one does; the blob is then fetched at most twice.
-- A waiter takes each blob the holder publishes as soon as it lands (it polls them with the
-  claim). Its wait is bounded by the claim's deadline and, per generation of the claim and
-  since the last blob that landed, by its own estimate of fetching the rest itself (``lease``
-  of its own measurements; before it has any, the holder's, read from the claim's deadline,
-  ``LEASE_MAX_S`` at most in all: ``patience``): then it takes the claim over (one waiter wins; the others wait on it, a new bound). A slow or dead
-  peer costs latency, never a failure or wrong bytes, and a blob is fetched twice at most.
+- A waiter takes each blob the holder publishes soon after it lands (it polls two of them
+  with the claim, and all once one landed: ``_poll``). Its wait is bounded by the claim's
+  deadline and, per generation of the claim and since the last blob that landed, by its own
+  estimate of fetching the rest itself (``lease`` of its own measurements; before it has
+  any, the holder's, read from the claim's deadline, ``LEASE_MAX_S`` at most in all:
+  ``patience``): then it takes the claim over (one waiter wins; the others wait on it, a new
+  bound). A slow or dead peer costs latency, never a failure or wrong bytes, and a blob is
+  fetched twice at most.
 - Any failure of the store ends the coordination for that fault: the caller fetches from the
   source (the shared tier's back-off keeps later faults from trying meanwhile).
 - A claim whose holder is past its deadline is never replaced by it (If-Match); an expired
@@ -71,7 +73,9 @@ log = logging.getLogger("faultfs.shared")
 CLAIM_WINDOW_BYTES = 8 << 20  # blobs claimed together: one prefetch run at most
 CLAIM_WINDOW_MAX_BLOBS = 4096  # and at most this many (a claim's ``done`` bitmap stays small)
 CLAIM_THREADS = 8  # claim requests have threads of their own, apart from loads and publishes
-POLL_FIRST_S, POLL_MAX_S = 0.02, 0.2  # a waiter looks at the claim this often (doubling)
+# a waiter looks at the claim this often (doubling; back to the first once a blob landed)
+POLL_FIRST_S, POLL_MAX_S = 0.02, 0.2
+POLL_PROBE_BLOBS = 2  # and at this many of the blobs it waits for (``_poll``)
 # a prefetch's claim to the window's end outlives a pause between its runs by this much: its
 # next run rejoins it instead of another node taking the blobs it was about to fetch
 IDLE_HOLD_S = 1.0
@@ -275,6 +279,7 @@ class ClaimBoard(FetchEstimate, AheadClaims):
         progressed = False  # a blob of the current holder's claim landed
         give_up = 0.0
         delay = POLL_FIRST_S
+        polls = 0
         force = ""  # the tag of a claim to take over (its blobs are late or missing)
         try:
             while True:
@@ -323,8 +328,10 @@ class ClaimBoard(FetchEstimate, AheadClaims):
                     delay = min(POLL_MAX_S, delay * 2)
                     covered = [i for i in need if claim.first <= i < claim.first + claim.count
                                or claim.published_of(base, [i])]
-                    landed = await load(covered) if covered else {}
+                    polls += 1
+                    landed = await self._poll(covered, load, polls)
                     if landed:  # the holder's blobs as each is published: it makes progress
+                        delay = POLL_FIRST_S  # its next ones follow
                         got.update(landed)
                         need = [i for i in need if i not in got]
                         if not need:
@@ -372,6 +379,22 @@ class ClaimBoard(FetchEstimate, AheadClaims):
         finally:
             if waited_from is not None:
                 self.stats.add("claim_wait_ms", round(1000 * (time.monotonic() - waited_from)))
+
+    @staticmethod
+    async def _poll(covered: list[int], load: Loader, polls: int) -> dict[int, Buffer]:
+        """One look for the blobs ``covered`` (the waiter's, under the holder's claim): the
+        first, which a holder fetching in order publishes first, and one more in turn (a
+        holder's other order is seen within as many looks as there are blobs); when either
+        has landed, all of them. Not a GET of each at every look: on a run of blobs, most
+        of those would find nothing yet, and they load the store that serves the holder."""
+        if len(covered) <= POLL_PROBE_BLOBS:
+            return await load(covered) if covered else {}
+        rest = covered[1:]
+        probe = [covered[0], rest[polls % len(rest)]]
+        landed = await load(probe)
+        if landed:
+            landed.update(await load([i for i in covered if i not in probe]))
+        return landed
 
     async def _ring(self, holder: str) -> bool:
         """Tell ``holder`` that this node waits on it (it publishes at once then), beside
