@@ -175,7 +175,10 @@ def part3(args, work: Path, env: dict, proxies, size: int, digest: str, *, Node,
                     run(case, 1, mode, rep)
             for count in args.cluster_counts:
                 run("claims", count, mode, rep)
-                run("no-claims", count, mode, rep)
+                if args.base_tree:  # the nodes of the --base-tree's faultfs, same rep
+                    run("claims-base", count, mode, rep)
+                if "no-claims" in args.cluster_cases.split(","):
+                    run("no-claims", count, mode, rep)
     if not args.cluster_counts:  # --cluster-nodes '': the lone nodes alone
         return results
     results["kill"] = kill_run(args, work, env, proxies, size, digest, Node=Node,
@@ -268,18 +271,24 @@ def render3(args, results: dict, size: int) -> list[str]:
                 f"{med([r['takeovers'] for r in c]):.0f} |")
         out.append(f"| 1 | {label}, no shared store (lone) | 1.00 | - | 1.00 ({lone:.2f} s) "
                    "| - | - | - |")
-    for mode in ("seq", "rand"):  # --base-tree: the lone node's A/B, rep by rep
-        base = results.get(("claims-base", 1, mode))
-        if base:
+    for mode in ("seq", "rand"):  # --base-tree: an A/B of each node count, rep by rep
+        for count in [1, *args.cluster_counts]:
+            base = results.get(("claims-base", count, mode))
+            if not base:
+                continue
             lone_s = [max(r["seconds"]) for r in results[("none", 1, mode)]]
-            new_s = [max(r["seconds"]) for r in results[("claims", 1, mode)]]
+            this = results[("claims", count, mode)]
+            new_s = [max(r["seconds"]) for r in this]
             old_s = [max(r["seconds"]) for r in base]
-            out += ["", f"Lone node, {mode}, this tree against --base-tree (claims; medians "
-                    f"of {len(base)}): none {med(lone_s):.2f} s, this tree {med(new_s):.2f} s "
+            out += ["", f"{count} node(s), {mode}, this tree against --base-tree (claims; "
+                    f"slowest node, medians of {len(base)}): lone without a shared store "
+                    f"{med(lone_s):.2f} s, this tree {med(new_s):.2f} s "
                     f"({med(new_s) / med(lone_s):.2f}×), base {med(old_s):.2f} s "
-                    f"({med(old_s) / med(lone_s):.2f}×); per rep none/this/base: " + ", ".join(
-                        f"{a:.2f}/{b:.2f}/{c:.2f}" for a, b, c in zip(lone_s, new_s, old_s,
-                                                                        strict=True)) + "."]
+                    f"({med(old_s) / med(lone_s):.2f}×); source × object this/base "
+                    f"{med([r['source'] for r in this]):.2f}/"
+                    f"{med([r['source'] for r in base]):.2f}; per rep lone/this/base: "
+                    + ", ".join(f"{a:.2f}/{b:.2f}/{c:.2f}" for a, b, c in zip(
+                        lone_s, new_s, old_s, strict=True)) + "."]
     k = results.get("kill")
     out += [] if k is None else ["", f"kill -9 of one of 4 nodes 0.5 s into a sequential read: the other three "
             f"read {'the right bytes' if k['right'] else 'WRONG BYTES'} in "

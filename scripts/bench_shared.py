@@ -721,10 +721,14 @@ def parse_args():
     p.add_argument("--keep-logs", metavar="DIR",
                    help="copy each node's daemon log here at unmount (NAME-RUN.log)")
     p.add_argument("--base-tree", metavar="DIR", type=Path,
-                   help="part 3's lone node with claims also runs the faultfs of this source "
-                        "tree (its compiled extensions beside it), in the same reps: an A/B")
+                   help="part 3's nodes with claims (lone, and each count) also run the "
+                        "faultfs of this source tree (its compiled extensions beside it), in "
+                        "the same reps: an A/B")
     p.add_argument("--lone-cases", default="none,claims,no-claims",
                    help="part 3's lone-node cases (none,claims,no-claims)")
+    p.add_argument("--cluster-cases", default="claims,no-claims",
+                   help="part 3's cases of 2 nodes and more (claims always; no-claims); with "
+                        "--base-tree, its faultfs's nodes run beside each count too")
     p.add_argument("--quick", action="store_true",
                    help="part 3 alone, 32 MiB, 2 and 4 nodes, one rep, moto, no doc")
     args = p.parse_args()
