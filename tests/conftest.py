@@ -44,10 +44,10 @@ def pytest_collection_modifyitems(config, items):
 
 
 # A passing test's tmp_path is removed once the test is torn down. pytest keeps every one to
-# the end of the run by default: about 3 GB at the peak of this suite on four workers, more
-# than a CI machine sometimes has free (a run failed so, with ENOSPC in /tmp). A failed test's
-# directory stays, for its daemons' logs; so does one with a mount still under it, which a
-# removal would walk into.
+# the end of the run by default: about 3 GB at the peak of this suite on four workers (under
+# 1 GB when removed), more than a CI machine sometimes has free (a run failed so, with ENOSPC
+# in /tmp). A failed test's directory stays, for its daemons' logs; so does one with a mount
+# still under it, which a removal would walk into.
 _TMP_PATH = pytest.StashKey[str]()
 _FAILED = pytest.StashKey[bool]()
 
