@@ -260,7 +260,9 @@ def render3(args, results: dict, size: int) -> list[str]:
     for mode, label in (("seq", "sequential"), ("rand", f"{READERS} random readers")):
         lone = med([max(r["seconds"]) for r in results[("none", 1, mode)]])
         for count in [1, *args.cluster_counts]:
-            c = results[("claims", count, mode)]
+            c = results.get(("claims", count, mode))
+            if not c:  # (--lone-cases without claims)
+                continue
             n = results.get(("no-claims", count, mode), [])
             out.append(
                 f"| {count} | {label} | {med([r['source'] for r in c]):.2f} | "
@@ -277,7 +279,9 @@ def render3(args, results: dict, size: int) -> list[str]:
             if not base:
                 continue
             lone_s = [max(r["seconds"]) for r in results[("none", 1, mode)]]
-            this = results[("claims", count, mode)]
+            this = results.get(("claims", count, mode))
+            if not this:
+                continue
             new_s = [max(r["seconds"]) for r in this]
             old_s = [max(r["seconds"]) for r in base]
             out += ["", f"{count} node(s), {mode}, this tree against --base-tree (claims; "
@@ -298,5 +302,6 @@ def render3(args, results: dict, size: int) -> list[str]:
     out += ["Seconds per run (slowest node), claims: " + "; ".join(
         f"{count} {mode} " + " ".join(f"{max(r['seconds']):.1f}"
                                       for r in results[("claims", count, mode)])
-        for mode in ("seq", "rand") for count in [1, *args.cluster_counts]) + ".", ""]
+        for mode in ("seq", "rand") for count in [1, *args.cluster_counts]
+        if ("claims", count, mode) in results) + ".", ""]
     return out

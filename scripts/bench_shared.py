@@ -115,8 +115,9 @@ def _summary(proxy, with_log: bool) -> dict:
     return out
 
 
-def _proxy_host(conn, upstream_port: int, settings: dict) -> None:
-    """The child: one LatencyProxy per path ("source", "shared"), answering commands."""
+def _proxy_host(conn, upstreams: dict[str, int], settings: dict) -> None:
+    """The child: one LatencyProxy per path ("source", "shared"), each in front of its S3
+    server's port (``upstreams``), answering commands."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent ends us (Ctrl-C reaches both)
@@ -125,7 +126,7 @@ def _proxy_host(conn, upstream_port: int, settings: dict) -> None:
     proxies = {}
     try:
         for name, (delay_ms, conn_mbps, total_mbps) in settings.items():
-            proxies[name] = LatencyProxy("127.0.0.1", upstream_port, delay_ms=delay_ms,
+            proxies[name] = LatencyProxy("127.0.0.1", upstreams[name], delay_ms=delay_ms,
                                          conn_mbps=conn_mbps, total_mbps=total_mbps,
                                          max_connections=4096).start()
         conn.send({name: p.url for name, p in proxies.items()})
@@ -149,10 +150,10 @@ def _proxy_host(conn, upstream_port: int, settings: dict) -> None:
 
 
 class Proxies:
-    def __init__(self, upstream_port: int, settings: dict) -> None:
+    def __init__(self, upstreams: dict[str, int], settings: dict) -> None:
         ctx = mp.get_context("fork")  # before any thread of ours is started
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_proxy_host, args=(child, upstream_port, settings),
+        self.proc = ctx.Process(target=_proxy_host, args=(child, upstreams, settings),
                                 daemon=True)
         self.proc.start()
         child.close()
@@ -374,7 +375,7 @@ def stage_and_publish(node: Node, size: int, chunk_blobs: int) -> float:
 class CpuMeter:
     """CPU seconds of the daemon(s) under test, the proxies' process and the S3 server."""
 
-    def __init__(self, pids: dict[str, int]) -> None:
+    def __init__(self, pids: dict[str, list[int]]) -> None:
         self.pids = pids
         self.before: dict[str, float] = {}
 
@@ -383,7 +384,8 @@ class CpuMeter:
         self.before = self._now()
 
     def _now(self) -> dict[str, float]:
-        out = {name: cpu_seconds(pid) or 0.0 for name, pid in self.pids.items()}
+        out = {name: sum(cpu_seconds(pid) or 0.0 for pid in pids)
+               for name, pids in self.pids.items()}
         out["faultfs"] = sum(cpu_seconds(pid) or 0.0 for pid in self.daemons)
         return out
 
@@ -710,6 +712,11 @@ def parse_args():
                    help="for the shared store (default: --conn-mbps)")
     p.add_argument("--server", choices=("s3rver", "moto"), default="s3rver",
                    help="the S3 endpoint (s3rver; moto is slow for ranged reads)")
+    p.add_argument("--source-server", choices=("same", "s3rver", "moto"), default="same",
+                   help="the source object on an S3 server of its own (same: on --server's). "
+                        "moto copies the whole object for each ranged GET (its CPU grows "
+                        "with the object); s3rver streams the range, but has no conditional "
+                        "puts, which the shared store's claims need")
     p.add_argument("--faultfs-args", default="", help="extra `faultfs mount` arguments")
     p.add_argument("--dir", help="work directory (default: a new one under /tmp, removed)")
     p.add_argument("--cache", default=str(Path.home() / ".cache" / "faultfs-bench"),
@@ -778,10 +785,19 @@ def main() -> int:
                                                  Path(args.cache) / "s3rver", SRC_BUCKET,
                                                  who="bench_shared")
         CLEAN.push("S3 server", lambda: stop_process(proc))
+        src_endpoint, servers = endpoint, [proc]
+        if args.source_server not in ("same", args.server):  # the source on a server apart
+            src_endpoint, src_server, src_proc = start_s3_server(
+                args.source_server, work, Path(args.cache) / "s3rver", SRC_BUCKET,
+                who="bench_shared")
+            CLEAN.push("source S3 server", lambda: stop_process(src_proc))
+            servers.append(src_proc)
+            server = f"{server} holding the shared store, {src_server} the source"
         # forked before any thread of ours (boto3's, the readers') exists
-        proxies = Proxies(int(endpoint.rsplit(":", 1)[1]), settings)
+        proxies = Proxies({"source": int(src_endpoint.rsplit(":", 1)[1]),
+                           "shared": int(endpoint.rsplit(":", 1)[1])}, settings)
         CLEAN.push("latency proxies", proxies.close)
-        log(f"endpoint {endpoint} ({server}); proxies {proxies.urls}")
+        log(f"endpoint {endpoint}, source {src_endpoint} ({server}); proxies {proxies.urls}")
 
         original = work / "field.bin"
         h = hashlib.sha256()
@@ -791,15 +807,15 @@ def main() -> int:
                 h.update(block)
                 f.write(block)
         digest = h.hexdigest()
-        client = s3_client(endpoint)
+        ensure_bucket(s3_client(endpoint), SHARED_BUCKET)
+        client = s3_client(src_endpoint)
         ensure_bucket(client, SRC_BUCKET)
-        ensure_bucket(client, SHARED_BUCKET)
         t = time.monotonic()
         with open(original, "rb") as f:
             client.put_object(Bucket=SRC_BUCKET, Key=KEY, Body=f)
         log(f"uploaded {args.size_mb} MiB in {time.monotonic() - t:.1f} s")
 
-        cpu = CpuMeter({"proxies": proxies.proc.pid, "s3": proc.pid})
+        cpu = CpuMeter({"proxies": [proxies.proc.pid], "s3": [p.pid for p in servers]})
         env = aws_env(work)
         CLEAN.push("mounts", unmount_all)
         res1 = part1(args, work, env, endpoint, proxies, cpu, size, digest, original) \
