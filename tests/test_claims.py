@@ -408,6 +408,78 @@ def test_a_waiter_on_a_run_looks_at_two_blobs_a_poll_and_takes_each_soon_after_i
     assert lags[4] < 0.08 and lags[-1] < 0.25, lags
 
 
+class SlowClaims(DirectoryClaims):
+    """A store whose creates take ``create_s`` (a round trip to a busy object store)."""
+
+    create_s = 0.3
+
+    def create(self, key, data):
+        time.sleep(self.create_s)
+        return super().create(key, data)
+
+
+def test_a_lone_node_fetches_beside_its_create_once_its_windows_prove_empty(tmp_path):
+    """A node alone whose creates found their windows empty twice in a row fetches the next
+    window's blobs while that window's create is under way (not after its round trip): the
+    fault has its claim at once, the create lands behind it, and the release leaves the
+    window's marker as any claim's does."""
+    c = Cluster(str(tmp_path))
+    c.store = SlowClaims(LocalObjects(str(tmp_path)))
+    a = c.board("a")
+    took: list[float] = []
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            a.attach(nursery)
+            for window in range(3):
+                t = time.monotonic()
+                got, held = await a.coordinate(TAG, [8 * window], c.load)
+                took.append(time.monotonic() - t)
+                assert got == {} and len(held) == 1
+                c.blobs[8 * window] = b"x"
+                await a.release(held, fetched=[8 * window])
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert took[0] >= 0.3 and took[1] >= 0.3, took  # the first two wait for their creates
+    assert took[2] < 0.1, took  # the third does not
+    assert a.stats.counters["claims_won"] == 3
+    assert a.stats.counters["claims_lost_beside_fetch"] == 0
+    marker = c.marker(2)
+    assert marker.published and marker.published_of(16, [16]) == [16]
+
+
+def test_a_create_beside_a_fetch_that_loses_costs_one_window_once(tmp_path):
+    """The window another node claimed meanwhile: the create made beside the fetch loses. The
+    blobs fetched are the one extra fetch; the hold ends without touching the other node's
+    claim, and the node is in company from then on: it claims before it fetches again."""
+    c = Cluster(str(tmp_path))
+    a, b = c.board("a"), c.board("b")
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            a.attach(nursery)
+            for window in range(2):
+                _, held = await a.coordinate(TAG, [8 * window], c.load)
+                await a.release(held, fetched=[])
+            _, theirs = await b.coordinate(TAG, [16], c.load)  # b's claim on window 2
+            _, held = await a.coordinate(TAG, [17], c.load)  # beside the fetch: lost
+            assert len(held) == 1
+            await held[0].made.wait()
+            assert held[0].lost and a.mailbox.company
+            await a.release(held, fetched=[17])
+            assert Claim.decode(c.store.read(a._key(TAG, 2))[0]).node == "b"  # untouched
+            with trio.move_on_after(0.3) as waited:  # now a waits on b's claim
+                await a.coordinate(TAG, [18], c.load)
+            assert waited.cancelled_caught
+            await b.release(theirs, fetched=[])
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert a.stats.counters["claims_lost_beside_fetch"] == 1
+    assert a.stats.counters["claim_waits"] == 1
+
+
 def test_a_published_marker_covers_every_blob_fetched_under_the_claim(tmp_path):
     """The holder fetched blobs 2..5 under one claim in two faults; its released claim (kept
     marked published) tells a node arriving then to load all four, not claim them again:

@@ -48,7 +48,7 @@ IDLE_S = 0.2  # faults idle this long: the source path is free, held-back publis
 LOOK_S = 0.5  # a holder with publishes held back looks at its mailbox this often (at first
 # every TICK_S, doubling: 0.1, 0.2, 0.4 s after its first blob is held back)
 TICK_S = 0.1  # ... and at its faults (idle?) and the mount (ending?) this often
-HOLD_MAX = 16  # claims whose publishes are held back at once (128 MiB of 1 MiB blobs)
+HOLD_MAX = 64  # claims whose publishes are held back at once (512 MiB of 1 MiB blobs)
 SENDING = 8  # held-back blobs read back and published at once
 
 Entry = tuple[list[BlobKey], list[Held]]

@@ -39,6 +39,12 @@ Invariants:
   ``patience``): then it takes the claim over (one waiter wins; the others wait on it, a new
   bound). A slow or dead peer costs latency, never a failure or wrong bytes, and a blob is
   fetched twice at most.
+- A node that looks alone and whose last ``SPECULATE_AFTER`` creates found their windows
+  empty fetches a new window's blobs while the window's create is under way (``_speculate``),
+  not after its round trip: its other faults of the window join the hold at once, growing and
+  ending it wait for the create. A create so made that loses (another node's claim or
+  marker) costs the blobs fetched meanwhile once more — one window's, once: the node is in
+  company from then on and never fetches beside a create again.
 - Any failure of the store ends the coordination for that fault: the caller fetches from the
   source (the shared tier's back-off keeps later faults from trying meanwhile).
 - A claim whose holder is past its deadline is never replaced by it (If-Match); an expired
@@ -79,6 +85,9 @@ POLL_PROBE_BLOBS = 2  # and at this many of the blobs it waits for (``_poll``)
 # a prefetch's claim to the window's end outlives a pause between its runs by this much: its
 # next run rejoins it instead of another node taking the blobs it was about to fetch
 IDLE_HOLD_S = 1.0
+# a node that looks alone and has won this many fresh windows in a row fetches a new window's
+# blobs while its create is under way, not after it (``_speculate``)
+SPECULATE_AFTER = 2
 RENEW_MIN_S = 0.2  # a holder renews its claim's deadline at most this often
 # a settled claim (fetched, publishes held back) doubles its lease at each renewal up to this:
 # fewer renewals over a long read; a waiter that has not measured its source waits up to it
@@ -110,6 +119,7 @@ class Held:
     idle: int = 0  # releases of its last user: a held-on claim ends if none came since
     lease_s: float = 0.0  # the lease its deadline was last given
     parked: int = 0  # its users whose blobs are fetched and whose publishes are held back
+    made: trio.Event = field(default_factory=lambda: _set(trio.Event()))  # its create answered
 
     @property
     def settled(self) -> bool:
@@ -140,6 +150,8 @@ class ClaimBoard(FetchEstimate, AheadClaims):
         self._init_ahead()
         self.idle_hold_s = IDLE_HOLD_S
         self._nursery: trio.Nursery | None = None
+        self._fresh_wins = 0  # creates won in a row on windows with no object (``_speculate``)
+        self._speculation_lost = False  # a create made beside its fetch lost: never again
 
     def attach(self, nursery: trio.Nursery) -> None:
         """Grow claims in ``nursery`` (the mount's), beside the fetch; without it, inline."""
@@ -225,6 +237,7 @@ class ClaimBoard(FetchEstimate, AheadClaims):
         """Replace ``h``'s object by one covering ``h.want`` with a renewed deadline (If-Match
         on its tag): waiters then wait for those blobs too, and nobody takes them over.
         ``renew``: the deadline alone, even when it covers them already."""
+        await h.made.wait()
         async with h.lock:
             lo, hi = h.want
             first, end = h.covers
@@ -271,6 +284,8 @@ class ClaimBoard(FetchEstimate, AheadClaims):
             left = [i for i in need if i not in got]
             return got, (await self._join(tag, mine, left, ahead) if left else None)
         key = self._key(tag, window)
+        if self._speculates(tag, window):
+            return {}, self._speculate(tag, window, key, need, ahead)
         base = window * self.window_blobs(tag)
         nbytes = len(need) * tag.blob_size
         got: dict[int, Buffer] = {}
@@ -422,7 +437,9 @@ class ClaimBoard(FetchEstimate, AheadClaims):
                 self.store.create, key, claim.encode())  # (a create ahead just lost)
             if etag is not None:
                 self.stats.add("claims_won")
+                self._fresh_wins += 1
                 return self._hold(tag, window, key, etag, claim, ahead)
+            self._fresh_wins = 0  # the window has an object: other nodes, or an earlier run
             seen = await self._io(self.store.read, key)
             if seen is None:
                 continue  # released meanwhile
@@ -448,6 +465,63 @@ class ClaimBoard(FetchEstimate, AheadClaims):
                 return self._hold(tag, window, key, new, claim, ahead)
             # another node took it over first: its claim is live, wait on it
         raise OSError(5, "the claim of a window kept changing")
+
+    def _speculates(self, tag: TierTag, window: int) -> bool:
+        """Whether this fault fetches its window's blobs beside the window's create: the node
+        looks alone (no other node waited on it, nor it on another), its last
+        ``SPECULATE_AFTER`` creates all found their windows empty, and no create made so has
+        lost yet; nobody of this node is claiming the window already."""
+        return (self._nursery is not None and not self.mailbox.company
+                and not self._speculation_lost and self._fresh_wins >= SPECULATE_AFTER
+                and (tag.id, window) not in self._claiming)
+
+    def _speculate(self, tag: TierTag, window: int, key: str, need: list[int],
+                   ahead: bool) -> Held:
+        """Hold the window at once and make its create in the background (``_made``): the
+        caller fetches meanwhile, without the create's round trip before its source read.
+        The window is taken as empty, as a won create says it is. When the create loses
+        (another node's claim, or a marker: a node that read the tag before), the blobs of
+        the faults under way are fetched once more than needed — one window at most, once:
+        this node makes no create so again."""
+        assert self._nursery is not None
+        claim = self._new_claim(tag, _span(tag, window, need, ahead), gen=1, done=0)
+        held = Held(tag.id, window, key, "", claim, self.window_blobs(tag), ahead=ahead,
+                    made=trio.Event())
+        held.want = held.covers
+        held.lease_s = max(0.0, claim.deadline_ms / 1000 - time.time())
+        self._mine[(tag.id, window)] = held
+        self.stats.add("shared_index_misses", len(need))
+        self._nursery.start_soon(self._made, tag, held)
+        return held
+
+    async def _made(self, tag: TierTag, held: Held) -> None:
+        """The create of a window held by ``_speculate``: won, the claim is renewed as any
+        other; lost, or failed, the hold ends (nothing is marked; what was fetched is
+        published unclaimed) and this node makes no create beside a fetch again."""
+        try:
+            etag = await self._io(self.store.create, held.key, held.claim.encode())
+        except OSError as exc:
+            self.stats.add("claim_errors")
+            log.warning("claiming %s failed (%s)", held.key, exc.strerror or exc)
+            etag = None
+        try:
+            if etag is not None:
+                held.etag = etag
+                self.stats.add("claims_won")
+                self._fresh_wins += 1
+                self._nursery.start_soon(self._renew, tag, held)  # type: ignore[union-attr]
+                return
+            held.lost = True
+            self._speculation_lost = True
+            self.mailbox.company = True  # another node reads the tag (or did): publish at once
+            self.stats.add("claims_lost_beside_fetch")
+            if self._mine.get((held.tag_id, held.window)) is held:
+                del self._mine[(held.tag_id, held.window)]
+            log.info("tag %s: window %d was claimed or published by another node while "
+                     "this node fetched it (fetched once more); from now on this node "
+                     "claims before it fetches", tag.name, held.window)
+        finally:
+            held.made.set()
 
     def _new_claim(self, tag: TierTag, span: tuple[int, int], gen: int, done: int) -> Claim:
         lo, hi = span
@@ -518,6 +592,7 @@ class ClaimBoard(FetchEstimate, AheadClaims):
         """Replace ``h`` by its window's marker (``done`` and the blobs it fetched) or, when
         nothing of the window is published, delete it; leave it alone when it is no longer
         ours (taken over after its deadline)."""
+        await h.made.wait()
         async with h.lock:
             if h.lost:
                 return
@@ -543,6 +618,11 @@ def _span(tag: TierTag, window: int, need: list[int], ahead: bool) -> tuple[int,
     per = ClaimBoard.window_blobs(tag)
     end = min((window + 1) * per, tag.num_blobs) if ahead else need[-1] + 1
     return need[0], max(end, need[-1] + 1)
+
+
+def _set(event: trio.Event) -> trio.Event:
+    event.set()
+    return event
 
 
 def _now_ms() -> int:
