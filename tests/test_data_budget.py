@@ -68,3 +68,64 @@ def test_a_read_larger_than_the_budget_goes_when_nothing_is_held_and_zero_holds_
             await none.admit(8 * MiB)  # --memory-mb 0: no memory tier, nothing held back
 
     trio.run(main)
+
+
+class _SlowObjects:
+    """An object store whose puts take ``put_s`` each (a publish under way)."""
+
+    put_s = 0.3
+
+    def __init__(self, root: str) -> None:
+        from faultfs.tiers.objects import LocalObjects
+
+        self._objects = LocalObjects(root)
+        self.url = root
+
+    def put(self, key: str, data: bytes, *, create: bool = False) -> bool:
+        import time
+
+        time.sleep(self.put_s)
+        return self._objects.put(key, data, create=create)
+
+
+def test_a_readers_read_waiting_behind_publishes_goes_as_soon_as_they_end(tmp_path):
+    """Blobs waiting to be published to the shared store count against the budget; a
+    reader's read that does not fit beside them goes as soon as they are published. (A
+    publish that ended woke nobody once: with nothing else in flight, a node's readers
+    waited for room forever after a burst of publishes, and its mount hung.)"""
+    from faultfs.iopool import IoPool
+    from faultfs.stats import Stats
+    from faultfs.store.blobstore import BlobStore
+    from faultfs.tiers.base import TierTag
+    from faultfs.tiers.local.tier import LocalTier
+    from faultfs.tiers.multilevel import TierStack
+    from faultfs.tiers.policy import StorePolicy
+    from faultfs.tiers.shared import SharedTier
+
+    stats, pool = Stats(), IoPool(8)
+    shared = SharedTier(_SlowObjects(str(tmp_path / "shared")), stats)  # type: ignore[arg-type]
+    policy = StorePolicy(store_enabled=True, reserve_bytes=0, cache_size=0, backoff_faults=0)
+    tiers = TierStack(MemoryTier(4 * MiB), LocalTier(BlobStore(str(tmp_path / "store")), policy,
+                                                     pool, stats, inline_read=0),
+                      pool, stats, shared)
+    tag = TierTag(1, "t", "v", 8, MiB, lambda i: f"chunk_{i}", lambda n: None,
+                  "fault:0123456789abcdef")
+    shared.open_tag(tag)
+    budget = tiers.budget
+    times = {}
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            for i in range(4):  # the whole budget waits to be published (claimed blobs)
+                nursery.start_soon(shared.publish_counted, (1, i), blob())
+            await trio.sleep(0.05)
+            assert budget.fixed() == 4 * MiB and not budget.fits(MiB)
+            started = trio.current_time()
+            with trio.fail_after(5):
+                await budget.admit(MiB)
+            times["admitted"] = trio.current_time() - started
+
+    trio.run(main)
+    assert shared.waiting == 0 and stats.counters["shared_publishes"] == 4
+    # the puts take 0.3 s (four at once); the wait ends with them, not at the recheck (1 s)
+    assert 0.2 < times["admitted"] < 0.8, times

@@ -11,7 +11,10 @@ Invariants:
   of it is handed on or the read fails; pins come and go with store writes).
 - A source read a reader waits for is admitted (``admit``) only when its bytes fit beside
   what cannot be dropped (reads in flight, pinned blobs, publishes); otherwise it waits until
-  something lands or is stored — all of which happens without it, so it never deadlocks. A
+  something lands, is stored or is published (each calls ``wake``) — all of which happens
+  without it, so it never deadlocks; it also looks again every ``RECHECK_S``, so that a
+  holder that frees room without a ``wake`` costs a reader that long, never a hang (a
+  publish that ended woke nobody once: readers waited forever behind a burst of them). A
   read larger than the whole budget is admitted when nothing else is held; a budget of 0
   (``--memory-mb 0``: no memory tier) holds no read back.
 - Prefetches start only when they fit and no reader waits for room (``fits``): a reader is
@@ -32,6 +35,7 @@ PREFETCH_SHARE = 2  # 1/2: the prefetch window's source reads in flight
 STORE_SHARE = 4  # 1/4: blobs waiting for their store write (pinned in the memory tier)
 PUBLISH_SHARE = 4  # 1/4: blobs waiting to be published to the shared store
 FREE_BUFFERS_SHARE = 4  # 1/4: recycled read buffers kept mapped (buffers.POOL), not data
+RECHECK_S = 1.0  # a read waiting for room looks again this often, woken or not
 
 
 class DataBudget:
@@ -76,7 +80,8 @@ class DataBudget:
             self._waiters.append(event)
             self.waits += 1
             try:
-                await event.wait()
+                with trio.move_on_after(RECHECK_S):
+                    await event.wait()
             finally:
                 if event in self._waiters:
                     self._waiters.remove(event)

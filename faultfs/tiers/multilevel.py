@@ -41,6 +41,7 @@ class TierStack:
         if shared is not None:  # publishes waiting hold their blobs: within the budget
             shared.budget = min(shared.budget, self.budget.share(PUBLISH_SHARE))
             self.budget.count(lambda: shared.waiting)
+            shared.freed = self.budget.wake  # a publish that ends makes room
         self.pool = pool
         self.stats = stats
         self._pending: dict[BlobKey, Buffer] = {}  # faulted, being written to the local tier

@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 from urllib.parse import quote
 
@@ -86,6 +87,9 @@ class SharedTier:
         self.budget = budget
         self.tags: dict[int, TierTag] = {}
         self.waiting = 0  # bytes of blobs waiting to be published
+        # called when a publish ends and its bytes stop counting (the data budget's readers
+        # waiting for room look again: ``TierStack``)
+        self.freed: Callable[[], None] = lambda: None
         self.pending = 0  # publishes under way
         self._damaged: set[BlobKey] = set()  # objects found bad: the next publish replaces
         self._nursery: trio.Nursery | None = None
@@ -244,6 +248,8 @@ class SharedTier:
         self.pending -= 1
         if self.pending == 0 and self._idle is not None:
             self._idle.set()
+        if len(payload):
+            self.freed()
 
     async def publish(self, key: BlobKey, payload: Buffer, *,
                       claimed: bool = False) -> bool | None:
