@@ -97,7 +97,7 @@ def test_a_readers_read_waiting_behind_publishes_goes_as_soon_as_they_end(tmp_pa
     from faultfs.stats import Stats
     from faultfs.store.blobstore import BlobStore
     from faultfs.tiers.base import TierTag
-    from faultfs.tiers.local.tier import LocalTier
+    from faultfs.tiers.local import LocalTier
     from faultfs.tiers.multilevel import TierStack
     from faultfs.tiers.policy import StorePolicy
     from faultfs.tiers.shared import SharedTier
