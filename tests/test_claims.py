@@ -480,6 +480,49 @@ def test_a_create_beside_a_fetch_that_loses_costs_one_window_once(tmp_path):
     assert a.stats.counters["claim_waits"] == 1
 
 
+class FailingThirdCreate(DirectoryClaims):
+    """A store whose third create fails (a lost connection)."""
+
+    creates = 0
+
+    def create(self, key, data):
+        self.creates += 1
+        if self.creates == 3:
+            raise OSError(104, "Connection reset by peer")
+        return super().create(key, data)
+
+
+def test_a_create_beside_a_fetch_that_fails_ends_the_hold_and_the_next_claims_first(tmp_path):
+    """A create made beside a fetch that fails (the store, not another node): the hold ends
+    (nothing marked; the fault's blobs are still its own to fetch), the error is counted,
+    and the node claims before it fetches from then on, without counting itself in company."""
+    c = Cluster(str(tmp_path))
+    c.store = FailingThirdCreate(LocalObjects(str(tmp_path)))
+    a = c.board("a")
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            a.attach(nursery)
+            for window in range(2):
+                _, held = await a.coordinate(TAG, [8 * window], c.load)
+                await a.release(held, fetched=[])
+            got, held = await a.coordinate(TAG, [16], c.load)  # beside the fetch: fails
+            assert got == {} and len(held) == 1
+            await held[0].made.wait()
+            assert held[0].lost and not a.mailbox.company
+            await a.release(held, fetched=[16])
+            assert c.store.read(a._key(TAG, 2)) is None  # nothing marked
+            _, held = await a.coordinate(TAG, [24], c.load)  # claimed first, and won
+            assert not held[0].lost and held[0].etag
+            await a.release(held, fetched=[])
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert a.stats.counters["claim_errors"] == 1
+    assert a.stats.counters["claims_lost_beside_fetch"] == 0
+    assert a.stats.counters["claims_won"] == 3
+
+
 def test_a_published_marker_covers_every_blob_fetched_under_the_claim(tmp_path):
     """The holder fetched blobs 2..5 under one claim in two faults; its released claim (kept
     marked published) tells a node arriving then to load all four, not claim them again:

@@ -498,12 +498,17 @@ class ClaimBoard(FetchEstimate, AheadClaims):
         """The create of a window held by ``_speculate``: won, the claim is renewed as any
         other; lost, or failed, the hold ends (nothing is marked; what was fetched is
         published unclaimed) and this node makes no create beside a fetch again."""
+        failed = False
         try:
             etag = await self._io(self.store.create, held.key, held.claim.encode())
         except OSError as exc:
             self.stats.add("claim_errors")
             log.warning("claiming %s failed (%s)", held.key, exc.strerror or exc)
-            etag = None
+            etag, failed = None, True
+        except Exception:  # a background task must never take the mount down
+            self.stats.add("claim_errors")
+            log.exception("claiming %s failed", held.key)
+            etag, failed = None, True
         try:
             if etag is not None:
                 held.etag = etag
@@ -513,10 +518,12 @@ class ClaimBoard(FetchEstimate, AheadClaims):
                 return
             held.lost = True
             self._speculation_lost = True
-            self.mailbox.company = True  # another node reads the tag (or did): publish at once
-            self.stats.add("claims_lost_beside_fetch")
             if self._mine.get((held.tag_id, held.window)) is held:
                 del self._mine[(held.tag_id, held.window)]
+            if failed:
+                return
+            self.mailbox.company = True  # another node reads the tag (or did): publish at once
+            self.stats.add("claims_lost_beside_fetch")
             log.info("tag %s: window %d was claimed or published by another node while "
                      "this node fetched it (fetched once more); from now on this node "
                      "claims before it fetches", tag.name, held.window)
