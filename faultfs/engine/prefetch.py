@@ -40,7 +40,7 @@ from faultfs.engine.tags import Tag
 from faultfs.iopool import IoPool
 from faultfs.stats import Stats
 from faultfs.tiers.budget import PREFETCH_SHARE
-from faultfs.tiers.claimboard import CLAIM_WINDOW_BYTES, CLAIM_WINDOW_MAX_BLOBS
+from faultfs.tiers.held import CLAIM_WINDOW_BYTES, CLAIM_WINDOW_MAX_BLOBS
 from faultfs.tiers.multilevel import TierStack
 
 log = logging.getLogger("faultfs.engine")

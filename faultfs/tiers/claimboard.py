@@ -32,7 +32,7 @@ Invariants:
   lets it pass. After it, any node may take the claim over with a conditional replace, and
   exactly one does; the blob is then fetched at most twice.
 - A waiter takes each blob the holder publishes soon after it lands (it polls two of them
-  with the claim, and all once one landed: ``_poll``). Its wait is bounded by the claim's
+  with the claim, and all once one landed: ``poll_blobs``). Its wait is bounded by the claim's
   deadline and, per generation of the claim and since the last blob that landed, by its own
   estimate of fetching the rest itself (``lease`` of its own measurements; before it has
   any, the holder's, read from the claim's deadline, ``LEASE_MAX_S`` at most in all:
@@ -61,7 +61,6 @@ import secrets
 import socket
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass, field
 
 import trio
 
@@ -70,24 +69,21 @@ from faultfs.iopool import run_in_thread
 from faultfs.stats import Stats
 from faultfs.tiers.ahead import AheadClaims
 from faultfs.tiers.base import Buffer, TierTag, version_hash
+from faultfs.tiers.beside import BesideClaims
 from faultfs.tiers.claims import Claim, ClaimStore, claim_key, done_mask
 from faultfs.tiers.estimate import LEASE_MAX_S, FetchEstimate
+from faultfs.tiers.held import Held, claim_span, window_blobs
 from faultfs.tiers.mailbox import MAILBOX_PREFIX, Mailbox, stale_mailbox
 
 log = logging.getLogger("faultfs.shared")
 
-CLAIM_WINDOW_BYTES = 8 << 20  # blobs claimed together: one prefetch run at most
-CLAIM_WINDOW_MAX_BLOBS = 4096  # and at most this many (a claim's ``done`` bitmap stays small)
 CLAIM_THREADS = 8  # claim requests have threads of their own, apart from loads and publishes
 # a waiter looks at the claim this often (doubling; back to the first once a blob landed)
 POLL_FIRST_S, POLL_MAX_S = 0.02, 0.2
-POLL_PROBE_BLOBS = 2  # and at this many of the blobs it waits for (``_poll``)
+POLL_PROBE_BLOBS = 2  # and at this many of the blobs it waits for (``poll_blobs``)
 # a prefetch's claim to the window's end outlives a pause between its runs by this much: its
 # next run rejoins it instead of another node taking the blobs it was about to fetch
 IDLE_HOLD_S = 1.0
-# a node that looks alone and has won this many fresh windows in a row fetches a new window's
-# blobs while its create is under way, not after it (``_speculate``)
-SPECULATE_AFTER = 2
 RENEW_MIN_S = 0.2  # a holder renews its claim's deadline at most this often
 # a settled claim (fetched, publishes held back) doubles its lease at each renewal up to this:
 # fewer renewals over a long read; a waiter that has not measured its source waits up to it
@@ -100,41 +96,10 @@ def node_id() -> str:
     return f"{socket.gethostname()[:40]}-{os.getpid()}-{secrets.token_hex(4)}"
 
 
-@dataclass
-class Held:
-    """A claim this node holds on one window."""
-
-    tag_id: int
-    window: int
-    key: str
-    etag: str
-    claim: Claim
-    per: int  # blobs of a window
-    users: int = 1
-    fetched: set[int] = field(default_factory=set)  # blobs fetched under it (the marker's)
-    want: tuple[int, int] = (0, 0)  # the blobs ``[lo, hi)`` it should cover (grown to them)
-    lock: trio.Lock = field(default_factory=trio.Lock)  # its replaces (If-Match), one by one
-    lost: bool = False  # taken over meanwhile (its deadline passed), or ended: not ours
-    ahead: bool = False  # claimed or grown to its window's end by a prefetch run
-    idle: int = 0  # releases of its last user: a held-on claim ends if none came since
-    lease_s: float = 0.0  # the lease its deadline was last given
-    parked: int = 0  # its users whose blobs are fetched and whose publishes are held back
-    made: trio.Event = field(default_factory=lambda: _set(trio.Event()))  # its create answered
-
-    @property
-    def settled(self) -> bool:
-        """Its blobs fetched, all its users waiting to publish (``heldback``)."""
-        return 0 < self.users <= self.parked
-
-    @property
-    def covers(self) -> tuple[int, int]:
-        return self.claim.first, self.claim.first + self.claim.count
-
-
 Loader = Callable[[list[int]], Awaitable[dict[int, Buffer]]]
 
 
-class ClaimBoard(FetchEstimate, AheadClaims):
+class ClaimBoard(FetchEstimate, AheadClaims, BesideClaims):
     def __init__(self, store: ClaimStore, stats: Stats, *, node: str | None = None) -> None:
         self.store = store
         self.stats = stats
@@ -150,8 +115,7 @@ class ClaimBoard(FetchEstimate, AheadClaims):
         self._init_ahead()
         self.idle_hold_s = IDLE_HOLD_S
         self._nursery: trio.Nursery | None = None
-        self._fresh_wins = 0  # creates won in a row on windows with no object (``_speculate``)
-        self._speculation_lost = False  # a create made beside its fetch lost: never again
+        self._init_beside()
 
     def attach(self, nursery: trio.Nursery) -> None:
         """Grow claims in ``nursery`` (the mount's), beside the fetch; without it, inline."""
@@ -159,9 +123,7 @@ class ClaimBoard(FetchEstimate, AheadClaims):
 
     # -- keys --------------------------------------------------------------------------------
 
-    @staticmethod
-    def window_blobs(tag: TierTag) -> int:
-        return max(1, min(CLAIM_WINDOW_MAX_BLOBS, CLAIM_WINDOW_BYTES // max(1, tag.blob_size)))
+    window_blobs = staticmethod(window_blobs)
 
     def _key(self, tag: TierTag, window: int) -> str:
         from urllib.parse import quote
@@ -213,7 +175,7 @@ class ClaimBoard(FetchEstimate, AheadClaims):
         mine.users += 1
         mine.idle += 1  # a release holding it on for this fault sees it came
         mine.ahead = mine.ahead or ahead
-        lo, hi = _span(tag, mine.window, need, ahead)
+        lo, hi = claim_span(tag, mine.window, need, ahead)
         first, end = mine.want
         if lo < first or hi > end:
             mine.want = (min(lo, first), max(hi, end))
@@ -344,7 +306,7 @@ class ClaimBoard(FetchEstimate, AheadClaims):
                     covered = [i for i in need if claim.first <= i < claim.first + claim.count
                                or claim.published_of(base, [i])]
                     polls += 1
-                    landed = await self._poll(covered, load, polls)
+                    landed = await poll_blobs(covered, load, polls)
                     if landed:  # the holder's blobs as each is published: it makes progress
                         delay = POLL_FIRST_S  # its next ones follow
                         got.update(landed)
@@ -395,22 +357,6 @@ class ClaimBoard(FetchEstimate, AheadClaims):
             if waited_from is not None:
                 self.stats.add("claim_wait_ms", round(1000 * (time.monotonic() - waited_from)))
 
-    @staticmethod
-    async def _poll(covered: list[int], load: Loader, polls: int) -> dict[int, Buffer]:
-        """One look for the blobs ``covered`` (the waiter's, under the holder's claim): the
-        first, which a holder fetching in order publishes first, and one more in turn (a
-        holder's other order is seen within as many looks as there are blobs); when either
-        has landed, all of them. Not a GET of each at every look: on a run of blobs, most
-        of those would find nothing yet, and they load the store that serves the holder."""
-        if len(covered) <= POLL_PROBE_BLOBS:
-            return await load(covered) if covered else {}
-        rest = covered[1:]
-        probe = [covered[0], rest[polls % len(rest)]]
-        landed = await load(probe)
-        if landed:
-            landed.update(await load([i for i in covered if i not in probe]))
-        return landed
-
     async def _ring(self, holder: str) -> bool:
         """Tell ``holder`` that this node waits on it (it publishes at once then), beside
         the wait when attached to a mount. True the first time: the holder may have held
@@ -431,7 +377,7 @@ class ClaimBoard(FetchEstimate, AheadClaims):
         bound passed, or the blobs of a published one were not all there); a claim that
         replaced it meanwhile is waited on, not taken over."""
         for _ in range(8):  # the claim comes and goes between our requests: try again
-            span = _span(tag, window, need, ahead)
+            span = claim_span(tag, window, need, ahead)
             claim = self._new_claim(tag, span, gen=1, done=0)
             etag = None if self._taken.pop((tag.id, window), False) else await self._io(
                 self.store.create, key, claim.encode())  # (a create ahead just lost)
@@ -465,70 +411,6 @@ class ClaimBoard(FetchEstimate, AheadClaims):
                 return self._hold(tag, window, key, new, claim, ahead)
             # another node took it over first: its claim is live, wait on it
         raise OSError(5, "the claim of a window kept changing")
-
-    def _speculates(self, tag: TierTag, window: int) -> bool:
-        """Whether this fault fetches its window's blobs beside the window's create: the node
-        looks alone (no other node waited on it, nor it on another), its last
-        ``SPECULATE_AFTER`` creates all found their windows empty, and no create made so has
-        lost yet; nobody of this node is claiming the window already."""
-        return (self._nursery is not None and not self.mailbox.company
-                and not self._speculation_lost and self._fresh_wins >= SPECULATE_AFTER
-                and (tag.id, window) not in self._claiming)
-
-    def _speculate(self, tag: TierTag, window: int, key: str, need: list[int],
-                   ahead: bool) -> Held:
-        """Hold the window at once and make its create in the background (``_made``): the
-        caller fetches meanwhile, without the create's round trip before its source read.
-        The window is taken as empty, as a won create says it is. When the create loses
-        (another node's claim, or a marker: a node that read the tag before), the blobs of
-        the faults under way are fetched once more than needed — one window at most, once:
-        this node makes no create so again."""
-        assert self._nursery is not None
-        claim = self._new_claim(tag, _span(tag, window, need, ahead), gen=1, done=0)
-        held = Held(tag.id, window, key, "", claim, self.window_blobs(tag), ahead=ahead,
-                    made=trio.Event())
-        held.want = held.covers
-        held.lease_s = max(0.0, claim.deadline_ms / 1000 - time.time())
-        self._mine[(tag.id, window)] = held
-        self.stats.add("shared_index_misses", len(need))
-        self._nursery.start_soon(self._made, tag, held)
-        return held
-
-    async def _made(self, tag: TierTag, held: Held) -> None:
-        """The create of a window held by ``_speculate``: won, the claim is renewed as any
-        other; lost, or failed, the hold ends (nothing is marked; what was fetched is
-        published unclaimed) and this node makes no create beside a fetch again."""
-        failed = False
-        try:
-            etag = await self._io(self.store.create, held.key, held.claim.encode())
-        except OSError as exc:
-            self.stats.add("claim_errors")
-            log.warning("claiming %s failed (%s)", held.key, exc.strerror or exc)
-            etag, failed = None, True
-        except Exception:  # a background task must never take the mount down
-            self.stats.add("claim_errors")
-            log.exception("claiming %s failed", held.key)
-            etag, failed = None, True
-        try:
-            if etag is not None:
-                held.etag = etag
-                self.stats.add("claims_won")
-                self._fresh_wins += 1
-                self._nursery.start_soon(self._renew, tag, held)  # type: ignore[union-attr]
-                return
-            held.lost = True
-            self._speculation_lost = True
-            if self._mine.get((held.tag_id, held.window)) is held:
-                del self._mine[(held.tag_id, held.window)]
-            if failed:
-                return
-            self.mailbox.company = True  # another node reads the tag (or did): publish at once
-            self.stats.add("claims_lost_beside_fetch")
-            log.info("tag %s: window %d was claimed or published by another node while "
-                     "this node fetched it (fetched once more); from now on this node "
-                     "claims before it fetches", tag.name, held.window)
-        finally:
-            held.made.set()
 
     def _new_claim(self, tag: TierTag, span: tuple[int, int], gen: int, done: int) -> Claim:
         lo, hi = span
@@ -620,16 +502,20 @@ class ClaimBoard(FetchEstimate, AheadClaims):
             await self._io(self.store.delete, key)
 
 
-def _span(tag: TierTag, window: int, need: list[int], ahead: bool) -> tuple[int, int]:
-    """The blobs ``[lo, hi)`` a claim for ``need`` covers: to the window's end ahead."""
-    per = ClaimBoard.window_blobs(tag)
-    end = min((window + 1) * per, tag.num_blobs) if ahead else need[-1] + 1
-    return need[0], max(end, need[-1] + 1)
-
-
-def _set(event: trio.Event) -> trio.Event:
-    event.set()
-    return event
+async def poll_blobs(covered: list[int], load: Loader, polls: int) -> dict[int, Buffer]:
+    """One look for the blobs ``covered`` (the waiter's, under the holder's claim): the
+    first, which a holder fetching in order publishes first, and one more in turn (a
+    holder's other order is seen within as many looks as there are blobs); when either
+    has landed, all of them. Not a GET of each at every look: on a run of blobs, most
+    of those would find nothing yet, and they load the store that serves the holder."""
+    if len(covered) <= POLL_PROBE_BLOBS:
+        return await load(covered) if covered else {}
+    rest = covered[1:]
+    probe = [covered[0], rest[polls % len(rest)]]
+    landed = await load(probe)
+    if landed:
+        landed.update(await load([i for i in covered if i not in probe]))
+    return landed
 
 
 def _now_ms() -> int:
