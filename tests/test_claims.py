@@ -523,6 +523,31 @@ def test_a_create_beside_a_fetch_that_fails_ends_the_hold_and_the_next_claims_fi
     assert a.stats.counters["claims_won"] == 3
 
 
+def test_an_unmount_during_a_create_beside_a_fetch_ends_the_hold_without_a_hang(tmp_path):
+    """The mount's nursery cancelled while a create made beside a fetch is under way (an
+    unmount): the hold is answered (lost: its create's answer never came), and its release,
+    which waits for that answer, ends at once instead of waiting forever."""
+    c = Cluster(str(tmp_path))
+    c.store = SlowClaims(LocalObjects(str(tmp_path)))
+    a = c.board("a")
+
+    async def main():
+        with trio.fail_after(10):
+            async with trio.open_nursery() as mount:
+                a.attach(mount)
+                for window in range(2):
+                    _, held = await a.coordinate(TAG, [8 * window], c.load)
+                    await a.release(held, fetched=[])
+                _, held = await a.coordinate(TAG, [16], c.load)  # beside the fetch
+                assert not held[0].made.is_set()
+                mount.cancel_scope.cancel()  # unmounting while its create runs
+            assert held[0].made.is_set() and held[0].lost
+            await a.release(held, fetched=[16])
+
+    trio.run(main)
+    assert a.stats.counters["claims_lost_beside_fetch"] == 0
+
+
 def test_a_published_marker_covers_every_blob_fetched_under_the_claim(tmp_path):
     """The holder fetched blobs 2..5 under one claim in two faults; its released claim (kept
     marked published) tells a node arriving then to load all four, not claim them again:

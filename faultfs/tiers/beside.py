@@ -73,6 +73,15 @@ class BesideClaims:
         """The create of a window held by ``_speculate``: won, the claim is renewed as any
         other; lost, or failed, the hold ends (nothing is marked; what was fetched is
         published unclaimed) and this node makes no create beside a fetch again."""
+        try:
+            await self._make(tag, held)
+        finally:  # also when cancelled (unmounting): the claim's end waits for this
+            if not held.etag:  # not won: not ours
+                held.lost = True
+                self._speculation_lost = True
+            held.made.set()
+
+    async def _make(self, tag: TierTag, held: Held) -> None:
         failed = False
         try:
             etag = await self._io(self.store.create, held.key, held.claim.encode())
@@ -84,23 +93,18 @@ class BesideClaims:
             self.stats.add("claim_errors")
             log.exception("claiming %s failed", held.key)
             etag, failed = None, True
-        try:
-            if etag is not None:
-                held.etag = etag
-                self.stats.add("claims_won")
-                self._fresh_wins += 1
-                self._nursery.start_soon(self._renew, tag, held)  # type: ignore[union-attr]
-                return
-            held.lost = True
-            self._speculation_lost = True
-            if self._mine.get((held.tag_id, held.window)) is held:
-                del self._mine[(held.tag_id, held.window)]
-            if failed:
-                return
-            self.mailbox.company = True  # another node reads the tag (or did): publish at once
-            self.stats.add("claims_lost_beside_fetch")
-            log.info("tag %s: window %d was claimed or published by another node while "
-                     "this node fetched it (fetched once more); from now on this node "
-                     "claims before it fetches", tag.name, held.window)
-        finally:
-            held.made.set()
+        if etag is not None:
+            held.etag = etag
+            self.stats.add("claims_won")
+            self._fresh_wins += 1
+            self._nursery.start_soon(self._renew, tag, held)  # type: ignore[union-attr]
+            return
+        if self._mine.get((held.tag_id, held.window)) is held:
+            del self._mine[(held.tag_id, held.window)]
+        if failed:
+            return
+        self.mailbox.company = True  # another node reads the tag (or did): publish at once
+        self.stats.add("claims_lost_beside_fetch")
+        log.info("tag %s: window %d was claimed or published by another node while this "
+                 "node fetched it (fetched once more); from now on this node claims before "
+                 "it fetches", tag.name, held.window)
