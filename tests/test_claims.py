@@ -131,6 +131,13 @@ class Cluster:
         self.asked.extend(indices)
         return {i: self.blobs[i] for i in indices if i in self.blobs}
 
+    async def alone(self, board: ClaimBoard) -> None:
+        """Two creates of ``board`` that find windows 0 and 1 empty (released unpublished):
+        it looks alone now, and fetches beside its next create."""
+        for window in range(2):
+            _, held = await board.coordinate(TAG, [8 * window], self.load)
+            await board.release(held, fetched=[])
+
     def marker(self, window: int = 0) -> Claim:
         """The claim object of ``window`` (of TAG): after a release, the window's marker."""
         return Claim.decode(self.store.read(f"claims/0123456789abcdef/{version_hash('v1')}/"
@@ -459,9 +466,7 @@ def test_a_create_beside_a_fetch_that_loses_costs_one_window_once(tmp_path):
     async def main():
         async with trio.open_nursery() as nursery:
             a.attach(nursery)
-            for window in range(2):
-                _, held = await a.coordinate(TAG, [8 * window], c.load)
-                await a.release(held, fetched=[])
+            await c.alone(a)
             _, theirs = await b.coordinate(TAG, [16], c.load)  # b's claim on window 2
             _, held = await a.coordinate(TAG, [17], c.load)  # beside the fetch: lost
             assert len(held) == 1
@@ -503,9 +508,7 @@ def test_a_create_beside_a_fetch_that_fails_ends_the_hold_and_the_next_claims_fi
     async def main():
         async with trio.open_nursery() as nursery:
             a.attach(nursery)
-            for window in range(2):
-                _, held = await a.coordinate(TAG, [8 * window], c.load)
-                await a.release(held, fetched=[])
+            await c.alone(a)
             got, held = await a.coordinate(TAG, [16], c.load)  # beside the fetch: fails
             assert got == {} and len(held) == 1
             await held[0].made.wait()
@@ -535,9 +538,7 @@ def test_an_unmount_during_a_create_beside_a_fetch_ends_the_hold_without_a_hang(
         with trio.fail_after(10):
             async with trio.open_nursery() as mount:
                 a.attach(mount)
-                for window in range(2):
-                    _, held = await a.coordinate(TAG, [8 * window], c.load)
-                    await a.release(held, fetched=[])
+                await c.alone(a)
                 _, held = await a.coordinate(TAG, [16], c.load)  # beside the fetch
                 assert not held[0].made.is_set()
                 mount.cancel_scope.cancel()  # unmounting while its create runs
