@@ -35,7 +35,7 @@ COUNTERS = (
     "shared_publish_dropped", "shared_publishes_held", "shared_bytes_in", "shared_bytes_out",
     "claims_won", "claim_takeovers", "claim_waits", "claim_wait_ms", "claim_waits_given_up",
     "claims_released", "claims_grown", "claims_renewed", "claims_ahead", "claim_errors",
-    "claim_path_faults", "claims_lost_beside_fetch",
+    "claim_path_faults",
     "claim_path_ms",
 )
 

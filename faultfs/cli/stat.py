@@ -122,7 +122,7 @@ def _shared_lines(snap: dict, c: dict) -> list[str]:
         f"{'waits on other nodes':<22}{c.get('claim_waits', 0):>12}    {'wait time':<22}{c.get('claim_wait_ms', 0) / 1000:>11.1f}s",
         f"{'waits given up':<22}{c.get('claim_waits_given_up', 0):>12}    {'claim errors':<22}{c.get('claim_errors', 0):>12}",
         f"{'bytes from source':<22}{format_size(c.get('source_bytes', 0)):>12}    {'claims released':<22}{c.get('claims_released', 0):>12}",
-        f"{'misses by index':<22}{c.get('shared_index_misses', 0):>12}    {'lost beside a fetch':<22}{c.get('claims_lost_beside_fetch', 0):>12}",
+        f"{'misses by index':<22}{c.get('shared_index_misses', 0):>12}",
     ]
 
 

@@ -39,12 +39,6 @@ Invariants:
   ``patience``): then it takes the claim over (one waiter wins; the others wait on it, a new
   bound). A slow or dead peer costs latency, never a failure or wrong bytes, and a blob is
   fetched twice at most.
-- A node that looks alone and whose last ``SPECULATE_AFTER`` creates found their windows
-  empty fetches a new window's blobs while the window's create is under way (``_speculate``),
-  not after its round trip: its other faults of the window join the hold at once, growing and
-  ending it wait for the create. A create so made that loses (another node's claim or
-  marker) costs the blobs fetched meanwhile once more — one window's, once: the node is in
-  company from then on and never fetches beside a create again.
 - Any failure of the store ends the coordination for that fault: the caller fetches from the
   source (the shared tier's back-off keeps later faults from trying meanwhile).
 - A claim whose holder is past its deadline is never replaced by it (If-Match); an expired
@@ -69,7 +63,6 @@ from faultfs.iopool import run_in_thread
 from faultfs.stats import Stats
 from faultfs.tiers.ahead import AheadClaims
 from faultfs.tiers.base import Buffer, TierTag, version_hash
-from faultfs.tiers.beside import BesideClaims
 from faultfs.tiers.claims import Claim, ClaimStore, claim_key, done_mask
 from faultfs.tiers.estimate import LEASE_MAX_S, FetchEstimate
 from faultfs.tiers.held import Held, claim_span, window_blobs
@@ -99,7 +92,7 @@ def node_id() -> str:
 Loader = Callable[[list[int]], Awaitable[dict[int, Buffer]]]
 
 
-class ClaimBoard(FetchEstimate, AheadClaims, BesideClaims):
+class ClaimBoard(FetchEstimate, AheadClaims):
     def __init__(self, store: ClaimStore, stats: Stats, *, node: str | None = None) -> None:
         self.store = store
         self.stats = stats
@@ -115,7 +108,6 @@ class ClaimBoard(FetchEstimate, AheadClaims, BesideClaims):
         self._init_ahead()
         self.idle_hold_s = IDLE_HOLD_S
         self._nursery: trio.Nursery | None = None
-        self._init_beside()
 
     def attach(self, nursery: trio.Nursery) -> None:
         """Grow claims in ``nursery`` (the mount's), beside the fetch; without it, inline."""
@@ -199,7 +191,6 @@ class ClaimBoard(FetchEstimate, AheadClaims, BesideClaims):
         """Replace ``h``'s object by one covering ``h.want`` with a renewed deadline (If-Match
         on its tag): waiters then wait for those blobs too, and nobody takes them over.
         ``renew``: the deadline alone, even when it covers them already."""
-        await h.made.wait()
         async with h.lock:
             lo, hi = h.want
             first, end = h.covers
@@ -246,8 +237,6 @@ class ClaimBoard(FetchEstimate, AheadClaims, BesideClaims):
             left = [i for i in need if i not in got]
             return got, (await self._join(tag, mine, left, ahead) if left else None)
         key = self._key(tag, window)
-        if self._speculates(tag, window):
-            return {}, self._speculate(tag, window, key, need, ahead)
         base = window * self.window_blobs(tag)
         nbytes = len(need) * tag.blob_size
         got: dict[int, Buffer] = {}
@@ -383,9 +372,7 @@ class ClaimBoard(FetchEstimate, AheadClaims, BesideClaims):
                 self.store.create, key, claim.encode())  # (a create ahead just lost)
             if etag is not None:
                 self.stats.add("claims_won")
-                self._fresh_wins += 1
                 return self._hold(tag, window, key, etag, claim, ahead)
-            self._fresh_wins = 0  # the window has an object: other nodes, or an earlier run
             seen = await self._io(self.store.read, key)
             if seen is None:
                 continue  # released meanwhile
@@ -481,7 +468,6 @@ class ClaimBoard(FetchEstimate, AheadClaims, BesideClaims):
         """Replace ``h`` by its window's marker (``done`` and the blobs it fetched) or, when
         nothing of the window is published, delete it; leave it alone when it is no longer
         ours (taken over after its deadline)."""
-        await h.made.wait()
         async with h.lock:
             if h.lost:
                 return

@@ -26,11 +26,6 @@ def claim_span(tag: TierTag, window: int, need: list[int], ahead: bool) -> tuple
     return need[0], max(end, need[-1] + 1)
 
 
-def _set(event: trio.Event) -> trio.Event:
-    event.set()
-    return event
-
-
 @dataclass
 class Held:
     """A claim this node holds on one window."""
@@ -50,7 +45,6 @@ class Held:
     idle: int = 0  # releases of its last user: a held-on claim ends if none came since
     lease_s: float = 0.0  # the lease its deadline was last given
     parked: int = 0  # its users whose blobs are fetched and whose publishes are held back
-    made: trio.Event = field(default_factory=lambda: _set(trio.Event()))  # its create answered
 
     @property
     def settled(self) -> bool:
