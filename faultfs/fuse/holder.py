@@ -110,6 +110,7 @@ class Holder:
         self.standby: Daemon | None = None  # loaded, waiting for GO (a crash's replacement)
         self.want_standby = os.environ.get("FAULTFS_STANDBY", "1") not in ("0", "no", "off")
         self.control: socket.socket | None = None
+        self._control_id: tuple[int, int] | None = None  # (st_dev, st_ino) of its socket file
         self.crashes: collections.deque[float] = collections.deque()
         self.dying: list[Daemon] = []  # gone, not yet reaped (see Daemon.exit_code)
         self.ending = False
@@ -168,6 +169,8 @@ class Holder:
             sock.bind(path)
             os.chmod(path, 0o600)
             sock.listen(4)
+            st = os.stat(path)
+            self._control_id = (st.st_dev, st.st_ino)  # ours, to unlink at the end
         except OSError as exc:
             log.warning("no control socket at %s (%s): `faultfs restart` cannot reach this "
                         "mount", path, exc.strerror)
@@ -319,8 +322,14 @@ class Holder:
             os.close(self.device)
             self.device = None
         if self.control is not None and self.run_dir is not None and self.minor is not None:
+            # only if the path is still our socket: the connection's number is reused, and a
+            # mount made meanwhile may have bound its own holder's socket there (removing it
+            # left that mount's `faultfs restart` with "no holder", seen in a suite run)
+            path = control_path(self.run_dir, self.minor)
             with contextlib.suppress(OSError):
-                os.unlink(control_path(self.run_dir, self.minor))
+                st = os.stat(path)
+                if (st.st_dev, st.st_ino) == self._control_id:
+                    os.unlink(path)
             self.control.close()
             self.control = None
 
