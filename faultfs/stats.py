@@ -34,7 +34,8 @@ COUNTERS = (
     "shared_publishes", "shared_publish_failures", "shared_publish_skipped",
     "shared_publish_dropped", "shared_publishes_held", "shared_bytes_in", "shared_bytes_out",
     "claims_won", "claim_takeovers", "claim_waits", "claim_wait_ms", "claim_waits_given_up",
-    "claims_released", "claims_grown", "claims_renewed", "claims_ahead", "claim_errors",
+    "claims_released", "claims_grown", "claims_grow_deferred", "claims_renewed", "claims_ahead",
+    "claim_errors",
     "claim_path_faults",
     "claim_path_ms",
 )

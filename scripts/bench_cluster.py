@@ -278,10 +278,10 @@ def render3(args, results: dict, size: int) -> list[str]:
             base = results.get(("claims-base", count, mode))
             if not base:
                 continue
-            lone_s = [max(r["seconds"]) for r in results[("none", 1, mode)]]
             this = results.get(("claims", count, mode))
             if not this:
                 continue
+            lone_s = [max(r["seconds"]) for r in results[("none", 1, mode)]]
             new_s = [max(r["seconds"]) for r in this]
             old_s = [max(r["seconds"]) for r in base]
             out += ["", f"{count} node(s), {mode}, this tree against --base-tree (claims; "

@@ -18,6 +18,7 @@ import pytest
 from faultfs.fuse import daemons
 from faultfs.testing.httpd import RangeHttpServer
 from faultfs.testing.mountview import MountView
+from faultfs.testing.torture.harness import mounts_under
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAULTFS = [sys.executable, "-m", "faultfs.cli"]
@@ -52,12 +53,6 @@ _TMP_PATH = pytest.StashKey[str]()
 _FAILED = pytest.StashKey[bool]()
 
 
-def _mounted_under(path: str) -> bool:
-    with open("/proc/self/mountinfo", "rb") as f:
-        points = [line.split()[4].decode() for line in f]
-    return any(p == path or p.startswith(path + "/") for p in points)
-
-
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
     report = yield
@@ -67,7 +62,7 @@ def pytest_runtest_makereport(item, call):
         item.stash[_FAILED] = True
     elif call.when == "teardown" and not item.stash.get(_FAILED, False):
         path = item.stash.get(_TMP_PATH, None)
-        if path is not None and not _mounted_under(path):
+        if path is not None and not mounts_under(path):
             shutil.rmtree(path, ignore_errors=True)
     return report
 

@@ -361,6 +361,63 @@ def test_a_holders_later_run_grows_its_claim_and_a_waiter_waits_past_the_first_d
     assert time.monotonic() - started > a.lease(MiB)  # blob 6 landed after the first deadline
 
 
+def test_a_lone_holder_defers_its_grows_until_a_renewal_or_another_node_waits(tmp_path):
+    """Attached to a mount and alone (no node met), a holder's later fault outside its claim
+    does not replace the claim object (nobody waits for those blobs); its next renewal covers
+    them. A node that comes meanwhile waits for a blob outside the claim and rings the holder;
+    the holder's look at its mailbox (what ``HeldBack`` does) sends the deferred grow, so the
+    waiter takes the blob as it lands: it is fetched once, by the holder."""
+    c = Cluster(str(tmp_path))
+    a, b = c.board("a"), c.board("b")
+
+    def stored(window: int) -> tuple[int, int]:
+        claim = c.marker(window)
+        return claim.first, claim.first + claim.count
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            a.attach(nursery)
+            _, [h0] = await a.coordinate(TAG, [0], c.load)
+            _, [j0] = await a.coordinate(TAG, [1, 2], c.load)  # joins: the grow waits
+            assert j0 is h0 and h0.want == (0, 3) and stored(0) == (0, 1)
+            await a._grow(TAG, h0, renew=True)  # the renewal covers them
+            assert stored(0) == (0, 3) and a._deferred == {}
+            grown = a.stats.counters["claims_grown"]
+
+            _, [h1] = await a.coordinate(TAG, [8], c.load)
+            _, _ = await a.coordinate(TAG, [9, 10], c.load)
+            assert stored(1) == (8, 9) and a.stats.counters["claims_grow_deferred"] == 2
+            out = {}
+            done = trio.Event()
+
+            async def waiter():
+                out["b"] = await c.fault(b, [10])
+                done.set()
+            nursery.start_soon(waiter)
+            for _ in range(250):  # the holder's look at its mailbox, until b rang it
+                if a.mailbox.look():
+                    break
+                await trio.sleep(0.02)
+            else:
+                raise AssertionError("the waiter never rang the holder")
+            a.in_company()
+            await trio.sleep(0.05)
+            assert stored(1) == (8, 11) and a.stats.counters["claims_grown"] == grown + 1
+            for i in (8, 9, 10):  # the holder fetches what it claimed
+                await trio.sleep(0.05)
+                c.fetches.append(("a", i))
+                c.blobs[i] = f"blob {i}".encode()
+            with trio.fail_after(10):
+                await done.wait()
+            await a.release([h0, h0, h1, h1], fetched=[0, 1, 2, 8, 9, 10])
+            assert out["b"] == {10: b"blob 10"}
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert c.fetches == [("a", 8), ("a", 9), ("a", 10)]
+    assert b.stats.counters["claim_takeovers"] == 0 and b.stats.counters["claim_waits"] == 1
+
+
 def test_a_waiter_on_a_run_looks_at_two_blobs_a_poll_and_takes_each_soon_after_it_lands(
         tmp_path):
     """A waiter on another node's run of 8 blobs (fetched in order, one each 0.15 s) GETs two
@@ -508,21 +565,27 @@ def test_a_lone_node_claims_windows_ahead_its_faults_join_them_and_unread_ones_e
     assert sorted(i for _, i in c.fetches) == [8, 9]
 
 
-def test_a_settled_claim_doubles_its_lease_at_each_renewal_up_to_a_bound(tmp_path):
+@pytest.mark.parametrize("alone", [False, True])
+def test_a_settled_claim_doubles_its_lease_at_each_renewal_up_to_a_bound(tmp_path, alone):
     """A claim whose blobs are fetched and whose publishes are all held back (``parked``)
     is renewed with twice its last lease, up to ``SETTLED_LEASE_MAX_S``: a lone node's long
     read renews its held claims a few times, not every half lease. One still fetching keeps
-    its node's estimate."""
-    from faultfs.tiers.claimboard import SETTLED_LEASE_MAX_S
+    its node's estimate when the node has met another; alone, it doubles too."""
+    from faultfs.tiers.upkeep import SETTLED_LEASE_MAX_S
 
     c = Cluster(str(tmp_path))
     a = c.board("a")
+    a.mailbox.company = not alone
 
     async def main():
         _, [h] = await a.coordinate(TAG, [0, 1, 2], c.load, ahead=True)
         base = a.lease(8 * MiB)
         await a._grow(TAG, h, renew=True)
-        assert h.lease_s == pytest.approx(base)  # fetching: its estimate
+        # fetching: its estimate in company, twice it alone
+        assert h.lease_s == pytest.approx(min(SETTLED_LEASE_MAX_S, 2 * base) if alone
+                                          else base, rel=0.01)
+        if alone:
+            h.lease_s = base
         h.parked = 1  # its one user holds its publishes back
         leases = []
         for _ in range(4):

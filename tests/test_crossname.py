@@ -16,16 +16,12 @@ import subprocess
 
 import pytest
 
+from faultfs.testing.torture.harness import mounts_under
+
 pytestmark = [pytest.mark.mount, pytest.mark.slow]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN_TIMEOUT_S = 240  # the quick case takes under 60 s; a wedged run is killed here
-
-
-def _mounted_under(path: str) -> list[str]:
-    with open("/proc/self/mountinfo") as f:
-        points = [line.split()[4] for line in f]
-    return [p for p in points if p.startswith(path)]
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +43,7 @@ def crossname_run(tmp_path_factory):
 def test_the_quick_crossname_run_leaves_nothing_behind(crossname_run):
     base, work, result, doc = crossname_run
     assert "| case" in result.stdout, result.stderr[-3000:]
-    assert _mounted_under(str(base)) == [], "a mount outlived the run"
+    assert mounts_under(str(base)) == [], "a mount outlived the run"
     assert os.listdir(work) == [], "the run's temporary directory outlived it"
     assert doc is not None and not doc["leftovers"] and not doc["interrupted"], doc
     (case,) = doc["cases"]

@@ -16,18 +16,14 @@ import subprocess
 
 import pytest
 
+from faultfs.testing.torture.harness import mounts_under
+
 pytestmark = [pytest.mark.mount, pytest.mark.slow]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # pattern of a failure line of the table -> the defect it shows (docs/reliability.md)
 KNOWN_DEFECTS: dict[str, str] = {}  # pattern of a failure line -> the defect it is
-
-
-def _mounted_under(path: str) -> list[str]:
-    with open("/proc/self/mountinfo") as f:
-        points = [line.split()[4] for line in f]
-    return [p for p in points if p.startswith(path)]
 
 
 def _holding_files_under(path: str) -> list[int]:
@@ -65,7 +61,7 @@ def test_the_quick_torture_run_holds_and_leaves_nothing_behind(tmp_path, case):
                              case, "--json", str(report)], capture_output=True,
                             text=True, env=env, cwd=ROOT, timeout=400)
     assert "| case" in result.stdout, result.stderr[-3000:]
-    assert _mounted_under(str(tmp_path)) == [], "a mount outlived the run"
+    assert mounts_under(str(tmp_path)) == [], "a mount outlived the run"
     assert os.listdir(work) == [], "the run's temporary directory outlived it"
     assert _holding_files_under(str(work)) == [], "a process of the run outlived it"
     doc = json.loads(report.read_text())

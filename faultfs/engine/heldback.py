@@ -110,6 +110,8 @@ class HeldBack:
                     if self._limiter is None:
                         self._limiter = trio.CapacityLimiter(1)
                     wanted = await run_in_thread(self._limiter, self.board.mailbox.look)
+                    if wanted:
+                        self.board.in_company()
                     looked, every = time.monotonic(), min(LOOK_S, every * 2)
                 if wanted or self.shared.flushing or self._idle():
                     entries, self.entries = self.entries, []

@@ -145,14 +145,24 @@ def run_bounded(cmd: list[str], timeout: float = COMMAND_S
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+def ensure_fusectl() -> None:
+    """fusectl mounted at ``CONNECTIONS`` (where a connection is aborted and tuned), mounting
+    it when it is not; FaultfsError when that fails."""
+    if any(e.fstype == "fusectl" and e.mountpoint == CONNECTIONS for e in mounts()):
+        return
+    done = run_bounded(["mount", "-t", "fusectl", "fusectl", CONNECTIONS])
+    if done is None or done.returncode != 0:
+        why = "it did not return" if done is None else done.stderr.strip() or "failed"
+        raise FaultfsError(f"{CONNECTIONS} is not mounted, and mounting it failed ({why})",
+                           errno.EPERM)
+
+
 def abort(minor: int) -> None:
     """Abort FUSE connection ``minor`` (mounting fusectl first when it is not mounted)."""
-    if not any(e.fstype == "fusectl" and e.mountpoint == CONNECTIONS for e in mounts()):
-        done = run_bounded(["mount", "-t", "fusectl", "fusectl", CONNECTIONS])
-        if done is None or done.returncode != 0:
-            why = "it did not return" if done is None else done.stderr.strip() or "failed"
-            raise FaultfsError(f"cannot abort FUSE connection {minor}: {CONNECTIONS} is not "
-                               f"mounted, and mounting it failed ({why})", errno.EPERM)
+    try:
+        ensure_fusectl()
+    except FaultfsError as exc:
+        raise FaultfsError(f"cannot abort FUSE connection {minor}: {exc}", exc.errno) from None
     path = os.path.join(CONNECTIONS, str(minor), "abort")
     try:
         with open(path, "w") as f:

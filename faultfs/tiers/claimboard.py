@@ -22,8 +22,9 @@ Invariants:
   published, so a waiter that sees the claim gone finds them (or claims the window itself).
 - The claim object says what its holder fetches: a later fault of the holder outside the
   claimed blobs grows the claim to cover them (a conditional replace of its own object, which
-  also renews the deadline; behind the fetch when attached to a mount), and the ``published``
-  marker a release leaves adds what it fetched under the claim, all of it, to ``done``. A
+  also renews the deadline; behind the fetch when attached to a mount, and deferred while the
+  node looks alone: ``upkeep.py``), and the ``published`` marker a release leaves adds what
+  it fetched under the claim, all of it, to ``done``. A
   prefetch run claims to the window's end (its next runs follow), and the last user's
   release of such a claim waits ``IDLE_HOLD_S`` for them before it lets the rest go.
 - A claim's deadline is its holder's bound: ``lease`` = three times the node's own estimate
@@ -63,10 +64,11 @@ from faultfs.iopool import run_in_thread
 from faultfs.stats import Stats
 from faultfs.tiers.ahead import AheadClaims
 from faultfs.tiers.base import Buffer, TierTag, version_hash
-from faultfs.tiers.claims import Claim, ClaimStore, claim_key, done_mask
+from faultfs.tiers.claims import Claim, ClaimStore, claim_key, done_mask, now_ms
 from faultfs.tiers.estimate import LEASE_MAX_S, FetchEstimate
 from faultfs.tiers.held import Held, claim_span, window_blobs
 from faultfs.tiers.mailbox import MAILBOX_PREFIX, Mailbox, stale_mailbox
+from faultfs.tiers.upkeep import ClaimUpkeep
 
 log = logging.getLogger("faultfs.shared")
 
@@ -77,11 +79,6 @@ POLL_PROBE_BLOBS = 2  # and at this many of the blobs it waits for (``poll_blobs
 # a prefetch's claim to the window's end outlives a pause between its runs by this much: its
 # next run rejoins it instead of another node taking the blobs it was about to fetch
 IDLE_HOLD_S = 1.0
-RENEW_MIN_S = 0.2  # a holder renews its claim's deadline at most this often
-# a settled claim (fetched, publishes held back) doubles its lease at each renewal up to this:
-# fewer renewals over a long read; a waiter that has not measured its source waits up to it
-# on a dead holder (a live one is rung and publishes)
-SETTLED_LEASE_MAX_S = 4.0
 
 
 def node_id() -> str:
@@ -92,7 +89,7 @@ def node_id() -> str:
 Loader = Callable[[list[int]], Awaitable[dict[int, Buffer]]]
 
 
-class ClaimBoard(FetchEstimate, AheadClaims):
+class ClaimBoard(FetchEstimate, AheadClaims, ClaimUpkeep):
     def __init__(self, store: ClaimStore, stats: Stats, *, node: str | None = None) -> None:
         self.store = store
         self.stats = stats
@@ -103,6 +100,8 @@ class ClaimBoard(FetchEstimate, AheadClaims):
         # windows this node is claiming now: its other faults of them wait for the answer
         # rather than find their own node's claim and wait on it as on another node's
         self._claiming: dict[tuple[int, int], trio.Event] = {}
+        # claims whose grows wait while this node looks alone (``_join``, ``in_company``)
+        self._deferred: dict[int, tuple[TierTag, Held]] = {}
         self._limiter: trio.CapacityLimiter | None = None
         FetchEstimate.__init__(self)
         self._init_ahead()
@@ -162,21 +161,6 @@ class ClaimBoard(FetchEstimate, AheadClaims):
                     nursery.start_soon(one, window, need)
         return got, held
 
-    async def _join(self, tag: TierTag, mine: Held, need: list[int], ahead: bool) -> Held:
-        """A fault of this node shares its claim ``mine``; grown to cover ``need``."""
-        mine.users += 1
-        mine.idle += 1  # a release holding it on for this fault sees it came
-        mine.ahead = mine.ahead or ahead
-        lo, hi = claim_span(tag, mine.window, need, ahead)
-        first, end = mine.want
-        if lo < first or hi > end:
-            mine.want = (min(lo, first), max(hi, end))
-            if self._nursery is not None:
-                self._nursery.start_soon(self._grow, tag, mine)
-            else:
-                await self._grow(tag, mine)
-        return mine
-
     async def _indexed(self, tag: TierTag, held: Held, need: list[int], load: Loader,
                        *, everything: bool = False) -> dict[int, Buffer]:
         """The blobs of ``need`` that the index of ``held``'s window names (``everything``:
@@ -186,48 +170,6 @@ class ClaimBoard(FetchEstimate, AheadClaims):
         got = await load(ask) if ask else {}
         self.stats.add("shared_index_misses", len(need) - len(ask))
         return got
-
-    async def _grow(self, tag: TierTag, h: Held, *, renew: bool = False) -> None:
-        """Replace ``h``'s object by one covering ``h.want`` with a renewed deadline (If-Match
-        on its tag): waiters then wait for those blobs too, and nobody takes them over.
-        ``renew``: the deadline alone, even when it covers them already."""
-        async with h.lock:
-            lo, hi = h.want
-            first, end = h.covers
-            if h.lost or (not renew and first <= lo and hi <= end):
-                return
-            lo, hi = min(lo, first), max(hi, end)
-            c = h.claim
-            lease = self.lease((hi - lo) * tag.blob_size)
-            if renew and h.settled:  # only its publishes are left: a longer lease, bounded
-                lease = max(lease, min(SETTLED_LEASE_MAX_S, 2 * h.lease_s))
-            h.lease_s = lease
-            claim = Claim(self.node, c.gen, _now_ms() + int(1000 * h.lease_s), lo, hi - lo,
-                          done=c.done)
-            try:
-                etag = await self._io(self.store.replace, h.key, claim.encode(), h.etag)
-            except OSError as exc:
-                self.stats.add("claim_errors")
-                log.warning("growing claim %s failed (%s)", h.key, exc.strerror or exc)
-                return
-            if etag is None:  # taken over after its deadline: the taker fetches from now on
-                h.lost = True
-                if self._mine.get((h.tag_id, h.window)) is h:
-                    del self._mine[(h.tag_id, h.window)]
-                log.info("tag %s: the claim of window %d was taken over", tag.name, h.window)
-                return
-            h.etag, h.claim = etag, claim
-            self.stats.add("claims_renewed" if renew and (lo, hi) == (first, end)
-                           else "claims_grown")
-
-    async def _renew(self, tag: TierTag, h: Held) -> None:
-        """While this node holds ``h``, renew its deadline each time half its lease is gone: a
-        live holder slowed down (a busy machine, a slow publish) keeps its claim, and only a
-        dead one (which renews nothing) is taken over after its deadline."""
-        while not h.lost:
-            left = h.claim.deadline_ms / 1000 - time.time()
-            await trio.sleep(max(RENEW_MIN_S, left - h.lease_s / 2))
-            await self._grow(tag, h, renew=True)
 
     async def _window(self, tag: TierTag, window: int, need: list[int], load: Loader,
                       ahead: bool = False) -> tuple[dict[int, Buffer], Held | None]:
@@ -328,7 +270,7 @@ class ClaimBoard(FetchEstimate, AheadClaims):
                     if not need:
                         return got, None
                     continue  # not all there: claim the rest
-                if time.monotonic() >= give_up and not claim.expired(_now_ms()):
+                if time.monotonic() >= give_up and not claim.expired(now_ms()):
                     # as long as this node's own fetch would take: one waiter takes it over
                     self.stats.add("claim_waits_given_up")
                     log.info("tag %s: window %d is still claimed by %s after %.1f s: "
@@ -351,7 +293,11 @@ class ClaimBoard(FetchEstimate, AheadClaims):
         the wait when attached to a mount. True the first time: the holder may have held
         its publishes back, and learns of this wait within a look (``heldback.LOOK_S``)
         and a few requests: the wait's bound is doubled that once."""
-        if not self.mailbox.first(holder):
+        alone = not self.mailbox.company
+        first = self.mailbox.first(holder)
+        if alone:
+            self.in_company()
+        if not first:
             return False
         if self._nursery is not None:
             self._nursery.start_soon(self._io, self.mailbox.ring, holder)
@@ -384,7 +330,7 @@ class ClaimBoard(FetchEstimate, AheadClaims):
                             key, exc)
                 theirs = None
             if theirs is not None and force != etag and (theirs.published
-                                                         or not theirs.expired(_now_ms())):
+                                                         or not theirs.expired(now_ms())):
                 return theirs, etag
             claim = self._new_claim(tag, span, gen=(theirs.gen + 1) if theirs else 1,
                                     done=theirs.done if theirs else 0)
@@ -472,13 +418,14 @@ class ClaimBoard(FetchEstimate, AheadClaims):
             if h.lost:
                 return
             h.lost = True  # ended: no more growing
+            self._deferred.pop(id(h), None)
             c = h.claim
             done = c.done | done_mask(h.window * h.per, h.fetched)
             if not done:
                 await self._remove_if(h.key, h.etag)
                 return
             lo, hi = (min(h.fetched), max(h.fetched) + 1) if h.fetched else h.covers
-            marker = Claim(c.node, c.gen, _now_ms(), lo, hi - lo, published=True, done=done)
+            marker = Claim(c.node, c.gen, now_ms(), lo, hi - lo, published=True, done=done)
             await self._io(self.store.replace, h.key, marker.encode(), h.etag)
 
     async def _remove_if(self, key: str, etag: str) -> None:
@@ -504,10 +451,6 @@ async def poll_blobs(covered: list[int], load: Loader, polls: int) -> dict[int, 
     return landed
 
 
-def _now_ms() -> int:
-    return int(time.time() * 1000)
-
-
 def _grown(claim: Claim, raw: bytes) -> Claim | None:
     """The object ``raw`` as ``claim`` grown by its holder (same node and generation, still
     fetching), or None (released, taken over, or not a claim)."""
@@ -529,7 +472,7 @@ def sweep(store: ClaimStore, *, dry_run: bool = False, grace_s: float = 60.0) ->
     from faultfs.tiers.claims import CLAIM_PREFIX
 
     swept = []
-    cutoff = _now_ms() - int(grace_s * 1000)
+    cutoff = now_ms() - int(grace_s * 1000)
     for key in store.list(CLAIM_PREFIX):
         if ".tmp-" in key:
             continue

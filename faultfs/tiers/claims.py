@@ -31,6 +31,7 @@ import json
 import os
 import re
 import secrets
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -92,6 +93,11 @@ class Claim:
         """Those of ``indices`` (blobs of the window starting at blob ``base``) that ``done``
         says are published."""
         return [i for i in indices if 0 <= i - base and self.done >> (i - base) & 1]
+
+
+def now_ms() -> int:
+    """Wall clock in ms: what claims' deadlines are in (nodes' clocks are assumed close)."""
+    return int(time.time() * 1000)
 
 
 def done_mask(base: int, indices: Iterable[int]) -> int:

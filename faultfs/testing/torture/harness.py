@@ -29,6 +29,8 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from faultfs.errors import FaultfsError
+from faultfs.fuse import connection
 from faultfs.fuse.daemons import holder_of
 from faultfs.testing.mountview import MountView
 
@@ -138,51 +140,32 @@ def our_children() -> list[int]:
 
 # -- mounts -----------------------------------------------------------------------------------
 
-def _unescape(path: str) -> str:
-    return path.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n") \
-        .replace("\\134", "\\")
-
-
-def mount_table() -> list[tuple[str, str, int]]:
-    """``(mountpoint, fstype, device)`` of every mount this process sees, in mount order (read
-    from ``/proc/self/mountinfo``: nothing here touches a mount, which may hang)."""
-    out = []
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            left, _, right = line.partition(" - ")
-            fields = left.split()
-            major, _, minor = fields[2].partition(":")
-            out.append((_unescape(fields[4]), right.split()[0],
-                        os.makedev(int(major), int(minor))))
-    return out
-
-
 def mounts_at(path: str) -> int:
-    return sum(1 for p, _, _ in mount_table() if p == path)
+    """How many mounts are stacked at ``path`` (read from mountinfo: nothing here touches a
+    mount, which may hang)."""
+    return sum(1 for e in connection.mounts() if e.mountpoint == path)
 
 
-FUSECTL = "/sys/fs/fuse/connections"
+def mounts_under(path: str) -> list[str]:
+    """The mountpoints at ``path`` or below it."""
+    return [e.mountpoint for e in connection.mounts()
+            if e.mountpoint == path or e.mountpoint.startswith(path.rstrip(os.sep) + os.sep)]
 
 
 def ensure_fusectl() -> bool:
     """The fusectl file system mounted at its place (it is where a connection is aborted);
     whether it is."""
-    if any(p == FUSECTL and t == "fusectl" for p, t, _ in mount_table()):
-        return True
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        subprocess.run(["mount", "-t", "fusectl", "fusectl", FUSECTL], capture_output=True,
-                       timeout=30)
-    return any(p == FUSECTL and t == "fusectl" for p, t, _ in mount_table())
+    with contextlib.suppress(FaultfsError):
+        connection.ensure_fusectl()
+    return any(e.mountpoint == connection.CONNECTIONS and e.fstype == "fusectl"
+               for e in connection.mounts())
 
 
-def abort_fuse(dev: int | None) -> None:
+def abort_fuse(minor: int | None) -> None:
     """Abort a FUSE connection: every request waiting on it fails at once."""
-    if dev is None:
-        return
-    ensure_fusectl()
-    with contextlib.suppress(OSError):
-        with open(f"{FUSECTL}/{os.minor(dev)}/abort", "w") as f:
-            f.write("1")
+    if minor is not None:
+        with contextlib.suppress(FaultfsError):
+            connection.abort(minor)
 
 
 def lazy_detach(path: str) -> None:
@@ -201,7 +184,7 @@ class Mount(MountView):
     path: str
     store: str
     pid: int | None = None
-    dev: int | None = None
+    minor: int | None = None  # its FUSE connection
 
     def umount(self, timeout: float = UMOUNT_TIMEOUT_S) -> None:
         """``faultfs umount``; TortureError when it fails or the daemon outlives it."""
@@ -234,7 +217,7 @@ class Mount(MountView):
             with contextlib.suppress(subprocess.SubprocessError, OSError):
                 self.run.faultfs("umount", self.path, timeout=60)
         if mounts_at(self.path):
-            abort_fuse(self.dev)
+            abort_fuse(self.minor)
             lazy_detach(self.path)
         if self.pid is not None:
             kill_and_reap(self.pid)
@@ -329,15 +312,16 @@ class Run:
         result = self.faultfs("mount", *sources, mnt, "--store", store, *extra, *args, env=env)
         if result.returncode != 0:
             # a mount that failed late may still have a daemon: find it through the table
-            for path, _, dev in mount_table():
-                if path == mnt:
-                    self.mounts.append(Mount(self, mnt, store, dev=dev))
+            for e in connection.mounts():
+                if e.mountpoint == mnt:
+                    self.mounts.append(Mount(self, mnt, store, minor=e.minor))
             raise TortureError(f"mount failed ({result.returncode}): "
                                f"{result.stderr.strip()[-400:]}")
         m = Mount(self, mnt, store)
         with self._lock:
             self.mounts.append(m)
-        m.dev = next((dev for path, _, dev in reversed(mount_table()) if path == mnt), None)
+        m.minor = next((e.minor for e in reversed(connection.mounts()) if e.mountpoint == mnt),
+                       None)
         m.pid = int(m.stats()["pid"])
         return m
 
@@ -365,13 +349,14 @@ class Run:
             with contextlib.suppress(Exception):
                 m.close()
         # anything still mounted under the root (a mount lost track of), deepest first
-        for path, fstype, dev in reversed(mount_table()):
-            if path == self.root or path.startswith(self.root + os.sep):
-                if fstype.startswith("fuse"):
-                    abort_fuse(dev)
-                    lazy_detach(path)
+        for e in reversed(connection.mounts()):
+            if e.mountpoint in mounts_under(self.root):
+                if e.fstype.startswith("fuse"):
+                    abort_fuse(e.minor)
+                    lazy_detach(e.mountpoint)
                 else:
-                    subprocess.run(["umount", "-l", path], capture_output=True, timeout=30)
+                    subprocess.run(["umount", "-l", e.mountpoint], capture_output=True,
+                                   timeout=30)
         for proc in self.procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=10)
@@ -380,9 +365,8 @@ class Run:
         for pid in our_children():  # re-parented daemons the run lost track of
             if not any(p.pid == pid for p in self.procs):
                 kill_and_reap(pid)
-        for path, _, _ in mount_table():
-            if path.startswith(self.root + os.sep):
-                problems.append(f"{path} is still mounted")
+        for path in mounts_under(self.root):
+            problems.append(f"{path} is still mounted")
         if not problems:
             shutil.rmtree(self.root, ignore_errors=True)
         if os.path.exists(self.root):

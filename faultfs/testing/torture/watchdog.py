@@ -166,7 +166,7 @@ def free_mount(run: Run, m: Mount, pids: list[int]) -> list[str]:
     problems = []
     if not ensure_fusectl():
         problems.append("fusectl could not be mounted: the connection was not aborted")
-    abort_fuse(m.dev)
+    abort_fuse(m.minor)
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)

@@ -1,0 +1,113 @@
+"""The upkeep of the claims a node holds (a mixin of ``ClaimBoard``, DESIGN §17): a later
+fault of the holder outside a claim's blobs grows it, and a live holder renews its deadline.
+
+Invariants:
+- A grow or a renewal is a conditional replace of the holder's own object (If-Match on its
+  tag): a claim taken over after its deadline is never replaced by its old holder (it is
+  ``lost``; the taker fetches from then on).
+- While the node looks alone (``Mailbox.company`` false: it has met no other node) nobody
+  waits on its claims, so a grow is deferred: the claim's ``want`` grows, and the next
+  renewal (which covers ``want``) or the moment the node meets another (``in_company``:
+  it rang one, or its mailbox was rung) sends it. A node arriving meanwhile waits on the
+  blobs the claim names and rings the holder, whose deferred grows then go within a
+  mailbox look; the waiter's first bound is doubled for that (``ClaimBoard._ring``).
+- A claim renews each time half of its lease is gone, ``RENEW_MIN_S`` apart at least; a
+  settled claim (fetched, publishes held back) or any claim of a node alone doubles its
+  lease at each renewal up to ``SETTLED_LEASE_MAX_S``: fewer requests over a long read.
+  What that costs: a node that comes to a dead lone holder, before it has measured its own
+  source, waits up to that long for a window (never a failure: it then takes it over).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import trio
+
+from faultfs.tiers.base import TierTag
+from faultfs.tiers.claims import Claim, now_ms
+from faultfs.tiers.held import Held, claim_span
+
+log = logging.getLogger("faultfs.shared")
+
+RENEW_MIN_S = 0.2  # a holder renews its claim's deadline at most this often
+# a settled claim (fetched, publishes held back) doubles its lease at each renewal up to this:
+# fewer renewals over a long read; a waiter that has not measured its source waits up to it
+# on a dead holder (a live one is rung and publishes)
+SETTLED_LEASE_MAX_S = 4.0
+
+
+class ClaimUpkeep:
+    """``in_company``: the mixin's face (the board calls ``_join`` and ``_renew``)."""
+
+    async def _join(self, tag: TierTag, mine: Held, need: list[int], ahead: bool) -> Held:
+        """A fault of this node shares its claim ``mine``; grown to cover ``need``."""
+        mine.users += 1
+        mine.idle += 1  # a release holding it on for this fault sees it came
+        mine.ahead = mine.ahead or ahead
+        lo, hi = claim_span(tag, mine.window, need, ahead)
+        first, end = mine.want
+        if lo < first or hi > end:
+            mine.want = (min(lo, first), max(hi, end))
+            if self._nursery is None:
+                await self._grow(tag, mine)
+            elif self.mailbox.company:
+                self._nursery.start_soon(self._grow, tag, mine)
+            else:  # alone: nobody waits for them; the next renewal covers them
+                self._deferred[id(mine)] = (tag, mine)
+                self.stats.add("claims_grow_deferred")
+        return mine
+
+    def in_company(self) -> None:
+        """This node met another (it rang one, or its mailbox was rung): the grows deferred
+        while it looked alone go now, so the others wait for those blobs (trio context)."""
+        deferred, self._deferred = self._deferred, {}
+        if self._nursery is not None:
+            for tag, h in deferred.values():
+                self._nursery.start_soon(self._grow, tag, h)
+
+    async def _grow(self, tag: TierTag, h: Held, *, renew: bool = False) -> None:
+        """Replace ``h``'s object by one covering ``h.want`` with a renewed deadline (If-Match
+        on its tag): waiters then wait for those blobs too, and nobody takes them over.
+        ``renew``: the deadline alone, even when it covers them already."""
+        async with h.lock:
+            lo, hi = h.want
+            first, end = h.covers
+            if h.lost or (not renew and first <= lo and hi <= end):
+                return
+            lo, hi = min(lo, first), max(hi, end)
+            c = h.claim
+            lease = self.lease((hi - lo) * tag.blob_size)
+            if renew and (h.settled or not self.mailbox.company):
+                # only its publishes are left, or nobody else reads: a longer lease, bounded
+                lease = max(lease, min(SETTLED_LEASE_MAX_S, 2 * h.lease_s))
+            h.lease_s = lease
+            claim = Claim(self.node, c.gen, now_ms() + int(1000 * h.lease_s), lo, hi - lo,
+                          done=c.done)
+            try:
+                etag = await self._io(self.store.replace, h.key, claim.encode(), h.etag)
+            except OSError as exc:
+                self.stats.add("claim_errors")
+                log.warning("growing claim %s failed (%s)", h.key, exc.strerror or exc)
+                return
+            if etag is None:  # taken over after its deadline: the taker fetches from now on
+                h.lost = True
+                self._deferred.pop(id(h), None)
+                if self._mine.get((h.tag_id, h.window)) is h:
+                    del self._mine[(h.tag_id, h.window)]
+                log.info("tag %s: the claim of window %d was taken over", tag.name, h.window)
+                return
+            h.etag, h.claim = etag, claim
+            self._deferred.pop(id(h), None)
+            self.stats.add("claims_renewed" if renew and (lo, hi) == (first, end)
+                           else "claims_grown")
+
+    async def _renew(self, tag: TierTag, h: Held) -> None:
+        """While this node holds ``h``, renew its deadline each time half its lease is gone: a
+        live holder slowed down (a busy machine, a slow publish) keeps its claim, and only a
+        dead one (which renews nothing) is taken over after its deadline."""
+        while not h.lost:
+            left = h.claim.deadline_ms / 1000 - time.time()
+            await trio.sleep(max(RENEW_MIN_S, left - h.lease_s / 2))
+            await self._grow(tag, h, renew=True)
