@@ -263,6 +263,7 @@ def test_a_live_holder_renews_its_claim_and_keeps_it_past_its_first_deadline(tmp
     async def main():
         async with trio.open_nursery() as nursery:
             holder.attach(nursery)
+            holder.mailbox.company = True  # (alone, its first lease would be ALONE_LEASE_S)
             nursery.start_soon(c.fault, holder, [3], 3.0)  # its lease: ~1.2 s
             await trio.sleep(0.05)
             out["got"] = await c.fault(waiter, [3])
@@ -367,6 +368,8 @@ def test_a_lone_holder_defers_its_grows_until_a_renewal_or_another_node_waits(tm
     them. A node that comes meanwhile waits for a blob outside the claim and rings the holder;
     the holder's look at its mailbox (what ``HeldBack`` does) sends the deferred grow, so the
     waiter takes the blob as it lands: it is fetched once, by the holder."""
+    from faultfs.tiers.upkeep import ALONE_LEASE_S
+
     c = Cluster(str(tmp_path))
     a, b = c.board("a"), c.board("b")
 
@@ -378,6 +381,9 @@ def test_a_lone_holder_defers_its_grows_until_a_renewal_or_another_node_waits(tm
         async with trio.open_nursery() as nursery:
             a.attach(nursery)
             _, [h0] = await a.coordinate(TAG, [0], c.load)
+            # alone: a long first lease (a short read renews nothing)
+            assert h0.lease_s == pytest.approx(ALONE_LEASE_S, abs=0.5)
+            assert a.lease(MiB) < ALONE_LEASE_S - 1
             _, [j0] = await a.coordinate(TAG, [1, 2], c.load)  # joins: the grow waits
             assert j0 is h0 and h0.want == (0, 3) and stored(0) == (0, 1)
             await a._grow(TAG, h0, renew=True)  # the renewal covers them

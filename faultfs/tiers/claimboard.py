@@ -68,7 +68,7 @@ from faultfs.tiers.claims import Claim, ClaimStore, claim_key, done_mask, now_ms
 from faultfs.tiers.estimate import LEASE_MAX_S, FetchEstimate
 from faultfs.tiers.held import Held, claim_span, window_blobs
 from faultfs.tiers.mailbox import MAILBOX_PREFIX, Mailbox, stale_mailbox
-from faultfs.tiers.upkeep import ClaimUpkeep
+from faultfs.tiers.upkeep import ALONE_LEASE_S, ClaimUpkeep
 
 log = logging.getLogger("faultfs.shared")
 
@@ -347,7 +347,10 @@ class ClaimBoard(FetchEstimate, AheadClaims, ClaimUpkeep):
 
     def _new_claim(self, tag: TierTag, span: tuple[int, int], gen: int, done: int) -> Claim:
         lo, hi = span
-        deadline = time.time() + self.lease((hi - lo) * tag.blob_size)
+        lease = self.lease((hi - lo) * tag.blob_size)
+        if self._nursery is not None and not self.mailbox.company:
+            lease = max(lease, ALONE_LEASE_S)  # nobody waits on it yet: fewer renewals
+        deadline = time.time() + lease
         return Claim(self.node, gen, int(deadline * 1000), lo, hi - lo, done=done)
 
     def _hold(self, tag: TierTag, window: int, key: str, etag: str, claim: Claim,

@@ -13,9 +13,10 @@ Invariants:
   mailbox look; the waiter's first bound is doubled for that (``ClaimBoard._ring``).
 - A claim renews each time half of its lease is gone, ``RENEW_MIN_S`` apart at least; a
   settled claim (fetched, publishes held back) or any claim of a node alone doubles its
-  lease at each renewal up to ``SETTLED_LEASE_MAX_S``: fewer requests over a long read.
-  What that costs: a node that comes to a dead lone holder, before it has measured its own
-  source, waits up to that long for a window (never a failure: it then takes it over).
+  lease at each renewal up to ``SETTLED_LEASE_MAX_S``, and a claim made alone starts at
+  ``ALONE_LEASE_S``: fewer requests over a long read. What that costs: a node that comes
+  to a dead lone holder waits up to that long for a window, or its own estimate of the
+  fetch once it has measured its source (never a failure: it then takes the window over).
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ RENEW_MIN_S = 0.2  # a holder renews its claim's deadline at most this often
 # fewer renewals over a long read; a waiter that has not measured its source waits up to it
 # on a dead holder (a live one is rung and publishes)
 SETTLED_LEASE_MAX_S = 4.0
+# a claim made while its node looks alone (attached to a mount) starts with this lease: a
+# lone read of a few seconds renews nothing; a node that comes to a dead lone holder waits
+# this long at most, as on a settled claim, or its own estimate once it has one
+ALONE_LEASE_S = SETTLED_LEASE_MAX_S
 
 
 class ClaimUpkeep:
