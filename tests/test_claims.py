@@ -202,6 +202,38 @@ def test_an_expired_claim_is_taken_over_by_exactly_one_of_three_nodes(tmp_path):
     assert c.marker().published_of(0, list(range(8))) == [5]
 
 
+def test_a_taker_finds_the_blobs_its_predecessor_published_without_a_mark(tmp_path):
+    """A holder that fetched and published blobs 1 and 2 under its claim, then died before
+    it released it (no marker names them): the node that takes the window over looks in the
+    store for each blob its later faults of the window need, not only for the first one's,
+    and its marker names what it found. Before, a later fault trusted the window's index
+    (empty) and fetched blob 2 from the source a second time."""
+    c = Cluster(str(tmp_path))
+    dead, taker, third = c.board("dead"), c.board("taker"), c.board("third")
+
+    async def main():
+        await c.fault(dead, [0], die=True)  # claimed, then killed: its claim stays
+        for i in (1, 2):  # ... after it had published these (its claim grown to them)
+            c.blobs[i] = f"blob {i}".encode()
+        await trio.sleep(dead.lease(MiB) + 0.1)
+        _, held = await taker.coordinate(TAG, [0], c.load)  # takes the window over
+        assert held and held[0].unindexed
+        got, more = await taker.coordinate(TAG, [2, 3], c.load)  # a later fault: joins
+        assert got == {2: b"blob 2"} and more == held
+        for i in (0, 3):
+            c.fetches.append(("taker", i))
+            c.blobs[i] = f"blob {i}".encode()
+        await taker.release(held + more, fetched=[0, 3])
+        assert c.marker().published_of(0, list(range(8))) == [0, 2, 3]
+        # a node after them loads what the marker names, without a claim of its own
+        assert await c.fault(third, [2, 3]) == {2: b"blob 2", 3: b"blob 3"}
+
+    trio.run(main)
+    assert c.fetches == [("taker", 0), ("taker", 3)]
+    assert taker.stats.counters["claim_takeovers"] == 1
+    assert third.stats.counters["claims_won"] == 0
+
+
 def test_a_waiter_takes_over_a_live_slow_claim_after_its_own_estimate(tmp_path):
     c = Cluster(str(tmp_path))
     slow, waiter = c.board("slow"), c.board("waiter")
@@ -422,6 +454,33 @@ def test_a_lone_holder_defers_its_grows_until_a_renewal_or_another_node_waits(tm
     trio.run(main)
     assert c.fetches == [("a", 8), ("a", 9), ("a", 10)]
     assert b.stats.counters["claim_takeovers"] == 0 and b.stats.counters["claim_waits"] == 1
+
+
+def test_a_grow_never_brings_its_claims_deadline_nearer(tmp_path):
+    """A claim made alone has a long lease, and its renewal is timed by it; a grow after the
+    node met another names more blobs but keeps the deadline. Before, the grow gave the claim
+    its node's short estimate while the renewal still slept on the long one: the claim
+    expired under a live holder and a waiter took it over (a 4-node random bench run read
+    1.08x the object so)."""
+    c = Cluster(str(tmp_path))
+    a = c.board("a")
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            a.attach(nursery)
+            _, [held] = await a.coordinate(TAG, [0], c.load)
+            assert held.lease_s > a.lease(MiB)  # made alone: a long lease
+            before = c.marker().deadline_ms
+            a.mailbox.company = True  # it met another node: grows go at once
+            await a.coordinate(TAG, [1], c.load)
+            await trio.sleep(0.1)
+            grown = c.marker()
+            assert (grown.first, grown.count) == (0, 2)
+            assert grown.deadline_ms >= before > time.time() * 1000 + 1000 * a.lease(2 * MiB)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert a.stats.counters["claims_grown"] == 1
 
 
 def test_a_waiter_on_a_run_looks_at_two_blobs_a_poll_and_takes_each_soon_after_it_lands(

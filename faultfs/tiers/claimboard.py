@@ -31,7 +31,9 @@ Invariants:
   of the fetch (the fetch, its publish, the waiters' load), plus ``LEASE_SLACK_S``; a live
   holder renews it each time half of it is gone (``_renew``), so only a dead or cut-off one
   lets it pass. After it, any node may take the claim over with a conditional replace, and
-  exactly one does; the blob is then fetched at most twice.
+  exactly one does; the blob is then fetched at most twice. The taker looks in the store
+  for every blob its faults of the window need (``Held.unindexed``: the holder before may
+  have published blobs no marker names yet) and its marker names those it found.
 - A waiter takes each blob the holder publishes soon after it lands (it polls two of them
   with the claim, and all once one landed: ``poll_blobs``). Its wait is bounded by the claim's
   deadline and, per generation of the claim and since the last blob that landed, by its own
@@ -164,11 +166,15 @@ class ClaimBoard(FetchEstimate, AheadClaims, ClaimUpkeep):
     async def _indexed(self, tag: TierTag, held: Held, need: list[int], load: Loader,
                        *, everything: bool = False) -> dict[int, Buffer]:
         """The blobs of ``need`` that the index of ``held``'s window names (``everything``:
-        all of ``need``, after a takeover: a dead holder may have published some it never
-        marked); the rest are known absent without a request each."""
+        all of ``need``; so for every fault under a claim taken over from a holder, which
+        may have published blobs it never marked); the rest are known absent without a
+        request each. Blobs found that way are named by the claim's marker too."""
+        everything = everything or held.unindexed
         ask = need if everything else held.claim.published_of(held.window * held.per, need)
         got = await load(ask) if ask else {}
         self.stats.add("shared_index_misses", len(need) - len(ask))
+        if everything:
+            held.fetched.update(got)
         return got
 
     async def _window(self, tag: TierTag, window: int, need: list[int], load: Loader,
@@ -273,9 +279,11 @@ class ClaimBoard(FetchEstimate, AheadClaims, ClaimUpkeep):
                 if time.monotonic() >= give_up and not claim.expired(now_ms()):
                     # as long as this node's own fetch would take: one waiter takes it over
                     self.stats.add("claim_waits_given_up")
-                    log.info("tag %s: window %d is still claimed by %s after %.1f s: "
-                             "taking it over", tag.name, window, claim.node,
-                             time.monotonic() - waited_from)
+                    named = sum(claim.first <= i < claim.first + claim.count for i in need)
+                    log.info("tag %s: window %d is still claimed by %s after %.1f s (%d of "
+                             "the %d blobs waited for named by it): taking it over",
+                             tag.name, window, claim.node, time.monotonic() - waited_from,
+                             named, len(need))
                     force = etag
                 # the claim expired or changed hands: try again (a takeover, or a new wait)
         except OSError as exc:
@@ -337,11 +345,13 @@ class ClaimBoard(FetchEstimate, AheadClaims, ClaimUpkeep):
             new = await self._io(self.store.replace, key, claim.encode(), etag)
             if new is not None:
                 self.stats.add("claims_won")
+                held = self._hold(tag, window, key, new, claim, ahead)
                 if theirs is None or not theirs.published:
                     self.stats.add("claim_takeovers")
                     log.info("tag %s: took over the expired claim of window %d from %s",
                              tag.name, window, theirs.node if theirs else "?")
-                return self._hold(tag, window, key, new, claim, ahead)
+                    held.unindexed = True  # its blobs published under no marker yet
+                return held
             # another node took it over first: its claim is live, wait on it
         raise OSError(5, "the claim of a window kept changing")
 

@@ -45,6 +45,9 @@ class Held:
     idle: int = 0  # releases of its last user: a held-on claim ends if none came since
     lease_s: float = 0.0  # the lease its deadline was last given
     parked: int = 0  # its users whose blobs are fetched and whose publishes are held back
+    # taken over from a holder that may have published blobs it never marked: every fault
+    # under it looks in the store for its blobs (``ClaimBoard._indexed``)
+    unindexed: bool = False
 
     @property
     def settled(self) -> bool:

@@ -11,7 +11,9 @@ Invariants:
   it rang one, or its mailbox was rung) sends it. A node arriving meanwhile waits on the
   blobs the claim names and rings the holder, whose deferred grows then go within a
   mailbox look; the waiter's first bound is doubled for that (``ClaimBoard._ring``).
-- A claim renews each time half of its lease is gone, ``RENEW_MIN_S`` apart at least; a
+- A claim renews each time half of its lease is gone, ``RENEW_MIN_S`` apart at least (a
+  grow between two renewals keeps the deadline or pushes it on, never brings it nearer:
+  the renewal is timed by the deadline before it); a
   settled claim (fetched, publishes held back) or any claim of a node alone doubles its
   lease at each renewal up to ``SETTLED_LEASE_MAX_S``, and a claim made alone starts at
   ``ALONE_LEASE_S``: fewer requests over a long read. What that costs: a node that comes
@@ -87,9 +89,12 @@ class ClaimUpkeep:
             if renew and (h.settled or not self.mailbox.company):
                 # only its publishes are left, or nobody else reads: a longer lease, bounded
                 lease = max(lease, min(SETTLED_LEASE_MAX_S, 2 * h.lease_s))
-            h.lease_s = lease
-            claim = Claim(self.node, c.gen, now_ms() + int(1000 * h.lease_s), lo, hi - lo,
-                          done=c.done)
+            deadline = now_ms() + int(1000 * lease)
+            if not renew:  # a grow never brings the deadline nearer: ``_renew`` sleeps
+                deadline = max(deadline, c.deadline_ms)  # until half of the old one is gone
+            else:
+                h.lease_s = lease
+            claim = Claim(self.node, c.gen, deadline, lo, hi - lo, done=c.done)
             try:
                 etag = await self._io(self.store.replace, h.key, claim.encode(), h.etag)
             except OSError as exc:
