@@ -456,6 +456,40 @@ def test_a_lone_holder_defers_its_grows_until_a_renewal_or_another_node_waits(tm
     assert b.stats.counters["claim_takeovers"] == 0 and b.stats.counters["claim_waits"] == 1
 
 
+def test_a_window_seen_with_an_object_is_read_first_not_created(tmp_path):
+    """A node that has seen an object at a window (another's claim, a marker, its own
+    claim) reads it before anything else at its next fault there: a create would only lose
+    (markers stay). A window whose object went (a claim that published nothing is
+    deleted) is created again after the read finds nothing."""
+    c = Cluster(str(tmp_path))
+    a, b = c.board("a"), c.board("b")
+    creates: list[str] = []
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(c.store, name)
+
+        def create(self, key, data):
+            creates.append(key.rsplit("/", 1)[1])
+            return c.store.create(key, data)
+
+    b.store = Counting()
+
+    async def main():
+        await c.fault(a, [0])  # a's marker names blob 0
+        assert await c.fault(b, [1]) == {1: b"blob 1"}  # create lost, read, took the rest
+        assert await c.fault(b, [2]) == {2: b"blob 2"}  # read first: the marker
+        assert await c.fault(b, [9]) == {9: b"blob 9"}  # window 1: never seen, created
+        _, held = await b.coordinate(TAG, [17], c.load)  # window 2: b's claim, then
+        await b.release(held, fetched=[])  # deleted (nothing published)
+        _, held = await b.coordinate(TAG, [17], c.load)  # read (nothing), created again
+        assert held
+
+    trio.run(main)
+    assert creates == ["0", "1", "2", "2"]
+    assert c.fetches == [("a", 0), ("b", 1), ("b", 2), ("b", 9)]
+
+
 def test_a_grow_never_brings_its_claims_deadline_nearer(tmp_path):
     """A claim made alone has a long lease, and its renewal is timed by it; a grow after the
     node met another names more blobs but keeps the deadline. Before, the grow gave the claim

@@ -81,6 +81,7 @@ POLL_PROBE_BLOBS = 2  # and at this many of the blobs it waits for (``poll_blobs
 # a prefetch's claim to the window's end outlives a pause between its runs by this much: its
 # next run rejoins it instead of another node taking the blobs it was about to fetch
 IDLE_HOLD_S = 1.0
+OCCUPIED_MAX = 1 << 16  # windows remembered as holding an object (a few MiB at most)
 
 
 def node_id() -> str:
@@ -102,6 +103,8 @@ class ClaimBoard(FetchEstimate, AheadClaims, ClaimUpkeep):
         # windows this node is claiming now: its other faults of them wait for the answer
         # rather than find their own node's claim and wait on it as on another node's
         self._claiming: dict[tuple[int, int], trio.Event] = {}
+        # windows this node saw an object at, oldest first (``_attempt`` reads them first)
+        self._occupied: dict[tuple[int, int], None] = {}
         # claims whose grows wait while this node looks alone (``_join``, ``in_company``)
         self._deferred: dict[int, tuple[TierTag, Held]] = {}
         self._limiter: trio.CapacityLimiter | None = None
@@ -319,17 +322,23 @@ class ClaimBoard(FetchEstimate, AheadClaims, ClaimUpkeep):
         ``force``: the tag of a live or published claim to take over too (the waiter's
         bound passed, or the blobs of a published one were not all there); a claim that
         replaced it meanwhile is waited on, not taken over."""
+        # a window seen with an object (a claim, its marker) is read first, not created:
+        # a create there is a request that can only lose (markers stay)
+        occupied = bool(force) or (tag.id, window) in self._occupied
         for _ in range(8):  # the claim comes and goes between our requests: try again
             span = claim_span(tag, window, need, ahead)
             claim = self._new_claim(tag, span, gen=1, done=0)
-            etag = None if self._taken.pop((tag.id, window), False) else await self._io(
-                self.store.create, key, claim.encode())  # (a create ahead just lost)
+            taken = self._taken.pop((tag.id, window), False)  # (a create ahead just lost)
+            etag = None if taken or occupied else await self._io(
+                self.store.create, key, claim.encode())
             if etag is not None:
                 self.stats.add("claims_won")
                 return self._hold(tag, window, key, etag, claim, ahead)
             seen = await self._io(self.store.read, key)
             if seen is None:
-                continue  # released meanwhile
+                occupied = False  # released meanwhile (or swept): a create may win now
+                continue
+            self._saw(tag.id, window)
             raw, etag = seen
             try:
                 theirs: Claim | None = Claim.decode(raw)
@@ -363,8 +372,15 @@ class ClaimBoard(FetchEstimate, AheadClaims, ClaimUpkeep):
         deadline = time.time() + lease
         return Claim(self.node, gen, int(deadline * 1000), lo, hi - lo, done=done)
 
+    def _saw(self, tag_id: int, window: int) -> None:
+        """Window ``window`` of tag ``tag_id`` has an object (a claim; later its marker)."""
+        self._occupied[(tag_id, window)] = None
+        while len(self._occupied) > OCCUPIED_MAX:
+            del self._occupied[next(iter(self._occupied))]
+
     def _hold(self, tag: TierTag, window: int, key: str, etag: str, claim: Claim,
               ahead: bool) -> Held:
+        self._saw(tag.id, window)
         held = Held(tag.id, window, key, etag, claim, self.window_blobs(tag), ahead=ahead)
         held.want = held.covers
         held.lease_s = max(0.0, claim.deadline_ms / 1000 - time.time())
