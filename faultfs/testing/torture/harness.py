@@ -155,10 +155,11 @@ def mounts_under(path: str) -> list[str]:
 def ensure_fusectl() -> bool:
     """The fusectl file system mounted at its place (it is where a connection is aborted);
     whether it is."""
-    with contextlib.suppress(FaultfsError):
+    try:
         connection.ensure_fusectl()
-    return any(e.mountpoint == connection.CONNECTIONS and e.fstype == "fusectl"
-               for e in connection.mounts())
+    except FaultfsError:
+        return False
+    return True
 
 
 def abort_fuse(minor: int | None) -> None:
@@ -349,8 +350,9 @@ class Run:
             with contextlib.suppress(Exception):
                 m.close()
         # anything still mounted under the root (a mount lost track of), deepest first
+        under = set(mounts_under(self.root))
         for e in reversed(connection.mounts()):
-            if e.mountpoint in mounts_under(self.root):
+            if e.mountpoint in under:
                 if e.fstype.startswith("fuse"):
                     abort_fuse(e.minor)
                     lazy_detach(e.mountpoint)
