@@ -262,6 +262,39 @@ def test_a_waiter_takes_over_a_live_slow_claim_after_its_own_estimate(tmp_path):
     assert out["waited"] < 2 * waiter.lease(MiB) + 1 < slow.lease(MiB)
 
 
+def test_a_waiter_gives_up_on_a_live_slow_holder_by_fetching_its_blob_not_the_window(
+        tmp_path):
+    """A holder that renews its claim (alive) but is slower than the waiter's own estimate:
+    the waiter fetches its blob itself after its bound and leaves the claim to its holder,
+    which goes on (no takeover: a taken-over holder that has not noticed yet and its taker
+    would both fetch the window's next blobs). The waiter's other blobs named by the claim
+    are still waited for, and it never waits past its own estimate."""
+    c = Cluster(str(tmp_path))
+    holder, waiter = c.board("holder"), c.board("waiter")
+    waiter.observe(MiB, 0.1)  # the waiter has measured its own source: fast
+    out = {}
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            holder.attach(nursery)
+            holder.mailbox.company = True  # its lease: its estimate, renewed every ~0.6 s
+            nursery.start_soon(c.fault, holder, [3], 4.0)  # alive, and slow
+            await trio.sleep(0.05)
+            started = time.monotonic()
+            out["got"] = await c.fault(waiter, [3])
+            out["waited"] = time.monotonic() - started
+            assert c.marker().node == "holder" and not c.marker().published
+
+    trio.run(main)
+    assert out["got"] == {3: b"blob 3"}
+    assert out["waited"] < 2 * waiter.lease(MiB) + 1  # its own bound, doubled for the ring
+    assert waiter.stats.counters["claim_waits_given_up"] == 1
+    assert waiter.stats.counters["claim_takeovers"] == 0
+    assert holder.stats.counters["claims_renewed"] >= 1
+    assert sorted(c.fetches) == [("holder", 3), ("waiter", 3)]  # the one blob, once more
+    assert c.marker().published_of(0, list(range(8))) == [3]  # the holder's marker
+
+
 def test_a_waiter_that_has_not_measured_its_source_takes_the_holders_estimate(tmp_path):
     """Before its first source read a node's estimate is a guess (50 MB/s): waiting on a
     holder whose measured source is slower, it waits for the holder's deadline (the same

@@ -39,9 +39,12 @@ Invariants:
   deadline and, per generation of the claim and since the last blob that landed, by its own
   estimate of fetching the rest itself (``lease`` of its own measurements; before it has
   any, the holder's, read from the claim's deadline, ``LEASE_MAX_S`` at most in all:
-  ``patience``): then it takes the claim over (one waiter wins; the others wait on it, a new
-  bound). A slow or dead peer costs latency, never a failure or wrong bytes, and a blob is
-  fetched twice at most.
+  ``patience``). Then, when the holder showed no life in the wait, it takes the claim over
+  (one waiter wins; the others wait on it, a new bound); when it did (a blob landed, the
+  claim grew or was renewed), the waiter fetches its blobs itself and leaves the claim to
+  its holder, which goes on fetching the rest (a takeover of a live holder made both fetch
+  the window's next blobs until the holder saw it). A slow or dead peer costs latency,
+  never a failure or wrong bytes.
 - Any failure of the store ends the coordination for that fault: the caller fetches from the
   source (the shared tier's back-off keeps later faults from trying meanwhile).
 - A claim whose holder is past its deadline is never replaced by it (If-Match); an expired
@@ -194,6 +197,7 @@ class ClaimBoard(FetchEstimate, AheadClaims, ClaimUpkeep):
         waited_from: float | None = None
         seen_gen: tuple[int, str] | None = None
         progressed = False  # a blob of the current holder's claim landed
+        alive = False  # the current holder showed life in this wait (a blob, a grow, a renewal)
         give_up = 0.0
         delay = POLL_FIRST_S
         polls = 0
@@ -235,7 +239,7 @@ class ClaimBoard(FetchEstimate, AheadClaims, ClaimUpkeep):
                     seen_gen = (claim.gen, etag)
                     give_up = now + self.patience(nbytes, claim) * (
                         2 if await self._ring(claim.node) else 1)
-                    progressed = False
+                    progressed = alive = False
                 deadline = now + max(0.0, claim.deadline_ms / 1000 - time.time())
                 # a holder whose blobs keep landing is slow, not dead: its deadline is not
                 # held against it; the waiter's own bound (renewed by each blob) still is
@@ -255,12 +259,12 @@ class ClaimBoard(FetchEstimate, AheadClaims, ClaimUpkeep):
                             return got, None
                         give_up = time.monotonic() + self.patience(len(need) * tag.blob_size,
                                                                    claim)
-                        until, progressed = give_up, True
+                        until, progressed, alive = give_up, True, True
                     seen = await self._io(self.store.read, key)
                     if seen is not None and seen[1] != etag:
                         grown = _grown(claim, seen[0])
                         if grown is not None:  # the holder grew it and renewed its deadline
-                            claim, etag = grown, seen[1]
+                            claim, etag, alive = grown, seen[1], True
                             seen_gen = (claim.gen, etag)
                             now = time.monotonic()
                             deadline = now + max(0.0, claim.deadline_ms / 1000 - time.time())
@@ -280,14 +284,17 @@ class ClaimBoard(FetchEstimate, AheadClaims, ClaimUpkeep):
                         return got, None
                     continue  # not all there: claim the rest
                 if time.monotonic() >= give_up and not claim.expired(now_ms()):
-                    # as long as this node's own fetch would take: one waiter takes it over
+                    # as long as this node's own fetch would take: it fetches them itself
                     self.stats.add("claim_waits_given_up")
                     named = sum(claim.first <= i < claim.first + claim.count for i in need)
                     log.info("tag %s: window %d is still claimed by %s after %.1f s (%d of "
-                             "the %d blobs waited for named by it): taking it over",
-                             tag.name, window, claim.node, time.monotonic() - waited_from,
-                             named, len(need))
-                    force = etag
+                             "the %d blobs waited for named by it): %s", tag.name, window,
+                             claim.node, time.monotonic() - waited_from, named, len(need),
+                             "fetching them here; the claim stays its live holder's" if alive
+                             else "taking it over")
+                    if alive:  # a takeover would make both fetch the window's next blobs
+                        return got, None  # until the holder's next request to its claim
+                    force = etag  # no sign of life: one waiter takes it over
                 # the claim expired or changed hands: try again (a takeover, or a new wait)
         except OSError as exc:
             self.stats.add("claim_errors")
