@@ -295,6 +295,36 @@ def test_a_waiter_gives_up_on_a_live_slow_holder_by_fetching_its_blob_not_the_wi
     assert c.marker().published_of(0, list(range(8))) == [3]  # the holder's marker
 
 
+def test_a_holder_whose_blob_landed_and_that_then_went_silent_is_taken_over(tmp_path):
+    """A holder published one blob of its claim, then died (it renews nothing): the blob
+    that landed says it lived then, not now, so the waiter whose bound passed takes the
+    claim over (one taker; the others wait on it) instead of fetching its blob beside a
+    claim nobody serves."""
+    c = Cluster(str(tmp_path))
+    dead, waiter = c.board("dead"), c.board("waiter")
+    dead._seconds_per_byte = 1e-5  # a long lease: the waiter's own bound passes first
+    waiter.observe(MiB, 0.1)
+    out = {}
+
+    async def main():
+        await dead.coordinate(TAG, [3, 4], c.load)
+
+        async def publish_one_then_die():
+            await trio.sleep(0.3)
+            c.fetches.append(("dead", 3))
+            c.blobs[3] = b"blob 3"  # ... and blob 4 never comes
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(publish_one_then_die)
+            out["got"] = await c.fault(waiter, [3, 4])
+
+    trio.run(main)
+    assert out["got"] == {3: b"blob 3", 4: b"blob 4"}
+    assert waiter.stats.counters["claim_waits_given_up"] == 1
+    assert waiter.stats.counters["claim_takeovers"] == 1
+    assert c.fetches == [("dead", 3), ("waiter", 4)]
+
+
 def test_a_waiter_that_has_not_measured_its_source_takes_the_holders_estimate(tmp_path):
     """Before its first source read a node's estimate is a guess (50 MB/s): waiting on a
     holder whose measured source is slower, it waits for the holder's deadline (the same

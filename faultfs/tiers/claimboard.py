@@ -39,12 +39,14 @@ Invariants:
   deadline and, per generation of the claim and since the last blob that landed, by its own
   estimate of fetching the rest itself (``lease`` of its own measurements; before it has
   any, the holder's, read from the claim's deadline, ``LEASE_MAX_S`` at most in all:
-  ``patience``). Then, when the holder showed no life in the wait, it takes the claim over
-  (one waiter wins; the others wait on it, a new bound); when it did (a blob landed, the
-  claim grew or was renewed), the waiter fetches its blobs itself and leaves the claim to
-  its holder, which goes on fetching the rest (a takeover of a live holder made both fetch
-  the window's next blobs until the holder saw it). A slow or dead peer costs latency,
-  never a failure or wrong bytes.
+  ``patience``). Then, when the holder has not grown or renewed its claim within that
+  bound, it takes the claim over (one waiter wins; the others wait on it, a new bound); when
+  it has (it lives), the waiter fetches its blobs itself and leaves the claim to its holder,
+  which goes on fetching the rest (a takeover of a live holder made both fetch the window's
+  next blobs until the holder saw it). A holder that dies just after a renewal costs the
+  blobs given up on in that bound, fetched once more by each node that gave up, then its
+  claim expires and is taken over. A slow or dead peer costs latency, never a failure or
+  wrong bytes.
 - Any failure of the store ends the coordination for that fault: the caller fetches from the
   source (the shared tier's back-off keeps later faults from trying meanwhile).
 - A claim whose holder is past its deadline is never replaced by it (If-Match); an expired
@@ -197,7 +199,7 @@ class ClaimBoard(FetchEstimate, AheadClaims, ClaimUpkeep):
         waited_from: float | None = None
         seen_gen: tuple[int, str] | None = None
         progressed = False  # a blob of the current holder's claim landed
-        alive = False  # the current holder showed life in this wait (a blob, a grow, a renewal)
+        life_at: float | None = None  # when the holder last grew or renewed its claim
         give_up = 0.0
         delay = POLL_FIRST_S
         polls = 0
@@ -239,7 +241,7 @@ class ClaimBoard(FetchEstimate, AheadClaims, ClaimUpkeep):
                     seen_gen = (claim.gen, etag)
                     give_up = now + self.patience(nbytes, claim) * (
                         2 if await self._ring(claim.node) else 1)
-                    progressed = alive = False
+                    progressed, life_at = False, None
                 deadline = now + max(0.0, claim.deadline_ms / 1000 - time.time())
                 # a holder whose blobs keep landing is slow, not dead: its deadline is not
                 # held against it; the waiter's own bound (renewed by each blob) still is
@@ -259,12 +261,12 @@ class ClaimBoard(FetchEstimate, AheadClaims, ClaimUpkeep):
                             return got, None
                         give_up = time.monotonic() + self.patience(len(need) * tag.blob_size,
                                                                    claim)
-                        until, progressed, alive = give_up, True, True
+                        until, progressed = give_up, True
                     seen = await self._io(self.store.read, key)
                     if seen is not None and seen[1] != etag:
                         grown = _grown(claim, seen[0])
                         if grown is not None:  # the holder grew it and renewed its deadline
-                            claim, etag, alive = grown, seen[1], True
+                            claim, etag, life_at = grown, seen[1], time.monotonic()
                             seen_gen = (claim.gen, etag)
                             now = time.monotonic()
                             deadline = now + max(0.0, claim.deadline_ms / 1000 - time.time())
@@ -287,6 +289,10 @@ class ClaimBoard(FetchEstimate, AheadClaims, ClaimUpkeep):
                     # as long as this node's own fetch would take: it fetches them itself
                     self.stats.add("claim_waits_given_up")
                     named = sum(claim.first <= i < claim.first + claim.count for i in need)
+                    # alive: it grew or renewed its claim within this node's own bound (a
+                    # blob that landed says it lived when it published, not that it lives)
+                    alive = life_at is not None and time.monotonic() - life_at < \
+                        self.patience(len(need) * tag.blob_size, claim)
                     log.info("tag %s: window %d is still claimed by %s after %.1f s (%d of "
                              "the %d blobs waited for named by it): %s", tag.name, window,
                              claim.node, time.monotonic() - waited_from, named, len(need),
