@@ -131,10 +131,12 @@ class Cluster:
         self.asked.extend(indices)
         return {i: self.blobs[i] for i in indices if i in self.blobs}
 
+    def marker_key(self, window: int = 0) -> str:
+        return f"claims/0123456789abcdef/{version_hash('v1')}/{window}"
+
     def marker(self, window: int = 0) -> Claim:
         """The claim object of ``window`` (of TAG): after a release, the window's marker."""
-        return Claim.decode(self.store.read(f"claims/0123456789abcdef/{version_hash('v1')}/"
-                                            f"{window}")[0])
+        return Claim.decode(self.store.read(self.marker_key(window))[0])
 
     async def fault(self, board: ClaimBoard, indices: list[int], fetch_s: float = 0.05,
                     die: bool = False, ahead: bool = False) -> dict[int, bytes]:
@@ -551,6 +553,32 @@ def test_a_window_seen_with_an_object_is_read_first_not_created(tmp_path):
     trio.run(main)
     assert creates == ["0", "1", "2", "2"]
     assert c.fetches == [("a", 0), ("b", 1), ("b", 2), ("b", 9)]
+
+
+def test_a_claim_made_alone_renews_at_its_nodes_pace_once_the_node_meets_another(tmp_path):
+    """A claim made alone has a 4 s lease, its first renewal 2 s away. Once its node meets
+    another, it renews every half of the node's own estimate (~0.6 s here) instead: a waiter
+    takes a renewal within its own bound as the sign that the holder lives (and leaves a live
+    holder its claim), so a long quiet lease would get a live holder taken over."""
+    c = Cluster(str(tmp_path))
+    a = c.board("a")
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            a.attach(nursery)
+            await a.coordinate(TAG, [0], c.load)
+            first = c.store.read(c.marker_key())[1]
+            await trio.sleep(0.3)
+            a.mailbox.company = True
+            a.in_company()
+            await trio.sleep(a.lease(MiB) / 2 + 0.3)  # one renewal at the node's pace ...
+            assert c.store.read(c.marker_key())[1] != first
+            renewed = a.stats.counters["claims_renewed"]
+            await trio.sleep(a.lease(MiB) / 2 + 0.1)  # ... and the next
+            assert a.stats.counters["claims_renewed"] > renewed >= 1
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
 
 
 def test_a_grow_never_brings_its_claims_deadline_nearer(tmp_path):

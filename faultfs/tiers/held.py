@@ -48,6 +48,8 @@ class Held:
     # taken over from a holder that may have published blobs it never marked: every fault
     # under it looks in the store for its blobs (``ClaimBoard._indexed``)
     unindexed: bool = False
+    renewing: trio.CancelScope | None = None  # the sleep until its next renewal ...
+    retime: bool = False  # ... cut short to be timed anew (``ClaimUpkeep.in_company``)
 
     @property
     def settled(self) -> bool:

@@ -19,6 +19,10 @@ Invariants:
   ``ALONE_LEASE_S``: fewer requests over a long read. What that costs: a node that comes
   to a dead lone holder waits up to that long for a window, or its own estimate of the
   fetch once it has measured its source (never a failure: it then takes the window over).
+- In company a claim renews at least every half of its node's own estimate of its fetch,
+  whatever its lease (``_renew_in``; ``in_company`` re-times the sleeps under way): a waiter
+  whose bound passed takes a renewal within that bound as the sign its holder lives, and
+  leaves a live holder its claim (``ClaimBoard._window``).
 """
 
 from __future__ import annotations
@@ -70,9 +74,14 @@ class ClaimUpkeep:
         """This node met another (it rang one, or its mailbox was rung): the grows deferred
         while it looked alone go now, so the others wait for those blobs (trio context)."""
         deferred, self._deferred = self._deferred, {}
-        if self._nursery is not None:
-            for tag, h in deferred.values():
-                self._nursery.start_soon(self._grow, tag, h)
+        if self._nursery is None:
+            return
+        for tag, h in deferred.values():
+            self._nursery.start_soon(self._grow, tag, h)
+        for h in self._mine.values():  # renewals timed by a long lease made alone: re-timed
+            if h.renewing is not None:
+                h.retime = True
+                h.renewing.cancel()
 
     async def _grow(self, tag: TierTag, h: Held, *, renew: bool = False) -> None:
         """Replace ``h``'s object by one covering ``h.want`` with a renewed deadline (If-Match
@@ -116,8 +125,23 @@ class ClaimUpkeep:
     async def _renew(self, tag: TierTag, h: Held) -> None:
         """While this node holds ``h``, renew its deadline each time half its lease is gone: a
         live holder slowed down (a busy machine, a slow publish) keeps its claim, and only a
-        dead one (which renews nothing) is taken over after its deadline."""
+        dead one (which renews nothing) is taken over after its deadline. In company, at least
+        every half of this node's own estimate of the claim's fetch (``_renew_in``): a waiter
+        reads a renewal within its own bound as a sign the holder lives, so a long lease made
+        alone must not hide it (``in_company`` re-times the sleeps under way)."""
         while not h.lost:
-            left = h.claim.deadline_ms / 1000 - time.time()
-            await trio.sleep(max(RENEW_MIN_S, left - h.lease_s / 2))
+            with trio.move_on_after(self._renew_in(tag, h)) as scope:
+                h.renewing = scope
+                await trio.sleep_forever()
+            h.renewing = None
+            if h.retime:  # the node met another: its renewals' cadence changed
+                h.retime = False
+                continue
             await self._grow(tag, h, renew=True)
+
+    def _renew_in(self, tag: TierTag, h: Held) -> float:
+        """Seconds until ``h``'s next renewal."""
+        wait = h.claim.deadline_ms / 1000 - time.time() - h.lease_s / 2
+        if self.mailbox.company:
+            wait = min(wait, self.lease(h.claim.count * tag.blob_size) / 2)
+        return max(RENEW_MIN_S, wait)
