@@ -304,9 +304,8 @@ def test_the_journal_of_a_killed_mount_verifies_and_a_torn_tail_is_reported_as_s
     writes = [(100, b"first"), (CHUNK + 7, b"second"), (3 * CHUNK + 9, b"third")]
     for off, data in writes:
         pwrite_synced(view, off, data)
-    deadline = time.monotonic() + 30  # the faulted chunks are stored behind the writes: a
-    while m.stats()["tags"]["field"]["staged_blobs"] < 3 and time.monotonic() < deadline:
-        time.sleep(0.05)  # kill in the middle of one would leave a clean blob to repair
+    # the faulted chunks are stored behind the writes: a kill in the middle of one would
+    m.wait_staged("field", 3, timeout=30)  # leave a clean blob to repair
     m.crash()  # the writes stay in the journal, not folded
     assert m.wait_gone(), "the daemon did not end on SIGKILL"
     subprocess.run(["fusermount3", "-u", "-z", m.path], capture_output=True)
@@ -399,9 +398,8 @@ def test_fsck_and_gc_refuse_a_store_a_live_mount_owns_and_never_block_a_mount(
     m = mounter(field, args=["--chunk-size", "256K"])
     read(os.path.join(m.tag("field"), "chunk_0"))
     store = m.store
-    deadline = time.monotonic() + 30  # blobs are stored behind the readers: wait until
-    while m.stats()["tags"]["field"]["staged_blobs"] < 1 and time.monotonic() < deadline:
-        time.sleep(0.05)  # the daemon counts it (its file appears before it is written)
+    # blobs are stored behind the readers: wait until the daemon counts it (its file
+    m.wait_staged("field", 1, timeout=30)  # appears before it is written)
     before = files_under(store)
     for argv in (("fsck", store), ("fsck", store, "--repair"), ("gc", store),
                  ("gc", store, "--dry-run")):

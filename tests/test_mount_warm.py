@@ -89,9 +89,8 @@ def test_the_staged_request_names_staged_and_written_chunks(mounter, sample):
     with open(os.path.join(tag, "field.bin"), "r+b") as f:
         f.seek(5 * MiB)
         f.write(b"grown")
-    deadline = time.monotonic() + 10
-    while m.stats()["tags"]["field"]["staged_blobs"] < 2 and time.monotonic() < deadline:
-        time.sleep(0.02)  # chunk 1's store write follows its read (chunk 2's fault too)
+    m.wait_staged("field", 2, timeout=10)  # chunk 1's store write follows its read (chunk
+    # 2's fault too)
     answer = staged_chunks(tag)
     assert answer is not None and answer[:2] == ("chunk_", 6)
     here = [chunk_staged(answer, i, os.path.join(tag, f"chunk_{i}")) for i in range(6)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 
 class MountView:
@@ -21,3 +22,11 @@ class MountView:
 
     def tag(self, name: str) -> str:
         return os.path.join(self.path, name)
+
+    def wait_staged(self, tag: str, count: int, timeout: float = 15.0) -> None:
+        """Wait until ``count`` blobs of ``tag`` are in the store (a fault stores its blobs in
+        the background, behind its readers); AssertionError after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while self.stats()["tags"][tag]["staged_blobs"] < count:
+            assert time.monotonic() < deadline, f"{tag}: {count} blobs not staged in {timeout} s"
+            time.sleep(0.02)

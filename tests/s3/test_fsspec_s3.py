@@ -144,6 +144,7 @@ def test_an_object_a_live_mount_staged_is_read_from_its_blobs(mounter, s3_client
     m = mounter(f"s3://{bucket}/run9/field.bin", store=str(store), args=["--chunk-size", "1M"])
     with open(os.path.join(m.tag("field"), "field.bin"), "rb") as f:
         assert f.read() == data
+    m.wait_staged("field", 4)  # the mount stores its blobs behind its readers
     fs = fsspec.filesystem("faultfs", target_protocol="s3", store=str(store), reserve_mb=0,
                            chunk_size="1M", skip_instance_cache=True)
     with fs.open(f"{bucket}/run9/field.bin") as f:

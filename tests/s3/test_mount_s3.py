@@ -65,15 +65,6 @@ def log_text(store: str) -> str:
     return read(os.path.join(store, "log", "faultfs.log")).decode(errors="replace")
 
 
-def wait_staged(m, tag: str, count: int) -> None:
-    """Wait until ``count`` blobs of ``tag`` are in the store: faults store in the background,
-    and a test that unmounts and counts on them being staged must let those writes land."""
-    deadline = time.monotonic() + 15
-    while m.stats()["tags"][tag]["staged_blobs"] < count:
-        assert time.monotonic() < deadline, f"{tag}: blobs not staged within 15 s"
-        time.sleep(0.05)
-
-
 def stat_json(mountpoint: str) -> dict:
     return json.loads(run_faultfs("stat", mountpoint, "--json", check=True).stdout)
 
@@ -116,7 +107,7 @@ def test_a_remount_reaches_the_endpoint_the_tag_was_registered_with(
     m = mounter(f"s3://{bucket}/run7/field.bin", args=["--chunk-size", "1M", "--prefetch-mb", "0",
                                                        "--s3-endpoint-url", s3_env])
     assert read(os.path.join(m.tag("field"), "chunk_0")) == data[:MiB]
-    wait_staged(m, "field", 1)
+    m.wait_staged("field", 1)
     m.umount()
     m2 = mounter(store=m.store, mountpoint=m.path)
     assert stat_json(m2.path)["tags"]["field"]["remote"] == {"s3_endpoint_url": s3_env}
@@ -218,7 +209,7 @@ def test_unversioned_overwrite_fails_with_eio_then_remount_refaults(
     assert m.counters()["fault_errors"] >= 1
     assert f"s3://{bucket}/{key} changed since it was opened" in log_text(m.store)
 
-    wait_staged(m, "field", 1)
+    m.wait_staged("field", 1)
     m.umount()
     m2 = mounter(store=m.store, mountpoint=m.path)  # no source: recovered from the registry
     out = run_faultfs("stat", m2.path, check=True).stdout
@@ -241,7 +232,7 @@ def test_versioned_overwrite_keeps_serving_the_pinned_version_until_remount(
     assert same_as(old, os.path.join(tag, "field.bin"), tmp_path), "the pinned VersionId"
     assert m.counters()["fault_errors"] == 0
 
-    wait_staged(m, "field", 3)
+    m.wait_staged("field", 3)
     m.umount()
     m2 = mounter(src, args=["--chunk-size", "1M"], store=m.store, mountpoint=m.path)
     out = run_faultfs("stat", m2.path, check=True).stdout
@@ -375,7 +366,7 @@ def test_registry_and_store_hold_no_secret(s3_env, make_bucket, mounter, http_se
     # a remount without the sources cannot re-open the credential URLs and says so; staged
     # blobs still serve, a fault fails with EIO; the S3 tag (environment credentials) works
     for name in ("signed", "auth"):
-        wait_staged(m, name, 3)
+        m.wait_staged(name, 3)
     m.umount()
     m2 = mounter(store=m.store, mountpoint=m.path)
     tags = stat_json(m2.path)["tags"]
