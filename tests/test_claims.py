@@ -571,10 +571,11 @@ def test_a_claim_made_alone_renews_at_its_nodes_pace_once_the_node_meets_another
             await trio.sleep(0.3)
             a.mailbox.company = True
             a.in_company()
-            await trio.sleep(a.lease(MiB) / 2 + 0.3)  # one renewal at the node's pace ...
+            # one renewal at the node's pace, well before the 2 s of the lease made alone ...
+            await trio.sleep(a.lease(MiB) / 2 + 0.45)
             assert c.store.read(c.marker_key())[1] != first
             renewed = a.stats.counters["claims_renewed"]
-            await trio.sleep(a.lease(MiB) / 2 + 0.1)  # ... and the next
+            await trio.sleep(a.lease(MiB) / 2 + 0.45)  # ... and the next
             assert a.stats.counters["claims_renewed"] > renewed >= 1
             nursery.cancel_scope.cancel()
 
