@@ -297,6 +297,65 @@ def test_a_waiter_gives_up_on_a_live_slow_holder_by_fetching_its_blob_not_the_wi
     assert c.marker().published_of(0, list(range(8))) == [3]  # the holder's marker
 
 
+def test_a_lone_holder_mid_fetch_hears_a_ring_and_is_not_taken_over_live(tmp_path):
+    """A holder alone (its claim made with the long lone lease, renewed every 2 s) and slow,
+    with no publish held back yet: a waiter that comes rings it. The holder hears the ring
+    within a mailbox look (it looks while it holds claims alone, not only with publishes held
+    back), renews at company pace, and the waiter, whose bound passes, sees it live: it
+    fetches its blob itself and leaves the claim (its first version took the live holder
+    over: both would then fetch the window's next blobs)."""
+    c = Cluster(str(tmp_path))
+    holder, waiter = c.board("holder"), c.board("waiter")
+    waiter.observe(MiB, 0.1)  # measured: its bound is its own (~1.2 s; doubled once for the ring)
+    out = {}
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            holder.attach(nursery)  # alone: nothing has rung it, nothing is held back
+            nursery.start_soon(c.fault, holder, [3], 5.0)  # alive, and slow
+            await trio.sleep(1.0)  # between the lone claim's renewals (every 2 s)
+            out["got"] = await c.fault(waiter, [3])
+
+    trio.run(main)
+    assert out["got"] == {3: b"blob 3"}
+    assert holder.mailbox.company, "the holder heard the ring"
+    assert waiter.stats.counters["claim_waits_given_up"] == 1
+    assert waiter.stats.counters["claim_takeovers"] == 0
+    assert sorted(c.fetches) == [("holder", 3), ("waiter", 3)]
+
+
+def test_a_whole_window_claim_on_a_slow_source_renews_within_a_one_blob_waiters_bound(
+        tmp_path):
+    """In company a holder of a whole window (8 blobs, a prefetch's claim) on a slow source
+    renews as often as a waiter of ONE blob must see it do to know it lives: the waiter's
+    bound passes, it fetches its blob and leaves the claim, and the holder's marker names the
+    rest, so a later node loads them instead of fetching (renewing by the claim's size, every
+    ~3 s here against the waiter's ~1.8 s bound, had the live holder taken over and its
+    marker lost)."""
+    c = Cluster(str(tmp_path))
+    holder, waiter, later = c.board("holder"), c.board("waiter"), c.board("later")
+    for b in (holder, waiter):
+        b._seconds_per_byte, b._measured = 2e-7, True  # ~5 MB/s, measured by both
+        b.mailbox.company = True
+    waiter.mailbox._rung.add("holder")  # it rang this holder before: no doubled bound
+    out = {}
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            holder.attach(nursery)
+            nursery.start_soon(c.fault, holder, list(range(8)), 0.25, False, True)
+            await trio.sleep(0.05)
+            out["got"] = await c.fault(waiter, [7])
+        out["later"] = await c.fault(later, [0, 1, 2, 3])
+
+    trio.run(main)
+    assert out["got"] == {7: b"blob 7"}
+    assert out["later"] == {i: f"blob {i}".encode() for i in range(4)}
+    assert waiter.stats.counters["claim_waits_given_up"] == 1
+    assert waiter.stats.counters["claim_takeovers"] == 0
+    assert [f for f in c.fetches if f[0] != "holder"] == [("waiter", 7)], c.fetches
+
+
 def test_a_holder_whose_blob_landed_and_that_then_went_silent_is_taken_over(tmp_path):
     """A holder published one blob of its claim, then died (it renews nothing): the blob
     that landed says it lived then, not now, so the waiter whose bound passed takes the

@@ -5,11 +5,11 @@ markers name the blobs). Publishing at once costs a lone node: the PUTs compete 
 own source reads for the network, the store and the CPU, and nobody is waiting for them. So
 a node that has met no other node (``Mailbox.company``) holds them back, claims still held,
 and sends them once its faults have been idle for ``IDLE_S`` — or at once when another node
-waits on one of its claims: a waiter rings the holder's mailbox, and a holder with publishes
-held back looks at its mailbox (one GET) 0.1, 0.3 and 0.7 s after it began to hold back,
-then every ``LOOK_S``, so a waiter waits that much longer at most, once; and a holder killed
-early in a read that others share loses little of what it held back (the others fetch that
-again). Held back are the keys, not the bytes: a publish reads its blob back from
+waits on one of its claims: a waiter rings the holder's mailbox, and a node holding claims
+alone looks at its mailbox (one GET) 0.1, 0.3 and 0.7 s after its first claim, then every
+0.5 s (``ClaimUpkeep._watch``), so a waiter waits that much longer at most, once; and a
+holder killed early in a read that others share loses little of what it held back (the
+others fetch that again). Held back are the keys, not the bytes: a publish reads its blob back from
 the local store (memory while its store write is pending), so waiting publishes take
 nothing from the memory budget the reads need.
 
@@ -36,7 +36,6 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
-from faultfs.iopool import run_in_thread
 from faultfs.stats import Stats
 from faultfs.tiers.base import BlobKey, Buffer
 from faultfs.tiers.claimboard import ClaimBoard, Held
@@ -45,9 +44,7 @@ from faultfs.tiers.shared import SharedTier
 log = logging.getLogger("faultfs.engine")
 
 IDLE_S = 0.2  # faults idle this long: the source path is free, held-back publishes go
-LOOK_S = 0.5  # a holder with publishes held back looks at its mailbox this often (at first
-# every TICK_S, doubling: 0.1, 0.2, 0.4 s after its first blob is held back)
-TICK_S = 0.1  # ... and at its faults (idle?) and the mount (ending?) this often
+TICK_S = 0.1  # the faults (idle?), the mailbox's news and the mount (ending?) seen this often
 HOLD_MAX = 64  # claims whose publishes are held back at once (512 MiB of 1 MiB blobs)
 SENDING = 8  # held-back blobs read back and published at once
 
@@ -66,7 +63,6 @@ class HeldBack:
         self.faults = 0  # fault runs under way on this node
         self.idle_since = time.monotonic()
         self._running = False
-        self._limiter: trio.CapacityLimiter | None = None  # the mailbox's looks, one a time
         self._sending: trio.CapacityLimiter | None = None
 
     def fault_started(self) -> None:
@@ -101,18 +97,10 @@ class HeldBack:
     async def _run(self) -> None:
         """Send the held-back publishes when the faults are idle, another node waits, or
         the mount ends."""
-        looked, every = time.monotonic(), TICK_S  # soon at first: nodes that start together
-        try:  # ring within a few round trips, and what is held back is lost if this one dies
+        try:  # the board looks at the mailbox while claims are held alone (upkeep._watch)
             while self.entries:
                 await trio.sleep(TICK_S)
                 wanted = self.board.mailbox.company
-                if not wanted and time.monotonic() - looked >= every:
-                    if self._limiter is None:
-                        self._limiter = trio.CapacityLimiter(1)
-                    wanted = await run_in_thread(self._limiter, self.board.mailbox.look)
-                    if wanted:
-                        self.board.in_company()
-                    looked, every = time.monotonic(), min(LOOK_S, every * 2)
                 if wanted or self.shared.flushing or self._idle():
                     entries, self.entries = self.entries, []
                     await self._send(entries, "another node waits" if wanted else

@@ -112,6 +112,7 @@ class ClaimBoard(FetchEstimate, AheadClaims, ClaimUpkeep):
         self._occupied: dict[tuple[int, int], None] = {}
         # claims whose grows wait while this node looks alone (``_join``, ``in_company``)
         self._deferred: dict[int, tuple[TierTag, Held]] = {}
+        self._watching = False  # the look at the mailbox while alone runs (upkeep._watch)
         self._limiter: trio.CapacityLimiter | None = None
         FetchEstimate.__init__(self)
         self._init_ahead()
@@ -400,6 +401,7 @@ class ClaimBoard(FetchEstimate, AheadClaims, ClaimUpkeep):
         if self._nursery is not None:
             self._nursery.start_soon(self._renew, tag, held)
         self._mine[(tag.id, window)] = held
+        self._watch_alone()
         return held
 
     # -- release -----------------------------------------------------------------------------

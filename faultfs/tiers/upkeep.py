@@ -19,10 +19,17 @@ Invariants:
   ``ALONE_LEASE_S``: fewer requests over a long read. What that costs: a node that comes
   to a dead lone holder waits up to that long for a window, or its own estimate of the
   fetch once it has measured its source (never a failure: it then takes the window over).
-- In company a claim renews at least every half of its node's own estimate of its fetch,
-  whatever its lease (``_renew_in``; ``in_company`` re-times the sleeps under way): a waiter
-  whose bound passed takes a renewal within that bound as the sign its holder lives, and
-  leaves a live holder its claim (``ClaimBoard._window``).
+- In company a claim renews at least every half of its node's own lease for ONE blob,
+  whatever its own lease and size (``_renew_in``; ``in_company`` re-times the sleeps under
+  way): a waiter whose bound passed takes a renewal within that bound as the sign its holder
+  lives, and leaves a live holder its claim (``ClaimBoard._window``); its bound is its own
+  lease of the blobs it waits for, one blob at least (renewing by the claim's size let a
+  whole-window claim on a slow source renew more slowly than a one-blob waiter's bound,
+  which took the live holder over).
+- While the node holds claims and looks alone, it looks at its mailbox (``_watch``: soon,
+  then every ``LOOK_EVERY_S``), so that a waiter's ring turns it to company pace within a
+  look even when no publish of it is held back (a lone holder mid-fetch kept renewing every
+  2 s, unseen within a waiter's bound, and was taken over live).
 """
 
 from __future__ import annotations
@@ -47,6 +54,10 @@ SETTLED_LEASE_MAX_S = 4.0
 # lone read of a few seconds renews nothing; a node that comes to a dead lone holder waits
 # this long at most, as on a settled claim, or its own estimate once it has one
 ALONE_LEASE_S = SETTLED_LEASE_MAX_S
+# a node holding claims alone looks at its mailbox this soon, doubling up to every
+# LOOK_EVERY_S (one GET each): a waiter's ring reaches it within that
+LOOK_FIRST_S = 0.1
+LOOK_EVERY_S = 0.5
 
 
 class ClaimUpkeep:
@@ -69,6 +80,25 @@ class ClaimUpkeep:
                 self._deferred[id(mine)] = (tag, mine)
                 self.stats.add("claims_grow_deferred")
         return mine
+
+    def _watch_alone(self) -> None:
+        """Look at this node's mailbox while it holds claims alone (attached to a mount)."""
+        if self._nursery is not None and not self.mailbox.company and not self._watching:
+            self._watching = True
+            self._nursery.start_soon(self._watch)
+
+    async def _watch(self) -> None:
+        every = LOOK_FIRST_S
+        try:
+            while self._mine and not self.mailbox.company:
+                await trio.sleep(every)
+                every = min(LOOK_EVERY_S, every * 2)
+                if self._mine and await self._io(self.mailbox.look):
+                    self.in_company()
+        except Exception:  # a background task must never take the mount down
+            log.exception("looking at this node's mailbox failed")
+        finally:
+            self._watching = False
 
     def in_company(self) -> None:
         """This node met another (it rang one, or its mailbox was rung): the grows deferred
@@ -126,9 +156,9 @@ class ClaimUpkeep:
         """While this node holds ``h``, renew its deadline each time half its lease is gone: a
         live holder slowed down (a busy machine, a slow publish) keeps its claim, and only a
         dead one (which renews nothing) is taken over after its deadline. In company, at least
-        every half of this node's own estimate of the claim's fetch (``_renew_in``): a waiter
-        reads a renewal within its own bound as a sign the holder lives, so a long lease made
-        alone must not hide it (``in_company`` re-times the sleeps under way)."""
+        every half of this node's own lease of one blob (``_renew_in``): a waiter reads a
+        renewal within its own bound as a sign the holder lives, so neither a long lease made
+        alone nor a large claim may hide it (``in_company`` re-times the sleeps under way)."""
         while not h.lost:
             with trio.move_on_after(self._renew_in(tag, h)) as scope:
                 h.renewing = scope
@@ -143,5 +173,5 @@ class ClaimUpkeep:
         """Seconds until ``h``'s next renewal."""
         wait = h.claim.deadline_ms / 1000 - time.time() - h.lease_s / 2
         if self.mailbox.company:
-            wait = min(wait, self.lease(h.claim.count * tag.blob_size) / 2)
+            wait = min(wait, self.lease(tag.blob_size) / 2)
         return max(RENEW_MIN_S, wait)
