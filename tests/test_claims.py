@@ -236,6 +236,31 @@ def test_a_taker_finds_the_blobs_its_predecessor_published_without_a_mark(tmp_pa
     assert third.stats.counters["claims_won"] == 0
 
 
+def test_a_holder_taken_over_before_its_end_leaves_the_takers_claim_and_counts_no_release(
+        tmp_path):
+    """A holder cut off past its deadline (it renewed nothing) ends its claim after another
+    node took the window over: its conditional replace loses, the taker's claim stays as it
+    is, and the holder does not count the claim as released (it was not its to release)."""
+    c = Cluster(str(tmp_path))
+    holder, taker = c.board("holder"), c.board("taker")
+
+    async def main():
+        _, held = await holder.coordinate(TAG, [0], c.load)  # not attached: no renewals
+        await trio.sleep(holder.lease(MiB) + 0.1)
+        _, taken = await taker.coordinate(TAG, [0], c.load)
+        assert taken and taken[0].claim.node == "taker"
+        c.blobs[0] = b"blob 0"
+        await holder.release(held, fetched=[0])  # too late: not its claim any more
+        claim, _ = c.store.read(c.marker_key())
+        assert Claim.decode(claim).node == "taker" and not Claim.decode(claim).published
+        await taker.release(taken, fetched=[])
+
+    trio.run(main)
+    assert holder.stats.counters["claims_released"] == 0
+    assert taker.stats.counters["claim_takeovers"] == 1
+    assert taker.stats.counters["claims_released"] == 1
+
+
 def test_a_waiter_takes_over_a_live_slow_claim_after_its_own_estimate(tmp_path):
     c = Cluster(str(tmp_path))
     slow, waiter = c.board("slow"), c.board("waiter")

@@ -442,7 +442,7 @@ class ClaimBoard(FetchEstimate, AheadClaims, ClaimUpkeep):
                     del self._mine[(h.tag_id, h.window)]
                 ending = self._claiming.setdefault((h.tag_id, h.window), trio.Event())
                 try:
-                    await self._end(h)
+                    ended = await self._end(h)
                 except OSError as exc:
                     self.stats.add("claim_errors")
                     log.warning("releasing claim %s failed (%s): it expires", h.key,
@@ -452,31 +452,37 @@ class ClaimBoard(FetchEstimate, AheadClaims, ClaimUpkeep):
                     if self._claiming.get((h.tag_id, h.window)) is ending:
                         del self._claiming[(h.tag_id, h.window)]
                     ending.set()
-                self.stats.add("claims_released")
+                if ended:  # (a claim taken over meanwhile is the taker's to end)
+                    self.stats.add("claims_released")
 
-    async def _end(self, h: Held) -> None:
+    async def _end(self, h: Held) -> bool:
         """Replace ``h`` by its window's marker (``done`` and the blobs it fetched) or, when
         nothing of the window is published, delete it; leave it alone when it is no longer
-        ours (taken over after its deadline)."""
+        ours (taken over after its deadline). Whether it was still ours to end."""
         async with h.lock:
             if h.lost:
-                return
+                return False
             h.lost = True  # ended: no more growing
             self._deferred.pop(id(h), None)
             c = h.claim
             done = c.done | done_mask(h.window * h.per, h.fetched)
             if not done:
-                await self._remove_if(h.key, h.etag)
-                return
+                return await self._remove_if(h.key, h.etag)
             lo, hi = (min(h.fetched), max(h.fetched) + 1) if h.fetched else h.covers
             marker = Claim(c.node, c.gen, now_ms(), lo, hi - lo, published=True, done=done)
-            await self._io(self.store.replace, h.key, marker.encode(), h.etag)
+            if await self._io(self.store.replace, h.key, marker.encode(), h.etag) is None:
+                log.info("claim %s was taken over before its end: its %d published blob(s) "
+                         "are named by no marker until the taker's", h.key, len(h.fetched))
+                return False
+            return True
 
-    async def _remove_if(self, key: str, etag: str) -> None:
-        """Delete the claim at ``key`` if it is still the one of ``etag``."""
+    async def _remove_if(self, key: str, etag: str) -> bool:
+        """Delete the claim at ``key`` if it is still the one of ``etag``; whether it was."""
         seen = await self._io(self.store.read, key)
         if seen is not None and seen[1] == etag:
             await self._io(self.store.delete, key)
+            return True
+        return False
 
 
 async def poll_blobs(covered: list[int], load: Loader, polls: int) -> dict[int, Buffer]:
