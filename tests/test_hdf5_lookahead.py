@@ -7,13 +7,25 @@ from __future__ import annotations
 
 import os
 import random
+import struct
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from faultfs.core.hdf5 import MAX_CANDIDATES, SIGNATURE, ChunkNode, addresses_fit, chunk_nodes
-from faultfs.engine.lookahead import ChunkMap
+from faultfs.core.chunks import ChunkLayout
+from faultfs.core.hdf5 import (
+    MAX_CANDIDATES,
+    MAX_KEYS,
+    SIGNATURE,
+    Budget,
+    ChunkNode,
+    addresses_fit,
+    chunk_nodes,
+)
+from faultfs.engine.lookahead import SCANS_SPENT, ChunkMap, Hdf5Lookahead
+from faultfs.stats import Stats
 
 h5py = pytest.importorskip("h5py")
 np = pytest.importorskip("numpy")
@@ -101,6 +113,55 @@ def test_bytes_made_of_nodes_cost_a_bounded_scan_and_nodes_read_before_are_skipp
     found = chunk_nodes(many, len(raw), size)
     assert len(found) == MAX_CANDIDATES and time.perf_counter() - started < 1.0
     assert chunk_nodes(raw, 0, len(raw), skip={at}) == []
+
+
+def overlapping_nodes(size: int = 1 << 20, level: int = 1) -> bytes:
+    """Bytes that make every candidate parse almost all of them: 64 ``TREE`` headers of
+    thousands of entries each, every header also a valid rank-1 key of the ones before, then
+    one long run of valid rank-1 keys and children."""
+    out = bytearray()
+    entries = (size - 32 * 64 - 4096) // 32
+    for i in range(64):
+        out += struct.pack("<Q4sBBHQQ", 1, b"TREE", 1, level, (entries + i) & 0xFFFF, 0,
+                           4096 + i)
+    j = 0
+    while len(out) < size:
+        out += struct.pack("<IIQQQ", 100, 0, (1 << 63) + j, 0, 4096 + j)
+        j += 1
+    return bytes(out[:size])
+
+
+@pytest.mark.parametrize("level", [1, 0])
+def test_bytes_of_overlapping_huge_nodes_cost_a_bounded_scan(level):
+    """A read of bytes crafted so that each of the 64 candidates parses thousands of keys
+    took 1-1.5 s of the serving thread (2 million children at level 1): a call now parses
+    ``MAX_KEYS`` keys at most over every candidate and rank, and says its budget ran out."""
+    data = overlapping_nodes(level=level)
+    budget = Budget()
+    started = time.perf_counter()
+    found = chunk_nodes(data, 0, 1 << 40, budget=budget)
+    assert time.perf_counter() - started < 0.25
+    assert budget.spent and sum(len(n.children) for n in found) <= MAX_KEYS
+
+
+def test_a_file_whose_reads_keep_spending_the_scan_is_scanned_no_more():
+    """Reads of such bytes spend the scan's budget; after ``SCANS_SPENT`` of them the file's
+    bytes are not scanned any more (each would cost the serving thread its budget again),
+    and the prefetch its children asked for stays within the prefetcher's own bounds."""
+    started: list[list[int]] = []
+    stats = Stats()
+    look = Hdf5Lookahead(lambda tag, indices: started.append(indices) or 0, stats)
+    layout = ChunkLayout(0, 1 << 40, 1 << 20)
+    tag = SimpleNamespace(id=1, layout=layout)
+    head = SIGNATURE + bytes([0, 0, 0, 0, 0, 8, 8]) + bytes(4096 - 15)
+    look.served(tag, 0, head)
+    data = overlapping_nodes()
+    for i in range(SCANS_SPENT + 3):
+        t = time.perf_counter()
+        look.served(tag, (i + 1) << 20, data)
+        if i >= SCANS_SPENT:
+            assert time.perf_counter() - t < 0.05, "not scanned again"
+    assert look.maps[1].spent == SCANS_SPENT
 
 
 def test_a_node_served_in_two_reads_is_joined_in_either_order(tmp_path):

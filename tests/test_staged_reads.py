@@ -172,6 +172,49 @@ def test_a_damaged_block_read_through_the_ring_is_refaulted(store, opened):
     assert bytes(trio.run(eng.read_blob, tag, 1, 5 * bs, 4 * KiB)) == got
 
 
+def test_a_reader_that_found_a_blob_gone_keeps_the_copy_stored_meanwhile(store, monkeypatch):
+    """Reader B opens a staged blob just after another reader found it damaged and removed
+    it; before B's answer reaches the trio thread, the other reader's re-fault stores a good
+    copy. B must not unstage that copy: it did, and then B faulted the blob from the source
+    a second time (the engine's model test caught it under load). The caller looks again."""
+    import threading
+
+    chunk = 256 * KiB
+    data = payload(2 * chunk)
+    eng, tag = staged_engine(store, data, chunk)
+    tier = eng.tiers.local
+    tier.inline_read = 0  # the blocking path: its open runs on a pool thread
+    key = (tag.id, 1)
+    opened, go_on = threading.Event(), threading.Event()
+    real = tier._open_and_read
+
+    def slow_open(*args):
+        out = real(*args)  # finds the file gone
+        opened.set()
+        go_on.wait(10)
+        return out
+
+    monkeypatch.setattr(tier, "_open_and_read", slow_open)
+    os.unlink(store.blob_path("t", "chunk_1"))  # the other reader's discard
+    got = {}
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            async def reader_b():
+                got["b"] = await tier.get(key, 0, 100)
+            nursery.start_soon(reader_b)
+            await trio.to_thread.run_sync(opened.wait, 10)
+            monkeypatch.setattr(tier, "_open_and_read", real)
+            await tier.put(key, memoryview(data[chunk:2 * chunk]))  # its re-fault's copy
+            go_on.set()
+
+    trio.run(main)
+    assert got["b"] is None  # B's own open found nothing: its caller looks again ...
+    assert tier.contains(key), "... and finds the copy stored meanwhile, still staged"
+    assert bytes(trio.run(tier.get, key, 0, 100)) == data[chunk:chunk + 100]
+    assert eng.stats.counters["corrupt_blobs_dropped"] == 0
+
+
 def test_with_the_ring_off_the_blocking_path_serves_the_same(store):
     chunk = 300 * KiB + 123
     data = payload(3 * chunk)

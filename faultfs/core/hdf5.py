@@ -14,7 +14,10 @@ Nothing here trusts the bytes: a node is taken only when it fits in the bytes gi
 field is consistent (the rank found by trying each, keys in order, each trailing offset zero,
 children and siblings inside the file). Anything else in the bytes (compressed data that
 happens to hold ``TREE``) is no node. A wrong guess could only cost a prefetch, never a byte
-served, as the caller uses the index for prefetch alone.
+served, as the caller uses the index for prefetch alone. And the bytes cannot make a call
+costly: it examines ``MAX_CANDIDATES`` places at most and parses ``MAX_KEYS`` keys at most
+over all of them and every rank tried (``Budget``; bytes made of many overlapping "nodes" of
+thousands of entries each cost seconds of the serving thread per read before it).
 
 Supported: 8-byte file offsets and lengths (every file h5py writes by default) and no user
 block (base address 0). Files written with ``libver="latest"`` index chunks otherwise (fixed
@@ -33,7 +36,8 @@ from dataclasses import dataclass
 SIGNATURE = b"\x89HDF\r\n\x1a\n"
 UNDEFINED = (1 << 64) - 1  # HDF5's undefined address
 MAX_RANK = 32  # HDF5's limit on a dataset's rank
-MAX_CANDIDATES = 64  # places that look like a node examined in one call, at most
+MAX_CANDIDATES = 64  # places that look like a node examined in one call, at most ...
+MAX_KEYS = 16384  # ... and keys parsed (a real node of 64 entries costs ~100 over its ranks)
 NODE_HEADER = 24  # "TREE", type, level, entries used, left and right sibling
 _NODE = re.compile(rb"TREE\x01")  # a node of a chunk index (type 1)
 _HEAD = struct.Struct("<4sBBHQQ")
@@ -68,26 +72,42 @@ def addresses_fit(head: bytes) -> bool:
     return False
 
 
+class Budget:
+    """Keys a call of ``chunk_nodes`` may still parse; ``spent`` once they ran out."""
+
+    __slots__ = ("keys",)
+
+    def __init__(self, keys: int = MAX_KEYS) -> None:
+        self.keys = keys
+
+    @property
+    def spent(self) -> bool:
+        return self.keys <= 0
+
+
 def chunk_nodes(data: bytes | memoryview, base: int, file_size: int, *,
-                skip: Container[int] = (), limit: int = MAX_CANDIDATES) -> list[ChunkNode]:
+                skip: Container[int] = (), limit: int = MAX_CANDIDATES,
+                budget: Budget | None = None) -> list[ChunkNode]:
     """The chunk-index nodes whole in ``data``, which holds the file's bytes from ``base``;
     none at an address in ``skip`` (read before), and no more than ``limit`` places that
-    look like one examined (bytes made to hold many cost a bounded time)."""
+    look like one examined and ``budget``'s keys parsed (bytes made to hold many cost a
+    bounded time; the caller sees ``budget.spent``)."""
     found: list[ChunkNode] = []
+    budget = budget if budget is not None else Budget()
     view = memoryview(data).cast("B") if not isinstance(data, bytes) else data
     for n, match in enumerate(_NODE.finditer(view)):
-        if n >= limit:
+        if n >= limit or budget.spent:
             break
         if base + match.start() in skip:
             continue
-        node = _node_at(view, match.start(), base, file_size)
+        node = _node_at(view, match.start(), base, file_size, budget)
         if node is not None:
             found.append(node)
     return found
 
 
-def _node_at(data: bytes | memoryview, at: int, base: int,
-             file_size: int) -> ChunkNode | None:
+def _node_at(data: bytes | memoryview, at: int, base: int, file_size: int,
+             budget: Budget) -> ChunkNode | None:
     if at + NODE_HEADER > len(data):
         return None
     _, _, level, entries, left, right = _HEAD.unpack_from(data, at)
@@ -96,12 +116,15 @@ def _node_at(data: bytes | memoryview, at: int, base: int,
     if any(s != UNDEFINED and s >= file_size for s in (left, right)):
         return None
     nodes = [n for rank in range(1, MAX_RANK + 1)
-             if (n := _parse(data, at, base, file_size, level, entries, rank)) is not None]
+             if (n := _parse(data, at, base, file_size, level, entries, rank, budget))
+             is not None]
+    if budget.spent:
+        return None  # not every reading was tried: none is sure
     return nodes[0] if len(nodes) == 1 else None  # two readings of one node: neither
 
 
 def _parse(data: bytes | memoryview, at: int, base: int, file_size: int, level: int,
-           entries: int, rank: int) -> ChunkNode | None:
+           entries: int, rank: int, budget: Budget) -> ChunkNode | None:
     key_len = 8 + 8 * (rank + 1)
     end = at + NODE_HEADER + (entries + 1) * key_len + entries * 8
     if end > len(data):
@@ -112,6 +135,9 @@ def _parse(data: bytes | memoryview, at: int, base: int, file_size: int, level: 
     sizes: list[int] = []
     last: tuple[int, ...] | None = None
     for i in range(entries + 1):
+        budget.keys -= 1
+        if budget.keys < 0:
+            return None
         size, _mask, *offsets = key.unpack_from(data, pos)
         if offsets[-1] != 0 and i < entries:  # a chunk starts at its datatype's first byte
             return None

@@ -23,6 +23,10 @@ Invariants:
   other tags pay one dictionary lookup per read.
 - At most ``MAX_TAGS`` files are remembered, each with ``MAX_CHUNKS`` chunks (2 MiB), ``MAX_NODES``
   index nodes and ``SMALL_READS`` small reads (128 KiB): outside ``--memory-mb``, and bounded.
+- A read's scan parses ``core.hdf5.MAX_KEYS`` keys at most (~10 ms of the serving thread);
+  a file whose reads spend that budget ``SCANS_SPENT`` times is scanned no more, and the
+  chunks prefetched after a read add up to ``LOOKAHEAD_BYTES`` at most (a chunk's size is
+  the file's word). Bytes crafted to look like huge overlapping nodes cost a bounded time.
 """
 
 from __future__ import annotations
@@ -30,10 +34,10 @@ from __future__ import annotations
 import bisect
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from faultfs.core.hdf5 import addresses_fit, chunk_nodes
+from faultfs.core.hdf5 import Budget, addresses_fit, chunk_nodes
 from faultfs.engine.tags import Tag
 from faultfs.stats import Stats
 
@@ -49,6 +53,7 @@ NEXT_CHUNKS = 8  # ... until then, the chunks right after its reads are prefetch
 SMALL_READ = 16 << 10  # reads up to this are kept (the last ``SMALL_READS``): a node crossing
 PAGE = 4096  # a read starts at most this before the chunk it was made for
 SMALL_READS = 8  # a page boundary is served in two reads, in either order
+SCANS_SPENT = 4  # reads of a file whose bytes spent a scan's whole budget: no more scans of it
 
 Starter = Callable[[Tag, list[int]], int]  # blob indices to prefetch -> how many started
 
@@ -69,6 +74,7 @@ class ChunkMap:
     small: OrderedDict[int, bytes] = field(default_factory=OrderedDict)  # offset -> bytes
     nodes: set[int] = field(default_factory=set)  # addresses of the index nodes read ...
     node_order: list[int] = field(default_factory=list)  # ... in order
+    spent: int = 0  # reads whose scan ran out of its budget (``SCANS_SPENT``)
 
     def node_read(self, address: int) -> None:
         if address not in self.nodes and len(self.nodes) < MAX_NODES:
@@ -181,6 +187,19 @@ class ChunkMap:
         return out
 
 
+def within(chunks: Iterable[tuple[int, int]], limit: int = LOOKAHEAD_BYTES
+           ) -> list[tuple[int, int]]:
+    """The first of ``chunks`` (address, size) whose sizes add up to ``limit`` at most (a
+    chunk's size is the file's word: up to 4 GiB each)."""
+    out, total = [], 0
+    for address, size in chunks:
+        total += size
+        if total > limit:
+            break
+        out.append((address, size))
+    return out
+
+
 class Hdf5Lookahead:
     def __init__(self, start: Starter, stats: Stats) -> None:
         self.start = start  # the prefetcher's: fault these blobs of a tag in the background
@@ -205,7 +224,10 @@ class Hdf5Lookahead:
         else:
             self.maps.move_to_end(tag.id)
         start, scanned = m.joined(off, data)
-        nodes = chunk_nodes(scanned, start, tag.layout.size, skip=m.nodes)
+        budget, nodes = Budget(), []
+        if m.spent < SCANS_SPENT:  # bytes made to cost a scan its budget: scanned no more
+            nodes = chunk_nodes(scanned, start, tag.layout.size, skip=m.nodes, budget=budget)
+            m.spent += budget.spent
         grown = False
         for node in nodes:
             self.stats.add("hdf5_index_nodes")
@@ -229,8 +251,8 @@ class Hdf5Lookahead:
         if m.moved(a) and m.strided:
             ahead = m.ahead()
         elif m.holds_window and m.grew:  # it may read every chunk: the next ones
-            ahead = list(zip(m.addresses[b + 1:b + 1 + NEXT_CHUNKS],
-                             m.sizes[b + 1:b + 1 + NEXT_CHUNKS], strict=True))
+            ahead = within(zip(m.addresses[b + 1:b + 1 + NEXT_CHUNKS],
+                               m.sizes[b + 1:b + 1 + NEXT_CHUNKS], strict=True))
         else:
             return
         self.stats.add("hdf5_lookaheads", self._fetch(tag, ahead))

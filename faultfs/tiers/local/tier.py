@@ -76,6 +76,7 @@ class LocalTier:
         self._staged: dict[int, StagedSet] = {}
         self._open = OpenBlobs()  # recently read blob files, kept open
         self._pinned: set[BlobKey] = set()  # clean bases of dirty blobs: never evicted
+        self._stored = 0  # blobs stored so far: ``get`` drops no copy stored across its read
 
     def requests_wait_in(self, fd: int) -> None:
         """FUSE requests for this process wait in ``fd`` (not in its ``/dev/fuse``): the idle
@@ -159,6 +160,7 @@ class LocalTier:
         staged = self._staged.get(key[0])
         if staged is None or key[1] not in staged:
             return None
+        stored = self._stored  # a re-fault may store a good copy while this finds a bad one
         ring = self._ring() if self.inline_read and size <= self.ring_read else None
         if (ring is not None and self.block_when_idle and size <= self.inline_read
                 and not ring.in_flight and self._idle.idle()):
@@ -178,7 +180,8 @@ class LocalTier:
             except CorruptionError as exc:
                 raise FaultfsError(str(exc), errno.EIO) from None
             if blob is None:
-                self._unstage(key)
+                if self._stored == stored:  # else the caller looks again (engine._blob_bytes)
+                    self._unstage(key)
                 return None
             blob = self._open.add(key, blob)  # or the one another reader opened meanwhile
         self.policy.touch(key)
@@ -194,10 +197,7 @@ class LocalTier:
                 data = blob.pread_view(size, off, nowait=True)  # never blocks
                 if data is not None:
                     return data
-            # a small read blocks this thread either way: a RWF_NOWAIT try first would only
-            # add a system call (on a miss it starts the disk read the blocking read then
-            # waits for; one blocking read does both)
-            return await self._store_read(size, blob.pread_view, size, off)
+            return await self._store_read(size, blob.pread_view, size, off)  # (blocks either way)
         except CorruptionError as exc:
             tag = self._tags[key[0]]
             log.warning("tag %s: %s", tag.name, exc)
@@ -207,8 +207,8 @@ class LocalTier:
                     self.store.discard_damaged, tag.name, tag.blob_name(key[1]), ino=blob.ino))
             except CorruptionError as dirty:
                 raise FaultfsError(str(dirty), errno.EIO) from None
-            if removed:  # else a reader that found it too dropped it (and may have re-faulted)
-                self._unstage(key)
+            if removed and self._stored == stored:  # else another reader dropped it, or
+                self._unstage(key)  # a copy was stored meanwhile: the caller looks again
             return None
         finally:
             self._open.release(key, blob)
@@ -223,8 +223,7 @@ class LocalTier:
             return 0
         opened, todo = 0, []
         for start in range(0, len(staged.bits), SCAN_PIECE):
-            # a piece of the bitmap at a time, at C speed, between checkpoints: a tag of a
-            # billion blobs, mostly not staged, never holds the serving thread
+            # a piece of the bitmap at a time (C speed), checkpoints between: never a hold
             await trio.lowlevel.checkpoint()
             if self._staged.get(tag_id) is not staged:
                 return opened  # forgotten meanwhile
@@ -367,6 +366,7 @@ class LocalTier:
         if outcome is StoreOutcome.STORED:
             self._open.drop(key)
             self.mark(key, True)
+            self._stored += 1
             if key not in self._pinned:
                 self.policy.note_stored(key, stored)
             self.stats.add("stored_bytes", stored)
