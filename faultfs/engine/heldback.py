@@ -9,9 +9,9 @@ waits on one of its claims: a waiter rings the holder's mailbox, and a node hold
 alone looks at its mailbox (one GET) 0.1, 0.3 and 0.7 s after its first claim, then every
 0.5 s (``ClaimUpkeep._watch``), so a waiter waits that much longer at most, once; and a
 holder killed early in a read that others share loses little of what it held back (the
-others fetch that again). Held back are the keys, not the bytes: a publish reads its blob back from
-the local store (memory while its store write is pending), so waiting publishes take
-nothing from the memory budget the reads need.
+others fetch that again). Held back are the keys, not the bytes: a publish reads its blob
+back from the local store (memory while its store write is pending), so waiting publishes
+take nothing from the memory budget the reads need.
 
 Invariants:
 - Held-back blobs count as pending publishes (``SharedTier.reserve``): ``faultfs stat``

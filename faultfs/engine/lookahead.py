@@ -32,9 +32,10 @@ Invariants:
 from __future__ import annotations
 
 import bisect
+import itertools
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from faultfs.core.hdf5 import Budget, addresses_fit, chunk_nodes
@@ -174,27 +175,26 @@ class ChunkMap:
     def ahead(self) -> list[tuple[int, int]]:
         """(address, size) of the chunks the pattern reads next, nearest first."""
         last = [bisect.bisect_left(self.addresses, a) for a in self.read[-self.lag:]]
-        out: list[tuple[int, int]] = []
-        total = 0
-        for k in range(1, LOOKAHEAD_CHUNKS + 1):
-            for j in sorted(p + k * self.period for p in last):
-                if j >= len(self.addresses) or len(out) >= LOOKAHEAD_CHUNKS:
-                    return out
-                total += self.sizes[j]
-                if total > LOOKAHEAD_BYTES and out:
-                    return out
-                out.append((self.addresses[j], self.sizes[j]))
-        return out
+
+        def nearest_first() -> Iterator[tuple[int, int]]:
+            for k in range(1, LOOKAHEAD_CHUNKS + 1):
+                for j in sorted(p + k * self.period for p in last):
+                    if j >= len(self.addresses):
+                        return
+                    yield self.addresses[j], self.sizes[j]
+
+        return within(itertools.islice(nearest_first(), LOOKAHEAD_CHUNKS))
 
 
 def within(chunks: Iterable[tuple[int, int]], limit: int = LOOKAHEAD_BYTES
            ) -> list[tuple[int, int]]:
-    """The first of ``chunks`` (address, size) whose sizes add up to ``limit`` at most (a
-    chunk's size is the file's word: up to 4 GiB each)."""
-    out, total = [], 0
+    """The first of ``chunks`` (address, size) whose sizes add up to ``limit`` at most, the
+    first one whatever its size (a chunk's size is the file's word: up to 4 GiB each)."""
+    out: list[tuple[int, int]] = []
+    total = 0
     for address, size in chunks:
         total += size
-        if total > limit:
+        if total > limit and out:
             break
         out.append((address, size))
     return out
