@@ -697,3 +697,81 @@ def test_pin_ttl_expires_into_a_new_tag(ffs, tmp_path):
 
 def protocol_tags(store) -> list[str]:
     return [t for t in os.listdir(os.path.join(store, "tags")) if t.startswith("t-.fsspec-")]
+
+
+@pytest.mark.parametrize("pin_ttl", [60.0, 0.0])
+def test_urls_that_differ_in_a_query_value_are_two_objects(tmp_path, pin_ttl):
+    """``…/download?file=a`` and ``…/download?file=b`` name two objects: each gets its own
+    pin and tag. They shared both (the identity was the URL as shown, every query value
+    ``***``), so the second was served the first one's stored chunks — within the pin's
+    ttl, or whenever the two versions read alike (no ETag, one Last-Modified)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from urllib.parse import parse_qs, urlsplit
+
+    bodies = {"a": b"A" * 9000, "b": b"B" * 9000}
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def _answer(self, head: bool) -> None:
+            body = bodies[parse_qs(urlsplit(self.path).query)["file"][0]]
+            lo, hi = 0, len(body) - 1
+            if not head and self.headers.get("Range"):
+                first, _, last = self.headers["Range"].split("=")[1].partition("-")
+                lo, hi = int(first), min(int(last) if last else hi, hi)
+                self.send_response(206)
+                self.send_header("Content-Range", f"bytes {lo}-{hi}/{len(body)}")
+            else:
+                self.send_response(200)
+            self.send_header("Content-Length", str(hi - lo + 1 if not head else len(body)))
+            self.send_header("Last-Modified", "Mon, 07 Dec 2026 10:00:00 GMT")  # no ETag
+            self.send_header("Accept-Ranges", "bytes")
+            self.end_headers()
+            if not head:
+                self.wfile.write(body[lo:hi + 1])
+
+        def do_HEAD(self):
+            self._answer(True)
+
+        def do_GET(self):
+            self._answer(False)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{server.server_port}/download"
+        options = {"store": str(tmp_path / "store"), "chunk_size": "4K", "reserve_mb": 0,
+                   "pin_ttl": pin_ttl}
+        got = {}
+        for name in ("a", "b", "a"):
+            with fsspec.open(f"faultfs::{base}?file={name}", faultfs=options) as f:
+                got[name] = f.read()
+                f.fs.drain()
+        assert got == bodies
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_claim_whose_file_cannot_be_removed_still_unlocks(tmp_path, monkeypatch):
+    """A claim's release that cannot remove its file (a store remounted read-only, a
+    permission changed) still lets its lock go: other processes take the blob at once
+    instead of waiting for this one to end."""
+    from faultfs.fsspec.claims import Claims
+
+    claims = Claims(str(tmp_path))
+    claim = claims.try_claim("t-x", "b-1")
+    assert claim is not None and claims.try_claim("t-x", "b-1") is None
+
+    def refuse(path, *args, **kwargs):
+        raise PermissionError(13, "refused", path)
+
+    monkeypatch.setattr(os, "unlink", refuse)
+    with pytest.raises(PermissionError):
+        claim.release()
+    monkeypatch.undo()
+    again = claims.try_claim("t-x", "b-1")
+    assert again is not None, "the lock went with the failed release"
+    again.release()

@@ -51,8 +51,9 @@ class Claim:
             os.unlink(self.path)  # before the unlock: see the module's invariants
         except FileNotFoundError:
             pass
-        os.close(self._fd)
-        self._fd = -1
+        finally:  # any other failure still unlocks (the lock must not outlive the claim)
+            os.close(self._fd)
+            self._fd = -1
 
 
 class Claims:

@@ -43,7 +43,7 @@ from faultfs.fsspec.objects import Counters, PinnedObject, Shared, tag_for
 from faultfs.fsspec.pins import DEFAULT_PIN_TTL, PinRecords
 from faultfs.fsspec.space import SharedSpace
 from faultfs.sources import Source, SourceOptions, open_source
-from faultfs.sources.secrets import display_url
+from faultfs.sources.secrets import persistable_src
 from faultfs.store.blobstore import BlobStore
 
 if TYPE_CHECKING:  # the shared tier's code (and trio under it) loads only when one is used
@@ -194,9 +194,11 @@ class FaultFileSystem(_Base):
         url = self.target.unstrip_protocol(path)
         options = SourceOptions(storage_options=dict(self.target_options))
         shared = self._shared_here()
-        shown = display_url(url)
-        # json.dumps([shown, endpoint, chunk_size]) without its encoder's setup per process
-        identity = f"[{_json_str(shown)}, {_json_str(self._endpoint)}, {self.chunk_size}]"
+        # the object's name: query values kept but credentials' (two URLs that differ in a
+        # query value are two objects; ``display_url`` shows them alike: they shared a pin)
+        named = persistable_src(url)
+        # json.dumps([named, endpoint, chunk_size]) without its encoder's setup per process
+        identity = f"[{_json_str(named)}, {_json_str(self._endpoint)}, {self.chunk_size}]"
         version = shared.pins.fresh(identity, self.pin_ttl)
         source: Source | Callable[[], Source]
         forget = None
@@ -211,7 +213,7 @@ class FaultFileSystem(_Base):
             source = functools.partial(open_source, url, options)
             forget = functools.partial(shared.pins.forget, identity, version)
             shared.stats.add("pins_reused")
-        tag = tag_for(shown, self._endpoint, version.to_text(), self.chunk_size)
+        tag = tag_for(named, self._endpoint, version.to_text(), self.chunk_size)
         mounted = shared.mounts.find(url, version.size, self.chunk_size, version.to_text())
         return PinnedObject(source, tag, version.to_text(), version.size, self.chunk_size,
                             shared, forget=forget, mounted=mounted)

@@ -89,8 +89,8 @@ def persistable_src(url: str) -> str:
     the context's key must tell two such URLs apart. (A URL presigned again usually differs in
     its date parameters too, so it makes a new context.)
     """
-    if "://" not in url:
-        return url
+    if "://" not in url or ("@" not in url and "?" not in url):
+        return url  # no userinfo, no query: nothing to redact (and no parse)
     parts = urlsplit(url)
     netloc = parts.netloc
     if "@" in netloc:
