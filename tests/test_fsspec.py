@@ -497,6 +497,47 @@ def test_cap_holds_across_processes(sample, tmp_path):
     assert sum(r["stats"].get("stored", 0) for r in results) >= 12
 
 
+def test_the_caps_count_is_healed_by_its_walk_not_paid_in_blobs(sample, tmp_path):
+    """A process killed between admitting a blob and writing it leaves its bytes counted:
+    the next store that finds the count full walks the files and takes their total, so the
+    drift evicts nothing. A blob being written (a writer's temporary file) is counted."""
+    from faultfs.fsspec import space as space_mod
+
+    store = str(tmp_path / "store")
+    path = sample(4 * MiB)
+    fs = fsspec.filesystem("faultfs", target_protocol="file", store=store, reserve_mb=0,
+                           chunk_size="1M", cache_size="6M", skip_instance_cache=True)
+    with fs.open(path) as f:
+        assert f.read() == content(path)
+    assert fs.drain(timeout=60)
+    space = fs._shared_here().space
+    tag_dir = os.path.join(store, "tags", next(d for d in os.listdir(os.path.join(store, "tags"))))
+
+    def blobs() -> list[str]:
+        return sorted(n for n in os.listdir(tag_dir) if n.startswith("b-"))
+
+    files = blobs()
+    assert len(files) == 4
+    with space._locked() as fd:  # the count says full: a killed writer's 2 MiB, never written
+        space_mod._write_total(fd, 6 * MiB)
+    need = MiB + 4096
+    assert space.admit(need) is None
+    assert blobs() == files and space.evicted == 0  # the drift cost no blob
+    with space._locked() as fd:
+        assert space_mod._read_total(fd) == space.usage() + need
+    space.give_back(need)
+    # a blob another process is writing now counts: 4 blob files and 1.5 MiB in flight
+    stored = space.usage()
+    tmp = os.path.join(tag_dir, "t-0123456789abcdef.tmp")
+    with open(tmp, "wb") as f:
+        f.write(bytes(3 * MiB // 2))
+    with space._locked() as fd:  # as its writer admitted it
+        space_mod._write_total(fd, space_mod._read_total(fd) + 3 * MiB // 2)
+    assert space.usage() == stored + 3 * MiB // 2
+    assert space.admit(need) is None and space.evicted >= 1  # room made for both
+    assert space.usage() + need <= 6 * MiB
+
+
 def test_fsck_knows_the_protocols_blobs_and_the_cap_spares_a_mounts(mounter, sample, tmp_path):
     """The protocol's tags need no registry entry (fsck is clean, gc keeps them), and its cap
     never evicts a blob of a mount's tag in the same store."""

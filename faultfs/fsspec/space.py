@@ -7,9 +7,12 @@ the file system, not from one process's memory.
 - The cap (``cache_size``) counts the bytes of the protocol's blob files. Their running total
   lives in one 8-byte file that each process updates under ``flock`` before it writes a blob,
   so concurrent stores cannot overshoot together. When the total says a blob does not fit,
-  the holder of the lock walks the blob files, takes the true total from them (correcting any
-  drift a killed process left) and evicts the least recently used ones — a blob's mtime is
-  its last use: a hit refreshes it at most every ``TOUCH_AFTER_S``.
+  the holder of the lock walks the blob files and the writers' temporary files (a blob being
+  written), takes the true total from them and evicts the least recently used blobs — a
+  blob's mtime is its last use: a hit refreshes it at most every ``TOUCH_AFTER_S``. The walk
+  replaces the running total, so what a killed process had counted and never wrote (or a
+  blob stored twice, or one another tool removed) is drift that costs no blob: the walk
+  misses only blobs admitted and not yet begun (one per writing process, for microseconds).
 - A store the file system refused (ENOSPC) is left alone for the next ``backoff_faults``
   faults of this process, which read through.
 
@@ -21,12 +24,15 @@ open stays readable to it (unlink keeps the inode).
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import struct
 import time
 
 from faultfs.core.names import PROTOCOL_TAG_PREFIX
 from faultfs.store.blobstore import BlobStore, encode_component
+
+log = logging.getLogger("faultfs.fsspec")
 
 TAG_DIR_PREFIX = encode_component("t-", PROTOCOL_TAG_PREFIX)  # their directories in tags/
 USAGE = "fsspec-usage"  # u64 little-endian: bytes of the protocol's blob files
@@ -69,11 +75,9 @@ class SharedSpace:
         with self._locked() as fd:
             total = _read_total(fd)
             if total is None or total + need > self.cache_size:
-                total, walked = self._evict(need, total or 0)
-                if total + need > self.cache_size:
-                    # what is left is in flight or drift a killed process left: the files
-                    # say how much is really there; this blob reads through
-                    _write_total(fd, walked)
+                total = self._evict(need, total or 0)
+                if total + need > self.cache_size:  # what is left is in use: read through
+                    _write_total(fd, total)
                     return SKIPPED_CAP
             _write_total(fd, total + need)
         return None
@@ -99,43 +103,54 @@ class SharedSpace:
                 pass  # evicted meanwhile, or a read-only store: the LRU is a hint
 
     def usage(self) -> int:
-        """Bytes of the protocol's blob files, walked now."""
-        return sum(size for _, size, _ in self._walk())
+        """Bytes of the protocol's blob files and of blobs being written, walked now."""
+        files, writing = self._walk()
+        return sum(size for _, size, _ in files) + writing
 
-    def _walk(self) -> list[tuple[str, int, float]]:
+    def _walk(self) -> tuple[list[tuple[str, int, float]], int]:
+        """The protocol's blob files (path, size, mtime), and the bytes of its writers'
+        temporary files (blobs being written, or left by a writer killed mid-write until
+        their tag is next listed: on disk either way)."""
         tags = os.path.join(self.store.root, "tags")
-        found = []
+        found, writing = [], 0
         try:
             dirs = [e for e in os.scandir(tags) if e.name.startswith(TAG_DIR_PREFIX)
                     and e.is_dir(follow_symlinks=False)]
         except FileNotFoundError:
-            return []
+            return [], 0
         for directory in dirs:
             try:
                 entries = list(os.scandir(directory.path))
             except (FileNotFoundError, NotADirectoryError):
                 continue
             for entry in entries:
-                if not entry.name.startswith("b-") or not entry.is_file(follow_symlinks=False):
+                blob = entry.name.startswith("b-")
+                if not (blob or _temporary(entry.name)) or not entry.is_file(
+                        follow_symlinks=False):
                     continue
                 try:
                     st = entry.stat(follow_symlinks=False)
                 except FileNotFoundError:
-                    continue
-                found.append((entry.path, st.st_size, st.st_mtime))
-        return found
+                    continue  # renamed into place or evicted meanwhile
+                if blob:
+                    found.append((entry.path, st.st_size, st.st_mtime))
+                else:
+                    writing += st.st_size
+        return found, writing
 
-    def _evict(self, need: int, counted: int) -> tuple[int, int]:
+    def _evict(self, need: int, counted: int) -> int:
         """Walk the blob files; evict the least recently used until ``need`` more bytes fit
-        under ``LOW_WATER`` of the cap. ``counted``: the running total, which also holds the
-        blobs admitted and being written now (not files yet). Returns the total left and
-        the bytes the files left hold."""
-        files = self._walk()
-        walked = sum(size for _, size, _ in files)
-        total = max(walked, counted)
+        under ``LOW_WATER`` of the cap. ``counted``: the running total, replaced by what
+        the walk finds (blob files and blobs being written): the total is healed of drift
+        here. Returns the total left."""
+        files, writing = self._walk()
+        total = sum(size for _, size, _ in files) + writing
+        if counted != total:
+            log.debug("store %s: the cap's count was %d bytes, the walk found %d",
+                      self.store.root, counted, total)
         target = int(self.cache_size * LOW_WATER)
         if total + need <= self.cache_size:
-            return total, walked
+            return total
         for path, size, _ in sorted(files, key=lambda f: f[2]):
             if total + need <= target:
                 break
@@ -144,9 +159,8 @@ class SharedSpace:
             except FileNotFoundError:
                 continue  # another process evicted it
             total -= size
-            walked -= size
             self.evicted += 1
-        return total, walked
+        return total
 
     def _locked(self) -> _Locked:
         return _Locked(self._lock_path)
@@ -174,6 +188,11 @@ class _Locked:
         for fd in reversed(self._fds):
             os.close(fd)
         self._fds.clear()
+
+
+def _temporary(name: str) -> bool:
+    """A writer's temporary file (``BlobWriter.temp_path``)."""
+    return name.startswith("t-") and name.endswith(".tmp")
 
 
 def _read_total(fd: int) -> int | None:
