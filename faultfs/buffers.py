@@ -145,6 +145,57 @@ class BufferPool:
 POOL = BufferPool()
 
 
+class Pieces:
+    """A destination of ``size`` bytes kept as one pooled buffer per ``piece`` bytes (the
+    last shorter), each allocated when it is first sliced: a long source read received this
+    way holds the pieces that landed and the one landing, never the whole read at once, and
+    each piece is a buffer of its own (a blob dropped from memory frees just itself).
+
+    Sliced like a memoryview: a slice inside one piece is a writable view of that piece; a
+    slice across pieces is a ``Pieces`` window onto the same buffers. ``edge(pos)``: where
+    the piece holding ``pos`` ends, for writers that fill up to it (``sources.s3.fill``)."""
+
+    def __init__(self, size: int, piece: int) -> None:
+        if piece <= 0 or size < 0:
+            raise ValueError(f"bad pieces: {size} bytes in pieces of {piece}")
+        self.piece = piece
+        self._parts: list[memoryview | None] = [None] * -(-size // piece)
+        self._end = size  # of the whole destination
+        self._lo = 0  # this window's start in it ...
+        self._size = size  # ... and length
+
+    def __len__(self) -> int:
+        return self._size
+
+    def part(self, index: int) -> memoryview:
+        """Piece ``index`` of the whole destination, allocated now if it is not yet."""
+        got = self._parts[index]
+        if got is None:
+            size = min((index + 1) * self.piece, self._end) - index * self.piece
+            got = self._parts[index] = alloc(size)
+        return got
+
+    def edge(self, pos: int) -> int:
+        """Where (from this window's start) the piece holding byte ``pos`` ends."""
+        return min(self._size, ((self._lo + pos) // self.piece + 1) * self.piece - self._lo)
+
+    def __getitem__(self, key: slice) -> memoryview | Pieces:
+        if not isinstance(key, slice) or key.step not in (None, 1):
+            raise TypeError("Pieces are sliced by contiguous ranges only")
+        start, stop, _ = key.indices(self._size)
+        lo, hi = self._lo + start, self._lo + max(start, stop)
+        if hi == lo:
+            return memoryview(b"")
+        first = lo // self.piece
+        if (hi - 1) // self.piece == first:
+            base = first * self.piece
+            return self.part(first)[lo - base:hi - base]
+        window = Pieces.__new__(Pieces)
+        window.piece, window._parts, window._end = self.piece, self._parts, self._end
+        window._lo, window._size = lo, hi - lo
+        return window
+
+
 def address_of(buf: Any) -> tuple[int, Any]:
     """The address of writable buffer ``buf``, and the object that keeps it exported (alive,
     unmoved, not resizable) until it is dropped."""

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from faultfs.buffers import HUGE, SMALL, BufferPool, pread_full
+from faultfs.buffers import HUGE, SMALL, BufferPool, Pieces, pread_full
 from faultfs.store.blobfile import is_all_zero
 
 
@@ -86,3 +86,40 @@ def test_a_new_read_size_displaces_free_buffers_of_an_old_one():
         view = pool.alloc(SMALL)
         del view
     assert pool.mapped == 3 and pool.reused == 2, "the new size is kept and reused"
+
+
+def test_pieces_are_buffers_of_their_own_allocated_as_they_are_reached():
+    piece = SMALL
+    dest = Pieces(3 * piece + 10, piece)
+    assert len(dest) == 3 * piece + 10 and dest._parts == [None] * 4
+    head = dest[0:100]  # inside the first piece: a view of it, allocated now
+    assert isinstance(head, memoryview) and len(head) == 100
+    assert dest._parts[1:] == [None, None, None], "the others not yet"
+    across = dest[piece - 4:3 * piece + 10]  # across pieces: a window onto the same ones
+    assert isinstance(across, Pieces) and len(across) == 2 * piece + 14
+    assert across.edge(0) == 4 and across.edge(4) == piece + 4 and across.edge(2 * piece + 5) == 2 * piece + 14
+    across[0:4][:] = b"abcd"  # writes through a window land in the destination's pieces
+    across[4:8][:] = b"efgh"
+    assert bytes(dest[piece - 4:piece]) == b"abcd" and bytes(dest[piece:piece + 4]) == b"efgh"
+    assert len(dest[3 * piece:]) == 10 and len(dest._parts[3]) == 10, "the last one shorter"
+    views = [dest[i * piece:(i + 1) * piece] for i in range(3)]
+    assert len({id(v.obj) for v in views}) == 3 and all(len(v.obj) == piece for v in views)
+    assert len(dest[5:5]) == 0 and len(dest[7:3]) == 0
+    with pytest.raises(TypeError):
+        dest[0:10:2]
+
+
+def test_a_piece_goes_back_to_the_pool_alone():
+    import faultfs.buffers as buffers
+
+    pool = BufferPool()
+    old, buffers.POOL = buffers.POOL, pool
+    try:
+        dest = Pieces(3 * SMALL, SMALL)
+        kept = [dest[i * SMALL:(i + 1) * SMALL] for i in range(3)]
+        del dest
+        kept.pop(0)  # one blob dropped from memory while its siblings are held
+        pool.alloc(SMALL)
+        assert pool.reused == 1, "its buffer is free for the next read, the others held"
+    finally:
+        buffers.POOL = old

@@ -129,3 +129,16 @@ def test_a_readers_read_waiting_behind_publishes_goes_as_soon_as_they_end(tmp_pa
     assert shared.waiting == 0 and stats.counters["shared_publishes"] == 4
     # the puts take 0.3 s (four at once); the wait ends with them, not at the recheck (1 s)
     assert 0.2 < times["admitted"] < 0.8, times
+
+
+def test_blobs_a_sequential_reader_passed_drop_before_those_ahead_of_it():
+    tier = MemoryTier(4 * MiB)
+    for i in range(4):  # 0 and 1 read; 2 and 3 prefetched, not read yet
+        assert tier.keep((1, i), blob())
+    tier.held((1, 0))
+    tier.held((1, 1))  # the reader's reads refreshed them: they are the most recent now
+    tier.demote((1, 1))  # ... but it has moved on past them
+    tier.demote((1, 0))
+    tier.budget.take(2 * MiB)  # a run starts: two blobs must go
+    assert (1, 2) in tier and (1, 3) in tier and (1, 0) not in tier and (1, 1) not in tier
+    tier.demote((9, 9))  # not here: nothing happens

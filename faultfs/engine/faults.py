@@ -11,8 +11,11 @@ Invariants:
   moment its last byte lands, while the rest of the run is still on the wire; otherwise when
   the source read is done. A reader of a range (``fault_range``) is answered even earlier,
   once its own bytes of the blob have landed (``Flight.show``); the fault it waits for then
-  runs in the mount's nursery, beside it. The store write follows (behind the reader when the engine is
-  attached to a mount), the bytes held until it is on disk.
+  runs in the mount's nursery, beside it. The store write follows (behind the reader when
+  the engine is attached to a mount; a streaming run's blob as it lands, when the store
+  writes waiting leave room), the bytes held until it is on disk.
+- The source side (which runs stream, what a run holds of the data budget, the reads
+  themselves) is ``sourcereads``.
 """
 
 from __future__ import annotations
@@ -24,13 +27,12 @@ from typing import TypeVar
 
 import trio
 
-from assimilators.binary import BinaryFileAssimilator
 from faultfs.buffers import alloc
-from faultfs.core.chunks import ChunkLayout, zero_fill
 from faultfs.engine.flights import NOBODY, Flight, Flights
 from faultfs.engine.heldback import HeldBack, publish_then_release
+from faultfs.engine.sourcereads import SourceReads
 from faultfs.engine.tags import Tag
-from faultfs.errors import FaultfsError, SourceChanged, SourceError
+from faultfs.errors import FaultfsError, SourceError
 from faultfs.iopool import IoPool, run_in_thread
 from faultfs.stats import Stats
 from faultfs.tiers.base import BlobKey, Buffer
@@ -101,7 +103,7 @@ class Faulter:
         self.tiers = tiers
         self.pool = pool
         self.stats = stats
-        self._told_unavailable: set[int] = set()  # tags whose unreachable source was logged
+        self.reads = SourceReads(stats)
         self._demand: trio.CapacityLimiter | None = None
         self._nursery: trio.Nursery | None = None
         self._held_back: HeldBack | None = None  # claimed blobs' publishes, while alone
@@ -151,7 +153,7 @@ class Faulter:
             self.stats.add("single_flight_joins")
             return flight
         [flight] = self.flights.claim([key])
-        if streaming and self._nursery is not None and self.streams(tag):
+        if streaming and self._nursery is not None and self.reads.streams(tag):
             self._nursery.start_soon(self._beside, tag, index, flight, at)
         else:
             await self.fault_run(tag, index, [flight], demand=True)
@@ -198,12 +200,25 @@ class Faulter:
 
         budget = self.tiers.budget
         cs = tag.layout.chunk_size
-        owed = [reserved] * count  # blobs whose source read counts against the data budget
+        pieces = self.reads.in_pieces(tag)
+        # what the run's source reads hold against the data budget until its blobs are
+        # handed on: each blob's bytes (a buffer for the whole read), or one blob for the
+        # whole run where its blobs land one at a time, each into a buffer of its own
+        # (``stream_source``); ``holds`` says the same to the prefetch
+        owed = [reserved and not pieces] * count
+        run_owed = cs if reserved and pieces else 0
+        stored = [False] * count  # store writes started as the blob landed
 
         def settle_budget(i: int) -> None:
             if owed[i]:
                 owed[i] = False
                 budget.give(cs)
+
+        def settle_run() -> None:
+            nonlocal run_owed
+            if run_owed:
+                budget.give(run_owed)
+                run_owed = 0
 
         def hand(i: int, data: Buffer) -> None:
             """Blob ``first + i`` to its readers and to memory, now (on the trio thread, from
@@ -216,6 +231,7 @@ class Faulter:
             flights[i].data = data
             try:
                 self.tiers.hold(keys[i], data)
+                stored[i] = self.tiers.store_now(keys[i], data)
             except Exception:  # the readers still get their bytes
                 log.exception("holding blob %s in memory failed", keys[i])
             self.flights.settle([keys[i]], [flights[i]])
@@ -246,19 +262,23 @@ class Faulter:
             token = trio.lowlevel.current_trio_token()
             for lo, hi in _gaps(got):
                 read_from = time.monotonic()
-                if not reserved:
+                if not reserved and not run_owed:
+                    need = cs if pieces else (hi - lo) * cs
                     if demand:  # a reader waits: room once what is in flight or pinned allows
-                        await budget.admit((hi - lo) * cs)
-                    budget.take((hi - lo) * cs)  # the read's buffer is allocated whole
-                    owed[lo:hi] = [True] * (hi - lo)
-                if (count == 1 and self.streams(tag) and split_at(tag, first, at)
+                        await budget.admit(need)
+                    budget.take(need)
+                    if pieces:
+                        run_owed = need
+                    else:  # the read's buffer is allocated whole
+                        owed[lo:hi] = [True] * (hi - lo)
+                if (count == 1 and self.reads.streams(tag) and split_at(tag, first, at)
                         and self._lane_quiet()):
                     datas = await read_split(
                         self, tag, first, split_at(tag, first, at),
                         lambda head: token.run_sync_soon(show, 0, head),
                         lambda part_at, part: token.run_sync_soon(flights[0].show_tail,
                                                                   part_at, part))
-                elif self.streams(tag):
+                elif self.reads.streams(tag):
                     def landed(j: int, data: Buffer, lo: int = lo) -> None:  # on the pool
                         token.run_sync_soon(hand, lo + j, data)
 
@@ -268,11 +288,12 @@ class Faulter:
                     def wanted(j: int, lo: int = lo) -> int:  # on the pool: a plain read
                         return flights[lo + j].wait_end
 
-                    datas = await self._run(demand, self.stream_source, tag, first + lo,
+                    datas = await self._run(demand, self.reads.stream_source, tag, first + lo,
                                             hi - lo, landed, partly, wanted)
                 else:
-                    datas = await self._run(demand, self.read_source, tag, first + lo, hi - lo)
-                self._count_source_read(tag, first + lo, hi - lo)
+                    datas = await self._run(demand, self.reads.read_source, tag, first + lo,
+                                            hi - lo)
+                self.reads.count(tag, first + lo, hi - lo)
                 if shared is not None and shared.claims is not None:
                     shared.claims.observe((hi - lo) * tag.layout.chunk_size,
                                           time.monotonic() - read_from)
@@ -288,6 +309,7 @@ class Faulter:
                 log.exception("fault of blobs %d..%d of tag %s failed", first,
                               first + count - 1, tag.name)
         finally:
+            settle_run()
             for i, (key, flight, data) in enumerate(zip(keys, flights, got, strict=True)):
                 settle_budget(i)
                 if handed[i]:
@@ -308,10 +330,11 @@ class Faulter:
                     await shared.claims.release(held, published=False)
                 held = []
         fresh = []
-        for key, data, new in zip(keys, got, from_source, strict=True):
+        for key, data, new, early in zip(keys, got, from_source, stored, strict=True):
             if data is None:
                 continue
-            await self.tiers.store(key, data)
+            if not early:
+                await self.tiers.store(key, data)
             if new and shared is not None:
                 fresh.append((key, data))
                 if not held:
@@ -386,114 +409,6 @@ class Faulter:
             self._demand = trio.CapacityLimiter(DEMAND_LANE)
         return await run_in_thread(self._demand, fn, *args)
 
-    @staticmethod
-    def streams(tag: Tag) -> bool:
-        """Whether the blobs of ``tag`` can be handed on as each lands: a source that reads
-        by pieces, and a layout of equal chunks of adjacent source bytes (the binary
-        assimilator's own: its ``read_blobs`` is what ``stream_source`` does, piece by piece)."""
-        return (type(tag.assimilator) is BinaryFileAssimilator
-                and isinstance(tag.layout, ChunkLayout)
-                and callable(getattr(tag.source, "pread_stream", None)))
-
-    def stream_source(self, tag: Tag, first: int, count: int,
-                      landed: Callable[[int, Buffer], None],
-                      partly: Callable[[int, memoryview], None] | None = None,
-                      wanted: Callable[[int], int] | None = None) -> Sequence[Buffer]:
-        """As ``read_source``, calling ``landed(i, blob)`` (on this pool thread) as soon as
-        blob ``first + i`` is wholly in, while the rest of the run is still being read; and
-        ``partly(i, head)`` with the source bytes of blob ``first + i`` in so far, when a
-        reader waits for no more than those (``wanted(i)``: the least end it waits for)."""
-        layout = tag.layout
-        cs = layout.chunk_size
-        start = layout.source_range(first)[0]
-        end = layout.source_range(first + count - 1)[1]
-        blobs: list[Buffer] = []
-        shown = 0  # bytes of blob first + len(blobs) told to partly
-
-        def progress(data: memoryview) -> None:
-            """``data``: the run's first bytes, as far as they are in."""
-            nonlocal shown
-            n = len(data)
-            while len(blobs) < count:
-                i = len(blobs)
-                stop = min((i + 1) * cs, end - start)
-                if stop > n:
-                    if partly is not None and wanted is not None:
-                        have = n - i * cs
-                        if have > shown and have >= wanted(i):
-                            shown = have
-                            partly(i, data[i * cs:n])
-                    return
-                blob = zero_fill(data[i * cs:stop], cs)
-                blobs.append(blob)
-                shown = 0
-                landed(i, blob)
-
-        def read() -> memoryview:
-            assert tag.source is not None
-            return tag.source.pread_stream(start, end - start, progress, cs)
-
-        raw = self._guarded_read(tag, first, start, end, read)
-        if len(raw) != end - start:
-            raise SourceError(f"source {tag.ctx.src} ended early: [{start}, {end}) gave "
-                              f"{len(raw)} bytes")
-        progress(raw)  # whatever the source did not tell
-        return blobs
-
-    def read_source(self, tag: Tag, first: int, count: int = 1) -> Sequence[Buffer]:
-        """Blobs ``first .. first+count-1`` from the source, each zero-filled to the blob size
-        (blocking: on the pool)."""
-        layout = tag.layout
-        start = layout.source_range(first)[0]
-        end = layout.source_range(first + count - 1)[1]
-
-        def read() -> Sequence[Buffer]:
-            assert tag.source is not None
-            return tag.assimilator.read_blobs(tag.source, tag.ctx, layout, first, count)
-
-        blobs = self._guarded_read(tag, first, start, end, read)
-        if len(blobs) != count or any(len(b) != layout.chunk_size for b in blobs):
-            raise SourceError(f"assimilator {tag.ctx.format!r} returned blobs of the wrong size "
-                              f"for {tag.ctx.src} [{start}, {end})")
-        return blobs
-
-    def _guarded_read(self, tag: Tag, first: int, start: int, end: int,
-                      read: Callable[[], T]) -> T:
-        """``read()`` of source bytes ``[start, end)`` (from blob ``first``) of ``tag``, its
-        failures logged (a
-        changed source once per tag) and raised as ``FaultfsError``."""
-        if tag.source is None:
-            if tag.id not in self._told_unavailable:
-                self._told_unavailable.add(tag.id)  # once per tag: not a line per read
-                log.error("tag %s: blob %s is not staged here or in a shared store, and the "
-                          "source is unreachable from this node (%s): reads of it fail (EIO)",
-                          tag.name, tag.layout.blob_name(first), tag.source_error)
-            raise SourceError(f"source {tag.ctx.src} of tag {tag.name} is unavailable: "
-                              f"{tag.source_error}")
-        try:
-            return read()
-        except SourceChanged as exc:
-            if not tag.changed_under_mount:
-                log.warning("tag %s: %s; its unstaged blobs fail until a remount re-faults "
-                            "them from the new version", tag.name, exc)
-            tag.changed_under_mount = exc.message
-            raise
-        except FaultfsError as exc:
-            log.error("tag %s: reading %s [%d, %d) failed: %s", tag.name, tag.ctx.src, start,
-                      end, exc)
-            raise
-        except OSError as exc:
-            log.error("tag %s: reading %s [%d, %d) failed: %s", tag.name, tag.ctx.src, start,
-                      end, exc)
-            raise SourceError(f"reading {tag.ctx.src} [{start}, {end}) failed: {exc}") from None
-
-    def _count_source_read(self, tag: Tag, first: int, count: int) -> None:
-        start = tag.layout.source_range(first)[0]
-        end = tag.layout.source_range(first + count - 1)[1]
-        self.stats.add("source_reads")
-        self.stats.add("source_bytes", end - start)
-        self.stats.add("zero_filled_bytes", count * tag.layout.chunk_size - (end - start))
-
 
 async def read_split(faulter: Faulter, tag: Tag, index: int, at: int,
                      head: Callable[[memoryview], None],
@@ -513,7 +428,7 @@ async def read_split(faulter: Faulter, tag: Tag, index: int, at: int,
             tag.source.pread_stream(start + lo, hi - lo, tell, layout.chunk_size,
                                     into=buf[lo:hi])
 
-        faulter._guarded_read(tag, index, start + lo, start + hi, read)
+        faulter.reads.guarded(tag, index, start + lo, start + hi, read)
 
     faulter.stats.add("split_faults")
     try:

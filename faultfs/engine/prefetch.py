@@ -4,7 +4,7 @@ the store) in the background, so their later reads are memory hits.
 A read of a blob a few blobs after the one read last is sequential (the kernel's readahead
 arrives slightly out of order); the window then opens at once to ``FIRST_WINDOW_BYTES``, its
 first ``OPENING_GETS`` blobs fetched one per request so that the reader's next blobs land
-soonest, and doubles up to the prefetch budget. A read of an earlier blob that is already
+soonest, and doubles up to its reach (``__init__``). A read of an earlier blob that is already
 here or on its way (the kernel's readahead out of order, a format's metadata read between its
 data reads, as HDF5 does) leaves the stream as it is. Any other read resets it: random readers
 get no prefetch and fault just their blob. Blobs ahead that are not staged are faulted in runs
@@ -12,6 +12,14 @@ the layout can fetch with one source read (``BlobLayout.coalesce``) of ``run_blo
 a full window keeps about ``GETS_IN_FLIGHT`` requests in flight, and a run is started only
 once that many blobs at the window's end are free (no trickle of one-blob requests as the
 reader moves on); each blob of a run reaches its readers as soon as it lands (``faults``).
+From an S3 source a run lands blob by blob, each into a buffer of its own, and holds one
+blob of memory while it is under way, so the window reaches as far as the data budget
+(``--memory-mb``) and its requests are twice as large as when a run's buffer is taken
+whole (fewer requests: less CPU in the daemon and the endpoint per byte). About half of such
+a window has landed and is not yet read at any time: the blobs a sequential reader has
+passed are the memory tier's first to drop (``TierStack.passed``), and staged blobs are read
+ahead from the store only as far as the prefetch's share of the budget, so the window's
+landed blobs are not dropped and read back before their reader gets to them.
 With claims in a shared store, a run also ends at a claim window's end (one claim a run), and
 the windows up to two past the prefetch's reach are claimed before it gets there.
 Staged blobs are read from the store in runs of up to ``LOAD_RUN_BYTES`` with one trip to the
@@ -62,8 +70,13 @@ AHEAD_WINDOWS = 2
 class Prefetcher:
     def __init__(self, config: Config, flights: Flights, tiers: TierStack, faulter: Faulter,
                  pool: IoPool, stats: Stats) -> None:
-        # the window's source reads count against the data budget (--memory-mb): half of it
-        self.budget = min(config.prefetch_mb << 20, tiers.budget.share(PREFETCH_SHARE))
+        # how far ahead of a reader the window reaches (--prefetch-mb), within the data
+        # budget (--memory-mb): where a run lands blob by blob it holds one blob while it
+        # lands (``Faulter.holds``), and about half of the window is landed and not yet
+        # read at any time, held in memory; where a run's source read holds its bytes
+        # whole, within half of the budget (the runs in flight hold the window)
+        self.reach = min(config.prefetch_mb << 20, tiers.budget.limit)
+        self.budget = min(self.reach, tiers.budget.share(PREFETCH_SHARE))
         self.flights = flights
         self.tiers = tiers
         self.faulter = faulter
@@ -77,11 +90,15 @@ class Prefetcher:
     def attach(self, nursery: trio.Nursery) -> None:
         self._nursery = nursery
 
-    def run_blobs(self, chunk_size: int) -> int:
-        """Blobs per prefetch request: the budget split in ``GETS_IN_FLIGHT``, within
-        [``MIN_RUN_BYTES``, ``PREFETCH_RUN_BYTES``] and the budget."""
-        run = min(PREFETCH_RUN_BYTES, max(MIN_RUN_BYTES, self.budget // GETS_IN_FLIGHT))
-        return max(1, min(run, self.budget) // chunk_size)
+    def window_bytes(self, tag: Tag) -> int:
+        """How far ahead of a reader of ``tag`` the window may reach (``__init__``)."""
+        return self.reach if self.faulter.reads.in_pieces(tag) else self.budget
+
+    def run_blobs(self, chunk_size: int, window: int) -> int:
+        """Blobs per prefetch request: a window of ``window`` bytes split in
+        ``GETS_IN_FLIGHT``, within [``MIN_RUN_BYTES``, ``PREFETCH_RUN_BYTES``] and it."""
+        run = min(PREFETCH_RUN_BYTES, max(MIN_RUN_BYTES, window // GETS_IN_FLIGHT))
+        return max(1, min(run, window) // chunk_size)
 
     def _here(self, tag: Tag, index: int) -> bool:
         key = (tag.id, index)
@@ -101,14 +118,17 @@ class Prefetcher:
         sequential = last >= 0 and last < index <= last + 1 + max(1, tag.window)
         streaming = sequential and tag.window > 0  # sequential twice running: claim ahead
         tag.last_index = index
+        if sequential:
+            self.tiers.passed((clean.id, last))
         layout = tag.layout
         cs = layout.chunk_size
-        limit = self.budget // cs
+        reach = self.window_bytes(clean)
+        limit = reach // cs
         nursery = self._nursery
         if not sequential or limit <= 0 or nursery is None or self.closing:
             tag.window = 0
             return
-        max_run = self.run_blobs(cs)
+        max_run = self.run_blobs(cs, reach)
         # the window opens with one request for each of the next OPENING_GETS blobs, all at
         # once: each lands a round trip and one blob's transfer after the reader got here,
         # not a whole run's; runs follow them
@@ -126,10 +146,11 @@ class Prefetcher:
             key = (clean.id, ahead)
             busy = key in self.flights or self.tiers.is_held(key)
             staged = not busy and self.tiers.contains(key)
-            if load and not (staged and len(load) < max_load):
+            near = staged and ahead <= index + self.budget // cs  # what memory can hold
+            if load and not (near and len(load) < max_load):
                 self._start_load(nursery, clean, load)
                 load = []
-            if staged:
+            if near:
                 load.append(ahead)
             wanted = not busy and not staged
             cap = 1 if singles > 0 else max_run
@@ -171,7 +192,8 @@ class Prefetcher:
         cs = tag.layout.chunk_size
         if nursery is None or self.closing:
             return 0
-        limit, max_run, per = self.budget // cs, self.run_blobs(cs), self._claim_window(cs)
+        reach = self.window_bytes(clean)
+        limit, max_run, per = reach // cs, self.run_blobs(cs, reach), self._claim_window(cs)
         started = 0
         run: list[int] = []
         for index in [*indices, -1]:
@@ -207,10 +229,11 @@ class Prefetcher:
 
     def _start_fault(self, nursery: trio.Nursery, tag: Tag, first: int, count: int) -> None:
         budget = self.tiers.budget
-        if not budget.fits(count * tag.layout.chunk_size):
+        holds = self.faulter.reads.holds(tag, count)
+        if not budget.fits(holds):
             self.stats.add("prefetch_skipped_memory")  # a later read starts it
             return
-        budget.take(count * tag.layout.chunk_size)  # reserved now: fault_run gives it back
+        budget.take(holds)  # reserved now: fault_run gives it back
         self.in_flight += count
         flights = self.flights.claim((tag.id, i) for i in range(first, first + count))
         nursery.start_soon(self._prefetch, tag, first, flights)

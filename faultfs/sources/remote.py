@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import TypeVar
 from urllib.parse import urlsplit
 
-from faultfs.buffers import alloc
+from faultfs.buffers import Pieces, alloc
 from faultfs.errors import InvalidInput, SourceChanged, SourceError
 from faultfs.sources.base import (
     HTTP_PROTOCOLS,
@@ -103,10 +103,18 @@ class FsspecSource:
             return b""
         return self._retrying(lambda: self._reader.read(self._pin, off, end), off, end)
 
+    @property
+    def receives_in_pieces(self) -> bool:
+        """Whether ``pread_stream`` receives into ``Pieces`` as the bytes arrive (else a
+        whole range is read at once: the backend reads only whole ranges)."""
+        return callable(getattr(self._reader, "read_into", None))
+
     def pread_stream(self, off: int, size: int, landed: Callable[[memoryview], None],
-                     piece: int, *, into: memoryview | None = None) -> memoryview:
+                     piece: int, *, into: memoryview | Pieces | None = None
+                     ) -> memoryview | Pieces:
         """Bytes ``[off, off+size)`` (fewer at the end of the source) into one pooled buffer
-        (or ``into``, at least that long), read ``piece`` bytes at a time counted from
+        (or ``into``, at least that long: a buffer, or ``Pieces`` of ``piece`` bytes that
+        are allocated as the bytes reach them), read ``piece`` bytes at a time counted from
         ``off``; ``landed(first)`` is called (on this thread) with a view of the bytes in so
         far each time a piece is in. A transient failure is retried from the last piece that
         landed, within the same bounded number of tries as ``pread``."""
@@ -118,7 +126,7 @@ class FsspecSource:
         read_into = getattr(self._reader, "read_into", None)
         if read_into is None:  # a backend that only reads whole ranges: one piece
             data = memoryview(self.pread(off, end - off))
-            if into is not None:
+            if isinstance(into, memoryview):  # (``Pieces`` only ask to hold less)
                 into[:len(data)] = data
                 data = into[:len(data)]
             landed(data)

@@ -289,9 +289,12 @@ def fill(readinto: Callable[[memoryview], int | None], buf: memoryview,
     size = len(buf)
     pos = 0
     step = min(piece, PROGRESS_STEP) if progress is not None else piece
+    edge = getattr(buf, "edge", None)  # a destination in pieces of its own (``Pieces``)
     while pos < size:
         stop = min(size, (pos // step + 1) * step if pos < piece else size,
                    (pos // piece + 1) * piece)
+        if edge is not None:
+            stop = min(stop, edge(pos))
         n = readinto(buf[pos:stop])
         if not n:
             raise Transient(f"short body: {pos} of {size} bytes")

@@ -2,13 +2,15 @@
 
 Counted: blobs in the memory tier (which includes every blob waiting for its store write:
 those are pinned there, since dropping them would free nothing), the bytes of source reads
-in flight (a run's buffer is allocated whole before its first byte lands), and blobs waiting
+in flight (a run's buffer is allocated whole before its first byte lands; a run received
+blob by blob, each into a buffer of its own, holds one blob), and blobs waiting
 to be published to the shared store. The memory tier is what gives way: it drops its least
 recently used unpinned blobs until it fits in what the others leave (``MemoryTier.shrink``).
 
 Invariants:
 - Only the trio thread changes it (``take`` when a source read starts, ``give`` as each blob
-  of it is handed on or the read fails; pins come and go with store writes).
+  of it is handed on (a run received blob by blob: as it ends) or the read fails; pins come
+  and go with store writes).
 - A source read a reader waits for is admitted (``admit``) only when its bytes fit beside
   what cannot be dropped (reads in flight, pinned blobs, publishes); otherwise it waits until
   something lands, is stored or is published (each calls ``wake``) — all of which happens

@@ -48,6 +48,12 @@ class MemoryTier:
             self._blobs.move_to_end(key)
         return data
 
+    def demote(self, key: BlobKey) -> None:
+        """Blob ``key`` is the next to drop (a sequential reader has passed it): the blobs
+        prefetched ahead of the reader, which it has not read yet, stay longer."""
+        if key in self._blobs:
+            self._blobs.move_to_end(key, last=False)
+
     def contains(self, key: BlobKey) -> bool:
         return key in self._blobs
 

@@ -102,6 +102,11 @@ class TierStack:
         """Whole blobs from the local store (blocking, on the pool); the caller fills memory."""
         return self.local.load_blocking(keys)
 
+    def passed(self, key: BlobKey) -> None:
+        """A sequential reader has moved past blob ``key``: memory drops it before the blobs
+        ahead of the reader it has not read yet."""
+        self.memory.demote(key)
+
     def fill(self, key: BlobKey, data: Buffer) -> None:
         """Hold a blob read from a farther tier in the nearer one (memory)."""
         self.memory.keep(key, data)
@@ -129,6 +134,19 @@ class TierStack:
             self._done(key)
             raise
         self._background.start_soon(self._store_behind, key, data)
+
+    def store_now(self, key: BlobKey, data: Buffer) -> bool:
+        """Start the store write of a held blob now if the bytes waiting for theirs leave
+        room, without waiting (a run's blobs as each lands: their pins go as the run goes
+        on); False when the caller is to ``store`` it later."""
+        if self._background is None or self._slots is None:
+            return False
+        try:
+            self._slots.acquire_nowait()
+        except trio.WouldBlock:
+            return False
+        self._background.start_soon(self._store_behind, key, data)
+        return True
 
     async def _store_behind(self, key: BlobKey, data: Buffer) -> None:
         try:

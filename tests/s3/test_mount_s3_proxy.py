@@ -290,3 +290,26 @@ def test_split_faults_of_random_readers_survive_dropped_and_stalled_responses(
     m.umount()
     again = mounter(store=m.store, mountpoint=m.path)
     assert read_view(os.path.join(again.tag("field"), "field.bin")) == data
+
+
+def test_a_sequential_reader_at_the_defaults_gets_runs_that_land_blob_by_blob(
+        s3_env, s3_client, make_bucket, mounter, proxy):
+    """At the defaults an S3 run holds one blob of the budget while it lands, so the window
+    reaches as far as the budget in requests of 4 MiB (twice what a whole-run buffer
+    allowed); the blobs it lands are read from memory, not dropped and read back from the
+    store, and what is held stays within the budget."""
+    bucket = make_bucket()
+    data = payload(96 * MiB, 6)
+    s3_client.put_object(Bucket=bucket, Key="run/seq.bin", Body=data)
+    m = mounter(f"s3://{bucket}/run/seq.bin",
+                args=["--chunk-size", "1M", "--s3-endpoint-url", proxy.url])
+    view = os.path.join(m.tag("seq"), "seq.bin")
+    assert read_view(view) == data
+    snap = m.stats()
+    c = snap["counters"]
+    assert c["fault_errors"] == 0 and c["source_bytes"] == len(data)
+    # the window's first blobs one request each, then runs of 4 MiB (2 MiB before)
+    assert c["source_reads"] <= 8 + (96 - 8) // 4 + 6, c["source_reads"]
+    assert c.get("store_readahead", 0) <= 8, "landed blobs were dropped and read back"
+    budget = snap["data_budget"]
+    assert budget["limit"] == 64 * MiB and budget["peak"] <= budget["limit"] + 2 * MiB, budget

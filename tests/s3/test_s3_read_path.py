@@ -9,6 +9,7 @@ import random
 
 import pytest
 
+from faultfs.buffers import Pieces
 from faultfs.errors import SourceChanged, SourceError
 from faultfs.sources import SourceOptions, open_source
 from faultfs.sources.retry import DEFAULT_RETRY
@@ -173,6 +174,30 @@ def test_a_connection_dropped_mid_body_is_retried_from_the_last_piece(
     assert stats["faults"]["reset"] == 1
     # the retry asked for [2 MiB, 4 MiB): 2.5 MiB before the drop, 2 MiB after
     assert stats["response_bytes"] < 5 * MiB
+
+
+def test_a_run_received_in_pieces_is_exact_across_a_drop_inside_a_piece(
+        s3_client, make_bucket, proxy, monkeypatch):
+    """Each MiB of a run lands in a buffer of its own (``Pieces``), and a connection dropped
+    inside the first piece (after a progress step told) resumes there, filling the same
+    piece up to its end and the next ones after it."""
+    bucket = make_bucket()
+    data = payload(4 * MiB - 300, 4)
+    s3_client.put_object(Bucket=bucket, Key="k.bin", Body=data)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    src = open_source(f"s3://{bucket}/k.bin")
+    assert src.receives_in_pieces
+    proxy.set_faults(FaultPlan(FaultRule("reset", requests=[1], after_bytes=PROGRESS_STEP + 5000,
+                                         match=gets_of(f"/{bucket}/k.bin"))))
+    told: list[int] = []
+    out = src.pread_stream(0, len(data), lambda first: told.append(len(first)), MiB,
+                           into=Pieces(len(data), MiB))
+    assert isinstance(out, Pieces) and len(out) == len(data)
+    blobs = [out[i * MiB:min(len(data), (i + 1) * MiB)] for i in range(4)]
+    assert b"".join(bytes(b) for b in blobs) == data
+    assert len({id(b.obj) for b in blobs}) == 4, "a buffer for each piece"
+    assert told == sorted(set(told)) and {MiB, 2 * MiB, 3 * MiB, len(data)} <= set(told)
+    assert proxy.stats()["faults"]["reset"] == 1
 
 
 def test_a_redirect_falls_back_to_botocore_for_good(s3_client, make_bucket, proxy,
