@@ -47,6 +47,9 @@ T = TypeVar("T")
 # Source reads a reader waits for, at once, beside the I/O pool: a cold read must not queue
 # behind the pool's prefetches and store writes (random readers: one blob each).
 DEMAND_LANE = 16
+# Prefetch runs that land blob by blob, at once, on threads of their own (``_run``): a window
+# keeps about 16 requests in flight (prefetch.GETS_IN_FLIGHT)
+AHEAD_LANE = 16
 # A reader's fault is split at its offset when the bytes before it would take longer to
 # land than a second request costs (at 100 MB/s per connection, 256 KiB is 2.6 ms;
 # a request costs ~0.4 ms of CPU and runs beside the other)
@@ -104,7 +107,7 @@ class Faulter:
         self.pool = pool
         self.stats = stats
         self.reads = SourceReads(stats)
-        self._demand: trio.CapacityLimiter | None = None
+        self._lanes: tuple[trio.CapacityLimiter, trio.CapacityLimiter] | None = None
         self._nursery: trio.Nursery | None = None
         self._held_back: HeldBack | None = None  # claimed blobs' publishes, while alone
 
@@ -208,6 +211,7 @@ class Faulter:
         owed = [reserved and not pieces] * count
         run_owed = cs if reserved and pieces else 0
         stored = [False] * count  # store writes started as the blob landed
+        pinned: list[BlobKey] = []  # landed blobs the run holds (``pieces``) until it ends
 
         def settle_budget(i: int) -> None:
             if owed[i]:
@@ -231,6 +235,9 @@ class Faulter:
             flights[i].data = data
             try:
                 self.tiers.hold(keys[i], data)
+                if pieces:  # the run holds it until it ends: memory must not count it freed
+                    self.tiers.pin(keys[i])
+                    pinned.append(keys[i])
                 stored[i] = self.tiers.store_now(keys[i], data)
             except Exception:  # the readers still get their bytes
                 log.exception("holding blob %s in memory failed", keys[i])
@@ -288,8 +295,14 @@ class Faulter:
                     def wanted(j: int, lo: int = lo) -> int:  # on the pool: a plain read
                         return flights[lo + j].wait_end
 
+                    # a prefetch run landing blob by blob holds one blob of the budget:
+                    # before each next blob it lets the store writes catch up (its landed
+                    # blobs wait for theirs in memory, counted)
+                    paced = pieces and not demand
                     datas = await self._run(demand, self.reads.stream_source, tag, first + lo,
-                                            hi - lo, landed, partly, wanted)
+                                            hi - lo, landed, partly, wanted,
+                                            self.tiers.wait_for_store if paced else None,
+                                            ahead=paced)
                 else:
                     datas = await self._run(demand, self.reads.read_source, tag, first + lo,
                                             hi - lo)
@@ -330,17 +343,20 @@ class Faulter:
                     await shared.claims.release(held, published=False)
                 held = []
         fresh = []
-        for key, data, new, early in zip(keys, got, from_source, stored, strict=True):
-            if data is None:
-                continue
-            if not early:
-                await self.tiers.store(key, data)
-            if new and shared is not None:
-                fresh.append((key, data))
-                if not held:
-                    shared.publish_soon(key, data)
-        if held:
-            await self._publish_then_release(fresh, held)
+        try:
+            for key, data, new, early in zip(keys, got, from_source, stored, strict=True):
+                if data is None:
+                    continue
+                if not early:
+                    await self.tiers.store(key, data)
+                if new and shared is not None:
+                    fresh.append((key, data))
+                    if not held:
+                        shared.publish_soon(key, data)
+            if held:
+                await self._publish_then_release(fresh, held)
+        finally:
+            self.tiers.unpin(pinned)  # the run lets go of its blobs only now
         return flights
 
     async def _coordinate(self, shared: SharedTier, board: ClaimBoard, tag: Tag, first: int,
@@ -398,16 +414,18 @@ class Faulter:
         """Whether the demand lane has room for a split fault's second read: with many
         readers' faults at once the bandwidth and the CPU bound them, not a round trip,
         and a request more each would only cost."""
-        lane = self._demand
-        return lane is None or lane.borrowed_tokens < SPLIT_LANE_BUSY
+        return self._lanes is None or self._lanes[0].borrowed_tokens < SPLIT_LANE_BUSY
 
-    async def _run(self, demand: bool, fn: Callable[..., T], *args: object) -> T:
-        """``fn(*args)`` on a worker thread: the I/O pool, or the demand lane."""
-        if not demand:
+    async def _run(self, demand: bool, fn: Callable[..., T], *args: object,
+                   ahead: bool = False) -> T:
+        """``fn(*args)`` on a worker thread: the demand lane (a reader waits), the ahead
+        lane (a prefetch run that may pause for the store writes: it must not hold the
+        I/O pool's threads, which those writes need), or the I/O pool."""
+        if not demand and not ahead:
             return await self.pool.run(fn, *args)
-        if self._demand is None:  # made inside the trio run that uses it
-            self._demand = trio.CapacityLimiter(DEMAND_LANE)
-        return await run_in_thread(self._demand, fn, *args)
+        if self._lanes is None:  # made inside the trio run that uses them
+            self._lanes = (trio.CapacityLimiter(DEMAND_LANE), trio.CapacityLimiter(AHEAD_LANE))
+        return await run_in_thread(self._lanes[0 if demand else 1], fn, *args)
 
 
 async def read_split(faulter: Faulter, tag: Tag, index: int, at: int,

@@ -252,7 +252,11 @@ class Prefetcher:
             self.in_flight -= count
 
     def _start_load(self, nursery: trio.Nursery, tag: Tag, indices: list[int]) -> None:
-        """Claim adjacent staged blobs and read them ahead in the background."""
+        """Claim adjacent staged blobs and read them ahead in the background, when memory
+        has room for them (else the tier would drop them as they come in)."""
+        if not self.tiers.budget.fits(len(indices) * tag.layout.chunk_size):
+            self.stats.add("prefetch_skipped_memory")
+            return
         keys = [(tag.id, index) for index in indices]
         flights = self.flights.claim(keys, from_store=True)
         self.in_flight += len(indices)

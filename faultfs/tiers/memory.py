@@ -50,8 +50,11 @@ class MemoryTier:
 
     def demote(self, key: BlobKey) -> None:
         """Blob ``key`` is the next to drop (a sequential reader has passed it): the blobs
-        prefetched ahead of the reader, which it has not read yet, stay longer."""
-        if key in self._blobs:
+        prefetched ahead of the reader, which it has not read yet, stay longer. Not a slice
+        of a run's buffer: dropping it would drop the run's other blobs, ahead of the
+        reader, with it."""
+        data = self._blobs.get(key)
+        if data is not None and _shared_buffer(data) is None:
             self._blobs.move_to_end(key, last=False)
 
     def contains(self, key: BlobKey) -> bool:

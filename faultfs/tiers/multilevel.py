@@ -17,6 +17,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import time
 
 import trio
 
@@ -29,6 +30,9 @@ from faultfs.tiers.memory import MemoryTier
 from faultfs.tiers.shared import SharedTier
 
 log = logging.getLogger("faultfs.tiers")
+
+STORE_PAUSE_POLL_S = 0.002  # a run paused for the store writes looks again this often ...
+STORE_PAUSE_MAX_S = 10.0  # ... and goes on after this (a stuck store must not stall reads)
 
 
 class TierStack:
@@ -48,6 +52,7 @@ class TierStack:
         self._waiters: dict[BlobKey, trio.Event] = {}  # who waits for a pending store write
         self._background: trio.Nursery | None = None
         self._slots: trio.Semaphore | None = None
+        self._slot_count = 0  # (read by worker threads: ``wait_for_store``)
 
     def open_tag(self, tag: TierTag, *, trusted: bool = False) -> ScanResult:
         self.memory.open_tag(tag)
@@ -68,7 +73,8 @@ class TierStack:
         returns."""
         self._background = nursery
         budget = self.budget.share(STORE_SHARE)
-        self._slots = trio.Semaphore(max(2, budget // max(1, blob_size)))
+        self._slot_count = max(2, budget // max(1, blob_size))
+        self._slots = trio.Semaphore(self._slot_count)
         self.local.raise_open_cap()
         if self.shared is not None:
             self.shared.attach(nursery)
@@ -116,8 +122,8 @@ class TierStack:
     def hold(self, key: BlobKey, data: Buffer) -> None:
         """Keep a just-faulted blob where readers find it at once, until it is stored
         (pinned in memory until then: its bytes are held either way)."""
+        self.memory.pin(key)  # first: the tier must not drop it to make room for it
         self.memory.keep(key, data)
-        self.memory.pin(key)
         self._pending[key] = data
 
     async def store(self, key: BlobKey, data: Buffer) -> None:
@@ -134,6 +140,29 @@ class TierStack:
             self._done(key)
             raise
         self._background.start_soon(self._store_behind, key, data)
+
+    def pin(self, key: BlobKey) -> None:
+        """A held blob its holder still references: memory keeps it (dropping it would free
+        nothing) and counts it, until ``unpin``."""
+        self.memory.pin(key)
+
+    def unpin(self, keys: list[BlobKey]) -> None:
+        for key in keys:
+            self.memory.unpin(key)
+
+    def wait_for_store(self) -> None:
+        """(Blocking, on a worker thread) Wait while more blobs wait for their store write
+        than it has slots for: a run that lands blob by blob pauses between blobs so that a
+        store slower than the source does not fill memory with them (a reader waiting for
+        the next blob waits for the store, as a reader's own fault waits for room in the
+        budget); after ``STORE_PAUSE_MAX_S`` it goes on (a stuck store must not stall
+        reads for good)."""
+        slots = self._slot_count
+        if not slots or len(self._pending) <= slots:
+            return
+        deadline = time.monotonic() + STORE_PAUSE_MAX_S
+        while len(self._pending) > slots and time.monotonic() < deadline:
+            time.sleep(STORE_PAUSE_POLL_S)
 
     def store_now(self, key: BlobKey, data: Buffer) -> bool:
         """Start the store write of a held blob now if the bytes waiting for theirs leave
