@@ -458,8 +458,6 @@ class RecordStream:
         not also ``commit``."""
         return self._commits.hand_off(batch_id)
 
-    # -- lifetime --------------------------------------------------------------------------
-
     def close(self) -> None:
         self._ahead.close()  # the workers may be using the reader
         if self._reader is not None:
