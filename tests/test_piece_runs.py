@@ -164,6 +164,9 @@ def test_a_store_slower_than_the_source_keeps_what_runs_hold_within_the_budget(
         assert limit == 64 * MiB
         assert worst["live"] <= limit + limit // 8, f"{worst['live'] / MiB} MiB alive"
         assert worst["uncounted"] == 0, "a blob waiting for its store write was not counted"
+        # a run paused for the store writes never waits for its own blobs' (it did: each
+        # stall lasted the pause's whole bound, 10 s, the reader with it)
+        assert engine.tiers.store_pauses_cut == 0
         assert engine.tiers.budget.in_flight == 0 and not engine.tiers.memory._pins
     finally:
         engine.close()

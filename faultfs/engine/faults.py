@@ -12,8 +12,8 @@ Invariants:
   the source read is done. A reader of a range (``fault_range``) is answered even earlier,
   once its own bytes of the blob have landed (``Flight.show``); the fault it waits for then
   runs in the mount's nursery, beside it. The store write follows (behind the reader when
-  the engine is attached to a mount; a streaming run's blob as it lands, when the store
-  writes waiting leave room), the bytes held until it is on disk.
+  the engine is attached to a mount; a streaming run's blob as it lands), the bytes held
+  until it is on disk.
 - The source side (which runs stream, what a run holds of the data budget, the reads
   themselves) is ``sourcereads``.
 """
@@ -210,7 +210,7 @@ class Faulter:
         # (``stream_source``); ``holds`` says the same to the prefetch
         owed = [reserved and not pieces] * count
         run_owed = cs if reserved and pieces else 0
-        stored = [False] * count  # store writes started as the blob landed
+        stored = [False] * count  # store writes seen to as the blob landed
         pinned: list[BlobKey] = []  # landed blobs the run holds (``pieces``) until it ends
 
         def settle_budget(i: int) -> None:
@@ -238,7 +238,7 @@ class Faulter:
                 if pieces:  # the run holds it until it ends: memory must not count it freed
                     self.tiers.pin(keys[i])
                     pinned.append(keys[i])
-                stored[i] = self.tiers.store_now(keys[i], data)
+                stored[i] = self.tiers.store_soon(keys[i], data)
             except Exception:  # the readers still get their bytes
                 log.exception("holding blob %s in memory failed", keys[i])
             self.flights.settle([keys[i]], [flights[i]])

@@ -53,6 +53,7 @@ class TierStack:
         self._background: trio.Nursery | None = None
         self._slots: trio.Semaphore | None = None
         self._slot_count = 0  # (read by worker threads: ``wait_for_store``)
+        self.store_pauses_cut = 0  # pauses for the store writes that ran out of time
 
     def open_tag(self, tag: TierTag, *, trusted: bool = False) -> ScanResult:
         self.memory.open_tag(tag)
@@ -161,21 +162,38 @@ class TierStack:
         if not slots or len(self._pending) <= slots:
             return
         deadline = time.monotonic() + STORE_PAUSE_MAX_S
-        while len(self._pending) > slots and time.monotonic() < deadline:
+        while len(self._pending) > slots:
+            if time.monotonic() >= deadline:
+                self.store_pauses_cut += 1  # (a worker thread's count: a hint, not exact)
+                log.warning("the store writes have not caught up in %.0f s: a prefetch run "
+                            "goes on without them", STORE_PAUSE_MAX_S)
+                return
             time.sleep(STORE_PAUSE_POLL_S)
 
-    def store_now(self, key: BlobKey, data: Buffer) -> bool:
-        """Start the store write of a held blob now if the bytes waiting for theirs leave
-        room, without waiting (a run's blobs as each lands: their pins go as the run goes
-        on); False when the caller is to ``store`` it later."""
+    def store_soon(self, key: BlobKey, data: Buffer) -> bool:
+        """See that a held blob is written to the store behind the caller, without waiting
+        for a slot: at once if one is free, else as soon as one is (a run's blobs as each
+        lands, while the run goes on — a run that waited for its own blobs' slots while
+        paused for the store writes would wait for itself). False without a background
+        nursery: the caller is to ``store`` it."""
         if self._background is None or self._slots is None:
             return False
         try:
             self._slots.acquire_nowait()
         except trio.WouldBlock:
-            return False
-        self._background.start_soon(self._store_behind, key, data)
+            self._background.start_soon(self._store_when_free, key, data)
+        else:
+            self._background.start_soon(self._store_behind, key, data)
         return True
+
+    async def _store_when_free(self, key: BlobKey, data: Buffer) -> None:
+        assert self._slots is not None
+        try:
+            await self._slots.acquire()
+        except BaseException:
+            self._done(key)
+            raise
+        await self._store_behind(key, data)
 
     async def _store_behind(self, key: BlobKey, data: Buffer) -> None:
         try:
