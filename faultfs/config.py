@@ -17,7 +17,7 @@ IO_THREADS = 32  # upstream's pool size for blocking source reads
 STORE_BACKOFF_FAULTS = 256  # after a full store, read through this many faults before retrying
 STATS_INTERVAL_S = 5.0
 MEMORY_MB = 64  # recently faulted blobs kept in memory: later pieces of a blob skip the store
-PREFETCH_MB = 64  # sequential readers get up to this much faulted ahead of them
+PREFETCH_MB = 32  # what a sequential reader's window holds of memory (S3: it reaches twice as far)
 READAHEAD_KB = 4096  # kernel readahead of the mount: 1 MiB requests, several in flight
 # the kernel's background (readahead, async) requests in flight on the mount's connection;
 # its default 12 left three 4 MiB readaheads' worth of 1 MiB requests queued behind each other

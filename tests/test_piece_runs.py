@@ -189,3 +189,59 @@ def test_a_local_sequential_reader_keeps_reading_its_runs_from_memory(tmp_path):
         assert c["hits"] - c["memory_hits"] <= 8, "reads went to the store, not memory"
     finally:
         engine.close()
+
+
+def test_a_blob_staged_again_takes_its_own_pin_not_its_runs(tmp_path):
+    """A blob whose store write the policy skipped, staged again behind a write to it
+    (``stage_behind``) while its run still holds it, pins it for that store write: the end
+    of the write must not take the run's pin."""
+    from faultfs.tiers.base import StoreOutcome
+
+    src = tmp_path / "obj.bin"
+    src.write_bytes(payload(4 * MiB))
+    engine = engine_for(BlobStore(str(tmp_path / "store")))
+    tag = engine.register(FaultContext(str(src), "obj", format="binary", chunk_size=MiB))
+    tiers = engine.tiers
+
+    async def skipped(key, data):  # the store policy kept it out (the cache cap)
+        return StoreOutcome.SKIPPED_CACHE_CAP
+
+    tiers.local.put = skipped
+    key, data = (tag.id, 0), memoryview(bytearray(payload(MiB)))
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            engine.attach(nursery)
+            tiers.hold(key, data)  # as a run's ``hand`` does
+            tiers.pin(key)
+            assert tiers.store_soon(key, data)
+            await tiers.wait_stored(key)
+            assert tiers.stage_behind(key, data)  # a write's ``stage_clean``
+            await trio.sleep(0.05)  # its task starts its store write ...
+            while tiers.pending_stores:  # noqa: ASYNC110 (no event for it)
+                await trio.sleep(0.01)  # ... which ends
+            assert tiers.memory._pins.get(key) == 1, "the run's pin was taken"
+            tiers.unpin([key])  # the run ends
+            assert not tiers.memory._pins
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("memory_mb", [64, 128, 256])
+def test_a_local_window_and_its_requests_are_what_they_were(tmp_path, memory_mb):
+    """Only runs that land blob by blob reach further: a local file's window stays
+    ``--prefetch-mb`` (32 MiB by default) within half of the budget, in 2 MiB requests."""
+    src = tmp_path / "obj.bin"
+    src.write_bytes(payload(4 * MiB))
+    engine = engine_for(BlobStore(str(tmp_path / "store")), memory_mb=memory_mb)
+    tag = engine.register(FaultContext(str(src), "obj", format="binary", chunk_size=MiB))
+    try:
+        window = engine.prefetch.window_bytes(tag)
+        assert window == 32 * MiB and engine.prefetch.run_blobs(MiB, window) == 2
+        assert engine.prefetch.reach == min(64, memory_mb) * MiB  # an S3 tag's
+    finally:
+        engine.close()

@@ -77,7 +77,7 @@ def register(sub) -> None:
     m.add_argument("--io-threads", type=int, help="size of the I/O pool for blocking reads (default 32)")
     m.add_argument("--stats", action="store_true", help="log the counters every 5 s")
     m.add_argument("--memory-mb", type=int, help="recently faulted blobs kept in memory (default 64)")
-    m.add_argument("--prefetch-mb", type=int, help="fault up to this much ahead of sequential readers (default 64, within --memory-mb; 0: off)")
+    m.add_argument("--prefetch-mb", type=int, help="memory a sequential reader's window of faults ahead holds (default 32, within half of --memory-mb; from S3 it reaches twice as far; 0: off)")
     m.add_argument("--readahead-kb", type=int, help="kernel readahead of the mount (default 4096; 0: kernel default)")
     m.add_argument("--max-background", type=int,
                    help="the kernel's background requests (readahead) in flight on the mount "

@@ -323,6 +323,8 @@ class Faulter:
                               first + count - 1, tag.name)
         finally:
             settle_run()
+            if error is not None and not isinstance(error, Exception):
+                self.tiers.unpin(pinned)  # cancelled: no store loop follows to let go
             for i, (key, flight, data) in enumerate(zip(keys, flights, got, strict=True)):
                 settle_budget(i)
                 if handed[i]:

@@ -70,13 +70,13 @@ AHEAD_WINDOWS = 2
 class Prefetcher:
     def __init__(self, config: Config, flights: Flights, tiers: TierStack, faulter: Faulter,
                  pool: IoPool, stats: Stats) -> None:
-        # how far ahead of a reader the window reaches (--prefetch-mb), within the data
-        # budget (--memory-mb): where a run lands blob by blob it holds one blob while it
-        # lands (``Faulter.holds``), and about half of the window is landed and not yet
-        # read at any time, held in memory; where a run's source read holds its bytes
-        # whole, within half of the budget (the runs in flight hold the window)
-        self.reach = min(config.prefetch_mb << 20, tiers.budget.limit)
-        self.budget = min(self.reach, tiers.budget.share(PREFETCH_SHARE))
+        # --prefetch-mb is what a window holds of memory, within half of the data budget
+        # (--memory-mb): where a run's source read holds its bytes whole, the window's
+        # reach; where a run lands blob by blob it holds one blob while it lands
+        # (``SourceReads.holds``) and about half of the window has landed and is not yet
+        # read at any time, so the window reaches twice as far, within the whole budget
+        self.budget = min(config.prefetch_mb << 20, tiers.budget.share(PREFETCH_SHARE))
+        self.reach = min(2 * self.budget, tiers.budget.limit)
         self.flights = flights
         self.tiers = tiers
         self.faulter = faulter

@@ -233,6 +233,7 @@ class TierStack:
         await self.wait_stored(key)
         if self.local.contains(key) or key in self._pending:
             return
+        self.memory.pin(key)  # as ``hold`` does: ``_done`` lets go of it
         self._pending[key] = data  # drain waits for it too
         await self._put_quietly(key, data)
 
