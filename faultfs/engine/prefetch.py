@@ -13,9 +13,9 @@ a full window keeps about ``GETS_IN_FLIGHT`` requests in flight, and a run is st
 once that many blobs at the window's end are free (no trickle of one-blob requests as the
 reader moves on); each blob of a run reaches its readers as soon as it lands (``faults``).
 From an S3 source a run lands blob by blob, each into a buffer of its own, and holds one
-blob of memory while it is under way, so the window reaches as far as the data budget
-(``--memory-mb``) and its requests are twice as large as when a run's buffer is taken
-whole (fewer requests: less CPU in the daemon and the endpoint per byte). About half of such
+blob of memory while it is under way, so the window reaches twice as far (within the data
+budget, ``--memory-mb``) in requests twice as large as when a run's buffer is taken whole
+(fewer requests: less CPU in the daemon and the endpoint per byte). About half of such
 a window has landed and is not yet read at any time: the blobs a sequential reader has
 passed are the memory tier's first to drop (``TierStack.passed``), and staged blobs are read
 ahead from the store only as far as the prefetch's share of the budget, so the window's
