@@ -41,7 +41,9 @@ def snapshot(config: Config, store_root: str, store_free_bytes: int, stats: Stat
         # what is held for data against --memory-mb (tiers/budget.py): now and at most
         "data_budget": {"limit": tiers.budget.limit, "in_flight": tiers.budget.in_flight,
                         "outside_memory": tiers.budget.outside(), "peak": tiers.budget.peak,
-                        "waits": tiers.budget.waits},
+                        "waits": tiers.budget.waits,
+                        # prefetch runs that paused for the store writes until the bound
+                        "store_pauses_cut": tiers.store_pauses_cut},
         "read_buffers": buffers.POOL.snapshot(),
         "counters": dict(stats.counters),
         "writes": {"writable": writes.writable, "held_bytes": writes.held,

@@ -313,3 +313,4 @@ def test_a_sequential_reader_at_the_defaults_gets_runs_that_land_blob_by_blob(
     assert c.get("store_readahead", 0) <= 8, "landed blobs were dropped and read back"
     budget = snap["data_budget"]
     assert budget["limit"] == 64 * MiB and budget["peak"] <= budget["limit"] + 2 * MiB, budget
+    assert budget["store_pauses_cut"] == 0, "a run paused for the store until its bound"
