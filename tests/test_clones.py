@@ -304,6 +304,36 @@ def test_a_change_under_way_when_the_clone_begins_is_in_it_whole(store):
     eng.close()
 
 
+def test_a_clones_writes_are_read_on_the_pool_and_put_in_the_table_on_the_trio_thread(store):
+    """The write table is the trio thread's: a clone's dirty files are read on the I/O pool
+    and their blobs added here (added on a pool thread, they raced another clone's walk of
+    the table: "dictionary changed size during iteration", seen once in a CI run)."""
+    make_source(payload(CS * 4))
+    eng = engine_for(store, memory_mb=1, prefetch_mb=0)
+    tag = eng.register(ctx_for())
+    w = eng.writes
+    threads: list[bool] = []
+    add = w.table.add
+
+    def add_here(blob):
+        threads.append(threading.current_thread() is threading.main_thread())
+        return add(blob)
+
+    w.table.add = add_here
+
+    async def main():
+        with trio.fail_after(10):
+            await w.write_chunk(tag, 0, 0, b"before-0")
+            await w.write_chunk(tag, 2, 0, b"before-2")
+            threads.clear()
+            await eng.clone_tag(tag, "snap")
+        assert len(threads) >= 2 and all(threads), threads
+        assert await _bytes(eng, eng.tags["snap"], 2, 0, 8) == b"before-2"
+
+    trio.run(main)
+    eng.close()
+
+
 def _remount(store, eng):
     """A new engine over the store as ``eng`` left it (a kill -9: no unmount); its tags."""
     eng.close()

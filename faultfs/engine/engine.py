@@ -170,7 +170,7 @@ class Engine:
         try:
             await self.writes.prepare_clone(parent, name)
             child = await self.pool.run(self._tags.clone, parent, name)
-            await self.pool.run(self.writes.open_tag, child)
+            self.writes.open_tag(child, await self.pool.run(self.writes.load_tag, child))
         finally:
             self._cloning.discard(name)
         log.info("tag %s: cloned from %s", name, parent.name)

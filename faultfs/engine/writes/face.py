@@ -22,7 +22,7 @@ from faultfs.engine.writes.checkpoint import FOLD_BYTES, JOURNAL_BYTES, Checkpoi
 from faultfs.engine.writes.damage import Damage
 from faultfs.engine.writes.lifetime import TagLifetime
 from faultfs.engine.writes.reads import DirtyReads
-from faultfs.engine.writes.recovery import Recovery
+from faultfs.engine.writes.recovery import Recovery, TagLoad
 from faultfs.engine.writes.reset import Resets
 from faultfs.engine.writes.state import DEFAULT_MODE, TagStates, TagWrites
 from faultfs.engine.writes.sync import GroupCommit
@@ -149,8 +149,11 @@ class Writes:
 
     # -- recovery ----------------------------------------------------------------------------
 
-    def open_tag(self, tag: Tag) -> None:
-        self.recovery.open_tag(tag)
+    def open_tag(self, tag: Tag, loaded: TagLoad | None = None) -> None:
+        self.recovery.open_tag(tag, loaded)
+
+    def load_tag(self, tag: Tag) -> TagLoad:
+        return self.recovery.load_tag(tag)
 
     def replay(self, tags: dict[str, Tag]) -> int:
         return self.recovery.replay(tags)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection
+from typing import NamedTuple
 
 from faultfs.core.extents import Ref
 from faultfs.engine.tags import Tag
@@ -50,6 +51,7 @@ from faultfs.engine.writes.table import (
 )
 from faultfs.engine.writes.users import UserBlobs
 from faultfs.errors import CorruptionError
+from faultfs.store.blobfile import BlobHeader
 from faultfs.store.dirty import DirtyFiles, folded_seq
 from faultfs.store.journal import (
     KIND_BLOB,
@@ -67,6 +69,17 @@ from faultfs.store.journal import (
 
 log = logging.getLogger("faultfs.writes")
 DAMAGED_SEQ = 1 << 62  # a damaged blob's file "includes" every record: none is applied to it
+
+
+class TagLoad(NamedTuple):
+    """A tag's writes as the store has them (``Recovery.load_tag``): its write state, why
+    that state is damaged (None: it is not), the headers of its damaged blobs' older files,
+    and each dirty file's name with its header, or why it is damaged."""
+
+    writes: TagWrites
+    state_error: str | None
+    older: dict[str, BlobHeader | None]
+    files: list[tuple[str, BlobHeader | None, str | None]]
 
 
 class Recovery:
@@ -87,10 +100,11 @@ class Recovery:
         self.files = files
         self.journal = journal
 
-    def open_tag(self, tag: Tag) -> None:
-        """Bring back what the store remembers of ``tag``'s writes (dirty files, state). A
-        damaged write state is kept and reported: the tag's dirty files still read, but the
-        tag takes no writes (they would replace the state) until ``faultfs fsck`` is run."""
+    def load_tag(self, tag: Tag) -> TagLoad:
+        """What the store has of ``tag``'s writes, read (blocking, on the pool when the
+        mount serves): its write state and its dirty files' headers. Nothing shared changes
+        here: ``open_tag`` applies it, on the thread that owns the table."""
+        state_error = None
         try:
             doc = self.files.read_state(tag.name)
             try:
@@ -98,9 +112,35 @@ class Recovery:
             except CorruptionError as exc:  # as fsck says it (``store/writestate.py``)
                 raise CorruptionError(f"write state of {tag.name}: {exc.message}") from None
         except CorruptionError as exc:
-            log.error("tag %s: %s: kept; the tag's writes read, new writes are refused",
-                      tag.name, exc)
+            state_error = exc.message
             tw = TagWrites(view_size=tag.layout.size, damaged=exc.message)
+        ids = set(tw.users.values())
+        older: dict[str, BlobHeader | None] = {}
+        for name in tw.damaged_blobs:
+            if not _unlinked(tw, name, ids):
+                try:  # its older file (kept, unused) still names a seq
+                    older[name] = self.files.header(tag.name, name, tw.ancestors)
+                except CorruptionError:
+                    older[name] = None
+        files: list[tuple[str, BlobHeader | None, str | None]] = []
+        for name in self.files.names(tag.name):
+            if name in tw.damaged_blobs:
+                continue
+            try:
+                files.append((name, self.files.header(tag.name, name, tw.ancestors), None))
+            except CorruptionError as exc:
+                files.append((name, None, exc.message))
+        return TagLoad(tw, state_error, older, files)
+
+    def open_tag(self, tag: Tag, loaded: TagLoad | None = None) -> None:
+        """Bring back what the store remembers of ``tag``'s writes (dirty files, state), as
+        ``load_tag`` read it (read now when not given). A damaged write state is kept and
+        reported: the tag's dirty files still read, but the tag takes no writes (they would
+        replace the state) until ``faultfs fsck`` is run."""
+        tw, state_error, older, files = loaded if loaded is not None else self.load_tag(tag)
+        if state_error is not None:
+            log.error("tag %s: %s: kept; the tag's writes read, new writes are refused",
+                      tag.name, state_error)
         self.states.tags[tag.id] = tw
         self.states.names[tag.id] = tag.name
         # seqs the state names (a reset's void marks, the view's size) are never handed out
@@ -115,26 +155,19 @@ class Recovery:
                 continue
             log.error("tag %s: dirty blob %s is damaged (%s): kept, reads of it fail with EIO "
                       "until faultfs reset drops its writes", tag.name, name, mark["reason"])
-            try:  # its older file (kept, unused) still names a seq: never handed out again
-                older = self.files.header(tag.name, name, tw.ancestors)
-            except CorruptionError:
-                older = None
-            if older is not None:
-                self.journal.advance(folded_seq(older))
+            header = older.get(name)
+            if header is not None:  # never handed out again
+                self.journal.advance(folded_seq(header))
             self.table.add(DirtyBlob(tag, name, chunk_index(tag, name), mark["size"], FOLDED,
                                      DAMAGED_SEQ, folded_size=mark["size"],
                                      damaged=mark["reason"]))
-        for name in self.files.names(tag.name):
-            if name in tw.damaged_blobs:
-                continue
-            try:
-                header = self.files.header(tag.name, name, tw.ancestors)
-            except CorruptionError as exc:
-                log.error("tag %s: %s: kept, reads of it fail with EIO", tag.name, exc)
+        for name, header, damage in files:
+            if damage is not None:
+                log.error("tag %s: %s: kept, reads of it fail with EIO", tag.name, damage)
                 index = chunk_index(tag, name)
                 size = tag.layout.chunk_size if index is not None else 0
                 self.table.add(DirtyBlob(tag, name, index, size, FOLDED, DAMAGED_SEQ,
-                                         folded_size=size, damaged=exc.message))
+                                         folded_size=size, damaged=damage))
                 continue
             assert header is not None
             seq = folded_seq(header)
