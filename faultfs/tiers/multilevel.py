@@ -181,19 +181,10 @@ class TierStack:
         try:
             self._slots.acquire_nowait()
         except trio.WouldBlock:
-            self._background.start_soon(self._store_when_free, key, data)
+            self._background.start_soon(self.store, key, data)  # it waits for the slot
         else:
             self._background.start_soon(self._store_behind, key, data)
         return True
-
-    async def _store_when_free(self, key: BlobKey, data: Buffer) -> None:
-        assert self._slots is not None
-        try:
-            await self._slots.acquire()
-        except BaseException:
-            self._done(key)
-            raise
-        await self._store_behind(key, data)
 
     async def _store_behind(self, key: BlobKey, data: Buffer) -> None:
         try:
