@@ -295,14 +295,17 @@ class Faulter:
                     def wanted(j: int, lo: int = lo) -> int:  # on the pool: a plain read
                         return flights[lo + j].wait_end
 
+                    def pause(j: int, lo: int = lo) -> None:  # on the pool
+                        self.tiers.wait_for_store(lambda: handed[lo + j])
+
                     # a prefetch run landing blob by blob holds one blob of the budget:
-                    # before each next blob it lets the store writes catch up (its landed
-                    # blobs wait for theirs in memory, counted)
+                    # before each next blob it lets the trio thread take in the one that
+                    # landed and the store writes catch up (its landed blobs wait for
+                    # theirs in memory, counted)
                     paced = pieces and not demand
                     datas = await self._run(demand, self.reads.stream_source, tag, first + lo,
                                             hi - lo, landed, partly, wanted,
-                                            self.tiers.wait_for_store if paced else None,
-                                            ahead=paced)
+                                            pause if paced else None, ahead=paced)
                 else:
                     datas = await self._run(demand, self.reads.read_source, tag, first + lo,
                                             hi - lo)
