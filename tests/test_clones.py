@@ -307,7 +307,9 @@ def test_a_change_under_way_when_the_clone_begins_is_in_it_whole(store):
 def test_a_clones_writes_are_read_on_the_pool_and_put_in_the_table_on_the_trio_thread(store):
     """The write table is the trio thread's: a clone's dirty files are read on the I/O pool
     and their blobs added here (added on a pool thread, they raced another clone's walk of
-    the table: "dictionary changed size during iteration", seen once in a CI run)."""
+    the table: "dictionary changed size during iteration", seen once in a CI run); so are
+    the tag tables, which the mount's lookups and listings walk: the clone's registry entry
+    and state are written on the pool, the tag added here."""
     make_source(payload(CS * 4))
     eng = engine_for(store, memory_mb=1, prefetch_mb=0)
     tag = eng.register(ctx_for())
@@ -320,6 +322,15 @@ def test_a_clones_writes_are_read_on_the_pool_and_put_in_the_table_on_the_trio_t
         return add(blob)
 
     w.table.add = add_here
+    tables: list[bool] = []  # the tag tables, the registry's entries too (they raced alike)
+
+    class Watched(dict):
+        def __setitem__(self, key, value):
+            tables.append(threading.current_thread() is threading.main_thread())
+            super().__setitem__(key, value)
+
+    for name in ("by_name", "by_id", "registry"):
+        setattr(eng._tags, name, Watched(getattr(eng._tags, name)))
 
     async def main():
         with trio.fail_after(10):
@@ -328,6 +339,7 @@ def test_a_clones_writes_are_read_on_the_pool_and_put_in_the_table_on_the_trio_t
             threads.clear()
             await eng.clone_tag(tag, "snap")
         assert len(threads) >= 2 and all(threads), threads
+        assert len(tables) == 3 and all(tables), tables
         assert await _bytes(eng, eng.tags["snap"], 2, 0, 8) == b"before-2"
 
     trio.run(main)

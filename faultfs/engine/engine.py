@@ -169,7 +169,9 @@ class Engine:
         self._cloning.add(name)
         try:
             await self.writes.prepare_clone(parent, name)
-            child = await self.pool.run(self._tags.clone, parent, name)
+            entry = await self.pool.run(self._tags.clone_entry, parent, name)
+            child = self._tags.add_clone(parent, *entry)  # the tables: this thread's alone
+            await self.pool.run(self._tags.write_state, child)
             self.writes.open_tag(child, await self.pool.run(self.writes.load_tag, child))
         finally:
             self._cloning.discard(name)
@@ -207,7 +209,7 @@ class Engine:
         return freed
 
     def is_staged(self, tag: Tag, index: int) -> bool:
-        return self.tiers.contains((tag.clean.id, index))
+        return self.tiers.contains((tag.clean.id, index))  # (a clone's: its ancestor's)
 
     def staged_count(self, tag: Tag) -> int:
         return self.tiers.local.staged_count(tag.clean.id)
@@ -236,9 +238,8 @@ class Engine:
     # -- lifetime ----------------------------------------------------------------------------
 
     def attach(self, nursery: trio.Nursery) -> None:
-        """Run stores and prefetches in ``nursery`` (the mount's), off the reader's path.
-
-        Without it (unit tests, embedding) a fault stores before it returns."""
+        """Run stores and prefetches in ``nursery`` (the mount's), off the reader's path;
+        without it (unit tests, embedding) a fault stores before it returns."""
         blob = max((t.layout.chunk_size for t in self.tags.values()), default=1 << 20)
         # a faulted blob waiting for its store write is held in memory: bound those bytes
         self.tiers.attach(nursery, blob)
@@ -275,9 +276,6 @@ class Engine:
         self.writes.journal.close()
         self.tiers.close()
         self._tags.close()
-
-    async def run_io(self, fn, *args):
-        return await self.pool.run(fn, *args)
 
     # -- reads -------------------------------------------------------------------------------
 

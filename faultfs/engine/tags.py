@@ -203,7 +203,7 @@ class Tags:
         tag = self._add(ctx, plan.layout, plan.version, plan.source, plan.assimilator,
                         shard=shard, recorded=recorded)
         tag.remote = remote_settings(ctx.src, self.source_options)
-        self._write_state(tag)
+        self.write_state(tag)
         return tag
 
     def _clones_of(self, key: str) -> list[str]:
@@ -211,7 +211,8 @@ class Tags:
         return sorted(entry[1].dst for entry in self.registry_store.entries()
                       if not isinstance(entry, RegistryProblem) and entry[1].cloned_from == key)
 
-    def _write_state(self, tag: Tag) -> None:
+    def write_state(self, tag: Tag) -> None:
+        """(Blocking) The tag's state file, as the tag now is."""
         if self.store.degraded:
             return  # nothing can be written; the next writable mount records it
         write_tag_state(self.store, tag.name, TagState(
@@ -265,10 +266,9 @@ class Tags:
         self.store.forget_tag(tag.name)
         return freed
 
-    def clone(self, parent: Tag, name: str) -> Tag:
-        """Register ``name`` as a copy of ``parent``'s source (blocking): the same source at
-        the same version, reading the staged blobs of the ancestor that owns it (no second
-        copy); the caller gives it the parent's writes first."""
+    def clone_entry(self, parent: Tag, name: str) -> tuple[FaultContext, bytes]:
+        """The blocking half of registering ``name`` as a copy of ``parent``: the store has
+        no such tag; its registry entry written. Nothing is added yet (``add_clone``)."""
         check_tag_name(name)
         if name in self.by_name or name == REGISTRY_TAG:
             raise FaultfsError(f"tag {name!r} exists", errno.EEXIST)
@@ -276,12 +276,18 @@ class Tags:
             raise FaultfsError(f"the store has a tag {name!r} already (not mounted)",
                                errno.EEXIST)
         ctx = replace(parent.ctx, dst=name, src_data=f"{CLONE_OF}{parent.key}")
-        self.registry[ctx.key] = self.registry_store.put(ctx)
+        return ctx, self.registry_store.put(ctx)
+
+    def add_clone(self, parent: Tag, ctx: FaultContext, entry: bytes) -> Tag:
+        """The clone of ``clone_entry`` in the tables (on the thread that reads them, as
+        ``add_recovered``): the same source at the same version, reading the staged blobs of
+        the ancestor that owns it (no second copy). Its state is the caller's to write
+        (``write_state``, blocking), after it gave it the parent's writes."""
+        self.registry[ctx.key] = entry
         tag = self._add(ctx, parent.layout, parent.version, parent.source, parent.assimilator,
                         shard=parent.shard, mtime=parent.mtime, view_name=parent.view_name,
                         ancestor=parent.clean)
         tag.remote = dict(parent.remote)
-        self._write_state(tag)
         return tag
 
     # -- recovery ----------------------------------------------------------------------------
@@ -378,7 +384,7 @@ class Tags:
     def record_recovered(self, tag: Tag) -> None:
         """Write the state of a recovered tag when it changed (blocking)."""
         if tag.state_stale:
-            self._write_state(tag)
+            self.write_state(tag)
             tag.state_stale = False
 
     def close(self) -> None:

@@ -405,7 +405,7 @@ class FaultOperations(pyfuse3.Operations):
 
     @fuse_boundary
     async def statfs(self, ctx):
-        st = await self.engine.run_io(os.statvfs, self.engine.store.root)
+        st = await self.engine.pool.run(os.statvfs, self.engine.store.root)
         out = pyfuse3.StatvfsData()
         for name in ("f_bsize", "f_frsize", "f_blocks", "f_bfree", "f_bavail", "f_files",
                      "f_ffree", "f_favail"):
