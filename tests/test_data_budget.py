@@ -142,3 +142,54 @@ def test_blobs_a_sequential_reader_passed_drop_before_those_ahead_of_it():
     tier.budget.take(2 * MiB)  # a run starts: two blobs must go
     assert (1, 2) in tier and (1, 3) in tier and (1, 0) not in tier and (1, 1) not in tier
     tier.demote((9, 9))  # not here: nothing happens
+
+
+def test_blobs_kept_ahead_and_not_read_drop_after_every_blob_read():
+    """A reader slower than its prefetch: the window's landed blobs are older than the blobs
+    it just read, and least-recently-used order would drop the next ones it needs (each then
+    read back from the store: one for one in an h5py read of a 256 MiB dataset)."""
+    tier = MemoryTier(6 * MiB)
+    for i in range(4):  # prefetched ahead of the reader, in the order they landed
+        assert tier.keep((1, 10 + i), blob(), ahead=True)
+    for i in range(2):  # the reader's own blobs (and its file's metadata), read since
+        assert tier.keep((1, i), blob())
+        tier.held((1, i))
+    tier.held((1, 10))  # it reached the first blob of the window
+    tier.budget.take(3 * MiB)  # room for three blobs is needed
+    assert [k for k in [(1, 0), (1, 1), (1, 10)] if k in tier] == []
+    assert all((1, 10 + i) in tier for i in range(1, 4))
+    tier.budget.take(MiB)  # more than what was read: the oldest blob kept ahead goes
+    assert (1, 11) not in tier and (1, 12) in tier and (1, 13) in tier
+
+
+def test_a_blob_kept_ahead_loses_its_place_when_passed_or_when_nobody_came_for_it():
+    tier = MemoryTier(4 * MiB)
+    assert tier.keep((1, 0), blob(), ahead=True)
+    assert tier.keep((1, 1), blob(), ahead=True)
+    tier.demote((1, 0))  # the reader moved past it without reading it
+    assert tier.keep((2, 0), blob())
+    tier.held((2, 0))
+    tier.budget.take(3 * MiB)
+    assert (1, 0) not in tier and (2, 0) not in tier and (1, 1) in tier
+    tier.budget.give(3 * MiB)
+    # a prefetch nobody came back for: once twice the tier's bound has come in since, it
+    # goes in least-recently-used order like any other blob
+    for i in range(8):
+        assert tier.keep((3, i), blob())
+        tier.held((3, i))
+    assert (1, 1) not in tier
+
+
+def test_a_run_slice_read_stays_while_a_sibling_is_kept_ahead_and_unread():
+    """The blobs of one source run are slices of one buffer and drop together: a read one
+    whose sibling is ahead and unread is not dropped before other blobs read."""
+    run = memoryview(bytearray(2 * MiB))
+    tier = MemoryTier(4 * MiB)
+    assert tier.keep((1, 0), run[:MiB], ahead=True)
+    assert tier.keep((1, 1), run[MiB:], ahead=True)
+    tier.held((1, 0))  # read: (1, 1) still ahead
+    assert tier.keep((2, 0), blob())
+    tier.held((2, 0))
+    tier.held((1, 0))  # the run's read blob is the most recent
+    tier.budget.take(2 * MiB)
+    assert (1, 0) in tier and (1, 1) in tier and (2, 0) not in tier

@@ -152,9 +152,9 @@ def test_a_store_slower_than_the_source_keeps_what_runs_hold_within_the_budget(
     if busy_s:  # a trio thread slow to take landed blobs in (a loaded machine's)
         hold = engine.tiers.hold
 
-        def slow_hold(key, data):
+        def slow_hold(key, data, **kw):
             time.sleep(busy_s)
-            return hold(key, data)
+            return hold(key, data, **kw)
 
         monkeypatch.setattr(engine.tiers, "hold", slow_hold)
 
@@ -254,5 +254,24 @@ def test_a_local_window_and_its_requests_are_what_they_were(tmp_path, memory_mb)
         window = engine.prefetch.window_bytes(tag)
         assert window == 32 * MiB and engine.prefetch.run_blobs(MiB, window) == 2
         assert engine.prefetch.reach == min(64, memory_mb) * MiB  # an S3 tag's
+    finally:
+        engine.close()
+
+
+def test_a_reader_slower_than_its_window_reads_it_from_memory(monkeypatch, tmp_path):
+    """A reader slower than its prefetch (h5py decodes as it reads) has the whole window
+    landed before it gets there; those blobs are older than the ones it just read, and
+    least-recently-used order dropped the next ones it needed, each read back from the store
+    (about one for each blob faulted, in an h5py read of a 256 MiB dataset)."""
+    size = 40 * MiB
+    data = payload(size)
+    engine, tag = engine_over(monkeypatch, tmp_path, PieceReader(data), memory_mb=16,
+                              prefetch_mb=8)
+    try:
+        out, _ = read_all(engine, tag, size, 256 << 10, pace=0.004)
+        assert out == data
+        c = engine.stats.counters
+        assert c["store_readahead"] <= 2, f"{c['store_readahead']} blobs read back"
+        assert c["hits"] - c["memory_hits"] <= 2, "reads went to the store, not memory"
     finally:
         engine.close()

@@ -234,7 +234,7 @@ class Faulter:
             got[i] = data
             flights[i].data = data
             try:
-                self.tiers.hold(keys[i], data)
+                self.tiers.hold(keys[i], data, ahead=not demand)
                 if pieces:  # the run holds it until it ends: memory must not count it freed
                     self.tiers.pin(keys[i])
                     pinned.append(keys[i])
@@ -337,7 +337,7 @@ class Faulter:
                     flight.error = error if error is not None else SourceError("no bytes")
                 else:
                     flight.data = data
-                    self.tiers.hold(key, data)
+                    self.tiers.hold(key, data, ahead=not demand)
                 self.flights.settle([key], [flight])
             self.stats.latencies.append(time.monotonic() - started)
             if self._held_back is not None:

@@ -16,10 +16,13 @@ From an S3 source a run lands blob by blob, each into a buffer of its own, and h
 blob of memory while it is under way, so the window reaches twice as far (within the data
 budget, ``--memory-mb``) in requests twice as large as when a run's buffer is taken whole
 (fewer requests: less CPU in the daemon and the endpoint per byte). About half of such
-a window has landed and is not yet read at any time: the blobs a sequential reader has
-passed are the memory tier's first to drop (``TierStack.passed``), and staged blobs are read
-ahead from the store only as far as the prefetch's share of the budget, so the window's
-landed blobs are not dropped and read back before their reader gets to them.
+a window has landed and is not yet read at any time (all of it, for a reader slower than
+the window): the blobs a sequential reader has passed are the memory tier's first to drop
+(``TierStack.passed``), blobs kept ahead and not read yet its last (``MemoryTier.keep``),
+the window stops where what it has landed and on its way would fill the budget
+(``room_blobs``), and staged blobs are read ahead from the store only as far as the
+prefetch's share of the budget, so the window's landed blobs are not dropped and read back
+before their reader gets to them.
 With claims in a shared store, a run also ends at a claim window's end (one claim a run), and
 the windows up to two past the prefetch's reach are claimed before it gets there.
 Staged blobs are read from the store in runs of up to ``LOAD_RUN_BYTES`` with one trip to the
@@ -94,6 +97,13 @@ class Prefetcher:
         """How far ahead of a reader of ``tag`` the window may reach (``__init__``)."""
         return self.reach if self.faulter.reads.in_pieces(tag) else self.budget
 
+    def room_blobs(self, chunk_size: int) -> int:
+        """Blobs a window may have landed in memory or on their way at once: the memory
+        tier's, less what its reader reads meanwhile (where a window reaches the whole
+        budget, a reader slower than it has the whole window landed and waiting)."""
+        blobs = self.tiers.budget.limit // chunk_size
+        return max(1, blobs - max(2, blobs // 16))
+
     def run_blobs(self, chunk_size: int, window: int) -> int:
         """Blobs per prefetch request: a window of ``window`` bytes split in
         ``GETS_IN_FLIGHT``, within [``MIN_RUN_BYTES``, ``PREFETCH_RUN_BYTES``] and it."""
@@ -140,11 +150,15 @@ class Prefetcher:
             self._claim_ahead(clean, index + tag.window + AHEAD_WINDOWS * per)
         run_start, run_len = -1, 0
         load: list[int] = []  # adjacent staged blobs ahead, read from the store in one trip
+        held, room = 0, self.room_blobs(cs)  # the window's blobs here or on their way
         for ahead in range(index + 1, min(index + 1 + tag.window, layout.num_blobs)):
             if self.in_flight + len(load) + run_len >= limit:
                 break  # the budget is taken: what is left waits for a later read
+            if held + len(load) + run_len >= room:
+                break  # a reader slower than its window: memory is full of what it will read
             key = (clean.id, ahead)
             busy = key in self.flights or self.tiers.is_held(key)
+            held += busy
             staged = not busy and self.tiers.contains(key)
             near = staged and ahead <= index + self.budget // cs  # what memory can hold
             if load and not (near and len(load) < max_load):
@@ -272,7 +286,7 @@ class Prefetcher:
             for key, flight, data in zip(keys, flights, datas, strict=True):
                 if data is not None:
                     flight.data = data
-                    self.tiers.fill(key, data)
+                    self.tiers.fill(key, data, ahead=True)
                     self.stats.add("store_readahead")
         except Exception:  # a background task must never take the mount down
             log.exception("read-ahead of blobs %s of tag %s failed", keys, tag.name)

@@ -12,6 +12,14 @@ within the bound (one hot blob cannot keep a whole run alive).
 A pinned blob (its store write pending: its bytes are held anyway) is never dropped, nor are
 the other blobs of its run; it counts against the bound like any other. With everything
 pinned the tier may pass the bound until a pin goes (the pins are bounded by their holder).
+
+A blob kept ahead of its readers (prefetched, ``keep(ahead=True)``) and not read yet is
+dropped only after every blob read before: a reader slower than its prefetch (h5py decoding
+as it reads) has the window's landed blobs waiting here, older than the blobs it just read,
+and least-recently-used order would drop the next ones it needs and have them read back
+from the store, one for one. The protection ends at the blob's first read, or once the tier
+has taken in ``UNREAD_AGE`` times its bound since (a prefetch nobody came back for does not
+outstay the blobs readers use).
 """
 
 from __future__ import annotations
@@ -20,6 +28,8 @@ import collections
 
 from faultfs.tiers.base import BlobKey, Buffer, Capacity, StoreOutcome, TierTag
 from faultfs.tiers.budget import DataBudget
+
+UNREAD_AGE = 2  # an unread blob kept ahead outlasts read ones until this many bounds came in
 
 
 class MemoryTier:
@@ -32,6 +42,8 @@ class MemoryTier:
         self._blobs: collections.OrderedDict[BlobKey, Buffer] = collections.OrderedDict()
         self._runs: dict[int, set[BlobKey]] = {}  # id(shared buffer) -> its blobs
         self._pins: dict[BlobKey, int] = {}  # blobs that must stay (their bytes are held anyway)
+        self._unread: dict[BlobKey, int] = {}  # kept ahead, not read yet -> ``_taken`` then
+        self._taken = 0  # bytes taken in so far (the clock the protection of unread ages by)
         self.budget.bind(lambda: self.size, self.pinned_bytes, self.shrink)
 
     def open_tag(self, tag: TierTag) -> None:
@@ -46,6 +58,8 @@ class MemoryTier:
         data = self._blobs.get(key)
         if data is not None:
             self._blobs.move_to_end(key)
+            if self._unread:
+                self._unread.pop(key, None)
         return data
 
     def demote(self, key: BlobKey) -> None:
@@ -54,8 +68,10 @@ class MemoryTier:
         of a run's buffer: dropping it would drop the run's other blobs, ahead of the
         reader, with it."""
         data = self._blobs.get(key)
-        if data is not None and _shared_buffer(data) is None:
-            self._blobs.move_to_end(key, last=False)
+        if data is not None:
+            self._unread.pop(key, None)  # read or skipped: no longer ahead of its reader
+            if _shared_buffer(data) is None:
+                self._blobs.move_to_end(key, last=False)
 
     def contains(self, key: BlobKey) -> bool:
         return key in self._blobs
@@ -72,13 +88,17 @@ class MemoryTier:
     async def put(self, key: BlobKey, data: Buffer) -> StoreOutcome:
         return StoreOutcome.STORED if self.keep(key, data) else StoreOutcome.SKIPPED_CACHE_CAP
 
-    def keep(self, key: BlobKey, data: Buffer) -> bool:
-        """Hold ``data`` as blob ``key`` (no I/O); False when it is larger than the tier."""
+    def keep(self, key: BlobKey, data: Buffer, *, ahead: bool = False) -> bool:
+        """Hold ``data`` as blob ``key`` (no I/O); False when it is larger than the tier.
+        ``ahead``: kept ahead of its readers (a prefetch), dropped after the blobs read."""
         if len(data) > self.limit:
             return False
         self.discard(key)
         self._blobs[key] = data
         self.size += len(data)
+        self._taken += len(data)
+        if ahead:
+            self._unread[key] = self._taken
         run = _shared_buffer(data)
         if run is not None:
             self._runs.setdefault(run, set()).add(key)
@@ -105,16 +125,31 @@ class MemoryTier:
 
     def shrink(self) -> None:
         """Drop least recently used blobs until the tier fits in what the budget's other
-        holders leave; pinned blobs (and their runs' other blobs) stay."""
+        holders leave, blobs kept ahead and not read yet last; pinned blobs (and their
+        runs' other blobs) stay."""
         budget = self.budget
         room = self.limit - budget.outside()
         if self.size > room:
-            for key in list(self._blobs):
-                if self.size <= room:
-                    break
-                if key in self._blobs and not self._pinned(key):
-                    self.discard(key)
+            young = self._taken - UNREAD_AGE * self.limit  # kept ahead since: protected
+            for last in (False, True):  # blobs kept ahead and not read yet: last
+                for key in list(self._blobs):
+                    if self.size <= room:
+                        break
+                    if key in self._blobs and not self._pinned(key) and (
+                            last or not self._unread_ahead(key, young)):
+                        self.discard(key)
         budget.note()
+
+    def _unread_ahead(self, key: BlobKey, young: int) -> bool:
+        """Whether ``key`` (or another blob of its run, which goes with it) was kept ahead
+        of its readers after ``young`` and is not read yet."""
+        if not self._unread:
+            return False
+        if self._unread.get(key, young) > young:
+            return True
+        run = _shared_buffer(self._blobs[key])
+        return run is not None and any(self._unread.get(k, young) > young
+                                       for k in self._runs.get(run, ()))
 
     def _pinned(self, key: BlobKey) -> bool:
         if not self._pins:
@@ -135,6 +170,7 @@ class MemoryTier:
         old = self._blobs.pop(key, None)
         if old is None:
             return
+        self._unread.pop(key, None)
         self.size -= len(old)
         run = _shared_buffer(old)
         siblings = self._runs.pop(run, ()) if run is not None else ()

@@ -115,17 +115,19 @@ class TierStack:
         ahead of the reader it has not read yet."""
         self.memory.demote(key)
 
-    def fill(self, key: BlobKey, data: Buffer) -> None:
-        """Hold a blob read from a farther tier in the nearer one (memory)."""
-        self.memory.keep(key, data)
+    def fill(self, key: BlobKey, data: Buffer, *, ahead: bool = False) -> None:
+        """Hold a blob read from a farther tier in the nearer one (memory); ``ahead``: read
+        ahead of its readers (``MemoryTier.keep``)."""
+        self.memory.keep(key, data, ahead=ahead)
 
     # -- faulted blobs -----------------------------------------------------------------------
 
-    def hold(self, key: BlobKey, data: Buffer) -> None:
+    def hold(self, key: BlobKey, data: Buffer, *, ahead: bool = False) -> None:
         """Keep a just-faulted blob where readers find it at once, until it is stored
-        (pinned in memory until then: its bytes are held either way)."""
+        (pinned in memory until then: its bytes are held either way); ``ahead``: faulted
+        ahead of its readers (``MemoryTier.keep``)."""
         self.memory.pin(key)  # first: the tier must not drop it to make room for it
-        self.memory.keep(key, data)
+        self.memory.keep(key, data, ahead=ahead)
         self._pending[key] = data
 
     async def store(self, key: BlobKey, data: Buffer) -> None:
