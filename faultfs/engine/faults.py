@@ -296,11 +296,13 @@ class Faulter:
                         return flights[lo + j].wait_end
 
                     def pause(j: int, lo: int = lo) -> None:  # on the pool
-                        self.tiers.wait_for_store(lambda: handed[lo + j])
+                        # the blobs it landed that the trio thread has not taken in yet
+                        self.tiers.wait_for_store(
+                            lambda: sum(not handed[k] for k in range(lo, lo + j + 1)))
 
                     # a prefetch run landing blob by blob holds one blob of the budget:
-                    # before each next blob it lets the trio thread take in the one that
-                    # landed and the store writes catch up (its landed blobs wait for
+                    # before each next blob it lets the store writes catch up, its blobs
+                    # not taken in yet counted as waiting (its landed blobs wait for
                     # theirs in memory, counted)
                     paced = pieces and not demand
                     datas = await self._run(demand, self.reads.stream_source, tag, first + lo,

@@ -154,20 +154,20 @@ class TierStack:
         for key in keys:
             self.memory.unpin(key)
 
-    def wait_for_store(self, taken: Callable[[], bool] = lambda: True) -> None:
+    def wait_for_store(self, untaken: Callable[[], int] = lambda: 0) -> None:
         """(Blocking, on a worker thread) Wait while more blobs wait for their store write
         than it has slots for: a run that lands blob by blob pauses between blobs so that a
         store slower than the source does not fill memory with them (a reader waiting for
         the next blob waits for the store, as a reader's own fault waits for room in the
         budget); after ``STORE_PAUSE_MAX_S`` it goes on (a stuck store must not stall
-        reads for good). ``taken()``: whether the trio thread has taken in what the caller
-        landed (its blobs handed to memory and queued for the store; until then the queue
-        does not show them, and a busy trio thread would let the run land more)."""
+        reads for good). ``untaken()``: blobs the caller landed that the trio thread has not
+        taken in yet (handed to memory and queued for the store): they wait too, though the
+        queue does not show them (a busy trio thread would let the run land more)."""
         slots = self._slot_count
-        if not slots or (taken() and len(self._pending) <= slots):
+        if not slots or len(self._pending) + untaken() <= slots:
             return
         deadline = time.monotonic() + STORE_PAUSE_MAX_S
-        while not taken() or len(self._pending) > slots:
+        while len(self._pending) + untaken() > slots:
             if time.monotonic() >= deadline:
                 self.store_pauses_cut += 1  # (a worker thread's count: a hint, not exact)
                 log.warning("the store writes have not caught up in %.0f s: a prefetch run "
