@@ -5,6 +5,7 @@ holds nothing back."""
 
 from __future__ import annotations
 
+import pytest
 import trio
 
 from faultfs.tiers.budget import DataBudget
@@ -147,19 +148,26 @@ def test_blobs_a_sequential_reader_passed_drop_before_those_ahead_of_it():
 def test_blobs_kept_ahead_and_not_read_drop_after_every_blob_read():
     """A reader slower than its prefetch: the window's landed blobs are older than the blobs
     it just read, and least-recently-used order would drop the next ones it needs (each then
-    read back from the store: one for one in an h5py read of a 256 MiB dataset)."""
+    read back from the store: one for one in an h5py read of a 256 MiB dataset). When blobs
+    kept ahead must go, the furthest ahead go first; the blob read last (its reader is
+    likely in the middle of it: the kernel reads a blob in pieces) goes after all of them."""
     tier = MemoryTier(6 * MiB)
     for i in range(4):  # prefetched ahead of the reader, in the order they landed
         assert tier.keep((1, 10 + i), blob(), ahead=True)
     for i in range(2):  # the reader's own blobs (and its file's metadata), read since
         assert tier.keep((1, i), blob())
         tier.held((1, i))
-    tier.held((1, 10))  # it reached the first blob of the window
-    tier.budget.take(3 * MiB)  # room for three blobs is needed
-    assert [k for k in [(1, 0), (1, 1), (1, 10)] if k in tier] == []
-    assert all((1, 10 + i) in tier for i in range(1, 4))
-    tier.budget.take(MiB)  # more than what was read: the oldest blob kept ahead goes
-    assert (1, 11) not in tier and (1, 12) in tier and (1, 13) in tier
+    tier.held((1, 10))  # it reached the first blob of the window: its first piece served
+    tier.budget.take(2 * MiB)  # room for two blobs is needed: the blobs read before go
+    assert (1, 0) not in tier and (1, 1) not in tier
+    assert all((1, 10 + i) in tier for i in range(4))
+    tier.budget.take(2 * MiB)  # more than what was read: the furthest ahead go
+    assert (1, 13) not in tier and (1, 12) not in tier
+    assert (1, 10) in tier and (1, 11) in tier
+    tier.budget.take(MiB)  # and only then the blob being read
+    assert (1, 11) not in tier and (1, 10) in tier
+    tier.budget.take(MiB)
+    assert tier.size == 0
 
 
 def test_a_blob_kept_ahead_loses_its_place_when_passed_or_when_nobody_came_for_it():
@@ -169,14 +177,16 @@ def test_a_blob_kept_ahead_loses_its_place_when_passed_or_when_nobody_came_for_i
     tier.demote((1, 0))  # the reader moved past it without reading it
     assert tier.keep((2, 0), blob())
     tier.held((2, 0))
-    tier.budget.take(3 * MiB)
-    assert (1, 0) not in tier and (2, 0) not in tier and (1, 1) in tier
-    tier.budget.give(3 * MiB)
+    tier.budget.take(2 * MiB)
+    assert (1, 0) not in tier and (2, 0) in tier and (1, 1) in tier
+    tier.budget.give(2 * MiB)
     # a prefetch nobody came back for: once twice the tier's bound has come in since, it
     # goes in least-recently-used order like any other blob
     for i in range(8):
         assert tier.keep((3, i), blob())
         tier.held((3, i))
+        if i < 5:
+            assert (1, 1) in tier, i
     assert (1, 1) not in tier
 
 
@@ -193,3 +203,38 @@ def test_a_run_slice_read_stays_while_a_sibling_is_kept_ahead_and_unread():
     tier.held((1, 0))  # the run's read blob is the most recent
     tier.budget.take(2 * MiB)
     assert (1, 0) in tier and (1, 1) in tier and (2, 0) not in tier
+
+
+@pytest.mark.parametrize("run", [1, 32])  # blobs of their own (S3); slices of runs (a file)
+def test_making_room_walks_only_the_blobs_it_may_drop(monkeypatch, run):
+    """64 KiB blobs under a 64 MiB budget, memory holding mostly a window kept ahead and
+    not read: each blob a reader reads makes room by walking the blobs read, not every
+    blob kept ahead (it did: ~960 checks of a blob, each walking its run, per keep)."""
+    from faultfs.tiers import memory
+
+    cs = 64 << 10
+    tier = MemoryTier(1024 * cs)
+    index = 0
+    for _ in range(960 // run):
+        buf = memoryview(bytearray(run * cs))
+        for j in range(run):
+            assert tier.keep((1, index), buf[j * cs:(j + 1) * cs] if run > 1 else buf,
+                             ahead=True)
+            index += 1
+    tier.pin((9, 0))  # a fault's blob waiting for its store write
+    tier.keep((9, 0), memoryview(bytearray(cs)))
+    checks = 0
+    shared = memory._shared_buffer
+
+    def counted(data):
+        nonlocal checks
+        checks += 1
+        return shared(data)
+
+    monkeypatch.setattr(memory, "_shared_buffer", counted)
+    reads = 200
+    for i in range(reads):  # a reader's own blobs (another file, its metadata), read
+        tier.keep((2, i), memoryview(bytearray(cs)))
+        tier.held((2, i))
+    assert checks / reads < 20, f"{checks / reads:.0f} blob checks per keep"
+    assert all((1, i) in tier for i in range(960)), "a blob kept ahead went first"

@@ -263,7 +263,8 @@ def test_a_reader_slower_than_its_window_reads_it_from_memory(monkeypatch, tmp_p
     """A reader slower than its prefetch (h5py decodes as it reads) has the whole window
     landed before it gets there; those blobs are older than the ones it just read, and
     least-recently-used order dropped the next ones it needed, each read back from the store
-    (about one for each blob faulted, in an h5py read of a 256 MiB dataset)."""
+    (about one for each blob faulted, in an h5py read of a 256 MiB dataset; 48 for 40 here,
+    and the reader read its own next blob from the store at times)."""
     size = 40 * MiB
     data = payload(size)
     engine, tag = engine_over(monkeypatch, tmp_path, PieceReader(data), memory_mb=16,
@@ -272,8 +273,10 @@ def test_a_reader_slower_than_its_window_reads_it_from_memory(monkeypatch, tmp_p
         out, _ = read_all(engine, tag, size, 256 << 10, pace=0.004)
         assert out == data
         c = engine.stats.counters
-        assert c["store_readahead"] <= 2, f"{c['store_readahead']} blobs read back"
-        assert c["hits"] - c["memory_hits"] <= 2, "reads went to the store, not memory"
+        # a few at the window's opening, where its runs in flight each hold a blob of the
+        # budget beside what landed: the furthest ahead are dropped and read back later
+        assert c["store_readahead"] <= 8, f"{c['store_readahead']} blobs read back"
+        assert c["hits"] - c["memory_hits"] <= 1, "the reader's reads went to the store"
     finally:
         engine.close()
 

@@ -17,14 +17,18 @@ A blob kept ahead of its readers (prefetched, ``keep(ahead=True)``) and not read
 dropped only after every blob read before: a reader slower than its prefetch (h5py decoding
 as it reads) has the window's landed blobs waiting here, older than the blobs it just read,
 and least-recently-used order would drop the next ones it needs and have them read back
-from the store, one for one. The protection ends at the blob's first read, or once the tier
-has taken in ``UNREAD_AGE`` times its bound since (a prefetch nobody came back for does not
-outstay the blobs readers use).
+from the store, one for one. The protection ends at the blob's first read, when its reader
+passes it, or once the tier has taken in ``UNREAD_AGE`` times its bound since (a prefetch
+nobody came back for does not outstay the blobs readers use). When blobs kept ahead must go,
+the furthest ahead go first; the blob read last goes only after all of
+them (the kernel reads a blob in pieces: its reader is likely in the middle of it).
+The two kinds are kept in two orders, so making room walks only the blobs it may drop.
 """
 
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable, Iterable
 
 from faultfs.tiers.base import BlobKey, Buffer, Capacity, StoreOutcome, TierTag
 from faultfs.tiers.budget import DataBudget
@@ -39,11 +43,16 @@ class MemoryTier:
         self.limit = capacity
         self.budget = budget if budget is not None else DataBudget(capacity)
         self.size = 0
-        self._blobs: collections.OrderedDict[BlobKey, Buffer] = collections.OrderedDict()
-        self._runs: dict[int, set[BlobKey]] = {}  # id(shared buffer) -> its blobs
-        self._pins: dict[BlobKey, int] = {}  # blobs that must stay (their bytes are held anyway)
-        self._unread: dict[BlobKey, int] = {}  # kept ahead, not read yet -> ``_taken`` then
+        self._blobs: dict[BlobKey, Buffer] = {}
+        # each blob is in one of two orders: read (or kept not ahead), least recently used
+        # first; kept ahead and not read yet, in the order kept -> ``_taken`` then
+        self._order: collections.OrderedDict[BlobKey, None] = collections.OrderedDict()
+        self._ahead: collections.OrderedDict[BlobKey, int] = collections.OrderedDict()
+        self._last_read: BlobKey | None = None  # a reader may be in the middle of it
         self._taken = 0  # bytes taken in so far (the clock the protection of unread ages by)
+        self._runs: dict[int, set[BlobKey]] = {}  # id(shared buffer) -> its blobs
+        self._runs_ahead: dict[int, int] = {}  # id(shared buffer) -> its blobs in ``_ahead``
+        self._pins: dict[BlobKey, int] = {}  # blobs that must stay (their bytes are held anyway)
         self.budget.bind(lambda: self.size, self.pinned_bytes, self.shrink)
 
     def open_tag(self, tag: TierTag) -> None:
@@ -54,12 +63,14 @@ class MemoryTier:
             self.discard(key)
 
     def held(self, key: BlobKey) -> Buffer | None:
-        """The whole blob if it is here (no I/O; marks it recently used)."""
+        """The whole blob if it is here (no I/O; marks it recently used, and read)."""
         data = self._blobs.get(key)
         if data is not None:
-            self._blobs.move_to_end(key)
-            if self._unread:
-                self._unread.pop(key, None)
+            if self._ahead and self._unprotect(key):
+                self._order[key] = None
+            else:
+                self._order.move_to_end(key)
+            self._last_read = key
         return data
 
     def demote(self, key: BlobKey) -> None:
@@ -68,10 +79,14 @@ class MemoryTier:
         of a run's buffer: dropping it would drop the run's other blobs, ahead of the
         reader, with it."""
         data = self._blobs.get(key)
-        if data is not None:
-            self._unread.pop(key, None)  # read or skipped: no longer ahead of its reader
-            if _shared_buffer(data) is None:
-                self._blobs.move_to_end(key, last=False)
+        if data is None:
+            return
+        if self._unprotect(key):  # skipped: no longer ahead of its reader
+            self._order[key] = None
+        if _shared_buffer(data) is None:
+            self._order.move_to_end(key, last=False)
+        if self._last_read == key:
+            self._last_read = None
 
     def contains(self, key: BlobKey) -> bool:
         return key in self._blobs
@@ -97,11 +112,15 @@ class MemoryTier:
         self._blobs[key] = data
         self.size += len(data)
         self._taken += len(data)
-        if ahead:
-            self._unread[key] = self._taken
         run = _shared_buffer(data)
         if run is not None:
             self._runs.setdefault(run, set()).add(key)
+        if ahead:
+            self._ahead[key] = self._taken
+            if run is not None:
+                self._runs_ahead[run] = self._runs_ahead.get(run, 0) + 1
+        else:
+            self._order[key] = None
         self.shrink()
         return True
 
@@ -124,32 +143,62 @@ class MemoryTier:
         return sum(len(data) for key, data in self._blobs.items() if self._pinned(key))
 
     def shrink(self) -> None:
-        """Drop least recently used blobs until the tier fits in what the budget's other
-        holders leave, blobs kept ahead and not read yet last; pinned blobs (and their
-        runs' other blobs) stay."""
+        """Drop blobs until the tier fits in what the budget's other holders leave: blobs
+        read, least recently used first (not a slice of a run still ahead, nor the blob
+        read last: its reader may be in the middle of it); then blobs kept ahead and not
+        read yet, the furthest ahead (the highest index: a window's runs land out of order)
+        first; the blob read last at the very end. Pinned blobs (and their runs' other
+        blobs) stay."""
         budget = self.budget
         room = self.limit - budget.outside()
         if self.size > room:
-            young = self._taken - UNREAD_AGE * self.limit  # kept ahead since: protected
-            for last in (False, True):  # blobs kept ahead and not read yet: last
-                for key in list(self._blobs):
-                    if self.size <= room:
-                        break
-                    if key in self._blobs and not self._pinned(key) and (
-                            last or not self._unread_ahead(key, young)):
-                        self.discard(key)
+            self._age()
+            last = self._last_read
+            self._drop(room, list(self._order), lambda key: key == last or self._run_ahead(key))
+            if self.size > room:  # (rarely: the prefetch's window stops short of this)
+                self._drop(room, [*sorted(self._ahead, key=_index, reverse=True), last])
         budget.note()
 
-    def _unread_ahead(self, key: BlobKey, young: int) -> bool:
-        """Whether ``key`` (or another blob of its run, which goes with it) was kept ahead
-        of its readers after ``young`` and is not read yet."""
-        if not self._unread:
+    def _drop(self, room: int, keys: Iterable[BlobKey | None],
+              spare: Callable[[BlobKey], bool] = lambda key: False) -> None:
+        """Drop ``keys`` in turn (those still here, not pinned, not ``spare``d) until the
+        tier fits in ``room``."""
+        for key in keys:
+            if self.size <= room:
+                return
+            if (key is not None and key in self._blobs and not spare(key)
+                    and not self._pinned(key)):
+                self.discard(key)
+
+    def _age(self) -> None:
+        """Blobs kept ahead that nobody read while ``UNREAD_AGE`` times the bound came in
+        lose their place: they are the first to drop."""
+        young = self._taken - UNREAD_AGE * self.limit
+        while self._ahead:
+            key, taken = next(iter(self._ahead.items()))
+            if taken > young:
+                return
+            self._unprotect(key)
+            self._order[key] = None
+            self._order.move_to_end(key, last=False)
+
+    def _unprotect(self, key: BlobKey) -> bool:
+        """Take ``key`` (here) out of the blobs kept ahead; whether it was one."""
+        if self._ahead.pop(key, None) is None:
             return False
-        if self._unread.get(key, young) > young:
-            return True
         run = _shared_buffer(self._blobs[key])
-        return run is not None and any(self._unread.get(k, young) > young
-                                       for k in self._runs.get(run, ()))
+        if run is not None:
+            left = self._runs_ahead.pop(run) - 1
+            if left:
+                self._runs_ahead[run] = left
+        return True
+
+    def _run_ahead(self, key: BlobKey) -> bool:
+        """Whether ``key`` is a slice of a run with blobs kept ahead (they go with it)."""
+        if not self._runs_ahead:
+            return False
+        run = _shared_buffer(self._blobs[key])
+        return run is not None and run in self._runs_ahead
 
     def _pinned(self, key: BlobKey) -> bool:
         if not self._pins:
@@ -167,10 +216,13 @@ class MemoryTier:
     def discard(self, key: BlobKey) -> None:
         """Drop blob ``key`` and the other blobs of its run (pins aside: a blob evicted on
         purpose, e.g. its tag forgotten, goes)."""
-        old = self._blobs.pop(key, None)
-        if old is None:
+        if key not in self._blobs:
             return
-        self._unread.pop(key, None)
+        self._unprotect(key)
+        old = self._blobs.pop(key)
+        self._order.pop(key, None)
+        if self._last_read == key:
+            self._last_read = None
         self.size -= len(old)
         run = _shared_buffer(old)
         siblings = self._runs.pop(run, ()) if run is not None else ()
@@ -180,6 +232,10 @@ class MemoryTier:
 
     def capacity(self) -> Capacity:
         return Capacity(self.size, self.limit)
+
+
+def _index(key: BlobKey) -> int:
+    return key[1]
 
 
 def _shared_buffer(data: Buffer) -> int | None:
