@@ -33,11 +33,12 @@ URL = "s3://bucket/obj.bin"
 
 class PieceReader:
     """An object store's reader: ``read_into`` fills as the S3 path does, dropping the
-    connection once at each offset of ``drops``."""
+    connection once at each offset of ``drops``, each receive ``pace`` s after the last."""
 
-    def __init__(self, data: bytes, drops: set[int] = frozenset()) -> None:
+    def __init__(self, data: bytes, drops: set[int] = frozenset(), pace: float = 0.0) -> None:
         self.data = data
         self.drops = set(drops)
+        self.pace = pace
         self.lock = threading.Lock()
 
     def stat(self) -> ObjectStat:
@@ -51,6 +52,7 @@ class PieceReader:
 
         def readinto(view):
             nonlocal pos
+            time.sleep(self.pace)
             with self.lock:
                 drop = min((d for d in self.drops if pos <= d < pos + len(view)), default=None)
                 if drop is not None:
@@ -322,5 +324,40 @@ def test_a_prefetch_run_pauses_only_when_the_store_queue_is_full(monkeypatch, tm
         for i in range(blobs):
             assert bytes(engine.tiers.local.load_blocking([(tag.id, i)])[0]) == \
                 data[i * cs:(i + 1) * cs]
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("step", [64 << 10, MiB])
+def test_a_prefetched_blob_a_reader_took_from_its_flight_is_kept_as_read(
+        monkeypatch, tmp_path, step):
+    """Readers that join a prefetch's flight (the kernel's readahead asks for a blob's
+    pieces at once, while it lands) take its bytes from the flight, not from memory: the
+    blob is kept as read, not as ahead of its readers (it stayed protected, and a fast
+    sequential reader's window then dropped blobs it had not read: 8–45 read back from the
+    store in a 512 MiB read)."""
+    size = 4 * MiB
+    data = payload(size)
+    engine, tag = engine_over(monkeypatch, tmp_path, PieceReader(data, pace=0.01),
+                              memory_mb=16, prefetch_mb=0)
+    memory = engine.tiers.memory
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            engine.attach(nursery)
+            flights = engine.flights.claim((tag.id, i) for i in range(4))
+            nursery.start_soon(engine.faults.fault_run, tag, 0, flights)  # a prefetch's run
+            with trio.fail_after(30):
+                for off in range(0, 2 * MiB, step):  # blobs 0 and 1, read as they land
+                    got = await engine.read_view(tag, off, step)
+                    assert bytes(got) == data[off:off + step]
+                while engine.busy:  # noqa: ASYNC110 (the engine has no event for it)
+                    await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+        assert {(tag.id, 0), (tag.id, 1)} & set(memory._ahead) == set()
+        assert {(tag.id, 2), (tag.id, 3)} <= set(memory._ahead)  # not read: still ahead
     finally:
         engine.close()

@@ -334,6 +334,7 @@ class Engine:
             held = self.tiers.held(key)
             if held is None and key in self.flights:
                 held = await self.flights.read_ahead(key)
+                self.tiers.mark_read(key)  # (memory kept it ahead before it came here)
             if held is not None:
                 self.stats.add("hits")
                 self.stats.add("memory_hits")

@@ -132,11 +132,14 @@ class Faulter:
         the blob (``Flight.show``)."""
         flight = await self._flight(tag, index, streaming=True, at=off)
         await flight.wait_for(off + size, off)
+        flight.read = True  # (a prefetch's blob this reader joined: read, not ahead)
         landed = flight.landed(off, off + size) if flight.data is None else None
         if landed is not None:
             self.stats.add("head_reads")
             return landed  # landed before the fault ended (even if it failed)
-        return memoryview(self._outcome(tag, index, flight))[off:off + size]
+        data = self._outcome(tag, index, flight)
+        self.tiers.mark_read((tag.id, index))  # memory kept it before this reader took it
+        return memoryview(data)[off:off + size]
 
     async def _flight(self, tag: Tag, index: int, *, streaming: bool = False,
                       at: int = 0) -> Flight:
@@ -234,7 +237,7 @@ class Faulter:
             got[i] = data
             flights[i].data = data
             try:
-                self.tiers.hold(keys[i], data, ahead=not demand)
+                self.tiers.hold(keys[i], data, ahead=not (demand or flights[i].read))
                 if pieces:  # the run holds it until it ends: memory must not count it freed
                     self.tiers.pin(keys[i])
                     pinned.append(keys[i])
@@ -339,7 +342,7 @@ class Faulter:
                     flight.error = error if error is not None else SourceError("no bytes")
                 else:
                     flight.data = data
-                    self.tiers.hold(key, data, ahead=not demand)
+                    self.tiers.hold(key, data, ahead=not (demand or flight.read))
                 self.flights.settle([key], [flight])
             self.stats.latencies.append(time.monotonic() - started)
             if self._held_back is not None:

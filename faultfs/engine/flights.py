@@ -30,8 +30,8 @@ NOBODY = 1 << 62  # ``Flight.wait_end`` when no reader waits for a range
 class Flight:
     """One in-progress fault (or read-ahead of a staged blob) that readers wait on."""
 
-    __slots__ = ("_waiters", "data", "done", "error", "from_store", "partial", "tail",
-                 "tail_at", "wait_end")
+    __slots__ = ("_waiters", "data", "done", "error", "from_store", "partial", "read",
+                 "tail", "tail_at", "wait_end")
 
     def __init__(self, from_store: bool = False) -> None:
         self.done = trio.Event()
@@ -42,6 +42,7 @@ class Flight:
         self.tail_at = NOBODY  # where a split fault's second part starts in the blob
         self.tail: memoryview | None = None  # that part's first bytes, while it lands
         self.wait_end = NOBODY  # least end of a range a reader waits for
+        self.read = False  # a reader took bytes of it: memory keeps it as read, not ahead
         self._waiters: list[tuple[int, int, trio.Event]] = []
 
     def landed(self, off: int, end: int) -> memoryview | None:

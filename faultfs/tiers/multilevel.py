@@ -92,6 +92,11 @@ class TierStack:
             self.local.touch(key)
         return data
 
+    def mark_read(self, key: BlobKey) -> None:
+        """A reader took blob ``key`` from its flight, not from memory: memory holds it as
+        read (no longer ahead of its readers) and recently used."""
+        self.memory.held(key)
+
     def is_held(self, key: BlobKey) -> bool:
         return key in self.memory or key in self._pending
 
