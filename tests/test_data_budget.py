@@ -238,3 +238,54 @@ def test_making_room_walks_only_the_blobs_it_may_drop(monkeypatch, run):
         tier.held((2, i))
     assert checks / reads < 20, f"{checks / reads:.0f} blob checks per keep"
     assert all((1, i) in tier for i in range(960)), "a blob kept ahead went first"
+
+
+def test_two_files_readers_each_keep_the_blobs_next_to_them():
+    """Blobs kept ahead go furthest from their own file's reader first, not by index
+    alone (a reader deep into one file lost its whole window, its next blob first, before
+    a reader at the start of another lost any; a review)."""
+    tier = MemoryTier(10 * MiB)
+    for key in [(1, 1000), (2, 0)]:  # file 1's reader is at blob 1000, file 2's at 0
+        tier.keep(key, blob())
+        tier.held(key)
+    for i in range(1, 5):  # their windows land interleaved
+        assert tier.keep((1, 1000 + i), blob(), ahead=True)
+        assert tier.keep((2, i), blob(), ahead=True)
+    tier.budget.take(5 * MiB)
+    a = [i for i in range(1, 5) if (1, 1000 + i) in tier]
+    b = [i for i in range(1, 5) if (2, i) in tier]
+    assert a == [1, 2] and b == [1, 2], (a, b)
+    tier.budget.give(5 * MiB)
+    assert tier.keep((1, 1003), blob(), ahead=True)  # read ahead from the store: it stays
+    assert (1, 1003) in tier
+
+
+def test_blobs_a_reader_skipped_go_before_those_next_to_it():
+    tier = MemoryTier(8 * MiB)
+    tier.keep((1, 0), blob())
+    tier.held((1, 0))
+    for i in range(1, 8):  # the window lands
+        tier.keep((1, i), blob(), ahead=True)
+    for i in (2, 4, 6):  # the reader reads every other blob, passing the one before
+        tier.demote((1, i - 2))
+        tier.held((1, i))
+    for i in range(8, 12):  # the window moves on
+        tier.keep((1, i), blob(), ahead=True)
+    assert (1, 1) not in tier and (1, 7) in tier and (1, 8) in tier
+
+
+def test_a_look_at_a_blob_that_is_not_a_read_leaves_its_place(tmp_path):
+    """A publish's read back of a blob (``TierStack.peek``) is not a reader's read."""
+    from faultfs.store.blobstore import BlobStore
+    from faultfs.testing.fakes import engine_for
+
+    engine = engine_for(BlobStore(str(tmp_path / "store")), memory_mb=8)
+    try:
+        tiers = engine.tiers
+        tiers.memory.keep((1, 0), blob(), ahead=True)
+        tiers.memory.keep((1, 1), blob())
+        tiers.memory.held((1, 1))
+        assert tiers.peek((1, 0)) is not None
+        assert (1, 0) in tiers.memory._ahead and tiers.memory._last_read == (1, 1)
+    finally:
+        engine.close()

@@ -215,6 +215,7 @@ class Faulter:
         run_owed = cs if reserved and pieces else 0
         stored = [False] * count  # store writes seen to as the blob landed
         pinned: list[BlobKey] = []  # landed blobs the run holds (``pieces``) until it ends
+        tally = self.tiers.landing()  # its blobs landed, and taken in here (``hand``)
 
         def settle_budget(i: int) -> None:
             if owed[i]:
@@ -230,6 +231,7 @@ class Faulter:
         def hand(i: int, data: Buffer) -> None:
             """Blob ``first + i`` to its readers and to memory, now (on the trio thread, from
             ``run_sync_soon``: it must not raise)."""
+            tally[1] += 1
             if handed[i]:
                 return
             handed[i] = True
@@ -290,6 +292,7 @@ class Faulter:
                                                                   part_at, part))
                 elif self.reads.streams(tag):
                     def landed(j: int, data: Buffer, lo: int = lo) -> None:  # on the pool
+                        tally[0] += 1
                         token.run_sync_soon(hand, lo + j, data)
 
                     def partly(j: int, head: memoryview, lo: int = lo) -> None:  # on the pool
@@ -298,19 +301,15 @@ class Faulter:
                     def wanted(j: int, lo: int = lo) -> int:  # on the pool: a plain read
                         return flights[lo + j].wait_end
 
-                    def pause(j: int, lo: int = lo) -> None:  # on the pool
-                        # the blobs it landed that the trio thread has not taken in yet
-                        self.tiers.wait_for_store(
-                            lambda: sum(not handed[k] for k in range(lo, lo + j + 1)))
-
                     # a prefetch run landing blob by blob holds one blob of the budget:
-                    # before each next blob it lets the store writes catch up, its blobs
-                    # not taken in yet counted as waiting (its landed blobs wait for
-                    # theirs in memory, counted)
+                    # before each next blob it lets the store writes catch up, blobs that
+                    # landed and are not taken in yet counted as waiting (its landed blobs
+                    # wait for theirs in memory, counted)
                     paced = pieces and not demand
                     datas = await self._run(demand, self.reads.stream_source, tag, first + lo,
                                             hi - lo, landed, partly, wanted,
-                                            pause if paced else None, ahead=paced)
+                                            self.tiers.wait_for_store if paced else None,
+                                            ahead=paced)
                 else:
                     datas = await self._run(demand, self.reads.read_source, tag, first + lo,
                                             hi - lo)
@@ -331,6 +330,7 @@ class Faulter:
                               first + count - 1, tag.name)
         finally:
             settle_run()
+            self.tiers.landed(tally)
             if error is not None and not isinstance(error, Exception):
                 self.tiers.unpin(pinned)  # cancelled: no store loop follows to let go
             for i, (key, flight, data) in enumerate(zip(keys, flights, got, strict=True)):
@@ -410,8 +410,9 @@ class Faulter:
 
     async def _read_back(self, key: BlobKey) -> Buffer | None:
         """A blob this node faulted, for its held-back publish: from memory while its store
-        write is pending, else verified from the local store; None when it is not there."""
-        data = self.tiers.held(key)
+        write is pending, else verified from the local store; None when it is not there
+        (not a read: memory keeps a blob its readers have not read yet as such)."""
+        data = self.tiers.peek(key)
         if data is not None:
             return data
         try:

@@ -98,9 +98,10 @@ class Prefetcher:
         return self.reach if self.faulter.reads.in_pieces(tag) else self.budget
 
     def room_blobs(self, chunk_size: int) -> int:
-        """Blobs a window may have landed in memory or on their way at once: the memory
-        tier's, less what its reader reads meanwhile (where a window reaches the whole
-        budget, a reader slower than it has the whole window landed and waiting)."""
+        """Blobs that may be kept ahead of their readers in memory or on their way there,
+        all windows together: the budget's, less what the readers read meanwhile (where a
+        window reaches the whole budget, a reader slower than it has the whole window
+        landed and waiting; two such readers would each drop the other's)."""
         blobs = self.tiers.budget.limit // chunk_size
         return max(1, blobs - max(2, blobs // 16))
 
@@ -150,15 +151,17 @@ class Prefetcher:
             self._claim_ahead(clean, index + tag.window + AHEAD_WINDOWS * per)
         run_start, run_len = -1, 0
         load: list[int] = []  # adjacent staged blobs ahead, read from the store in one trip
-        held, room = 0, self.room_blobs(cs)  # the window's blobs here or on their way
+        # what memory holds kept ahead of readers (this one's landed window, others') and
+        # the window's blobs on their way: they all land in memory
+        coming, room = 0, self.room_blobs(cs) - self.tiers.ahead_bytes // cs
         for ahead in range(index + 1, min(index + 1 + tag.window, layout.num_blobs)):
             if self.in_flight + len(load) + run_len >= limit:
                 break  # the budget is taken: what is left waits for a later read
-            if held + len(load) + run_len >= room:
-                break  # a reader slower than its window: memory is full of what it will read
+            if coming + len(load) + run_len >= room:
+                break  # readers slower than their windows: memory is full of what they read
             key = (clean.id, ahead)
             busy = key in self.flights or self.tiers.is_held(key)
-            held += busy
+            coming += key in self.flights
             staged = not busy and self.tiers.contains(key)
             near = staged and ahead <= index + self.budget // cs  # what memory can hold
             if load and not (near and len(load) < max_load):

@@ -58,12 +58,12 @@ class SourceReads:
                       landed: Callable[[int, Buffer], None],
                       partly: Callable[[int, memoryview], None] | None = None,
                       wanted: Callable[[int], int] | None = None,
-                      pause: Callable[[int], None] | None = None) -> Sequence[Buffer]:
+                      pause: Callable[[], None] | None = None) -> Sequence[Buffer]:
         """As ``read_source``, calling ``landed(i, blob)`` (on this pool thread) as soon as
         blob ``first + i`` is wholly in, while the rest of the run is still being read; and
         ``partly(i, head)`` with the source bytes of blob ``first + i`` in so far, when a
         reader waits for no more than those (``wanted(i)``: the least end it waits for);
-        ``pause(i)`` after blob ``first + i`` landed, before the next one is received."""
+        ``pause()`` after each blob but the last landed, before the next is received."""
         layout = tag.layout
         cs = layout.chunk_size
         start = layout.source_range(first)[0]
@@ -90,7 +90,7 @@ class SourceReads:
                 shown = 0
                 landed(i, blob)
                 if pause is not None and i + 1 < count and n == stop:
-                    pause(i)  # (the next blob's bytes are not in yet)
+                    pause()  # (the next blob's bytes are not in yet)
 
         def read() -> memoryview | Pieces:
             assert tag.source is not None  # each blob into a buffer of its own (``hand``)

@@ -20,8 +20,9 @@ and least-recently-used order would drop the next ones it needs and have them re
 from the store, one for one. The protection ends at the blob's first read, when its reader
 passes it, or once the tier has taken in ``UNREAD_AGE`` times its bound since (a prefetch
 nobody came back for does not outstay the blobs readers use). When blobs kept ahead must go,
-the furthest ahead go first; the blob read last goes only after all of
-them (the kernel reads a blob in pieces: its reader is likely in the middle of it).
+those furthest from where their file was read last go first; the blob read last goes only
+after all of them (the kernel reads a blob in pieces: its reader is likely in the middle of
+it).
 The two kinds are kept in two orders, so making room walks only the blobs it may drop.
 """
 
@@ -49,6 +50,8 @@ class MemoryTier:
         self._order: collections.OrderedDict[BlobKey, None] = collections.OrderedDict()
         self._ahead: collections.OrderedDict[BlobKey, int] = collections.OrderedDict()
         self._last_read: BlobKey | None = None  # a reader may be in the middle of it
+        self._at: dict[int, int] = {}  # tag -> the index of its blob read last
+        self.ahead_bytes = 0  # of the blobs kept ahead and not read yet
         self._taken = 0  # bytes taken in so far (the clock the protection of unread ages by)
         self._runs: dict[int, set[BlobKey]] = {}  # id(shared buffer) -> its blobs
         self._runs_ahead: dict[int, int] = {}  # id(shared buffer) -> its blobs in ``_ahead``
@@ -61,6 +64,7 @@ class MemoryTier:
     def forget_tag(self, tag_id: int) -> None:
         for key in [k for k in self._blobs if k[0] == tag_id]:
             self.discard(key)
+        self._at.pop(tag_id, None)
 
     def held(self, key: BlobKey) -> Buffer | None:
         """The whole blob if it is here (no I/O; marks it recently used, and read)."""
@@ -71,7 +75,12 @@ class MemoryTier:
             else:
                 self._order.move_to_end(key)
             self._last_read = key
+            self._at[key[0]] = key[1]
         return data
+
+    def peek(self, key: BlobKey) -> Buffer | None:
+        """The whole blob if it is here, its place in the orders unchanged (not a read)."""
+        return self._blobs.get(key)
 
     def demote(self, key: BlobKey) -> None:
         """Blob ``key`` is the next to drop (a sequential reader has passed it): the blobs
@@ -117,6 +126,7 @@ class MemoryTier:
             self._runs.setdefault(run, set()).add(key)
         if ahead:
             self._ahead[key] = self._taken
+            self.ahead_bytes += len(data)
             if run is not None:
                 self._runs_ahead[run] = self._runs_ahead.get(run, 0) + 1
         else:
@@ -146,9 +156,10 @@ class MemoryTier:
         """Drop blobs until the tier fits in what the budget's other holders leave: blobs
         read, least recently used first (not a slice of a run still ahead, nor the blob
         read last: its reader may be in the middle of it); then blobs kept ahead and not
-        read yet, the furthest ahead (the highest index: a window's runs land out of order)
-        first; the blob read last at the very end. Pinned blobs (and their runs' other
-        blobs) stay."""
+        read yet, the furthest from where their file was read last first (a window's runs
+        land out of order; blobs a reader skipped lie behind it; two files' readers are
+        each at their own place); the blob read last at the very end. Pinned blobs (and
+        their runs' other blobs) stay."""
         budget = self.budget
         room = self.limit - budget.outside()
         if self.size > room:
@@ -156,7 +167,8 @@ class MemoryTier:
             last = self._last_read
             self._drop(room, list(self._order), lambda key: key == last or self._run_ahead(key))
             if self.size > room:  # (rarely: the prefetch's window stops short of this)
-                self._drop(room, [*sorted(self._ahead, key=_index, reverse=True), last])
+                far = sorted(self._ahead, key=self._distance, reverse=True)
+                self._drop(room, [*far, last])
         budget.note()
 
     def _drop(self, room: int, keys: Iterable[BlobKey | None],
@@ -182,10 +194,15 @@ class MemoryTier:
             self._order[key] = None
             self._order.move_to_end(key, last=False)
 
+    def _distance(self, key: BlobKey) -> int:
+        """How far blob ``key`` lies from its file's blob read last, either way."""
+        return abs(key[1] - self._at.get(key[0], key[1]))
+
     def _unprotect(self, key: BlobKey) -> bool:
         """Take ``key`` (here) out of the blobs kept ahead; whether it was one."""
         if self._ahead.pop(key, None) is None:
             return False
+        self.ahead_bytes -= len(self._blobs[key])
         run = _shared_buffer(self._blobs[key])
         if run is not None:
             left = self._runs_ahead.pop(run) - 1
@@ -232,10 +249,6 @@ class MemoryTier:
 
     def capacity(self) -> Capacity:
         return Capacity(self.size, self.limit)
-
-
-def _index(key: BlobKey) -> int:
-    return key[1]
 
 
 def _shared_buffer(data: Buffer) -> int | None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 
 import trio
 
@@ -54,6 +53,7 @@ class TierStack:
         self._background: trio.Nursery | None = None
         self._slots: trio.Semaphore | None = None
         self._slot_count = 0  # (read by worker threads: ``wait_for_store``)
+        self._landing: dict[int, list[int]] = {}  # source reads' tallies (``landing``)
         self.store_pauses_cut = 0  # pauses for the store writes that ran out of time
 
     def open_tag(self, tag: TierTag, *, trusted: bool = False) -> ScanResult:
@@ -91,6 +91,16 @@ class TierStack:
         if data is not None:
             self.local.touch(key)
         return data
+
+    @property
+    def ahead_bytes(self) -> int:
+        """Bytes memory holds kept ahead of their readers and not read yet (all files)."""
+        return self.memory.ahead_bytes
+
+    def peek(self, key: BlobKey) -> Buffer | None:
+        """As ``held``, not a read: memory's orders stay as they are."""
+        data = self.memory.peek(key)
+        return self._pending.get(key) if data is None else data
 
     def mark_read(self, key: BlobKey) -> None:
         """A reader took blob ``key`` from its flight, not from memory: memory holds it as
@@ -159,20 +169,36 @@ class TierStack:
         for key in keys:
             self.memory.unpin(key)
 
-    def wait_for_store(self, untaken: Callable[[], int] = lambda: 0) -> None:
+    def landing(self) -> list[int]:
+        """A source read's tally of blobs landed (counted by its worker thread) and taken
+        in (handed to memory and the store queue, counted on the trio thread), until
+        ``landed``: the ones between wait for their store write too (``wait_for_store``)."""
+        tally = [0, 0]
+        self._landing[id(tally)] = tally
+        return tally
+
+    def landed(self, tally: list[int]) -> None:
+        self._landing.pop(id(tally), None)
+
+    def _waiting(self) -> int:
+        """Blobs waiting for their store write: queued, or landed and not taken in yet."""
+        return len(self._pending) + sum(got - taken
+                                        for got, taken in list(self._landing.values()))
+
+    def wait_for_store(self) -> None:
         """(Blocking, on a worker thread) Wait while more blobs wait for their store write
         than it has slots for: a run that lands blob by blob pauses between blobs so that a
         store slower than the source does not fill memory with them (a reader waiting for
         the next blob waits for the store, as a reader's own fault waits for room in the
         budget); after ``STORE_PAUSE_MAX_S`` it goes on (a stuck store must not stall
-        reads for good). ``untaken()``: blobs the caller landed that the trio thread has not
-        taken in yet (handed to memory and queued for the store): they wait too, though the
-        queue does not show them (a busy trio thread would let the run land more)."""
+        reads for good). Blobs landed that the trio thread has not taken in yet count as
+        waiting: the queue does not show them yet, and a busy trio thread would let the
+        runs land more."""
         slots = self._slot_count
-        if not slots or len(self._pending) + untaken() <= slots:
+        if not slots or self._waiting() <= slots:
             return
         deadline = time.monotonic() + STORE_PAUSE_MAX_S
-        while len(self._pending) + untaken() > slots:
+        while self._waiting() > slots:
             if time.monotonic() >= deadline:
                 self.store_pauses_cut += 1  # (a worker thread's count: a hint, not exact)
                 log.warning("the store writes have not caught up in %.0f s: a prefetch run "
