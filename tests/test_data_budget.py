@@ -158,6 +158,7 @@ def test_blobs_kept_ahead_and_not_read_drop_after_every_blob_read():
         assert tier.keep((1, i), blob())
         tier.held((1, i))
     tier.held((1, 10))  # it reached the first blob of the window: its first piece served
+    tier.reader_at((1, 10))
     tier.budget.take(2 * MiB)  # room for two blobs is needed: the blobs read before go
     assert (1, 0) not in tier and (1, 1) not in tier
     assert all((1, 10 + i) in tier for i in range(4))
@@ -243,19 +244,22 @@ def test_making_room_walks_only_the_blobs_it_may_drop(monkeypatch, run):
 def test_two_files_readers_each_keep_the_blobs_next_to_them():
     """Blobs kept ahead go furthest from their own file's reader first, not by index
     alone (a reader deep into one file lost its whole window, its next blob first, before
-    a reader at the start of another lost any; a review)."""
-    tier = MemoryTier(10 * MiB)
-    for key in [(1, 1000), (2, 0)]:  # file 1's reader is at blob 1000, file 2's at 0
+    a reader at the start of another lost any; a review); a look back at a blob behind the
+    reader (an index node read again) does not move it (it did, a second review)."""
+    tier = MemoryTier(11 * MiB)
+    for key in [(1, 990), (1, 1000), (2, 0)]:  # file 1's reader is at blob 1000, 2's at 0
         tier.keep(key, blob())
         tier.held(key)
+        tier.reader_at(key)
     for i in range(1, 5):  # their windows land interleaved
         assert tier.keep((1, 1000 + i), blob(), ahead=True)
         assert tier.keep((2, i), blob(), ahead=True)
-    tier.budget.take(5 * MiB)
+    tier.held((1, 990))  # the look back
+    tier.budget.take(6 * MiB)
     a = [i for i in range(1, 5) if (1, 1000 + i) in tier]
     b = [i for i in range(1, 5) if (2, i) in tier]
     assert a == [1, 2] and b == [1, 2], (a, b)
-    tier.budget.give(5 * MiB)
+    tier.budget.give(6 * MiB)
     assert tier.keep((1, 1003), blob(), ahead=True)  # read ahead from the store: it stays
     assert (1, 1003) in tier
 
@@ -269,6 +273,7 @@ def test_blobs_a_reader_skipped_go_before_those_next_to_it():
     for i in (2, 4, 6):  # the reader reads every other blob, passing the one before
         tier.demote((1, i - 2))
         tier.held((1, i))
+        tier.reader_at((1, i))
     for i in range(8, 12):  # the window moves on
         tier.keep((1, i), blob(), ahead=True)
     assert (1, 1) not in tier and (1, 7) in tier and (1, 8) in tier

@@ -423,3 +423,35 @@ def test_two_slow_readers_share_memory_without_reading_each_others_windows_back(
         assert total <= 100, f"{total} store reads for 64 blobs read"
     finally:
         engine.close()
+
+
+class _Recorder:
+    """A nursery that records what the prefetch starts and runs nothing."""
+
+    def __init__(self):
+        self.started = []
+
+    def start_soon(self, fn, *args):
+        self.started.append(args)
+
+
+@pytest.mark.parametrize("others", [0, 12])
+def test_a_window_opens_within_the_room_other_windows_leave(monkeypatch, tmp_path, others):
+    """What one call of the prefetch starts counts against the room (its own runs were not
+    counted: a window opened whole with room for 2; a review), and another file's blobs
+    kept ahead take at most half of it (a reader that stopped must not hold the next one
+    back until its blobs age out)."""
+    engine, tag = engine_over(monkeypatch, tmp_path, PieceReader(payload(64 * MiB)),
+                              memory_mb=16, prefetch_mb=16)
+    try:
+        memory, prefetch = engine.tiers.memory, engine.prefetch
+        for i in range(others):  # another file's window: landed, not read yet
+            memory.keep((999, 100 + i), memoryview(bytearray(MiB)), ahead=True)
+        share = prefetch.room_blobs(MiB)
+        room = share - min(others, share // 2)
+        prefetch.attach(_Recorder())
+        prefetch.note_access(tag, 0)
+        prefetch.note_access(tag, 1)  # sequential: the window opens
+        assert 0 < prefetch.in_flight <= room
+    finally:
+        engine.close()

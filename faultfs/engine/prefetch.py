@@ -120,15 +120,17 @@ class Prefetcher:
         last = tag.last_index
         if index == last:
             return
+        clean = tag.clean
         if self.hdf5.holds_window(tag):  # an HDF5 reader's chunks, not the gaps between
             tag.last_index, tag.window = index, 0
+            self.tiers.reader_at((clean.id, index))
             return
-        clean = tag.clean
         if 0 <= index < last and tag.window and self._here(clean, index):
             return  # a look back at bytes here or on their way: the stream goes on
         sequential = last >= 0 and last < index <= last + 1 + max(1, tag.window)
         streaming = sequential and tag.window > 0  # sequential twice running: claim ahead
         tag.last_index = index
+        self.tiers.reader_at((clean.id, index))
         if sequential:
             self.tiers.passed((clean.id, last))
         layout = tag.layout
@@ -151,10 +153,15 @@ class Prefetcher:
             self._claim_ahead(clean, index + tag.window + AHEAD_WINDOWS * per)
         run_start, run_len = -1, 0
         load: list[int] = []  # adjacent staged blobs ahead, read from the store in one trip
-        # what memory holds kept ahead of readers (this one's landed window, others') and
-        # the window's blobs on their way: they all land in memory
-        coming, room = 0, self.room_blobs(cs) - self.tiers.ahead_bytes // cs
-        for ahead in range(index + 1, min(index + 1 + tag.window, layout.num_blobs)):
+        # what memory holds kept ahead of readers and the window's blobs on their way all
+        # land in memory: this window's landed blobs count whole, the rest (other files'
+        # windows, this file's left behind) take at most half of the room (a reader that
+        # stopped must not hold the next ones back until its blobs age out)
+        end = min(index + 1 + tag.window, layout.num_blobs)
+        share, inside = self.room_blobs(cs), self.tiers.ahead_count(clean.id, index + 1, end)
+        room = share - inside - min(self.tiers.ahead_bytes // cs - inside, share // 2)
+        coming = 0  # the window's blobs on their way (found so, or started here)
+        for ahead in range(index + 1, end):
             if self.in_flight + len(load) + run_len >= limit:
                 break  # the budget is taken: what is left waits for a later read
             if coming + len(load) + run_len >= room:
@@ -166,6 +173,7 @@ class Prefetcher:
             near = staged and ahead <= index + self.budget // cs  # what memory can hold
             if load and not (near and len(load) < max_load):
                 self._start_load(nursery, clean, load)
+                coming += len(load)
                 load = []
             if near:
                 load.append(ahead)
@@ -180,6 +188,7 @@ class Prefetcher:
                 continue
             if run_len:  # a run ended by its size, a blob here or on its way, or the layout
                 self._start_fault(nursery, clean, run_start, run_len)
+                coming += run_len
                 singles -= 1
             run_start, run_len = (ahead, 1) if wanted else (-1, 0)
         # the window's last run only when it is whole or ends the tag: a reader moving on by

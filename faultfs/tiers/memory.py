@@ -20,7 +20,7 @@ and least-recently-used order would drop the next ones it needs and have them re
 from the store, one for one. The protection ends at the blob's first read, when its reader
 passes it, or once the tier has taken in ``UNREAD_AGE`` times its bound since (a prefetch
 nobody came back for does not outstay the blobs readers use). When blobs kept ahead must go,
-those furthest from where their file was read last go first; the blob read last goes only
+those furthest from where their file's reader is go first; the blob read last goes only
 after all of them (the kernel reads a blob in pieces: its reader is likely in the middle of
 it).
 The two kinds are kept in two orders, so making room walks only the blobs it may drop.
@@ -50,7 +50,7 @@ class MemoryTier:
         self._order: collections.OrderedDict[BlobKey, None] = collections.OrderedDict()
         self._ahead: collections.OrderedDict[BlobKey, int] = collections.OrderedDict()
         self._last_read: BlobKey | None = None  # a reader may be in the middle of it
-        self._at: dict[int, int] = {}  # tag -> the index of its blob read last
+        self._at: dict[int, int] = {}  # tag -> where its reader is (``reader_at``)
         self.ahead_bytes = 0  # of the blobs kept ahead and not read yet
         self._taken = 0  # bytes taken in so far (the clock the protection of unread ages by)
         self._runs: dict[int, set[BlobKey]] = {}  # id(shared buffer) -> its blobs
@@ -75,8 +75,18 @@ class MemoryTier:
             else:
                 self._order.move_to_end(key)
             self._last_read = key
-            self._at[key[0]] = key[1]
         return data
+
+    def reader_at(self, key: BlobKey) -> None:
+        """A file's reader is at blob ``key``: the blobs kept ahead of it that must go go
+        furthest from here first."""
+        self._at[key[0]] = key[1]
+
+    def ahead_count(self, tag_id: int, lo: int, hi: int) -> int:
+        """Blobs ``lo .. hi-1`` of tag ``tag_id`` kept ahead and not read yet."""
+        if not self._ahead:
+            return 0
+        return sum((tag_id, i) in self._ahead for i in range(lo, hi))
 
     def peek(self, key: BlobKey) -> Buffer | None:
         """The whole blob if it is here, its place in the orders unchanged (not a read)."""
@@ -156,7 +166,7 @@ class MemoryTier:
         """Drop blobs until the tier fits in what the budget's other holders leave: blobs
         read, least recently used first (not a slice of a run still ahead, nor the blob
         read last: its reader may be in the middle of it); then blobs kept ahead and not
-        read yet, the furthest from where their file was read last first (a window's runs
+        read yet, the furthest from where their file's reader is first (a window's runs
         land out of order; blobs a reader skipped lie behind it; two files' readers are
         each at their own place); the blob read last at the very end. Pinned blobs (and
         their runs' other blobs) stay."""
@@ -195,7 +205,7 @@ class MemoryTier:
             self._order.move_to_end(key, last=False)
 
     def _distance(self, key: BlobKey) -> int:
-        """How far blob ``key`` lies from its file's blob read last, either way."""
+        """How far blob ``key`` lies from its file's reader (``reader_at``), either way."""
         return abs(key[1] - self._at.get(key[0], key[1]))
 
     def _unprotect(self, key: BlobKey) -> bool:

@@ -97,6 +97,15 @@ class TierStack:
         """Bytes memory holds kept ahead of their readers and not read yet (all files)."""
         return self.memory.ahead_bytes
 
+    def ahead_count(self, tag_id: int, lo: int, hi: int) -> int:
+        """Blobs ``lo .. hi-1`` of a tag that memory keeps ahead of their reader."""
+        return self.memory.ahead_count(tag_id, lo, hi)
+
+    def reader_at(self, key: BlobKey) -> None:
+        """A file's reader is at blob ``key`` (the prefetch's stream: a look back at a blob
+        behind it is not a move): what memory drops of the blobs kept ahead goes by it."""
+        self.memory.reader_at(key)
+
     def peek(self, key: BlobKey) -> Buffer | None:
         """As ``held``, not a read: memory's orders stay as they are."""
         data = self.memory.peek(key)
