@@ -19,8 +19,9 @@ budget, ``--memory-mb``) in requests twice as large as when a run's buffer is ta
 a window has landed and is not yet read at any time (all of it, for a reader slower than
 the window): the blobs a sequential reader has passed are the memory tier's first to drop
 (``TierStack.passed``), blobs kept ahead and not read yet its last (``MemoryTier.keep``),
-the window stops where what it has landed and on its way would fill the budget
-(``room_blobs``), and staged blobs are read ahead from the store only as far as the
+the windows stop where what memory keeps ahead of readers and what is on its way would
+fill the budget (``room_blobs``; other files' blobs kept ahead take at most half of a
+window's room), and staged blobs are read ahead from the store only as far as the
 prefetch's share of the budget, so the window's landed blobs are not dropped and read back
 before their reader gets to them.
 With claims in a shared store, a run also ends at a claim window's end (one claim a run), and
