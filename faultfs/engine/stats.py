@@ -42,6 +42,8 @@ def snapshot(config: Config, store_root: str, store_free_bytes: int, stats: Stat
         "data_budget": {"limit": tiers.budget.limit, "in_flight": tiers.budget.in_flight,
                         "outside_memory": tiers.budget.outside(), "peak": tiers.budget.peak,
                         "waits": tiers.budget.waits,
+                        # of the memory tier: blobs prefetched that no reader read yet
+                        "kept_ahead": tiers.ahead_bytes,
                         # prefetch runs that paused for the store writes until the bound
                         "store_pauses_cut": tiers.store_pauses_cut},
         "read_buffers": buffers.POOL.snapshot(),

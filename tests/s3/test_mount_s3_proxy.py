@@ -314,3 +314,5 @@ def test_a_sequential_reader_at_the_defaults_gets_runs_that_land_blob_by_blob(
     budget = snap["data_budget"]
     assert budget["limit"] == 64 * MiB and budget["peak"] <= budget["limit"] + 2 * MiB, budget
     assert budget["store_pauses_cut"] == 0, "a run paused for the store until its bound"
+    # read whole: nothing prefetched is left kept ahead of a reader (its blobs were read)
+    assert budget["kept_ahead"] <= MiB, budget
