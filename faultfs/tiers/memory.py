@@ -70,9 +70,7 @@ class MemoryTier:
         """The whole blob if it is here (no I/O; marks it recently used, and read)."""
         data = self._blobs.get(key)
         if data is not None:
-            if self._ahead and self._unprotect(key):
-                self._order[key] = None
-            else:
+            if not (self._ahead and self._unprotect(key)):
                 self._order.move_to_end(key)
             self._last_read = key
         return data
@@ -100,8 +98,7 @@ class MemoryTier:
         data = self._blobs.get(key)
         if data is None:
             return
-        if self._unprotect(key):  # skipped: no longer ahead of its reader
-            self._order[key] = None
+        self._unprotect(key)  # (skipped: no longer ahead of its reader)
         if _shared_buffer(data) is None:
             self._order.move_to_end(key, last=False)
         if self._last_read == key:
@@ -201,7 +198,6 @@ class MemoryTier:
             if taken > young:
                 return
             self._unprotect(key)
-            self._order[key] = None
             self._order.move_to_end(key, last=False)
 
     def _distance(self, key: BlobKey) -> int:
@@ -209,9 +205,11 @@ class MemoryTier:
         return abs(key[1] - self._at.get(key[0], key[1]))
 
     def _unprotect(self, key: BlobKey) -> bool:
-        """Take ``key`` (here) out of the blobs kept ahead; whether it was one."""
+        """Move ``key`` (here) from the blobs kept ahead to the end of the blobs read;
+        whether it was kept ahead."""
         if self._ahead.pop(key, None) is None:
             return False
+        self._order[key] = None
         self.ahead_bytes -= len(self._blobs[key])
         run = _shared_buffer(self._blobs[key])
         if run is not None:
