@@ -216,6 +216,84 @@ def test_a_readers_pattern_over_chunks():
     assert m.chunks_in(510, 990) == (1, 0), "between two chunks: none"
 
 
+def many_leaves(tmp_path) -> tuple[bytes, list[ChunkNode], list[tuple[int, int]]]:
+    """A file of one dataset of 320 chunks indexed by several leaves under a root: its bytes,
+    its leaves in the order the root names them, and (address, size) of every chunk in the
+    dataset's order."""
+    path = str(tmp_path / "f.h5")
+    rng = np.random.default_rng(3)
+    with h5py.File(path, "w") as f:
+        f.create_dataset("d", data=rng.normal(size=(320 * 16, 64)).astype(np.float32),
+                         chunks=(16, 64), compression="gzip", compression_opts=1)
+    raw = Path(path).read_bytes()
+    nodes = chunk_nodes(raw, 0, len(raw))
+    [root] = [n for n in nodes if n.level > 0]
+    by_address = {n.address: n for n in nodes}
+    leaves = [by_address[c] for c in root.children]
+    return raw, leaves, [c for leaf in leaves for c in leaf.chunks]
+
+
+class Memory:
+    """What memory holds of a file's bytes, for ``Hdf5Lookahead``'s peek: everything, or
+    nothing from ``held_below`` on."""
+
+    def __init__(self, raw: bytes, held_below: int | None = None) -> None:
+        self.raw, self.held_below, self.asked = raw, held_below, []
+
+    def __call__(self, tag, off: int, size: int) -> bytes:
+        self.asked.append(off)
+        end = off + size if self.held_below is None else min(off + size, self.held_below)
+        return self.raw[off:max(off, end)]
+
+
+def strided_reader(raw: bytes, leaves: list[ChunkNode], chunks: list[tuple[int, int]],
+                   peek, stop: int) -> tuple[Hdf5Lookahead, list[int]]:
+    """h5py's reads of every 4th chunk up to chunk ``stop`` through ``served``, its root
+    and first leaf read before them (1 KiB blobs); the blob indices the lookahead started."""
+    started: list[int] = []
+    look = Hdf5Lookahead(lambda tag, indices: started.extend(indices) or len(indices), Stats(),
+                         peek)
+    tag = SimpleNamespace(id=1, layout=ChunkLayout(0, len(raw), 1024))
+    look.served(tag, 0, raw[:2048])
+    root_at = min(a for a in range(len(raw)) if raw.startswith(b"TREE\x01\x01", a))
+    look.served(tag, root_at, raw[root_at:root_at + 1024])
+    first = leaves[0].address
+    look.served(tag, first, raw[first:first + 4096])
+    for address, size in chunks[:stop + 1:4]:
+        look.served(tag, address, raw[address:address + size])
+    return look, started
+
+
+def test_a_strided_reader_gets_the_next_leafs_chunks_before_h5py_reads_that_leaf(tmp_path):
+    """A hyperslab's pattern runs past the chunks of the leaf it reads: the next leaf is read
+    from memory and the pattern's chunks in it are prefetched while the reader is still in
+    the leaf before, not only once h5py reads the next leaf (a wait at every leaf)."""
+    raw, leaves, chunks = many_leaves(tmp_path)
+    assert len(leaves) >= 3
+    in_first = len(leaves[0].chunks)
+    stop = (in_first - 1) // 4 * 4  # the last of the reader's chunks in the first leaf
+    beyond = [i for i in range(stop + 4, len(chunks), 4) if i >= in_first][:2]
+    blobs_of = {i: set(range(chunks[i][0] // 1024, (sum(chunks[i]) - 1) // 1024 + 1))
+                for i in beyond}
+    look, started = strided_reader(raw, leaves, chunks, Memory(raw), stop)
+    for i in beyond:
+        assert blobs_of[i] <= set(started), f"chunk {i} (the next leaf's) not prefetched"
+    assert look.stats.counters["hdf5_leaves_ahead"] >= 1
+    assert leaves[1].address in look.maps[1].nodes  # h5py's read of it is the index's now
+    # without the leaf in memory (not landed yet), nothing is read ahead and it stays to read
+    look, started = strided_reader(raw, leaves, chunks, Memory(raw, leaves[1].address + 100),
+                                   stop)
+    assert not any(blobs_of[i] <= set(started) for i in beyond)
+    assert look.stats.counters["hdf5_leaves_ahead"] == 0
+    assert look.maps[1].leaves[0] == leaves[1].address
+    # bytes there that are no node (a wrong address named) are passed over, at no cost
+    bogus = bytearray(raw)
+    bogus[leaves[1].address:leaves[1].address + 4] = b"XXXX"
+    look, started = strided_reader(bytes(bogus), leaves, chunks, Memory(bytes(bogus)), stop)
+    assert leaves[1].address not in look.maps[1].leaves
+    assert look.stats.counters["hdf5_leaves_ahead"] >= 1  # the one after it was read
+
+
 def test_a_strided_hyperslab_through_a_mount_fetches_its_chunks_not_the_gaps(mounter, tmp_path):
     src = str(tmp_path / "field.h5")
     rng = np.random.default_rng(42)
@@ -236,4 +314,29 @@ def test_a_strided_hyperslab_through_a_mount_fetches_its_chunks_not_the_gaps(mou
         f"{c['source_bytes']} of {size} bytes fetched for a quarter of the chunks")
     with h5py.File(view, "r") as f:  # the rest of the file, and the whole dataset, exact
         assert np.array_equal(f["data"][...], data)
+    assert m.counters()["hdf5_errors"] == 0
+
+
+def test_a_hyperslab_over_many_leaves_through_a_mount_reads_the_leaves_ahead(mounter, tmp_path):
+    """A strided read over a dataset indexed by several leaves: the daemon reads each next
+    leaf from its memory before h5py does (the counter says so), and every value is exact,
+    on the mount's view and after a write to the file through it."""
+    src = str(tmp_path / "many.h5")
+    rng = np.random.default_rng(5)
+    data = np.round(rng.normal(size=(16 * 400, 256)), 2).astype(np.float32)
+    with h5py.File(src, "w") as f:
+        f.create_dataset("data", data=data, chunks=(16, 256), compression="gzip",
+                         compression_opts=1, shuffle=True)
+    m = mounter(src, args=["--chunk-size", "64K"])
+    view = os.path.join(m.tag("many"), "many.h5")
+    with h5py.File(view, "r") as f:
+        assert np.array_equal(f["data"][::64], data[::64])  # one row of every 4th chunk
+    c = m.counters()
+    assert c["hdf5_leaves_ahead"] >= 1 and c["hdf5_errors"] == 0, {
+        k: c.get(k) for k in ("hdf5_index_nodes", "hdf5_leaves_ahead", "hdf5_lookaheads")}
+    with h5py.File(view, "r+") as f:  # the view written: its chunks move, the index too
+        f["data"][::64] = -data[::64]
+    with h5py.File(view, "r") as f:
+        assert np.array_equal(f["data"][::64], -data[::64])
+        assert np.array_equal(f["data"][1::64], data[1::64])
     assert m.counters()["hdf5_errors"] == 0

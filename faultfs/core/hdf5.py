@@ -106,6 +106,15 @@ def chunk_nodes(data: bytes | memoryview, base: int, file_size: int, *,
     return found
 
 
+def node_at(data: bytes | memoryview, base: int, file_size: int) -> ChunkNode | None:
+    """The chunk-index node at the first byte of ``data`` (the file's bytes from ``base``), if
+    one is there whole; a node above the leaves names them before the reader reads them."""
+    view = memoryview(data).cast("B") if not isinstance(data, bytes) else data
+    if _NODE.match(view) is None:
+        return None
+    return _node_at(view, 0, base, file_size, Budget())
+
+
 def _node_at(data: bytes | memoryview, at: int, base: int, file_size: int,
              budget: Budget) -> ChunkNode | None:
     if at + NODE_HEADER > len(data):

@@ -9,8 +9,11 @@ steady pattern (a whole dataset: one chunk on each time; a strided hyperslab suc
 ``ds[::256]``: one chunk in every few, with the kernel's readahead touching the next one's
 first pages), the chunks the pattern reads next are prefetched, as far as ``LOOKAHEAD_BYTES``,
 ``LOOKAHEAD_CHUNKS`` and the prefetch budget allow. A node above the leaves names the leaves
-h5py reads next: their blobs are prefetched too, so that a long hyperslab does not stop at each
-leaf for a round trip.
+h5py reads next: their blobs are prefetched too, and when a strided reader's pattern runs past
+the chunks known so far, the next leaf is read from memory (``Peek``: only bytes held there,
+never a fetch) before h5py gets to it, so that the chunks after a leaf's last one are on their
+way while the reader is still in the leaf before (it would otherwise wait for the first of
+them at every leaf: a round trip and more, as a whole leaf's chunks start at once).
 
 A reader whose pattern skips chunks is strided: the blob window of ``prefetch.py`` (which would
 fetch the gaps between its chunks) holds still for it; the reader's own chunks come from here.
@@ -38,7 +41,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
-from faultfs.core.hdf5 import Budget, addresses_fit, chunk_nodes
+from faultfs.core.hdf5 import Budget, addresses_fit, chunk_nodes, node_at
 from faultfs.engine.tags import Tag
 from faultfs.stats import Stats
 
@@ -56,7 +59,11 @@ PAGE = 4096  # a read starts at most this before the chunk it was made for
 SMALL_READS = 8  # a page boundary is served in two reads, in either order
 SCANS_SPENT = 4  # reads of a file whose bytes spent a scan's whole budget: no more scans of it
 
+LEAF_PEEK = 64 << 10  # bytes of a leaf read from memory at most (one of 64 entries: ~3 KiB)
+LEAF_PEEKS = 2  # leaves read from memory after one read, at most
+
 Starter = Callable[[Tag, list[int]], int]  # blob indices to prefetch -> how many started
+Peek = Callable[[Tag, int, int], bytes]  # view bytes [off, off+size) that memory holds (a prefix)
 
 
 @dataclass
@@ -75,12 +82,20 @@ class ChunkMap:
     small: OrderedDict[int, bytes] = field(default_factory=OrderedDict)  # offset -> bytes
     nodes: set[int] = field(default_factory=set)  # addresses of the index nodes read ...
     node_order: list[int] = field(default_factory=list)  # ... in order
+    leaves: list[int] = field(default_factory=list)  # nodes named by the nodes above them and
+    # not read yet, in the order h5py reads them
     spent: int = 0  # reads whose scan ran out of its budget (``SCANS_SPENT``)
 
     def node_read(self, address: int) -> None:
         if address not in self.nodes and len(self.nodes) < MAX_NODES:
             self.nodes.add(address)
             bisect.insort(self.node_order, address)
+
+    def named(self, children: Iterable[int]) -> None:
+        """A node above the leaves named ``children``: they are read next, in this order,
+        before the leaves named earlier and not read yet (a deeper tree's lower node)."""
+        new = [c for c in children if c not in self.nodes and c not in self.leaves]
+        self.leaves[:0] = new[:max(0, MAX_NODES - len(self.leaves))]
 
     def node_in(self, off: int, end: int) -> bool:
         """Whether an index node starts in ``[off, end)``."""
@@ -172,6 +187,15 @@ class ChunkMap:
         dataset gets it after a few chunks)."""
         return self.in_chunk and not self.dense
 
+    @property
+    def runs_out(self) -> bool:
+        """Whether a strided pattern's next ``LOOKAHEAD_CHUNKS`` steps pass the last chunk
+        known: the next leaf is needed to go on."""
+        if not self.strided or not self.read:
+            return False
+        last = bisect.bisect_left(self.addresses, self.read[-1])
+        return last + LOOKAHEAD_CHUNKS * self.period >= len(self.addresses)
+
     def ahead(self) -> list[tuple[int, int]]:
         """(address, size) of the chunks the pattern reads next, nearest first."""
         last = [bisect.bisect_left(self.addresses, a) for a in self.read[-self.lag:]]
@@ -201,8 +225,9 @@ def within(chunks: Iterable[tuple[int, int]], limit: int = LOOKAHEAD_BYTES
 
 
 class Hdf5Lookahead:
-    def __init__(self, start: Starter, stats: Stats) -> None:
+    def __init__(self, start: Starter, stats: Stats, peek: Peek | None = None) -> None:
         self.start = start  # the prefetcher's: fault these blobs of a tag in the background
+        self.peek = peek  # ... and what memory holds of a tag's view bytes
         self.stats = stats
         self.maps: OrderedDict[int, ChunkMap] = OrderedDict()
 
@@ -235,6 +260,7 @@ class Hdf5Lookahead:
             if node.level == 0:
                 grown = m.add(node.chunks) or grown
             else:  # the leaves below: h5py reads them as it goes on
+                m.named(node.children)
                 self._fetch(tag, [(child, 1) for child in node.children])
         if grown and m.strided:  # the pattern goes on into the chunks of a leaf just read
             self.stats.add("hdf5_lookaheads", self._fetch(tag, m.ahead()))
@@ -249,6 +275,7 @@ class Hdf5Lookahead:
             return
         m.covered(a, b)
         if m.moved(a) and m.strided:
+            self._leaves_ahead(tag, m)
             ahead = m.ahead()
         elif m.holds_window and m.grew:  # it may read every chunk: the next ones
             ahead = within(zip(m.addresses[b + 1:b + 1 + NEXT_CHUNKS],
@@ -256,6 +283,32 @@ class Hdf5Lookahead:
         else:
             return
         self.stats.add("hdf5_lookaheads", self._fetch(tag, ahead))
+
+    def _leaves_ahead(self, tag: Tag, m: ChunkMap) -> None:
+        """Read the next leaves from memory while the reader's pattern runs past the chunks
+        known (``LEAF_PEEKS`` at most): a leaf not there yet is left to h5py's own read."""
+        size = tag.layout.size
+        for _ in range(LEAF_PEEKS):
+            while m.leaves and m.leaves[0] in m.nodes:
+                m.leaves.pop(0)
+            if self.peek is None or not m.leaves or not m.runs_out:
+                return
+            address = m.leaves[0]
+            want = min(LEAF_PEEK, size - address)
+            data = self.peek(tag, address, want)
+            node = node_at(data, address, size) if data else None
+            if node is None:
+                if len(data) < want:
+                    return  # its bytes are not all here yet
+                m.leaves.pop(0)  # no node there after all
+                continue
+            m.leaves.pop(0)
+            m.node_read(address)
+            self.stats.add("hdf5_leaves_ahead")
+            if node.level == 0:
+                m.add(node.chunks)
+            else:
+                m.named(node.children)
 
     def _fetch(self, tag: Tag, ranges: list[tuple[int, int]]) -> int:
         """Prefetch the blobs holding the byte ranges (address, size); how many started."""

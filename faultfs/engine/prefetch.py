@@ -89,7 +89,7 @@ class Prefetcher:
         self.in_flight = 0  # blobs being prefetched or read ahead
         self.closing = False
         self._nursery: trio.Nursery | None = None
-        self.hdf5 = Hdf5Lookahead(self.start_blobs, stats)
+        self.hdf5 = Hdf5Lookahead(self.start_blobs, stats, self.peek)
 
     def attach(self, nursery: trio.Nursery) -> None:
         self._nursery = nursery
@@ -210,6 +210,17 @@ class Prefetcher:
             if not self.stats.counters["hdf5_errors"]:
                 log.exception("tag %s: the HDF5 lookahead failed (no more is logged)", tag.name)
             self.stats.add("hdf5_errors")
+
+    def peek(self, tag: Tag, off: int, size: int) -> bytes:
+        """View bytes ``[off, off+size)`` of ``tag``'s clean blobs as far as memory holds them
+        from ``off`` (a prefix; empty when none): no I/O, no change to what memory keeps."""
+        clean, out = tag.clean, []
+        for index, inner, length in tag.layout.view_pieces(off, size):
+            data = self.tiers.peek((clean.id, index))
+            if data is None or len(data) < inner + length:
+                break
+            out.append(memoryview(data)[inner:inner + length])
+        return b"".join(out)
 
     def start_blobs(self, tag: Tag, indices: list[int]) -> int:
         """Fault blobs ``indices`` (ascending) of ``tag`` in the background, adjacent ones
