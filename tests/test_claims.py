@@ -236,6 +236,48 @@ def test_a_taker_finds_the_blobs_its_predecessor_published_without_a_mark(tmp_pa
     assert third.stats.counters["claims_won"] == 0
 
 
+def test_a_holders_renewals_name_what_it_published_so_its_taker_passes_them_on(tmp_path):
+    """A holder whose claim lives on for one fault after another published its blobs names
+    those blobs at its next renewal; killed then, its taker's claim carries them on, and a
+    node after both loads them from the store. Before, only a release named them: blobs of
+    a holder taken over stayed unnamed unless a fault of the taker looked for them, and the
+    node after fetched them from the source again."""
+    c = Cluster(str(tmp_path))
+    holder, taker, third = c.board("holder"), c.board("taker"), c.board("third")
+
+    async def main():
+        with trio.CancelScope() as life:  # the holder's life: its renewals run in it
+            async with trio.open_nursery() as nursery:
+                holder.attach(nursery)
+                holder.mailbox.company = True  # renews at its node's pace
+                await holder.coordinate(TAG, [0], c.load)  # a fault that never ends
+                _, second = await holder.coordinate(TAG, [1, 2], c.load)  # joins the claim
+                for i in (1, 2):
+                    c.fetches.append(("holder", i))
+                    c.blobs[i] = f"blob {i}".encode()
+                await holder.release(second, fetched=[1, 2])  # published; the claim lives on
+                renewed = holder.stats.counters["claims_renewed"]
+                for _ in range(500):  # its next renewal (about half a second on)
+                    if holder.stats.counters["claims_renewed"] > renewed:
+                        break
+                    await trio.sleep(0.02)
+                life.cancel()  # killed: no release, no more renewals
+        live = c.marker()
+        assert not live.published and live.published_of(0, list(range(8))) == [1, 2]
+        await trio.sleep(max(0.0, live.deadline_ms / 1000 - time.time()) + 0.1)
+        _, held = await taker.coordinate(TAG, [0], c.load)  # takes the window over
+        assert held and held[0].claim.node == "taker"
+        c.fetches.append(("taker", 0))
+        c.blobs[0] = b"blob 0"
+        await taker.release(held, fetched=[0])
+        assert c.marker().published_of(0, list(range(8))) == [0, 1, 2]
+        assert await c.fault(third, [1, 2]) == {1: b"blob 1", 2: b"blob 2"}
+
+    trio.run(main)
+    assert c.fetches == [("holder", 1), ("holder", 2), ("taker", 0)]
+    assert taker.stats.counters["claim_takeovers"] == 1
+
+
 def test_a_holder_taken_over_before_its_end_leaves_the_takers_claim_and_counts_no_release(
         tmp_path):
     """A holder cut off past its deadline (it renewed nothing) ends its claim after another

@@ -23,7 +23,8 @@ Invariants:
 - The claim object says what its holder fetches: a later fault of the holder outside the
   claimed blobs grows the claim to cover them (a conditional replace of its own object, which
   also renews the deadline; behind the fetch when attached to a mount, and deferred while the
-  node looks alone: ``upkeep.py``), and the ``published`` marker a release leaves adds what
+  node looks alone: ``upkeep.py``; each grow and renewal also names in ``done`` what the
+  claim's faults published so far), and the ``published`` marker a release leaves adds what
   it fetched under the claim, all of it, to ``done``. A
   prefetch run claims to the window's end (its next runs follow), and the last user's
   release of such a claim waits ``IDLE_HOLD_S`` for them before it lets the rest go.
@@ -33,7 +34,8 @@ Invariants:
   lets it pass. After it, any node may take the claim over with a conditional replace, and
   exactly one does; the blob is then fetched at most twice. The taker looks in the store
   for every blob its faults of the window need (``Held.unindexed``: the holder before may
-  have published blobs no marker names yet) and its marker names those it found.
+  have published blobs since its last renewal that no ``done`` names yet) and its marker
+  names those it found, besides those the claim it replaced named.
 - A waiter takes each blob the holder publishes soon after it lands (it polls two of them
   with the claim, and all once one landed: ``poll_blobs``). Its wait is bounded by the claim's
   deadline and, per generation of the claim and since the last blob that landed, by its own

@@ -4,7 +4,10 @@ fault of the holder outside a claim's blobs grows it, and a live holder renews i
 Invariants:
 - A grow or a renewal is a conditional replace of the holder's own object (If-Match on its
   tag): a claim taken over after its deadline is never replaced by its old holder (it is
-  ``lost``; the taker fetches from then on).
+  ``lost``; the taker fetches from then on). Each one names in ``done`` the blobs the
+  claim's faults published so far, so that a node taking a killed holder's claim over
+  carries them on in its own (blobs published since the last renewal stay unnamed: the
+  taker's faults look for their own in the store, ``Held.unindexed``).
 - While the node looks alone (``Mailbox.company`` false: it has met no other node) nobody
   waits on its claims, so a grow is deferred: the claim's ``want`` grows, and the next
   renewal (which covers ``want``) or the moment the node meets another (``in_company``:
@@ -40,7 +43,7 @@ import time
 import trio
 
 from faultfs.tiers.base import TierTag
-from faultfs.tiers.claims import Claim, now_ms
+from faultfs.tiers.claims import Claim, done_mask, now_ms
 from faultfs.tiers.held import Held, claim_span
 
 log = logging.getLogger("faultfs.shared")
@@ -133,7 +136,9 @@ class ClaimUpkeep:
                 deadline = max(deadline, c.deadline_ms)  # until half of the old one is gone
             else:
                 h.lease_s = lease
-            claim = Claim(self.node, c.gen, deadline, lo, hi - lo, done=c.done)
+            # what its faults published so far: a taker (this node killed) carries it on
+            done = c.done | done_mask(h.window * h.per, h.fetched)
+            claim = Claim(self.node, c.gen, deadline, lo, hi - lo, done=done)
             try:
                 etag = await self._io(self.store.replace, h.key, claim.encode(), h.etag)
             except OSError as exc:
