@@ -106,6 +106,16 @@ def chunk_nodes(data: bytes | memoryview, base: int, file_size: int, *,
     return found
 
 
+def node_extent(head: bytes | memoryview) -> int | None:
+    """The most bytes a chunk-index node whose first ``NODE_HEADER`` bytes are ``head`` can
+    span (its rank, which sets its keys' size, is not in the header: the largest), or None
+    when ``head`` is no such node's header."""
+    if len(head) < NODE_HEADER or _NODE.match(bytes(head[:5])) is None:
+        return None
+    entries = _HEAD.unpack_from(head, 0)[3]
+    return NODE_HEADER + (entries + 1) * (8 + 8 * (MAX_RANK + 1)) + entries * 8
+
+
 def node_at(data: bytes | memoryview, base: int, file_size: int) -> ChunkNode | None:
     """The chunk-index node at the first byte of ``data`` (the file's bytes from ``base``), if
     one is there whole; a node above the leaves names them before the reader reads them."""

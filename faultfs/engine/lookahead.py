@@ -41,7 +41,14 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
-from faultfs.core.hdf5 import Budget, addresses_fit, chunk_nodes, node_at
+from faultfs.core.hdf5 import (
+    NODE_HEADER,
+    Budget,
+    addresses_fit,
+    chunk_nodes,
+    node_at,
+    node_extent,
+)
 from faultfs.engine.tags import Tag
 from faultfs.stats import Stats
 
@@ -60,7 +67,8 @@ SMALL_READS = 8  # a page boundary is served in two reads, in either order
 SCANS_SPENT = 4  # reads of a file whose bytes spent a scan's whole budget: no more scans of it
 
 LEAF_PEEK = 64 << 10  # bytes of a leaf read from memory at most (one of 64 entries: ~3 KiB)
-LEAF_PEEKS = 2  # leaves read from memory after one read, at most
+LEAF_TRIES = 4  # leaves looked for in memory after one read, at most
+SHORT_LOOKS = 8  # reads after which a leaf still short of its bytes is left to h5py
 
 Starter = Callable[[Tag, list[int]], int]  # blob indices to prefetch -> how many started
 Peek = Callable[[Tag, int, int], bytes]  # view bytes [off, off+size) that memory holds (a prefix)
@@ -83,7 +91,10 @@ class ChunkMap:
     nodes: set[int] = field(default_factory=set)  # addresses of the index nodes read ...
     node_order: list[int] = field(default_factory=list)  # ... in order
     leaves: list[int] = field(default_factory=list)  # nodes named by the nodes above them and
-    # not read yet, in the order h5py reads them
+    # not read yet, in the order h5py reads them ...
+    queued: set[int] = field(default_factory=set)  # ... as a set
+    short: dict[int, list[int]] = field(default_factory=dict)  # a queued leaf -> [the bytes
+    # of it memory held when it was found short of the whole node, looks since]
     spent: int = 0  # reads whose scan ran out of its budget (``SCANS_SPENT``)
 
     def node_read(self, address: int) -> None:
@@ -93,9 +104,24 @@ class ChunkMap:
 
     def named(self, children: Iterable[int]) -> None:
         """A node above the leaves named ``children``: they are read next, in this order,
-        before the leaves named earlier and not read yet (a deeper tree's lower node)."""
-        new = [c for c in children if c not in self.nodes and c not in self.leaves]
-        self.leaves[:0] = new[:max(0, MAX_NODES - len(self.leaves))]
+        before the leaves named earlier and not read yet (a deeper tree's lower node).
+        ``MAX_NODES`` queued at most: a node's own children count once."""
+        room = MAX_NODES - len(self.leaves)
+        new: list[int] = []
+        for child in children:
+            if len(new) >= room:
+                break
+            if child not in self.nodes and child not in self.queued:
+                self.queued.add(child)
+                new.append(child)
+        self.leaves[:0] = new
+
+    def unqueue(self, i: int) -> int:
+        """The queued leaf at ``i``, out of the queue."""
+        address = self.leaves.pop(i)
+        self.queued.discard(address)
+        self.short.pop(address, None)
+        return address
 
     def node_in(self, off: int, end: int) -> bool:
         """Whether an index node starts in ``[off, end)``."""
@@ -286,29 +312,51 @@ class Hdf5Lookahead:
 
     def _leaves_ahead(self, tag: Tag, m: ChunkMap) -> None:
         """Read the next leaves from memory while the reader's pattern runs past the chunks
-        known (``LEAF_PEEKS`` at most): a leaf not there yet is left to h5py's own read."""
-        size = tag.layout.size
-        for _ in range(LEAF_PEEKS):
-            while m.leaves and m.leaves[0] in m.nodes:
-                m.leaves.pop(0)
-            if self.peek is None or not m.leaves or not m.runs_out:
-                return
-            address = m.leaves[0]
-            want = min(LEAF_PEEK, size - address)
-            data = self.peek(tag, address, want)
-            node = node_at(data, address, size) if data else None
-            if node is None:
-                if len(data) < want:
-                    return  # its bytes are not all here yet
-                m.leaves.pop(0)  # no node there after all
+        known, ``LEAF_TRIES`` queued leaves at most. A leaf whose bytes are not all in memory
+        is passed over for now (the next one may be) and its missing bytes are fetched; one
+        found as short ``SHORT_LOOKS`` times (its blob staged, not in memory) is left to
+        h5py's own read, as is one h5py read meanwhile. Short bytes are parsed once."""
+        if self.peek is None:
+            return
+        size, i, tries = tag.layout.size, 0, 0
+        while i < len(m.leaves) and tries < LEAF_TRIES and m.runs_out:
+            address = m.leaves[i]
+            if address in m.nodes:  # h5py read it meanwhile
+                m.unqueue(i)
                 continue
-            m.leaves.pop(0)
+            tries += 1
+            head = self.peek(tag, address, NODE_HEADER)
+            whole = len(head) == min(NODE_HEADER, size - address)
+            extent = node_extent(head)
+            if whole and extent is None:
+                m.unqueue(i)  # no node there after all
+                continue
+            want = min(LEAF_PEEK, size - address, extent or NODE_HEADER)
+            data = self.peek(tag, address, want) if extent is not None else head
+            seen = m.short.get(address)
+            if seen is not None and seen[0] == len(data):
+                seen[1] += 1  # as short as when it was looked at last
+                if seen[1] > SHORT_LOOKS:
+                    m.unqueue(i)
+                else:
+                    i += 1
+                continue
+            node = node_at(data, address, size) if extent is not None else None
+            if node is None and len(data) < want:  # the rest is not here: fetch it
+                m.short[address] = [len(data), 0]
+                self._fetch(tag, [(address, want)])
+                i += 1
+                continue
+            m.unqueue(i)
+            if node is None:
+                continue  # no node there after all
             m.node_read(address)
             self.stats.add("hdf5_leaves_ahead")
             if node.level == 0:
                 m.add(node.chunks)
-            else:
+            else:  # h5py's read of it will be skipped: its children are fetched here
                 m.named(node.children)
+                self._fetch(tag, [(child, 1) for child in node.children])
 
     def _fetch(self, tag: Tag, ranges: list[tuple[int, int]]) -> int:
         """Prefetch the blobs holding the byte ranges (address, size); how many started."""
