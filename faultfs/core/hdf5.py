@@ -19,6 +19,13 @@ costly: it examines ``MAX_CANDIDATES`` places at most and parses ``MAX_KEYS`` ke
 over all of them and every rank tried (``Budget``; bytes made of many overlapping "nodes" of
 thousands of entries each cost seconds of the serving thread per read before it).
 
+A group written the same way (h5py's default, "old-style" groups) indexes its members in a
+version-1 B-tree of type 0: ``key, child, ..., key`` with 8-byte keys (offsets of names in the
+group's local heap); a leaf's children are symbol table nodes (``SNOD``), 8 members each by
+default, which h5py reads one after another to list the group (``GroupNode``). Listing a
+group of a large file is then one round trip per symbol table node, each in its own part of
+the file; knowing them from their leaf lets the daemon fetch them together.
+
 Supported: 8-byte file offsets and lengths (every file h5py writes by default) and no user
 block (base address 0). Files written with ``libver="latest"`` index chunks otherwise (fixed
 and extensible arrays, version-2 B-trees): no node is found in them, and reads of them get the
@@ -40,6 +47,8 @@ MAX_CANDIDATES = 64  # places that look like a node examined in one call, at mos
 MAX_KEYS = 16384  # ... and keys parsed (a real node of 64 entries costs ~100 over its ranks)
 NODE_HEADER = 24  # "TREE", type, level, entries used, left and right sibling
 _NODE = re.compile(rb"TREE\x01")  # a node of a chunk index (type 1)
+_ANY_NODE = re.compile(rb"TREE[\x00\x01]")  # ... or of a group (type 0)
+MAX_GROUP_ENTRIES = 4096  # a group node's children at most (h5py's: 32)
 _HEAD = struct.Struct("<4sBBHQQ")
 
 
@@ -85,25 +94,78 @@ class Budget:
         return self.keys <= 0
 
 
+@dataclass(frozen=True)
+class GroupNode:
+    """A node of a group's index: at level 0 its children are symbol table nodes (each
+    naming up to 8 of the group's members, in name order), above it the nodes below; the
+    siblings at its level (``UNDEFINED``: none) chain the leaves in order."""
+
+    address: int
+    level: int
+    children: tuple[int, ...]
+    right: int
+
+
 def chunk_nodes(data: bytes | memoryview, base: int, file_size: int, *,
                 skip: Container[int] = (), limit: int = MAX_CANDIDATES,
-                budget: Budget | None = None) -> list[ChunkNode]:
+                budget: Budget | None = None,
+                groups: list[GroupNode] | None = None) -> list[ChunkNode]:
     """The chunk-index nodes whole in ``data``, which holds the file's bytes from ``base``;
     none at an address in ``skip`` (read before), and no more than ``limit`` places that
     look like one examined and ``budget``'s keys parsed (bytes made to hold many cost a
-    bounded time; the caller sees ``budget.spent``)."""
+    bounded time; the caller sees ``budget.spent``). ``groups``: the group-index nodes found
+    in the same scan are added to it (within the same bounds)."""
     found: list[ChunkNode] = []
     budget = budget if budget is not None else Budget()
     view = memoryview(data).cast("B") if not isinstance(data, bytes) else data
-    for n, match in enumerate(_NODE.finditer(view)):
+    pattern = _NODE if groups is None else _ANY_NODE
+    for n, match in enumerate(pattern.finditer(view)):
         if n >= limit or budget.spent:
             break
         if base + match.start() in skip:
+            continue
+        if view[match.start() + 4] == 0:
+            group = group_node_at(view[match.start():], base + match.start(), file_size,
+                                  budget)
+            if group is not None and groups is not None:
+                groups.append(group)
             continue
         node = _node_at(view, match.start(), base, file_size, budget)
         if node is not None:
             found.append(node)
     return found
+
+
+def group_extent(head: bytes | memoryview) -> int | None:
+    """The bytes of the group-index node whose first ``NODE_HEADER`` bytes are ``head``, or
+    None when ``head`` is no such node's header."""
+    if len(head) < NODE_HEADER or bytes(head[:5]) != b"TREE\x00":
+        return None
+    return NODE_HEADER + 16 * _HEAD.unpack_from(head, 0)[3] + 8
+
+
+def group_node_at(data: bytes | memoryview, base: int, file_size: int,
+                  budget: Budget | None = None) -> GroupNode | None:
+    """The group-index node at the first byte of ``data`` (the file's bytes from ``base``),
+    if one is there whole and consistent: children and siblings inside the file, children
+    distinct, none the node itself."""
+    if len(data) < NODE_HEADER or bytes(data[:5]) != b"TREE\x00":
+        return None
+    _, _, level, entries, left, right = _HEAD.unpack_from(data, 0)
+    if not 0 < entries <= MAX_GROUP_ENTRIES or len(data) < NODE_HEADER + 16 * entries + 8:
+        return None
+    if any(s != UNDEFINED and not 0 < s < file_size for s in (left, right)):
+        return None
+    if budget is not None:
+        budget.keys -= entries
+        if budget.keys < 0:
+            return None
+    children = struct.unpack_from(f"<{2 * entries}Q", data, NODE_HEADER + 8)[::2]
+    if any(not 0 < c < file_size for c in children) or base in children:
+        return None
+    if len(set(children)) != entries:
+        return None
+    return GroupNode(base, level, children, right)
 
 
 def node_extent(head: bytes | memoryview) -> int | None:

@@ -44,11 +44,15 @@ from dataclasses import dataclass, field
 from faultfs.core.hdf5 import (
     NODE_HEADER,
     Budget,
+    GroupNode,
     addresses_fit,
     chunk_nodes,
+    group_extent,
+    group_node_at,
     node_at,
     node_extent,
 )
+from faultfs.engine.grouplist import SNOD_BYTES, GroupListing
 from faultfs.engine.tags import Tag
 from faultfs.stats import Stats
 
@@ -96,6 +100,7 @@ class ChunkMap:
     short: dict[int, list[int]] = field(default_factory=dict)  # a queued leaf -> [the bytes
     # of it memory held when it was found short of the whole node, looks since]
     spent: int = 0  # reads whose scan ran out of its budget (``SCANS_SPENT``)
+    groups: GroupListing = field(default_factory=GroupListing)  # its groups' indexes
 
     def node_read(self, address: int) -> None:
         if address not in self.nodes and len(self.nodes) < MAX_NODES:
@@ -275,10 +280,15 @@ class Hdf5Lookahead:
         else:
             self.maps.move_to_end(tag.id)
         start, scanned = m.joined(off, data)
-        budget, nodes = Budget(), []
+        budget, nodes, groups = Budget(), [], []
         if m.spent < SCANS_SPENT:  # bytes made to cost a scan its budget: scanned no more
-            nodes = chunk_nodes(scanned, start, tag.layout.size, skip=m.nodes, budget=budget)
+            nodes = chunk_nodes(scanned, start, tag.layout.size, skip=m.nodes, budget=budget,
+                                groups=groups)
             m.spent += budget.spent
+        for group in groups:
+            m.groups.add(group)
+        if m.groups.read(off, off + len(data)):  # listing a group: its next members' nodes
+            self._list_ahead(tag, m)
         grown = False
         for node in nodes:
             self.stats.add("hdf5_index_nodes")
@@ -357,6 +367,28 @@ class Hdf5Lookahead:
             else:  # h5py's read of it will be skipped: its children are fetched here
                 m.named(node.children)
                 self._fetch(tag, [(child, 1) for child in node.children])
+
+    def _list_ahead(self, tag: Tag, m: ChunkMap) -> None:
+        """Fetch the symbol table nodes ahead of a reader listing a group, and the leaves
+        on the way that are not in memory (``grouplist.py``)."""
+        snods, leaves = m.groups.ahead(lambda address: self._group_in_memory(tag, address))
+        ranges = [(a, SNOD_BYTES) for a in snods] + [(a, NODE_HEADER) for a in leaves]
+        self.stats.add("hdf5_listing_blobs", self._fetch(tag, ranges))
+
+    def _group_in_memory(self, tag: Tag, address: int) -> GroupNode | None:
+        """The group-index node at ``address`` if memory holds it whole (else its bytes
+        are fetched)."""
+        if self.peek is None:
+            return None
+        extent = group_extent(self.peek(tag, address, NODE_HEADER))
+        if extent is None:
+            return None
+        want = min(extent, LEAF_PEEK, tag.layout.size - address)
+        data = self.peek(tag, address, want)
+        if len(data) < want:
+            self._fetch(tag, [(address, want)])
+            return None
+        return group_node_at(data, address, tag.layout.size)
 
     def _fetch(self, tag: Tag, ranges: list[tuple[int, int]]) -> int:
         """Prefetch the blobs holding the byte ranges (address, size); how many started."""

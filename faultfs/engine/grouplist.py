@@ -1,0 +1,145 @@
+"""HDF5 group listing lookahead: a reader listing a group gets the group's next symbol table
+nodes prefetched together, found in the group's own index (DESIGN §15, issue 46).
+
+A group's leaves (``core.hdf5.GroupNode`` at level 0) name its symbol table nodes in name
+order, 8 members each by default; h5py lists a group (``list(f)``, ``f.keys()``, ``visit``,
+xarray's open of every variable) by reading every one of them in that order, leaf after leaf.
+Each lies where it was written, between the members' data, so in a large file each is a
+round trip of its own (and a blob window over them fetches the data between). A reader that
+reads one symbol table node and then the next in that order (in its leaf, or the first of the
+leaf after) twice in a row, each read on its own after a jump over what lies between, with
+little read besides (``LISTING_GAP``, ``NODE_READ``: a reader going through the whole file
+passes them too, some side by side, and fetching them far ahead of it would only take its
+memory), is listing: the ones after it are fetched together, up to ``AHEAD_SNODS`` ahead,
+through the leaves after its own (their right siblings, or the next children of the node
+above); a leaf not read yet is read from memory when it is there and fetched otherwise. A
+lookup by name reads one symbol table node in each leaf it goes through: nothing is fetched
+for it, nor for two lookups that meet two nodes in order by chance.
+
+Invariants:
+- Used for prefetch alone: a wrong guess costs a fetch, never a byte served.
+- Bounded per file: ``MAX_GROUP_NODES`` nodes and ``MAX_SNODS`` symbol table nodes kept; per
+  read, ``AHEAD_SNODS`` fetched ahead and ``PEEKS`` leaves read from memory at most.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections.abc import Callable
+
+from faultfs.core.hdf5 import UNDEFINED, GroupNode
+
+AHEAD_SNODS = 64  # symbol table nodes fetched ahead of a listing reader at most ...
+AHEAD_LEAVES = 8  # ... over this many leaves after its own
+PEEKS = 4  # leaves read from memory after one read, at most
+MAX_GROUP_NODES = 4096  # group-index nodes kept per file ...
+MAX_SNODS = 1 << 16  # ... and symbol table nodes named by them
+SNOD_BYTES = 328  # a symbol table node of h5py's groups (8 entries of 40 bytes, a header)
+LISTING_GAP = 512 << 10  # bytes read since the last symbol table node, at most, to be listing
+LISTING_STEPS = 2  # steps to the next symbol table node in a row that make a listing (a
+# lookup by name and the next one may meet two in order by chance)
+NODE_READ = 128 << 10  # a read of a symbol table node is this long at most (the kernel's pages
+# around it); a longer one is of the data around it
+
+Parse = Callable[[int], GroupNode | None]  # a leaf read from memory, if it is there whole
+
+
+class GroupListing:
+    """The group-index nodes of one file seen so far, and where its reader lists."""
+
+    def __init__(self) -> None:
+        self.nodes: dict[int, GroupNode] = {}
+        self.where: dict[int, tuple[int, int]] = {}  # symbol table node -> (leaf, position)
+        self.order: list[int] = []  # symbol table nodes' addresses, ascending
+        self.after: dict[int, int] = {}  # a node -> the node after it at its level
+        self.last: tuple[int, int] | None = None  # the symbol table node read last
+        self.since = 0  # bytes read since (a reader listing reads little else) ...
+        self.end = -1  # ... and where the read before ended (a reader listing jumps)
+        self.steps = 0  # steps to the next symbol table node in a row ...
+        self.listing = False  # ... LISTING_STEPS of them: listing
+
+    def add(self, node: GroupNode) -> None:
+        """A node of a group's index was seen (read, or read from memory)."""
+        if node.address in self.nodes or len(self.nodes) >= MAX_GROUP_NODES:
+            return
+        self.nodes[node.address] = node
+        if node.level != 0:  # the nodes below, in order
+            for a, b in itertools.pairwise(node.children):
+                self.after.setdefault(a, b)
+        if node.right != UNDEFINED:
+            self.after.setdefault(node.address, node.right)
+        if node.level != 0:
+            return
+        for i, child in enumerate(node.children):
+            if child not in self.where and len(self.where) < MAX_SNODS:
+                self.where[child] = (node.address, i)
+                bisect.insort(self.order, child)
+
+    def read(self, off: int, end: int) -> bool:
+        """A read of ``[off, end)`` was served: whether its reader is listing a group now
+        (symbol table nodes in the group's order, each read on its own after a jump over
+        what lies between, little read besides them). A larger read over one is of data
+        (a reader going through the file passes them all, some side by side)."""
+        i = bisect.bisect_left(self.order, off)
+        j = bisect.bisect_left(self.order, end, lo=i)
+        jumped, self.end = off != self.end, end
+        if end - off > NODE_READ or j == i:
+            self.since += end - off
+            if self.since > LISTING_GAP:
+                self.listing, self.steps = False, 0
+            return self.listing
+        for address in self.order[i:j]:
+            at = self.where[address]
+            if self.last is not None and at != self.last:
+                if self.since <= LISTING_GAP and jumped and self._next(self.last, at):
+                    self.steps += 1
+                elif not (self.listing and self.since <= LISTING_GAP and self._near(at)):
+                    self.steps = 0
+                self.listing = self.steps >= LISTING_STEPS
+            self.last = at
+        self.since = 0
+        return self.listing
+
+    def _next(self, last: tuple[int, int], at: tuple[int, int]) -> bool:
+        """Whether ``at`` comes right after ``last`` in the group's order."""
+        (leaf, pos), (other, j) = last, at
+        if other == leaf:
+            return j == pos + 1
+        return j == 0 and self.after.get(leaf) == other and pos == len(
+            self.nodes[leaf].children) - 1
+
+    def _near(self, at: tuple[int, int]) -> bool:
+        """Whether ``at`` is in the leaf read last or the one after (a read that covered
+        more than one symbol table node, the kernel's readahead out of order)."""
+        assert self.last is not None
+        return at[0] in (self.last[0], self.after.get(self.last[0]))
+
+    def ahead(self, parse: Parse) -> tuple[list[int], list[int]]:
+        """While listing: the symbol table nodes after the one read last, and the leaves on
+        the way that are neither seen nor in memory (to fetch, to be read from memory at a
+        later read)."""
+        if not self.listing or self.last is None:
+            return [], []
+        leaf, pos = self.last
+        snods = list(self.nodes[leaf].children[pos + 1:pos + 1 + AHEAD_SNODS])
+        missing: list[int] = []
+        peeks = 0
+        for _ in range(AHEAD_LEAVES):
+            nxt = self.after.get(leaf)
+            if nxt is None or len(snods) >= AHEAD_SNODS:
+                break
+            node = self.nodes.get(nxt)
+            if node is None and peeks < PEEKS:
+                peeks += 1
+                node = parse(nxt)
+                if node is not None and node.level == 0:
+                    self.add(node)
+                else:
+                    node = None
+            if node is None:
+                missing.append(nxt)
+            else:
+                snods.extend(node.children[:AHEAD_SNODS - len(snods)])
+            leaf = nxt
+        return snods, missing
