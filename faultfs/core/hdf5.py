@@ -141,7 +141,8 @@ def group_extent(head: bytes | memoryview) -> int | None:
     None when ``head`` is no such node's header."""
     if len(head) < NODE_HEADER or bytes(head[:5]) != b"TREE\x00":
         return None
-    return NODE_HEADER + 16 * _HEAD.unpack_from(head, 0)[3] + 8
+    entries: int = _HEAD.unpack_from(head, 0)[3]
+    return NODE_HEADER + 16 * entries + 8
 
 
 def group_node_at(data: bytes | memoryview, base: int, file_size: int,
@@ -174,7 +175,7 @@ def node_extent(head: bytes | memoryview) -> int | None:
     when ``head`` is no such node's header."""
     if len(head) < NODE_HEADER or _NODE.match(bytes(head[:5])) is None:
         return None
-    entries = _HEAD.unpack_from(head, 0)[3]
+    entries: int = _HEAD.unpack_from(head, 0)[3]
     return NODE_HEADER + (entries + 1) * (8 + 8 * (MAX_RANK + 1)) + entries * 8
 
 
