@@ -523,11 +523,12 @@ def members_file(tmp_path, n: int = 400, kib: int = 256) -> tuple[bytes, list]:
     return raw, groups
 
 
-def listing_replayed(raw: bytes, select, blob: int = 1 << 20):
+def listing_replayed(raw: bytes, select, blob: int = 1 << 20, snods: set[int] | None = None):
     """h5py's reads of ``select`` replayed through the lookahead (memory holds a blob once
-    served or started); for each symbol table node h5py read, whether its blob was in
-    memory before; and the lookahead's counters."""
-    snods = {c for g in members_nodes(raw) if g.level == 0 for c in g.children}
+    served or started); for each symbol table node h5py read (of ``snods``: all), whether
+    its blob was in memory before; and the lookahead's counters."""
+    if snods is None:
+        snods = {c for g in members_nodes(raw) if g.level == 0 for c in g.children}
     traced = Traced(raw)
     with h5py.File(traced, "r") as f:
         select(f)
@@ -615,3 +616,100 @@ def test_a_listing_through_a_mount_fetches_ahead_and_lists_every_member(mounter,
             assert np.array_equal(f["m0123"][...], g["m0123"][...])
     c = m.counters()
     assert c["hdf5_listing_blobs"] > 0 and c["hdf5_errors"] == 0, c
+
+
+def served_in_order(raw: bytes, reads: list[tuple[int, int]]) -> dict:
+    """Reads served as given (no h5py), memory holding everything: the counters."""
+    look = Hdf5Lookahead(lambda tag, indices: len(indices), Stats(),
+                         lambda tag, off, n: raw[off:off + n])
+    tag = SimpleNamespace(id=1, layout=ChunkLayout(0, len(raw), 64 << 10))
+    for off, size in [(0, 4096), *reads]:
+        look.served(tag, off, raw[off:off + size])
+    return look.stats.counters
+
+
+def test_readers_that_are_not_listing_fetch_nothing_for_a_listing(tmp_path):
+    """A read holding several of a leaf's symbol table nodes side by side is one move, not
+    a listing; a random reader of 64 KiB blocks; a reader going through the file whose
+    reads arrive out of order (the kernel's readahead answered in reverse pairs)."""
+    path = str(tmp_path / "small.h5")
+    rng = np.random.default_rng(1)
+    with h5py.File(path, "w") as f:
+        for i in range(3000):  # 4 KiB members: symbol table nodes close together
+            f.create_dataset(f"d{i:05d}", data=rng.normal(size=(1024,)).astype(np.float32))
+    raw = Path(path).read_bytes()
+    leaves = [g for g in members_nodes(raw) if g.level == 0]
+    leaf = next(g for g in leaves if len(g.children) > 8)
+    at = leaf.children[3] // 4096 * 4096
+    assert served_in_order(raw, [(leaf.address // 4096 * 4096, 8192),
+                                 (at, 64 << 10)])["hdf5_listing_blobs"] == 0
+    blocks = len(raw) // (64 << 10)
+    for seed in range(3):
+        picked = random.Random(seed).sample(range(1, blocks), blocks // 10)
+        reads = [(i * (64 << 10), 64 << 10) for i in picked]
+        assert served_in_order(raw, reads)["hdf5_listing_blobs"] == 0, seed
+    for size in (4096, 32 << 10, 128 << 10):
+        order = list(range(-(-len(raw) // size)))
+        for i in range(0, len(order) - 1, 2):
+            order[i], order[i + 1] = order[i + 1], order[i]
+        reads = [(i * size, size) for i in order]
+        assert served_in_order(raw, reads)["hdf5_listing_blobs"] == 0, size
+
+
+def test_a_visit_over_member_groups_is_a_listing_of_the_root(tmp_path):
+    """``visit`` reads each member group's own symbol table node between two of the root's:
+    the root's listing goes on (several walks at once) and its next nodes are fetched."""
+    path = str(tmp_path / "groups.h5")
+    rng = np.random.default_rng(1)
+    with h5py.File(path, "w") as f:
+        for i in range(400):
+            f.create_group(f"s{i:05d}").create_dataset(
+                "x", data=rng.normal(size=(64 * 256,)).astype(np.float32))
+    raw = Path(path).read_bytes()
+    groups = members_nodes(raw)
+    root = max(groups, key=lambda g: g.level)
+    leaves = {g.address: g for g in groups if g.level == 0}
+    snods = {c for leaf in root.children for c in leaves[leaf].children}
+    for select in (lambda f: sorted(f), lambda f: f.visit(lambda name: None)):
+        ready, _ = listing_replayed(raw, select, 64 << 10, snods)
+        assert sum(ready) >= 0.8 * len(ready), (sum(ready), len(ready))
+
+
+def test_many_groups_before_a_chunk_index_leave_it_found(tmp_path):
+    """A read (the kernel's readahead) over a hundred small groups' index nodes and then a
+    dataset's chunk index: each kind of node has its own bound on the places examined."""
+    path = str(tmp_path / "both.h5")
+    with h5py.File(path, "w") as f:
+        for i in range(100):
+            f.create_group(f"g{i:03d}")["a"] = 1
+        f.create_dataset("ds", data=np.arange(1 << 20, dtype=np.float32), chunks=(1024,))
+    raw = Path(path).read_bytes()
+    first = min(n.address for n in chunk_nodes(raw, 0, len(raw), limit=1 << 20,
+                                                budget=Budget(1 << 30)))
+    off = (first + 8192) // 4096 * 4096 - (128 << 10)
+    look = Hdf5Lookahead(lambda tag, indices: len(indices), Stats())
+    tag = SimpleNamespace(id=1, layout=ChunkLayout(0, len(raw), 1 << 16))
+    look.served(tag, 0, raw[:4096])
+    look.served(tag, off, raw[off:off + (128 << 10)])
+    assert first in look.maps[1].nodes
+
+
+def test_crafted_group_nodes_keep_a_files_state_bounded():
+    """Nodes above group leaves naming 4,000 children each, two a read: what a file keeps of
+    them (nodes, their children, the order between them) stops at ``MAX_SNODS`` children."""
+    from faultfs.core.hdf5 import UNDEFINED
+    from faultfs.engine.grouplist import MAX_SNODS
+
+    def node(first_child: int) -> bytes:
+        head = struct.pack("<4sBBHQQ", b"TREE", 0, 1, 4000, UNDEFINED, UNDEFINED)
+        return head + b"".join(struct.pack("<QQ", k, first_child + k)
+                               for k in range(4000)) + struct.pack("<Q", 4000)
+
+    look = Hdf5Lookahead(lambda tag, indices: len(indices), Stats())
+    tag = SimpleNamespace(id=1, layout=ChunkLayout(0, 1 << 40, 1 << 20))
+    look.served(tag, 0, SIGNATURE + bytes([0, 0, 0, 0, 0, 8, 8, 0]) + bytes(4096 - 16))
+    for r in range(1, 64):
+        a, b = node((2 * r) << 20), node((2 * r + 1) << 20)
+        look.served(tag, r << 17, (a + b).ljust(128 << 10, b"\0"))
+    g = look.maps[1].groups
+    assert g.kept <= MAX_SNODS and len(g.after) <= MAX_SNODS

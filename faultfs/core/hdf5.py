@@ -44,6 +44,7 @@ SIGNATURE = b"\x89HDF\r\n\x1a\n"
 UNDEFINED = (1 << 64) - 1  # HDF5's undefined address
 MAX_RANK = 32  # HDF5's limit on a dataset's rank
 MAX_CANDIDATES = 64  # places that look like a node examined in one call, at most ...
+MATCHES_SEEN = 8  # ... (of each kind) and places passed over, this many times as many
 MAX_KEYS = 16384  # ... and keys parsed (a real node of 64 entries costs ~100 over its ranks)
 NODE_HEADER = 24  # "TREE", type, level, entries used, left and right sibling
 _NODE = re.compile(rb"TREE\x01")  # a node of a chunk index (type 1)
@@ -109,30 +110,37 @@ class GroupNode:
 def chunk_nodes(data: bytes | memoryview, base: int, file_size: int, *,
                 skip: Container[int] = (), limit: int = MAX_CANDIDATES,
                 budget: Budget | None = None,
-                groups: list[GroupNode] | None = None) -> list[ChunkNode]:
+                groups: list[GroupNode] | None = None,
+                groups_known: Container[int] = ()) -> list[ChunkNode]:
     """The chunk-index nodes whole in ``data``, which holds the file's bytes from ``base``;
     none at an address in ``skip`` (read before), and no more than ``limit`` places that
     look like one examined and ``budget``'s keys parsed (bytes made to hold many cost a
     bounded time; the caller sees ``budget.spent``). ``groups``: the group-index nodes found
-    in the same scan are added to it (within the same bounds)."""
+    in the same scan (none at an address in ``groups_known``) are added to it, their places
+    under a ``limit`` of their own (a read over many groups' nodes still finds the chunk
+    index after them)."""
     found: list[ChunkNode] = []
     budget = budget if budget is not None else Budget()
     view = memoryview(data).cast("B") if not isinstance(data, bytes) else data
     pattern = _NODE if groups is None else _ANY_NODE
-    for n, match in enumerate(pattern.finditer(view)):
-        if n >= limit or budget.spent:
+    examined = [0, 0]  # places that look like a chunk node, a group node
+    kinds = 1 if groups is None else 2
+    for seen, match in enumerate(pattern.finditer(view)):
+        at = match.start()
+        group = view[at + 4] == 0
+        if budget.spent or min(examined[:kinds]) >= limit or seen >= MATCHES_SEEN * limit:
             break
-        if base + match.start() in skip:
+        if examined[group] >= limit or base + at in (groups_known if group else skip):
             continue
-        if view[match.start() + 4] == 0:
-            group = group_node_at(view[match.start():], base + match.start(), file_size,
-                                  budget)
-            if group is not None and groups is not None:
-                groups.append(group)
+        examined[group] += 1
+        if group:
+            node = group_node_at(memoryview(view)[at:], base + at, file_size, budget)
+            if node is not None and groups is not None:
+                groups.append(node)
             continue
-        node = _node_at(view, match.start(), base, file_size, budget)
-        if node is not None:
-            found.append(node)
+        chunk = _node_at(view, at, base, file_size, budget)
+        if chunk is not None:
+            found.append(chunk)
     return found
 
 

@@ -283,7 +283,7 @@ class Hdf5Lookahead:
         budget, nodes, groups = Budget(), [], []
         if m.spent < SCANS_SPENT:  # bytes made to cost a scan its budget: scanned no more
             nodes = chunk_nodes(scanned, start, tag.layout.size, skip=m.nodes, budget=budget,
-                                groups=groups)
+                                groups=groups, groups_known=m.groups.nodes)
             m.spent += budget.spent
         for group in groups:
             m.groups.add(group)
