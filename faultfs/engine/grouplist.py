@@ -6,20 +6,21 @@ order, 8 members each by default; h5py lists a group (``list(f)``, ``f.keys()``,
 xarray's open of every variable) by reading every one of them in that order, leaf after leaf.
 Each lies where it was written, between the members' data, so in a large file each is a
 round trip of its own (and a blob window over them fetches the data between). A reader that
-reads one symbol table node and then the next in that order (in its leaf, or the first of the
-leaf after) twice in a row, each read on its own after a jump over what lies between, with
-little read besides (``LISTING_GAP``, ``NODE_READ``: a reader going through the whole file
-passes them too, some side by side, and fetching them far ahead of it would only take its
-memory), is listing: the ones after it are fetched together, up to ``AHEAD_SNODS`` ahead,
-through the leaves after its own (their right siblings, or the next children of the node
-above); a leaf not read yet is read from memory when it is there and fetched otherwise. A
-lookup by name reads one symbol table node in each leaf it goes through: nothing is fetched
-for it, nor for two lookups that meet two nodes in order by chance.
+makes two steps in a row — a step: a read of the symbol table node next in the group's
+order (in its leaf, or the first of the leaf after), on its own (``NODE_READ``, one step a
+read), after a jump over bytes it did not read (``read``) — is listing: the ones after it
+are fetched together, up to ``AHEAD_SNODS`` ahead, through the leaves after its own (their
+right siblings, or the next children of the node above); a leaf not read yet is read from
+memory when it is there and fetched otherwise. ``WALKS`` walks are followed at once
+(``visit`` lists each member group between two of its parent's nodes). A lookup by name
+reads one symbol table node in each leaf it goes through, a reader going through the file
+reads them all beside what lies between: nothing is fetched for either.
 
 Invariants:
 - Used for prefetch alone: a wrong guess costs a fetch, never a byte served.
-- Bounded per file: ``MAX_GROUP_NODES`` nodes and ``MAX_SNODS`` symbol table nodes kept; per
-  read, ``AHEAD_SNODS`` fetched ahead and ``PEEKS`` leaves read from memory at most.
+- Bounded per file: ``MAX_GROUP_NODES`` nodes and ``MAX_SNODS`` children of them all kept
+  (and as many links between them); per read, ``AHEAD_SNODS`` fetched ahead and ``PEEKS``
+  leaves read from memory at most.
 """
 
 from __future__ import annotations
