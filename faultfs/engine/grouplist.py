@@ -2,8 +2,8 @@
 nodes prefetched together, found in the group's own index (DESIGN §15, issue 46).
 
 A group's leaves (``core.hdf5.GroupNode`` at level 0) name its symbol table nodes in name
-order, 8 members each by default; h5py lists a group (``list(f)``, ``f.keys()``, ``visit``,
-xarray's open of every variable) by reading every one of them in that order, leaf after leaf.
+order, 8 members each by default; h5py lists a group (``list(f)``, ``f.keys()``, ``visit``)
+by reading every one of them in that order, leaf after leaf.
 Each lies where it was written, between the members' data, so in a large file each is a
 round trip of its own (and a blob window over them fetches the data between). A reader that
 makes two steps in a row — a step: a read of the symbol table node next in the group's
