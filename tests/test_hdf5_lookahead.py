@@ -218,16 +218,22 @@ def test_a_readers_pattern_over_chunks():
     assert m.chunks_in(510, 990) == (1, 0), "between two chunks: none"
 
 
+def gzip_chunks(tmp_path, chunks: int) -> bytes:
+    """The bytes of a file of one dataset ``d`` of ``chunks`` gzip chunks of 16 × 64 floats
+    (~3.7 KiB each stored)."""
+    path = str(tmp_path / f"chunks{chunks}.h5")
+    rng = np.random.default_rng(3)
+    with h5py.File(path, "w") as f:
+        f.create_dataset("d", data=rng.normal(size=(chunks * 16, 64)).astype(np.float32),
+                         chunks=(16, 64), compression="gzip", compression_opts=1)
+    return Path(path).read_bytes()
+
+
 def many_leaves(tmp_path) -> tuple[bytes, list[ChunkNode], list[tuple[int, int]]]:
     """A file of one dataset of 320 chunks indexed by several leaves under a root: its bytes,
     its leaves in the order the root names them, and (address, size) of every chunk in the
     dataset's order."""
-    path = str(tmp_path / "f.h5")
-    rng = np.random.default_rng(3)
-    with h5py.File(path, "w") as f:
-        f.create_dataset("d", data=rng.normal(size=(320 * 16, 64)).astype(np.float32),
-                         chunks=(16, 64), compression="gzip", compression_opts=1)
-    raw = Path(path).read_bytes()
+    raw = gzip_chunks(tmp_path, 320)
     nodes = chunk_nodes(raw, 0, len(raw))
     [root] = [n for n in nodes if n.level > 0]
     by_address = {n.address: n for n in nodes}
@@ -438,12 +444,7 @@ def test_a_leaf_across_two_blobs_is_read_ahead_and_an_unread_one_blocks_no_other
     read from memory too; and a hyperslab starting past the first leaves (which h5py never
     reads, and which straddle or are not whole) still gets the leaves after them read ahead
     (the queue stopped for good at the first one short of its bytes)."""
-    path = str(tmp_path / "two.h5")
-    rng = np.random.default_rng(3)
-    with h5py.File(path, "w") as f:
-        f.create_dataset("d", data=rng.normal(size=(2000 * 16, 64)).astype(np.float32),
-                         chunks=(16, 64), compression="gzip", compression_opts=1)
-    raw = Path(path).read_bytes()
+    raw = gzip_chunks(tmp_path, 2000)
     for start in (0, 16 * 700):
         leaves = [ahead for _, ahead in replayed(raw, lambda f, s=start: f["d"][s::64], 16384)]
         assert sum(leaves) >= 0.8 * len(leaves), (start, sum(leaves), len(leaves))
