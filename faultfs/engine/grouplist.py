@@ -73,12 +73,11 @@ class GroupListing:
             return
         self.nodes[node.address] = node
         self.kept += len(node.children)
+        if node.right != UNDEFINED:
+            self.after.setdefault(node.address, node.right)
         if node.level != 0:  # the nodes below, in order
             for a, b in itertools.pairwise(node.children):
                 self.after.setdefault(a, b)
-        if node.right != UNDEFINED:
-            self.after.setdefault(node.address, node.right)
-        if node.level != 0:
             return
         for i, child in enumerate(node.children):
             if child not in self.where:
