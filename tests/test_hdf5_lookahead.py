@@ -303,13 +303,20 @@ def test_a_strided_reader_gets_the_next_leafs_chunks_before_h5py_reads_that_leaf
     assert look.stats.counters["hdf5_leaves_ahead"] >= 1  # the one after it was read
 
 
+def measured(src: str, rows: int, columns: int, chunk_rows: int, seed: int) -> np.ndarray:
+    """An HDF5 file at ``src`` of one dataset ``data`` of values with a few significant
+    digits (as measured data), chunked by ``chunk_rows`` rows, gzip and shuffle; its values."""
+    rng = np.random.default_rng(seed)
+    data = np.round(rng.normal(size=(rows, columns)), 2).astype(np.float32)
+    with h5py.File(src, "w") as f:
+        f.create_dataset("data", data=data, chunks=(chunk_rows, columns), compression="gzip",
+                         compression_opts=1, shuffle=True)
+    return data
+
+
 def test_a_strided_hyperslab_through_a_mount_fetches_its_chunks_not_the_gaps(mounter, tmp_path):
     src = str(tmp_path / "field.h5")
-    rng = np.random.default_rng(42)
-    data = np.round(rng.normal(size=(64 * 48, 2048)), 2).astype(np.float32)
-    with h5py.File(src, "w") as f:
-        f.create_dataset("data", data=data, chunks=(64, 2048), compression="gzip",
-                         compression_opts=1, shuffle=True)
+    data = measured(src, 64 * 48, 2048, 64, seed=42)
     size = os.path.getsize(src)
     m = mounter(src, args=["--chunk-size", "128K"])
     view = os.path.join(m.tag("field"), "field.h5")
@@ -331,11 +338,7 @@ def test_a_hyperslab_over_many_leaves_through_a_mount_reads_the_leaves_ahead(mou
     leaf from its memory before h5py does (the counter says so), and every value is exact,
     on the mount's view and after a write to the file through it."""
     src = str(tmp_path / "many.h5")
-    rng = np.random.default_rng(5)
-    data = np.round(rng.normal(size=(16 * 400, 256)), 2).astype(np.float32)
-    with h5py.File(src, "w") as f:
-        f.create_dataset("data", data=data, chunks=(16, 256), compression="gzip",
-                         compression_opts=1, shuffle=True)
+    data = measured(src, 16 * 400, 256, 16, seed=5)
     m = mounter(src, args=["--chunk-size", "64K"])
     view = os.path.join(m.tag("many"), "many.h5")
     with h5py.File(view, "r") as f:
