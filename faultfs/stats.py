@@ -24,7 +24,7 @@ COUNTERS = (
     "zero_filled_bytes", "bytes_served", "page_reads", "page_slices", "page_errors",
     "stale_blobs_dropped", "corrupt_blobs_dropped", "memory_hits", "prefetches",
     "prefetch_errors", "prefetch_skipped_memory", "hdf5_files", "hdf5_index_nodes",
-    "hdf5_leaves_ahead", "hdf5_listing_blobs", "hdf5_lookaheads", "hdf5_errors", "store_readahead", "ring_reads", "dirty_kept", "skipped_dirty", "skipped_degraded",
+    "hdf5_leaves_ahead", "hdf5_listing_blobs", "hdf5_links_ahead", "hdf5_lookaheads", "hdf5_errors", "store_readahead", "ring_reads", "dirty_kept", "skipped_dirty", "skipped_degraded",
     "writes", "bytes_written", "fsyncs", "fsyncs_joined", "folds", "checkpoints", "spills", "spilled_bytes",
     "base_fault_errors", "coherence_drops", "coherence_held_pages", "coherence_waits_cut",
     "coherence_claimed_bytes",

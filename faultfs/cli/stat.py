@@ -158,6 +158,7 @@ def render_stats(snap: dict) -> str:
         f"{'reads from a head':<22}{c.get('head_reads', 0):>12}    {'prefetched blobs':<22}{c.get('prefetches', 0):>12}",
         f"{'HDF5 index nodes':<22}{c.get('hdf5_index_nodes', 0):>12}    {'HDF5 lookahead blobs':<22}{c.get('hdf5_lookaheads', 0):>12}",
         f"{'HDF5 leaves ahead':<22}{c.get('hdf5_leaves_ahead', 0):>12}    {'HDF5 listing blobs':<22}{c.get('hdf5_listing_blobs', 0):>12}",
+        f"{'HDF5 member blobs':<22}{c.get('hdf5_links_ahead', 0):>12}    {'HDF5 files':<22}{c.get('hdf5_files', 0):>12}",
         f"{'writes':<22}{c.get('writes', 0):>12}    {'bytes written':<22}{format_size(c.get('bytes_written', 0)):>12}",
         f"{'fsyncs':<22}{c.get('fsyncs', 0):>12}    {'folds':<22}{c.get('folds', 0):>12}",
         f"{'checkpoints':<22}{c.get('checkpoints', 0):>12}    {'bytes spilled':<22}{format_size(c.get('spilled_bytes', 0)):>12}",

@@ -53,6 +53,7 @@ from faultfs.core.hdf5 import (
     node_extent,
 )
 from faultfs.engine.grouplist import SNOD_BYTES, GroupListing
+from faultfs.engine.linkwalk import LinkWalk
 from faultfs.engine.tags import Tag
 from faultfs.stats import Stats
 
@@ -100,7 +101,8 @@ class ChunkMap:
     short: dict[int, list[int]] = field(default_factory=dict)  # a queued leaf -> [the bytes
     # of it memory held when it was found short of the whole node, looks since]
     spent: int = 0  # reads whose scan ran out of its budget (``SCANS_SPENT``)
-    groups: GroupListing = field(default_factory=GroupListing)  # its groups' indexes
+    groups: GroupListing = field(default_factory=GroupListing)  # its groups' indexes ...
+    links: LinkWalk = field(default_factory=LinkWalk)  # ... and their links
 
     def node_read(self, address: int) -> None:
         if address not in self.nodes and len(self.nodes) < MAX_NODES:
@@ -289,6 +291,8 @@ class Hdf5Lookahead:
             m.groups.add(group)
         if m.groups.read(off, off + len(data)):  # listing a group: its next members' nodes
             self._list_ahead(tag, m)
+        if ranges := m.links.served(scanned, start, off, off + len(data), tag.layout.size):
+            self.stats.add("hdf5_links_ahead", self._fetch(tag, ranges))  # opening them
         grown = False
         for node in nodes:
             self.stats.add("hdf5_index_nodes")

@@ -1,0 +1,205 @@
+"""A reader opening a group's members one after another gets the next members' object headers
+fetched (``core/hdf5links.py``, ``engine/linkwalk.py``): the links found in the bytes are the
+group's own, in its order; xarray opening a NetCDF-4 file finds its headers in memory; a lookup
+by name fetches no member; crafted bytes cost a bounded scan and state."""
+
+from __future__ import annotations
+
+import os
+import random
+import struct
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from faultfs.core.chunks import ChunkLayout
+from faultfs.core.hdf5links import HEAP_BYTES, MAX_PLACES, Heap, link_places
+from faultfs.engine.linkwalk import MAX_KEPT, LinkWalk
+from faultfs.engine.lookahead import Hdf5Lookahead
+from faultfs.stats import Stats
+from tests.test_hdf5_lookahead import Held, Traced
+
+h5py = pytest.importorskip("h5py")
+np = pytest.importorskip("numpy")
+xr = pytest.importorskip("xarray")
+pytest.importorskip("h5netcdf")
+
+BLOB = 64 << 10
+
+
+def netcdf(path: Path, n: int = 120, floats: int = 16 << 10) -> Path:
+    """A NetCDF-4 file (h5netcdf: creation order tracked, links in a fractal heap) of ``n``
+    variables of ``floats`` values each: their headers a variable's data apart."""
+    rng = np.random.default_rng(3)
+    ds = xr.Dataset({f"v{i:04d}": (("x",), rng.normal(size=floats).astype(np.float32))
+                     for i in range(n)})
+    ds.to_netcdf(path, engine="h5netcdf")
+    return path
+
+
+def headers(path: Path, group: str = "/") -> list[int]:
+    """h5py's own addresses of the members' object headers, in its iteration order."""
+    with h5py.File(path, "r") as f:
+        g = f[group]
+        return [h5py.h5o.get_info(g[name].id).addr for name in g]
+
+
+def all_links(raw: bytes) -> tuple[dict[int, Heap], list[tuple[int | None, int]]]:
+    """Every heap and link in a file's bytes, scanned in pieces as reads would be."""
+    heaps: dict[int, Heap] = {}
+    links: list[tuple[int | None, int]] = []
+    step = 4096
+    for at in range(0, len(raw), step):
+        found = link_places(raw[at:at + 4 * step], at, len(raw), heaps, skip={
+            a for a, _ in links})
+        heaps.update((h.address, h) for h in found.heaps)
+        for block, _, targets, whole in found.targets:
+            if whole and block < at + step:
+                links.extend(targets)
+    return heaps, links
+
+
+def test_the_links_found_in_the_bytes_are_the_groups_own(tmp_path):
+    path = netcdf(tmp_path / "vars.nc")
+    raw = path.read_bytes()
+    heaps, links = all_links(raw)
+    assert len(heaps) == 1
+    ordered = [address for _, address in sorted(set(links), key=lambda t: t[0] or 0)]
+    assert ordered == headers(path)  # creation order: "x" first, then every variable
+    [heap] = heaps.values()
+    assert heap.rows > 0  # its root is an indirect block, naming direct blocks
+    root = link_places(raw[heap.root:heap.root + 4096], heap.root, len(raw), heaps)
+    [(address, blocks)] = root.roots
+    assert address == heap.root and all(raw[a:a + 4] == b"FHDB" for a, _ in blocks)
+
+    old = tmp_path / "old.h5"  # h5py's default groups: symbol table nodes
+    with h5py.File(old, "w") as f:
+        for i in range(40):
+            f.create_dataset(f"d{i:03d}", data=np.arange(4096, dtype=np.float32))
+    raw = old.read_bytes()
+    found = link_places(raw, 0, len(raw), {})
+    assert sorted(a for _, _, t, _ in found.targets for _, a in t) == sorted(headers(old))
+
+
+def replay(raw: bytes, read, blob: int = BLOB):
+    """h5py's reads of ``read(file object)`` replayed through the lookahead (pages, as the
+    kernel asks; memory holds a blob once served or started, at once): for each read of
+    pages holding a member's header, whether its blob was in memory before; the counters."""
+    traced = Traced(raw)
+    read(traced)
+    firsts = set()
+    with h5py.File(Traced(raw), "r") as f:
+        firsts = {h5py.h5o.get_info(f[name].id).addr for name in f}
+    held = Held(raw, blob)
+    look = Hdf5Lookahead(held.start, Stats(), held.peek)
+    tag = SimpleNamespace(id=1, layout=ChunkLayout(0, len(raw), blob))
+    ready, pages = [], set()
+    for off, size in traced.reads:
+        first, last = off // 4096 * 4096, -(-(off + size) // 4096) * 4096
+        want = [p for p in range(first, last, 4096) if p not in pages]
+        if not want:
+            continue  # the kernel's page cache
+        first, last = want[0], want[-1] + 4096
+        pages.update(want)
+        if any(first <= a < last for a in firsts):
+            ready.append(all(b in held.memory for b in held.blobs(first, last - first)))
+        held.memory.update(held.blobs(first, last - first))
+        look.served(tag, first, raw[first:last])
+    return ready, look.stats.counters, held
+
+
+def opened_by_xarray(f) -> None:
+    with xr.open_dataset(f, engine="h5netcdf") as ds:
+        for name in ds.data_vars:
+            ds[name].attrs  # noqa: B018 (what an open reads: every variable's header)
+
+
+def test_xarray_opening_a_netcdf_file_finds_the_next_headers_in_memory(tmp_path, monkeypatch):
+    raw = netcdf(tmp_path / "vars.nc").read_bytes()
+    ready, counters, _ = replay(raw, opened_by_xarray)
+    assert len(ready) > 30
+    # the first dozen headers' pages start the walk; after them nearly all wait for nothing
+    assert sum(ready[12:]) >= 0.9 * len(ready[12:]), ready
+    assert counters["hdf5_links_ahead"] > 0
+    monkeypatch.setattr(LinkWalk, "served", lambda *args: [])  # as before: no link walk
+    alone, _, _ = replay(raw, opened_by_xarray)
+    assert sum(alone[12:]) <= 0.2 * len(alone[12:]), alone
+
+
+def test_a_lookup_by_name_and_a_random_reader_fetch_no_members(tmp_path):
+    raw = netcdf(tmp_path / "vars.nc").read_bytes()
+    _, counters, _ = replay(raw, lambda f: h5py.File(f, "r")["v0042"][...])
+    heaps, _ = all_links(raw)
+    [heap] = heaps.values()
+    [(_, blocks)] = link_places(raw[heap.root:heap.root + 4096], heap.root, len(raw),
+                                heaps).roots
+    # the heap's direct blocks come with its root (a lookup reads one), no member's header
+    assert counters["hdf5_links_ahead"] <= len({a // BLOB for a, _ in blocks})
+
+    names = [f"v{i:04d}" for i in range(120)]
+    random.Random(4).shuffle(names)
+
+    def random_reader(f) -> None:
+        with h5py.File(f, "r") as h:
+            for name in names[:30]:
+                h[name].attrs.keys()
+
+    _, counters, _ = replay(raw, random_reader)
+    ahead = counters.get("hdf5_links_ahead", 0)
+    assert ahead <= 40, ahead  # 30 headers opened at random: a chance walk at most
+
+
+def test_crafted_bytes_cost_a_bounded_scan_and_state():
+    rng = random.Random(5)
+    noise = rng.randbytes(1 << 20)
+    assert link_places(noise, 0, 1 << 40, {}).targets == []
+    # a heap header whose fields disagree is no heap
+    good = struct.pack("<4sBHHBI12QHQQHHQH", b"FRHP", 0, 7, 0, 2, 4096, *([0] * 12), 4, 512,
+                       65536, 32, 1, 1 << 20, 2) + b"\0" * 4
+    assert len(good) == HEAP_BYTES
+    [heap] = link_places(good, 0, 1 << 30, {}).heaps
+    assert heap.offset_bytes == 4 and heap.checksummed and heap.rows == 2
+    for bad in (good[:7] + b"\x01" + good[8:],  # filters
+                good[:132] + struct.pack("<Q", 1 << 50) + good[140:],  # root past the end
+                good[:112] + struct.pack("<Q", 500) + good[120:]):  # not a power of two
+        assert link_places(bad, 0, 1 << 30, {}).heaps == [], bad[:16]
+    # a direct block of that heap: link messages until the first one that is not whole
+    link = bytes([1, 0x0C, 0]) + struct.pack("<Q", 7) + bytes([2]) + b"ab" + struct.pack(
+        "<Q", 4096)
+    block = b"FHDB\0" + struct.pack("<Q", heap.address) + b"\0\0\0\0" + b"\0" * 4
+    body = link * 5 + bytes([1, 0, 200]) + b"x" * 10
+    found = link_places(block + body, 1 << 20, 1 << 30, {heap.address: heap})
+    [(_, owner, targets, whole)] = found.targets
+    assert owner == heap.address and targets == [(7, 4096)] * 5 and not whole
+    # ... of a heap not seen: passed over
+    assert link_places(block + body, 1 << 20, 1 << 30, {}).targets == []
+    # bytes made of thousands of blocks: MAX_PLACES examined
+    spam = (block + link * 20) * 5000
+    found = link_places(spam, 1 << 20, 1 << 40, {heap.address: heap})
+    assert len(found.targets) <= MAX_PLACES
+    # a file's state stays bounded whatever its blocks name
+    walk = LinkWalk()
+    walk.heaps[heap.address] = heap
+    for i in range(200):
+        many = b"".join(bytes([1, 0x0C, 0]) + struct.pack("<Q", i * 1000 + j) + bytes([1])
+                        + b"n" + struct.pack("<Q", 8192 + 64 * (i * 1000 + j))
+                        for j in range(1000))
+        base = (1 << 30) + i * (1 << 20)
+        walk.served(block + many, base, base, base + 4096, 1 << 40)
+    assert len(walk.keys) <= MAX_KEPT and len(walk.header) <= MAX_KEPT
+
+
+def test_xarray_through_a_mount_reads_every_variable_exactly(mounter, tmp_path):
+    """The walk's prefetch through a real mount (a local source: the fetch itself is
+    measured in the S3 proxy tests) leaves every value the file's own."""
+    src = netcdf(tmp_path / "vars.nc", n=160, floats=64 << 10)
+    m = mounter(str(src), args=["--chunk-size", "64K"])
+    view = os.path.join(m.tag("vars"), "vars.nc")
+    with xr.open_dataset(view, engine="h5netcdf") as got, xr.open_dataset(
+            src, engine="h5netcdf") as want:
+        assert sorted(got.data_vars) == sorted(want.data_vars)
+        for name in ("v0000", "v0077", "v0159"):
+            assert np.array_equal(got[name].values, want[name].values)
+    c = m.counters()
+    assert c["hdf5_errors"] == 0 and c["fault_errors"] == 0, c
