@@ -13,6 +13,17 @@ A group stores its links in one of two ways, and both name each member's object 
   the name's length (1, 2, 4 or 8 bytes), the name, and for a hard link the object header's
   address. xarray and h5py walk such a group by creation order.
 
+Opening such a group is a chain of small reads, each found in the one before: the group's
+object header (``OHDR``, version 2) holds a Link Info message naming the heap and the
+version-2 B-trees indexing the links by name and by creation order (``BTHD``, each naming
+its root node); a root node (``BTIN``) names its leaves (``BTLF``); the heap's header names
+its root block. Each is a round trip of its own unless what it names is fetched as soon as it
+is read (``Found.fetch``). Attribute Info messages (dense attributes, NetCDF-4 global
+attributes) name a heap and B-trees the same way, and a continuation message the header's
+next chunk (written where the file ended when the header grew: a NetCDF dimension's list of
+the variables that use it). Only a B-tree of depth 1 (its root's
+children are leaves: up to ~600 links in 512-byte nodes) has its leaves named.
+
 Nothing here trusts the bytes: a heap header is taken only when its fields agree (powers of two,
 rows within its size, addresses inside the file, no filters); a block only for a heap seen; link
 messages are parsed one after another while each is whole and well formed, and the first that
@@ -36,9 +47,15 @@ MAX_ROWS = 64  # rows of a heap's root indirect block, at most (its offsets are 
 MAX_BLOCKS = 4096  # direct blocks a root indirect block names, at most
 SNOD_ENTRY = 40
 SNOD_MAX = 1 << 15  # entries of a symbol table node at most (twice its group's K)
-_PLACES = re.compile(rb"F(?:RHP|HIB|HDB)\x00|SNOD\x01")
+_PLACES = re.compile(rb"F(?:RHP|HIB|HDB)\x00|SNOD\x01|OHDR\x02|BT(?:HD|IN)\x00")
 _HEAP = struct.Struct("<BHHBI12QHQQHHQH")  # after the signature, up to the root's rows
 HEAP_BYTES = 4 + _HEAP.size + 4  # with the checksum (no filters)
+_TREE = struct.Struct("<BBIHHBBQHQ")  # a version-2 B-tree's header after the signature
+TREE_BYTES = 4 + _TREE.size + 4
+MAX_MESSAGES = 256  # messages of an object header's first chunk looked at, at most
+INDEX_MESSAGES = (0x02, 0x15)  # Link Info, Attribute Info: a heap and B-trees named
+CONTINUATION = 0x10  # an object header's next chunk (a dimension's growing REFERENCE_LIST)
+MAX_CHUNK = 1 << 20  # bytes of such a chunk fetched, at most
 
 
 @dataclass(frozen=True)
@@ -89,15 +106,50 @@ class Heap:
         return out
 
 
+@dataclass(frozen=True)
+class Tree:
+    """A version-2 B-tree's header: what reading its root node needs."""
+
+    address: int
+    kind: int
+    node_size: int
+    record_size: int
+    depth: int
+    root: int
+    root_records: int
+
+    def leaves(self, view: bytes | memoryview, at: int, file_size: int
+               ) -> list[tuple[int, int]]:
+        """(address, size) of the leaves its root node at ``view[at:]`` names (depth 1; an
+        empty list unless the node's pointers are whole there)."""
+        n, size = self.root_records, self.record_size
+        most = (self.node_size - 10) // size  # records of a leaf, at most ...
+        width = (most.bit_length() + 7) // 8  # ... and the bytes that count them
+        start = at + 6 + n * size
+        if self.depth != 1 or view[at + 5] != self.kind or start + (n + 1) * (
+                8 + width) > len(view):
+            return []
+        out = []
+        for i in range(n + 1):
+            (child,) = struct.unpack_from("<Q", view, start + i * (8 + width))
+            if child + self.node_size <= file_size:
+                out.append((child, self.node_size))
+        return out
+
+
 @dataclass
 class Found:
-    """What one scan found: heap headers, root indirect blocks with their direct blocks, and the
+    """What one scan found: heap and B-tree headers, what structures name (``fetch``), and the
     targets of blocks (direct blocks, symbol table nodes): (block, its heap (0: a symbol
     table node), [(the link's creation order or None, its object header)] in the block's
     order, whether the block was whole in the bytes)."""
 
     heaps: list[Heap] = field(default_factory=list)
-    roots: list[tuple[int, list[tuple[int, int]]]] = field(default_factory=list)
+    trees: list[Tree] = field(default_factory=list)
+    # (a structure's address, the (address, size) of what it names that its reader reads
+    # next): an object header's link and attribute indexes, a B-tree's root, a root node's
+    # leaves, a heap's root block, a root indirect block's direct blocks
+    fetch: list[tuple[int, list[tuple[int, int]]]] = field(default_factory=list)
     targets: list[tuple[int, int, list[tuple[int | None, int]], bool]] = field(
         default_factory=list)
 
@@ -184,15 +236,65 @@ def _snod(view: bytes | memoryview, at: int, file_size: int
     return out
 
 
+def _tree_at(view: bytes | memoryview, at: int, base: int, file_size: int) -> Tree | None:
+    if at + TREE_BYTES > len(view):
+        return None
+    (version, kind, node_size, record_size, depth, _split, _merge, root, root_records,
+     _total) = _TREE.unpack_from(view, at + 4)
+    if (version != 0 or not 1 <= kind <= 11 or not 64 <= node_size <= 1 << 20
+            or not 0 < record_size <= node_size // 4 or depth > 16
+            or (root != UNDEFINED and root + node_size > file_size)
+            or root_records * record_size > node_size):
+        return None
+    return Tree(base + at, kind, node_size, record_size, depth, root, root_records)
+
+
+def _indexes(view: bytes | memoryview, at: int, file_size: int) -> list[tuple[int, int]]:
+    """(address, size) of the heaps' and B-trees' headers named by the Link Info and
+    Attribute Info messages in the first chunk of the object header at ``view[at:]``, and
+    of its continuation chunks."""
+    flags = view[at + 5]
+    p = at + 6 + (16 if flags & 0x20 else 0) + (4 if flags & 0x10 else 0)
+    width = 1 << (flags & 3)
+    if p + width > len(view):
+        return []
+    end = min(len(view), p + width + int.from_bytes(view[p:p + width], "little"))
+    p += width
+    head = 6 if flags & 0x04 else 4  # type, size, flags (and a creation order)
+    out: list[tuple[int, int]] = []
+    for _ in range(MAX_MESSAGES):
+        if p + head > end:
+            break
+        kind, size = view[p], int.from_bytes(view[p + 1:p + 3], "little")
+        p += head
+        if p + size > end:
+            break
+        if kind == CONTINUATION and size == 16:  # the header's next chunk
+            chunk, length = struct.unpack_from("<QQ", view, p)
+            if length <= MAX_CHUNK:
+                out.append((chunk, length))
+        elif kind in INDEX_MESSAGES and size >= 18 and view[p] == 0:
+            q = p + 2 + (8 if view[p + 1] & 1 and kind == 0x02 else 0) + (
+                2 if view[p + 1] & 1 and kind == 0x15 else 0)
+            named = (q + 24 if view[p + 1] & 2 else q + 16)
+            if named <= p + size:
+                heap, *trees = struct.unpack_from(f"<{(named - q) // 8}Q", view, q)
+                out += [(heap, HEAP_BYTES)] + [(t, TREE_BYTES) for t in trees]
+        p += size
+    return [(a, n) for a, n in out if a != UNDEFINED and a + n <= file_size]
+
+
 def link_places(data: bytes | memoryview, base: int, file_size: int,
-                heaps: Mapping[int, Heap], *, skip: Container[int] = ()) -> Found:
-    """The heap headers, root indirect blocks' direct blocks and blocks' link targets whole
-    in ``data`` (the file's bytes from ``base``); none at an address in ``skip`` (seen
-    before). ``heaps``: the heaps known (a block of another is passed over; one found here
-    counts too)."""
+                heaps: Mapping[int, Heap], trees: Mapping[int, Tree] | None = None, *,
+                skip: Container[int] = ()) -> Found:
+    """The structures of group links whole in ``data`` (the file's bytes from ``base``):
+    none at an address in ``skip`` (seen before). ``heaps``: the heaps known by address,
+    ``trees`` the B-trees by their root's address (a block or root node of another is
+    passed over; one found here counts too)."""
     found = Found()
     view = memoryview(data).cast("B") if not isinstance(data, bytes) else data
     known = dict(heaps)
+    roots = dict(trees or {})
     for n, match in enumerate(_PLACES.finditer(view)):
         if n >= MAX_PLACES:
             break
@@ -206,11 +308,30 @@ def link_places(data: bytes | memoryview, base: int, file_size: int,
             if heap is not None:
                 known[heap.address] = heap
                 found.heaps.append(heap)
+                if heap.root != UNDEFINED:  # an indirect block: its entries; or a block
+                    found.fetch.append((address, [(heap.root, heap.start)]))
             continue
         if kind == b"SNOD":
             links = _snod(view, at, file_size)
             if links:
                 found.targets.append((address, 0, links, True))
+            continue
+        if kind == b"OHDR":
+            if indexes := _indexes(view, at, file_size):
+                found.fetch.append((address, indexes))
+            continue
+        if kind == b"BTHD":
+            tree = _tree_at(view, at, base, file_size)
+            if tree is not None:
+                roots[tree.root] = tree
+                found.trees.append(tree)
+                if tree.root != UNDEFINED:
+                    found.fetch.append((address, [(tree.root, tree.node_size)]))
+            continue
+        if kind == b"BTIN":
+            tree = roots.get(address)
+            if tree is not None and (leaves := tree.leaves(view, at, file_size)):
+                found.fetch.append((address, leaves))
             continue
         if at + 13 > len(view):
             continue
@@ -221,9 +342,8 @@ def link_places(data: bytes | memoryview, base: int, file_size: int,
         offset = int.from_bytes(view[at + 13:at + 13 + heap.offset_bytes], "little")
         if kind == b"FHIB":
             if address == heap.root and offset == 0 and heap.rows:
-                blocks = heap.direct_blocks(view, at, file_size)
-                if blocks:
-                    found.roots.append((address, blocks))
+                if blocks := heap.direct_blocks(view, at, file_size):
+                    found.fetch.append((address, blocks))
             continue
         size = heap.block_size(offset)
         if size is None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import bisect
 
-from faultfs.core.hdf5links import Heap, link_places
+from faultfs.core.hdf5links import Heap, Tree, link_places
 
 NODE_READ = 128 << 10  # reads scanned: this long at most (a header's pages, not data)
 WALK_STEPS = 2  # steps to the next member in a row that make a walk (one lookup may meet one)
@@ -35,7 +35,7 @@ AHEAD_TARGETS = 64  # members' headers fetched ahead of a walking reader
 TARGET_BYTES = 512  # bytes of a header fetched from its address (its blob, and the next one
 # when the header's first bytes cross into it)
 MAX_KEPT = 1 << 14  # targets kept per file (~200 bytes each)
-MAX_HEAPS = 256  # heap headers kept per file
+MAX_HEAPS = 256  # heap headers kept per file, and B-tree headers
 MAX_BLOCKS = 1 << 12  # blocks seen whole (passed over when read again)
 PAGE = 4096
 MAX_PAGES = 1 << 14  # pages of small reads remembered (a header read before its link was seen)
@@ -54,6 +54,7 @@ class LinkWalk:
 
     def __init__(self) -> None:
         self.heaps: dict[int, Heap] = {}
+        self.trees: dict[int, Tree] = {}  # version-2 B-trees by their root's address
         self.groups: dict[int, int] = {0: 0}  # a heap's address (0: symbol table nodes) -> rank
         self.seen: set[int] = set()  # blocks taken whole, and root indirect blocks read
         self.keys: list[int] = []  # the targets' keys, sorted ...
@@ -76,14 +77,17 @@ class LinkWalk:
             self.pages[page] = None
         while len(self.pages) > MAX_PAGES:
             del self.pages[next(iter(self.pages))]
-        found = link_places(data, base, file_size, self.heaps, skip=self.seen)
+        found = link_places(data, base, file_size, self.heaps, self.trees, skip=self.seen)
         out: list[tuple[int, int]] = []
         for heap in found.heaps:
             if len(self.heaps) < MAX_HEAPS:
                 self.heaps[heap.address] = heap
-        for root, blocks in found.roots:  # fetched once
-            out.extend(blocks)
-            self._seen(root)
+        for tree in found.trees:
+            if len(self.trees) < MAX_HEAPS:
+                self.trees[tree.root] = tree
+        for address, named in found.fetch:  # what a structure names: fetched once
+            out.extend(named)
+            self._seen(address)
         for block, owner, links, whole in found.targets:
             self._add(block, owner, links)
             if whole:
