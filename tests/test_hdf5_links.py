@@ -9,6 +9,7 @@ import os
 import random
 import re
 import struct
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -50,14 +51,13 @@ def at(raw: bytes, signature: bytes) -> list[int]:
     return [m.start() for m in re.finditer(re.escape(signature), raw)]
 
 
-def all_links(raw: bytes) -> tuple[dict[int, Heap], list[tuple[int | None, int]]]:
+def all_links(raw: bytes) -> tuple[dict[int, Heap], list[tuple[int | None, bytes, int]]]:
     """Every heap and link in a file's bytes, scanned in pieces as reads would be."""
     heaps: dict[int, Heap] = {}
-    links: list[tuple[int | None, int]] = []
+    links: list[tuple[int | None, bytes, int]] = []
     step = 4096
     for at in range(0, len(raw), step):
-        found = link_places(raw[at:at + 4 * step], at, len(raw), heaps, skip={
-            a for a, _ in links})
+        found = link_places(raw[at:at + 4 * step], at, len(raw), heaps)
         heaps.update((h.address, h) for h in found.heaps)
         for block, _, targets, whole in found.targets:
             if whole and block < at + step:
@@ -70,7 +70,7 @@ def test_the_links_found_in_the_bytes_are_the_groups_own(tmp_path):
     raw = path.read_bytes()
     heaps, links = all_links(raw)
     assert len(heaps) == 1
-    ordered = [address for _, address in sorted(set(links), key=lambda t: t[0] or 0)]
+    ordered = [address for _, _, address in sorted(set(links), key=lambda t: t[0] or 0)]
     assert ordered == headers(path)  # creation order: "x" first, then every variable
     [heap] = heaps.values()
     assert heap.rows > 0  # its root is an indirect block, naming direct blocks
@@ -98,7 +98,7 @@ def test_the_links_found_in_the_bytes_are_the_groups_own(tmp_path):
             f.create_dataset(f"d{i:03d}", data=np.arange(4096, dtype=np.float32))
     raw = old.read_bytes()
     found = link_places(raw, 0, len(raw), {})
-    assert sorted(a for _, _, t, _ in found.targets for _, a in t) == sorted(headers(old))
+    assert sorted(a for _, _, t, _ in found.targets for _, _, a in t) == sorted(headers(old))
 
 
 def replay(raw: bytes, read, blob: int = BLOB, started: set[int] | None = None):
@@ -196,7 +196,7 @@ def test_crafted_bytes_cost_a_bounded_scan_and_state():
     body = link * 5 + bytes([1, 0, 200]) + b"x" * 10
     found = link_places(block + body, 1 << 20, 1 << 30, {heap.address: heap})
     [(_, owner, targets, whole)] = found.targets
-    assert owner == heap.address and targets == [(7, 4096)] * 5 and not whole
+    assert owner == heap.address and targets == [(7, b"ab", 4096)] * 5 and not whole
     # ... of a heap not seen: passed over
     assert link_places(block + body, 1 << 20, 1 << 30, {}).targets == []
     # bytes made of thousands of blocks: MAX_PLACES examined
@@ -228,3 +228,79 @@ def test_xarray_through_a_mount_reads_every_variable_exactly(mounter, tmp_path):
             assert np.array_equal(got[name].values, want[name].values)
     c = m.counters()
     assert c["hdf5_errors"] == 0 and c["fault_errors"] == 0, c
+
+
+def test_soft_links_and_utf8_names_cut_at_a_page_are_read_not_refused(tmp_path):
+    """A symbol table node holding a soft link (no header) keeps its hard links; a link
+    message cut right after its creation order (the read ends there) ends the block, never
+    raises."""
+    old = tmp_path / "soft.h5"
+    with h5py.File(old, "w") as f:
+        for i in range(64):
+            f.create_dataset(f"d{i:03d}", data=np.arange(16))
+        f["soft"] = h5py.SoftLink("/d000")
+    raw = old.read_bytes()
+    found = link_places(raw, 0, len(raw), {})
+    got = {a for _, _, t, _ in found.targets for _, _, a in t}
+    with h5py.File(old, "r") as f:
+        want = {h5py.h5o.get_info(f[f"d{i:03d}"].id).addr for i in range(64)}
+    assert got == want
+
+    heap = struct.pack("<4sBHHBI12QHQQHHQH", b"FRHP", 0, 7, 0, 2, 4096, *([0] * 12), 4, 512,
+                       65536, 32, 1, 1 << 20, 0) + b"\0" * 4
+    [h] = link_places(heap, 0, 1 << 30, {}).heaps
+    block = b"FHDB\0" + struct.pack("<Q", 0) + b"\0" * 8
+    cut = bytes([1, 0x14]) + struct.pack("<Q", 7)  # creation order, then the read ends
+    assert link_places(block + cut, 4096, 1 << 30, {0: h}).targets == []
+
+
+def test_a_crafted_read_costs_little_and_names_little_to_fetch():
+    """Soft links whose values hold block headers (each block parses the rest of the read):
+    one budget of messages for the whole read. A heap whose blocks claim huge sizes is no
+    heap; what is fetched for a structure is its first bytes."""
+    start = 1 << 20
+    heap = struct.pack("<4sBHHBI12QHQQHHQH", b"FRHP", 0, 7, 0, 0, 4096, *([0] * 12), 4,
+                       start, start, 64, 1, 0x1000, 0) + b"\0" * 4
+
+    def soft(value: bytes) -> bytes:
+        return bytes([1, 0x08, 1, 1]) + b"a" + struct.pack("<H", len(value)) + value
+
+    data = heap + soft(b"FHDB\x00" + struct.pack("<Q", 1 << 20) + bytes(8)) * 63
+    data += soft(b"") * (((128 << 10) - len(data)) // 7)
+    took = time.perf_counter()
+    link_places(data, 1 << 20, 1 << 30, {})
+    assert time.perf_counter() - took < 0.05  # 0.49 s before the budget
+    walk = LinkWalk()
+    took = time.perf_counter()
+    for at in range(0, len(data), 32 << 10):  # the reads the walk scans: 32 KiB at most
+        walk.served(data[at:at + (32 << 10)], (1 << 20) + at, (1 << 20) + at,
+                    (1 << 20) + at + (32 << 10), 1 << 30)
+    assert time.perf_counter() - took < 0.05
+
+    huge = struct.pack("<4sBHHBI12QHQQHHQH", b"FRHP", 0, 7, 0, 0, 4096, *([0] * 12), 2,
+                       1 << 36, 1 << 36, 64, 2, 0x1000, 2) + b"\0" * 4
+    assert link_places(huge, 0, 1 << 40, {}).heaps == []
+    found = link_places(heap, 0, 1 << 30, {})
+    assert [(a, n) for _, rs in found.fetch for a, n in rs] == [(0x1000, 64 << 10)]
+
+
+def test_a_group_without_creation_order_is_walked_by_name(tmp_path):
+    """``libver="latest"`` without ``track_order``: links in a heap without creation
+    orders, created in shuffled order; h5py iterates by name, and so does the walk."""
+    path = tmp_path / "latest.h5"
+    names = list(range(200))
+    random.Random(1).shuffle(names)
+    rng = np.random.default_rng(6)
+    with h5py.File(path, "w", libver="latest") as f:
+        for i in names:
+            f.create_dataset(f"v{i:04d}", data=rng.normal(size=16 << 10).astype(np.float32))
+    raw = path.read_bytes()
+
+    def iterate(f) -> None:
+        with h5py.File(f, "r") as h:
+            for name in h:
+                h[name].attrs.keys()
+
+    ready, counters, _ = replay(raw, iterate)
+    assert counters["hdf5_links_ahead"] > 0
+    assert sum(ready[12:]) >= 0.8 * len(ready[12:]), ready

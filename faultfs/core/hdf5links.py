@@ -43,6 +43,10 @@ from dataclasses import dataclass, field
 UNDEFINED = (1 << 64) - 1
 MAX_PLACES = 64  # places that look like a structure examined in one call, at most
 MAX_TARGETS = 4096  # targets kept from one block
+MAX_MESSAGES_PARSED = 8192  # link messages parsed in one call, hard or not, at most
+NAME_KEPT = 64  # bytes of a link's name kept (the order of links without a creation order)
+MAX_DIRECT = 1 << 20  # a heap's direct blocks at most this large (HDF5 writes 64 KiB), and
+MAX_FETCHED = 64 << 10  # ... of each block or chunk named, this much is fetched
 MAX_ROWS = 64  # rows of a heap's root indirect block, at most (its offsets are 64 bits)
 MAX_BLOCKS = 4096  # direct blocks a root indirect block names, at most
 SNOD_ENTRY = 40
@@ -55,7 +59,6 @@ TREE_BYTES = 4 + _TREE.size + 4
 MAX_MESSAGES = 256  # messages of an object header's first chunk looked at, at most
 INDEX_MESSAGES = (0x02, 0x15)  # Link Info, Attribute Info: a heap and B-trees named
 CONTINUATION = 0x10  # an object header's next chunk (a dimension's growing REFERENCE_LIST)
-MAX_CHUNK = 1 << 20  # bytes of such a chunk fetched, at most
 
 
 @dataclass(frozen=True)
@@ -102,7 +105,7 @@ class Heap:
             row = i // self.width
             size = self.start if row < 2 else self.start << (row - 1)
             if child != UNDEFINED and child + size <= file_size:
-                out.append((child, size))
+                out.append((child, min(size, MAX_FETCHED)))
         return out
 
 
@@ -133,7 +136,7 @@ class Tree:
         for i in range(n + 1):
             (child,) = struct.unpack_from("<Q", view, start + i * (8 + width))
             if child + self.node_size <= file_size:
-                out.append((child, self.node_size))
+                out.append((child, min(self.node_size, MAX_FETCHED)))
         return out
 
 
@@ -150,7 +153,7 @@ class Found:
     # next): an object header's link and attribute indexes, a B-tree's root, a root node's
     # leaves, a heap's root block, a root indirect block's direct blocks
     fetch: list[tuple[int, list[tuple[int, int]]]] = field(default_factory=list)
-    targets: list[tuple[int, int, list[tuple[int | None, int]], bool]] = field(
+    targets: list[tuple[int, int, list[tuple[int | None, bytes, int]], bool]] = field(
         default_factory=list)
 
 
@@ -162,7 +165,7 @@ def _heap_at(view: bytes | memoryview, at: int, base: int, file_size: int) -> He
     if (version != 0 or filters != 0 or flags > 3 or not 0 < id_len <= 64
             or not 0 < width <= 1 << 16 or width & (width - 1)
             or start < 32 or start & (start - 1) or max_direct < start
-            or max_direct & (max_direct - 1) or not 8 <= max_bits <= 64 or rows > MAX_ROWS):
+            or max_direct & (max_direct - 1) or max_direct > MAX_DIRECT or not 8 <= max_bits <= 64 or rows > MAX_ROWS):
         return None
     if any(a >= file_size and a != UNDEFINED for a in (root, lengths[1], lengths[3])):
         return None
@@ -170,35 +173,45 @@ def _heap_at(view: bytes | memoryview, at: int, base: int, file_size: int) -> He
                 root, rows)
 
 
-def _links(view: bytes | memoryview, at: int, end: int, file_size: int
-           ) -> list[tuple[int | None, int]]:
-    """The hard links' (creation order or None, object header address) of the link
-    messages packed from ``at`` up to ``end``; the first message not whole and well formed
-    ends them."""
-    out: list[tuple[int | None, int]] = []
-    while at + 4 <= end and len(out) < MAX_TARGETS:
+class Budget:
+    """Link messages a call of ``link_places`` may still parse, hard or not."""
+
+    __slots__ = ("messages",)
+
+    def __init__(self, messages: int = MAX_MESSAGES_PARSED) -> None:
+        self.messages = messages
+
+
+def _links(view: bytes | memoryview, at: int, end: int, file_size: int, budget: Budget
+           ) -> list[tuple[int | None, bytes, int]]:
+    """The hard links' (creation order or None, name (its first ``NAME_KEPT`` bytes),
+    object header address) of the link messages packed from ``at`` up to ``end``; the first
+    message not whole and well formed ends them, as does the call's ``budget``."""
+    out: list[tuple[int | None, bytes, int]] = []
+    while at + 4 <= end and len(out) < MAX_TARGETS and budget.messages > 0:
+        budget.messages -= 1
         version, flags = view[at], view[at + 1]
         if version != 1 or flags & 0xE0:
             break
         p = at + 2
+        fixed = p + bool(flags & 0x08) + (8 if flags & 0x04 else 0) + bool(flags & 0x10)
+        width = 1 << (flags & 3)
+        if fixed + width > end:
+            break
         kind = 0
         if flags & 0x08:
             kind = view[p]
             p += 1
         order = None
         if flags & 0x04:
-            if p + 8 > end:
-                break
             (order,) = struct.unpack_from("<Q", view, p)
             p += 8
         if flags & 0x10:
             if view[p] > 1:
                 break
             p += 1
-        width = 1 << (flags & 3)
-        if p + width > end:
-            break
         length = int.from_bytes(view[p:p + width], "little")
+        name = bytes(view[p + width:p + width + min(length, NAME_KEPT)])
         p += width + length
         if length == 0 or p > end:
             break
@@ -209,7 +222,7 @@ def _links(view: bytes | memoryview, at: int, end: int, file_size: int
             p += 8
             if address >= file_size:
                 break
-            out.append((order, address))
+            out.append((order, name, address))
         elif kind == 1 or kind >= 64:  # soft or external: a length and the value
             if p + 2 > end:
                 break
@@ -221,18 +234,19 @@ def _links(view: bytes | memoryview, at: int, end: int, file_size: int
 
 
 def _snod(view: bytes | memoryview, at: int, file_size: int
-          ) -> list[tuple[int | None, int]] | None:
+          ) -> list[tuple[int | None, bytes, int]] | None:
     if at + 8 > len(view) or view[at + 5] != 0:
         return None
     (count,) = struct.unpack_from("<H", view, at + 6)
     if not 0 < count <= SNOD_MAX or at + 8 + count * SNOD_ENTRY > len(view):
         return None
-    out: list[tuple[int | None, int]] = []
+    out: list[tuple[int | None, bytes, int]] = []
     for i in range(count):
         _name, header, cache = struct.unpack_from("<QQI", view, at + 8 + i * SNOD_ENTRY)
-        if header >= file_size or cache > 2:
+        if cache > 2 or (header >= file_size and header != UNDEFINED):
             return None
-        out.append((None, header))
+        if cache != 2 and header != UNDEFINED:  # (2: a soft link, no header)
+            out.append((None, b"", header))
     return out
 
 
@@ -244,7 +258,7 @@ def _tree_at(view: bytes | memoryview, at: int, base: int, file_size: int) -> Tr
     if (version != 0 or not 1 <= kind <= 11 or not 64 <= node_size <= 1 << 20
             or not 0 < record_size <= node_size // 4 or depth > 16
             or (root != UNDEFINED and root + node_size > file_size)
-            or root_records * record_size > node_size):
+            or root_records * record_size > node_size or root_records >= MAX_BLOCKS):
         return None
     return Tree(base + at, kind, node_size, record_size, depth, root, root_records)
 
@@ -271,8 +285,7 @@ def _indexes(view: bytes | memoryview, at: int, file_size: int) -> list[tuple[in
             break
         if kind == CONTINUATION and size == 16:  # the header's next chunk
             chunk, length = struct.unpack_from("<QQ", view, p)
-            if length <= MAX_CHUNK:
-                out.append((chunk, length))
+            out.append((chunk, min(length, MAX_FETCHED)))
         elif kind in INDEX_MESSAGES and size >= 18 and view[p] == 0:
             q = p + 2 + (8 if view[p + 1] & 1 and kind == 0x02 else 0) + (
                 2 if view[p + 1] & 1 and kind == 0x15 else 0)
@@ -292,6 +305,7 @@ def link_places(data: bytes | memoryview, base: int, file_size: int,
     ``trees`` the B-trees by their root's address (a block or root node of another is
     passed over; one found here counts too)."""
     found = Found()
+    budget = Budget()
     view = memoryview(data).cast("B") if not isinstance(data, bytes) else data
     known = dict(heaps)
     roots = dict(trees or {})
@@ -309,7 +323,7 @@ def link_places(data: bytes | memoryview, base: int, file_size: int,
                 known[heap.address] = heap
                 found.heaps.append(heap)
                 if heap.root != UNDEFINED:  # an indirect block: its entries; or a block
-                    found.fetch.append((address, [(heap.root, heap.start)]))
+                    found.fetch.append((address, [(heap.root, min(heap.start, MAX_FETCHED))]))
             continue
         if kind == b"SNOD":
             links = _snod(view, at, file_size)
@@ -326,7 +340,8 @@ def link_places(data: bytes | memoryview, base: int, file_size: int,
                 roots[tree.root] = tree
                 found.trees.append(tree)
                 if tree.root != UNDEFINED:
-                    found.fetch.append((address, [(tree.root, tree.node_size)]))
+                    found.fetch.append((address, [(tree.root, min(tree.node_size,
+                                                                  MAX_FETCHED))]))
             continue
         if kind == b"BTIN":
             tree = roots.get(address)
@@ -349,7 +364,7 @@ def link_places(data: bytes | memoryview, base: int, file_size: int,
         if size is None:
             continue
         start = at + 13 + heap.offset_bytes + (4 if heap.checksummed else 0)
-        links = _links(view, start, min(at + size, len(view)), file_size)
+        links = _links(view, start, min(at + size, len(view)), file_size, budget)
         if links:
             found.targets.append((address, owner, links, at + size <= len(view)))
     return found

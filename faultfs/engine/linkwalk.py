@@ -28,25 +28,32 @@ import bisect
 
 from faultfs.core.hdf5links import Heap, Tree, link_places
 
-NODE_READ = 128 << 10  # reads scanned: this long at most (a header's pages, not data)
+NODE_READ = 32 << 10  # reads scanned: this long at most (a header's pages, not data)
 WALK_STEPS = 2  # steps to the next member in a row that make a walk (one lookup may meet one)
 SLACK = 8  # a step may pass over this many members (read with the kernel's pages before)
 AHEAD_TARGETS = 64  # members' headers fetched ahead of a walking reader
 TARGET_BYTES = 512  # bytes of a header fetched from its address (its blob, and the next one
 # when the header's first bytes cross into it)
-MAX_KEPT = 1 << 14  # targets kept per file (~200 bytes each)
+MAX_KEPT = 1 << 12  # targets kept per file (~250 bytes each) ...
+MAX_ADDED = 1 << 10  # ... added after one read, at most
 MAX_HEAPS = 256  # heap headers kept per file, and B-tree headers
 MAX_BLOCKS = 1 << 12  # blocks seen whole (passed over when read again)
 PAGE = 4096
-MAX_PAGES = 1 << 14  # pages of small reads remembered (a header read before its link was seen)
+MAX_PAGES = 1 << 12  # pages of small reads remembered (a header read before its link was seen)
 
 
-def _key(group: int, order: int | None, block: int, i: int) -> int:
-    """A link's place in its group's order: by creation order when it has one, else by its
-    block's address and its place in the block (a group's keys sort together)."""
+Key = tuple[int, int, int | bytes] | tuple[int, int, int, int]
+
+
+def _key(group: int, order: int | None, name: bytes, block: int, i: int) -> Key:
+    """A link's place in its group's order: by creation order when it has one, else by
+    name (h5py iterates such a group by name), else (a symbol table node's entry) by its
+    node's address and its place in it. A group's keys sort together."""
     if order is not None:
-        return (group << 192) | (order << 64)
-    return (group << 192) | (1 << 191) | (block << 64) | i
+        return (group, 0, order)
+    if name:
+        return (group, 1, name)
+    return (group, 2, block, i)
 
 
 class LinkWalk:
@@ -57,13 +64,13 @@ class LinkWalk:
         self.trees: dict[int, Tree] = {}  # version-2 B-trees by their root's address
         self.groups: dict[int, int] = {0: 0}  # a heap's address (0: symbol table nodes) -> rank
         self.seen: set[int] = set()  # blocks taken whole, and root indirect blocks read
-        self.keys: list[int] = []  # the targets' keys, sorted ...
-        self.header: dict[int, int] = {}  # ... each one's object header
+        self.keys: list[Key] = []  # the targets' keys, sorted ...
+        self.header: dict[Key, int] = {}  # ... each one's object header
         self.addresses: list[int] = []  # the headers' addresses, sorted ...
-        self.key_of: dict[int, int] = {}  # ... and each one's (first) key
-        self.read: set[int] = set()  # the members whose headers a read held
+        self.key_of: dict[int, Key] = {}  # ... and each one's (first) key
+        self.read: set[Key] = set()  # the members whose headers a read held
         self.pages: dict[int, None] = {}  # the pages small reads held, the last MAX_PAGES
-        self.frontier: int | None = None  # the first member of the walk not read yet
+        self.frontier: Key | None = None  # the first member of the walk not read yet
         self.steps = 0  # steps to the frontier in a row
 
     def served(self, data: bytes | memoryview, base: int, off: int, end: int,
@@ -88,8 +95,9 @@ class LinkWalk:
         for address, named in found.fetch:  # what a structure names: fetched once
             out.extend(named)
             self._seen(address)
+        room = MAX_ADDED
         for block, owner, links, whole in found.targets:
-            self._add(block, owner, links)
+            room -= self._add(block, owner, links, room)
             if whole:
                 self._seen(block)
         if self._stepped(off, end):
@@ -100,16 +108,22 @@ class LinkWalk:
         if len(self.seen) < MAX_BLOCKS:
             self.seen.add(block)
 
-    def _add(self, block: int, owner: int, links: list[tuple[int | None, int]]) -> None:
+    def _add(self, block: int, owner: int, links: list[tuple[int | None, bytes, int]],
+             room: int) -> int:
+        """Keep ``links`` of a block, ``room`` new ones at most; how many were new."""
         group = self.groups.get(owner)
         if group is None:
             if len(self.groups) > MAX_HEAPS:
-                return
+                return 0
             group = self.groups[owner] = len(self.groups)
-        for i, (order, address) in enumerate(links):
-            key = _key(group, order, block, i)
-            if key in self.header or len(self.keys) >= MAX_KEPT:
+        added = 0
+        for i, (order, name, address) in enumerate(links):
+            key = _key(group, order, name, block, i)
+            if key in self.header:
                 continue
+            if len(self.keys) >= MAX_KEPT or added >= room:
+                break
+            added += 1
             bisect.insort(self.keys, key)
             self.header[key] = address
             if address // PAGE in self.pages:  # read before its link was seen
@@ -117,6 +131,7 @@ class LinkWalk:
             if address not in self.key_of:
                 self.key_of[address] = key
                 bisect.insort(self.addresses, address)
+        return added
 
     def _stepped(self, off: int, end: int) -> bool:
         """Whether the read of ``[off, end)`` goes on with a walk that makes ``WALK_STEPS``:
@@ -146,14 +161,14 @@ class LinkWalk:
         """The frontier moves from ``keys[p]`` past the members read."""
         while p < len(self.keys) and self.keys[p] in self.read:
             p += 1
-        self.frontier = self.keys[p] if p < len(self.keys) else self.keys[-1] + 1
+        self.frontier = self.keys[p] if p < len(self.keys) else (*self.keys[-1], 0)
 
     def ahead(self) -> list[int]:
         """The headers of the members of the ``AHEAD_TARGETS`` from the walk's frontier on
         (in its group) not read yet."""
         if self.frontier is None:
             return []
-        group = self.frontier >> 192
+        group = self.frontier[0]
         p = bisect.bisect_left(self.keys, self.frontier)
         return [self.header[k] for k in self.keys[p:p + AHEAD_TARGETS]
-                if k >> 192 == group and k not in self.read]
+                if k[0] == group and k not in self.read]

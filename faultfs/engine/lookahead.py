@@ -291,7 +291,8 @@ class Hdf5Lookahead:
             m.groups.add(group)
         if m.groups.read(off, off + len(data)):  # listing a group: its next members' nodes
             self._list_ahead(tag, m)
-        if ranges := m.links.served(scanned, start, off, off + len(data), tag.layout.size):
+        if m.spent < SCANS_SPENT and (ranges := m.links.served(
+                scanned, start, off, off + len(data), tag.layout.size)):
             self.stats.add("hdf5_links_ahead", self._fetch(tag, ranges))  # opening them
         grown = False
         for node in nodes:
