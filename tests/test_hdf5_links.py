@@ -16,9 +16,10 @@ from types import SimpleNamespace
 import pytest
 
 from faultfs.core.chunks import ChunkLayout
-from faultfs.core.hdf5links import HEAP_BYTES, MAX_PLACES, Heap, Tree, link_places
+from faultfs.core.hdf5index import Node, Tree
+from faultfs.core.hdf5links import HEAP_BYTES, MAX_PLACES, Heap, link_places
 from faultfs.engine.linkwalk import MAX_KEPT, LinkWalk
-from faultfs.engine.lookahead import Hdf5Lookahead
+from faultfs.engine.lookahead import ChunkMap, Hdf5Lookahead
 from faultfs.stats import Stats
 from tests.test_hdf5_lookahead import Held, Traced
 
@@ -76,13 +77,15 @@ def test_the_links_found_in_the_bytes_are_the_groups_own(tmp_path):
     assert heap.rows > 0  # its root is an indirect block, naming direct blocks
 
     def named(address: int) -> list[tuple[int, int]]:
-        found = link_places(raw[address:address + 8192], address, len(raw), heaps, trees)
-        return [r for a, rs in found.fetch if a == address for r in rs]
+        found = link_places(raw[address:address + 8192], address, len(raw), heaps, nodes)
+        return [r for a, rs, _ in found.fetch if a == address for r in rs]
 
     trees: dict[int, Tree] = {}
+    nodes: dict[int, Node] = {}
     for address in at(raw, b"BTHD"):
         [tree] = link_places(raw[address:address + 64], address, len(raw), {}).trees
         trees[tree.root] = tree
+        nodes[tree.root] = Node(tree, tree.depth, tree.root_records)
     # the chain an open reads, each link named by the one before: the group's header names
     # the heap and both B-trees, a B-tree its root, a root its leaves, the heap its root
     # block, that one the direct blocks
@@ -281,7 +284,7 @@ def test_a_crafted_read_costs_little_and_names_little_to_fetch():
                        1 << 36, 1 << 36, 64, 2, 0x1000, 2) + b"\0" * 4
     assert link_places(huge, 0, 1 << 40, {}).heaps == []
     found = link_places(heap, 0, 1 << 30, {})
-    assert [(a, n) for _, rs in found.fetch for a, n in rs] == [(0x1000, 64 << 10)]
+    assert [(a, n) for _, rs, _ in found.fetch for a, n in rs] == [(0x1000, 64 << 10)]
 
 
 def test_a_group_without_creation_order_is_walked_by_name(tmp_path):
@@ -304,3 +307,79 @@ def test_a_group_without_creation_order_is_walked_by_name(tmp_path):
     ready, counters, _ = replay(raw, iterate)
     assert counters["hdf5_links_ahead"] > 0
     assert sum(ready[12:]) >= 0.8 * len(ready[12:]), ready
+
+
+def fixpoint(raw: bytes) -> tuple[set[int], LinkWalk]:
+    """Every address the walk names to fetch when the whole file is served page by page,
+    over and over until nothing new is named (h5py reads each structure after the one
+    naming it; pages in file order would meet some before)."""
+    walk, named = LinkWalk(), set()
+    while True:
+        before = len(named)
+        for at in range(0, len(raw), 4096):  # each page with the next (``joined``)
+            named.update(a for a, _ in walk.served(raw[at:at + 8192], at, at, at + 4096,
+                                                   len(raw)))
+        if len(named) == before:
+            return named, walk
+
+
+def test_deep_b_trees_and_continuation_chains_name_every_node_and_chunk(tmp_path):
+    """2,000 links: version-2 B-trees of depth 2 (their root's children are internal
+    nodes, whose pointers also count their subtrees); a NetCDF dimension used by 300
+    variables: its header's continuation chunks chain."""
+    path = tmp_path / "deep.h5"
+    with h5py.File(path, "w", track_order=True) as f:
+        for i in range(2000):
+            f.create_dataset(f"member_with_a_longer_name_{i:05d}", data=[i])
+    raw = path.read_bytes()
+    named, _ = fixpoint(raw)
+    assert {2} <= {t.depth for t in (link_places(raw[a:a + 64], a, len(raw), {}).trees
+                                      for a in at(raw, b"BTHD")) for t in t}
+    assert set(at(raw, b"BTLF")) <= named and set(at(raw, b"BTIN")) <= named
+
+    nc = tmp_path / "dims.nc"
+    xr.Dataset({f"v{i:03d}": (("x",), np.zeros(4, np.float32)) for i in range(300)}
+               ).to_netcdf(nc, engine="h5netcdf")
+    raw = nc.read_bytes()
+    named, _ = fixpoint(raw)
+    assert at(raw, b"OCHK") and set(at(raw, b"OCHK")) <= named
+
+
+def test_a_read_ending_inside_a_structures_first_bytes_never_raises(tmp_path):
+    path = tmp_path / "latest.h5"
+    with h5py.File(path, "w", libver="latest") as f:
+        for i in range(200):
+            f.create_dataset(f"a_dataset_with_a_thirty_byte_{i:03d}", data=[i])
+    raw = path.read_bytes()
+    heaps = {h.address: h for a in at(raw, b"FRHP")
+             for h in link_places(raw[a:a + 512], a, len(raw), {}).heaps}
+    for sig in (b"OHDR", b"BTIN", b"BTHD", b"FRHP", b"FHIB", b"FHDB", b"OCHK"):
+        for a in at(raw, sig):
+            for cut in range(4, 16):
+                link_places(raw[max(0, a - 64):a + cut], max(0, a - 64), len(raw), heaps)
+    # ... and through the lookahead, a page at a time ending anywhere
+    look = Hdf5Lookahead(lambda tag, indices: len(indices), Stats())
+    tag = SimpleNamespace(id=1, layout=ChunkLayout(0, len(raw), BLOB))
+    for end in range(4096, len(raw), 997):
+        look.served(tag, end - 4096, raw[end - 4096:end])
+
+
+def test_links_whose_names_share_a_long_prefix_keep_their_own_places(tmp_path):
+    path = tmp_path / "prefix.h5"
+    prefix = "p" * 80
+    with h5py.File(path, "w", libver="latest") as f:  # no creation order: keyed by name
+        for i in range(40):
+            f.create_dataset(f"{prefix}{i:03d}", data=[i])
+    raw = path.read_bytes()
+    _, walk = fixpoint(raw)
+    assert len(walk.keys) == 40
+
+
+def test_two_kept_reads_ending_at_one_offset_join_as_the_files_bytes():
+    raw = bytes(range(256)) * 256
+    m = ChunkMap()
+    for off, size in ((4096, 4096), (6144, 2048), (8192, 4096)):
+        m.joined(off, raw[off:off + size])
+    start, out = m.joined(12288, raw[12288:16384])
+    assert raw[start:start + len(out)] == out
+    assert len(out) <= 3 * 4096

@@ -14,21 +14,19 @@ A group stores its links in one of two ways, and both name each member's object 
   address. xarray and h5py walk such a group by creation order.
 
 Opening such a group is a chain of small reads, each found in the one before: the group's
-object header (``OHDR``, version 2) holds a Link Info message naming the heap and the
-version-2 B-trees indexing the links by name and by creation order (``BTHD``, each naming
-its root node); a root node (``BTIN``) names its leaves (``BTLF``); the heap's header names
-its root block. Each is a round trip of its own unless what it names is fetched as soon as it
-is read (``Found.fetch``). Attribute Info messages (dense attributes, NetCDF-4 global
-attributes) name a heap and B-trees the same way, and a continuation message the header's
-next chunk (written where the file ended when the header grew: a NetCDF dimension's list of
-the variables that use it). Only a B-tree of depth 1 (its root's
-children are leaves: up to ~600 links in 512-byte nodes) has its leaves named.
+object header names the heap and the B-trees indexing its links, a B-tree its root node, a
+node the nodes below it, the heap its root block, that one its direct blocks. Each is a round
+trip of its own unless what it names is fetched as soon as it is read (``Found.fetch``;
+object headers and B-trees: ``core/hdf5index.py``).
 
 Nothing here trusts the bytes: a heap header is taken only when its fields agree (powers of two,
 rows within its size, addresses inside the file, no filters); a block only for a heap seen; link
 messages are parsed one after another while each is whole and well formed, and the first that
 is not ends the block (free space). A wrong guess costs a prefetch, never a byte served. A call
-examines ``MAX_PLACES`` places at most and keeps ``MAX_TARGETS`` targets of each block.
+examines ``MAX_PLACES`` places, parses one ``Budget`` of entries (links, messages, pointers,
+block addresses: soft links and overlapping structures count too) and names ``MAX_NAMED``
+ranges at most, each its first ``MAX_FETCHED`` bytes; it keeps ``MAX_TARGETS`` targets of a
+block.
 
 Supported: 8-byte offsets and lengths, no user block (as ``core/hdf5.py``).
 """
@@ -37,28 +35,36 @@ from __future__ import annotations
 
 import re
 import struct
-from collections.abc import Container, Mapping
+import zlib
+from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass, field
 
-UNDEFINED = (1 << 64) - 1
+from faultfs.core.hdf5index import (
+    HEAP_BYTES,
+    MAX_FETCHED,
+    UNDEFINED,
+    Budget,
+    Chunk,
+    Node,
+    Tree,
+    header_names,
+    messages,
+    tree_at,
+)
+
 MAX_PLACES = 64  # places that look like a structure examined in one call, at most
+MAX_NAMED = 256  # ranges named for fetching by one call, at most
 MAX_TARGETS = 4096  # targets kept from one block
-MAX_MESSAGES_PARSED = 8192  # link messages parsed in one call, hard or not, at most
-NAME_KEPT = 64  # bytes of a link's name kept (the order of links without a creation order)
-MAX_DIRECT = 1 << 20  # a heap's direct blocks at most this large (HDF5 writes 64 KiB), and
-MAX_FETCHED = 64 << 10  # ... of each block or chunk named, this much is fetched
+NAME_KEPT = 64  # bytes of a link's name kept (its order among links without a creation
+# order), then a checksum of the whole name when it is longer
+MAX_DIRECT = 1 << 20  # a heap's direct blocks at most this large (HDF5 writes 64 KiB)
 MAX_ROWS = 64  # rows of a heap's root indirect block, at most (its offsets are 64 bits)
-MAX_BLOCKS = 4096  # direct blocks a root indirect block names, at most
+MAX_BLOCKS = 256  # direct blocks a root indirect block names, at most (HDF5's default: 36)
 SNOD_ENTRY = 40
 SNOD_MAX = 1 << 15  # entries of a symbol table node at most (twice its group's K)
-_PLACES = re.compile(rb"F(?:RHP|HIB|HDB)\x00|SNOD\x01|OHDR\x02|BT(?:HD|IN)\x00")
+_PLACES = re.compile(rb"F(?:RHP|HIB|HDB)\x00|SNOD\x01|OHDR\x02|OCHK|BT(?:HD|IN)\x00")
 _HEAP = struct.Struct("<BHHBI12QHQQHHQH")  # after the signature, up to the root's rows
-HEAP_BYTES = 4 + _HEAP.size + 4  # with the checksum (no filters)
-_TREE = struct.Struct("<BBIHHBBQHQ")  # a version-2 B-tree's header after the signature
-TREE_BYTES = 4 + _TREE.size + 4
-MAX_MESSAGES = 256  # messages of an object header's first chunk looked at, at most
-INDEX_MESSAGES = (0x02, 0x15)  # Link Info, Attribute Info: a heap and B-trees named
-CONTINUATION = 0x10  # an object header's next chunk (a dimension's growing REFERENCE_LIST)
+# (HEAP_BYTES: with the signature and the checksum, no filters)
 
 
 @dataclass(frozen=True)
@@ -91,14 +97,14 @@ class Heap:
             row_start += size * self.width
         return None
 
-    def direct_blocks(self, data: bytes | memoryview, at: int, file_size: int
-                      ) -> list[tuple[int, int]]:
+    def direct_blocks(self, data: bytes | memoryview, at: int, file_size: int,
+                      budget: Budget) -> list[tuple[int, int]]:
         """(address, size) of the direct blocks the root indirect block at ``data[at:]``
         names (an empty list unless it is whole there)."""
         head = 4 + 1 + 8 + self.offset_bytes
         rows = min(self.rows, self.direct_rows)
         count = rows * self.width
-        if count > MAX_BLOCKS or at + head + 8 * count > len(data):
+        if count > MAX_BLOCKS or at + head + 8 * count > len(data) or not budget.take(count):
             return []
         out: list[tuple[int, int]] = []
         for i, (child,) in enumerate(struct.iter_unpack("<Q", data[at + head:at + head + 8 * count])):
@@ -109,50 +115,23 @@ class Heap:
         return out
 
 
-@dataclass(frozen=True)
-class Tree:
-    """A version-2 B-tree's header: what reading its root node needs."""
-
-    address: int
-    kind: int
-    node_size: int
-    record_size: int
-    depth: int
-    root: int
-    root_records: int
-
-    def leaves(self, view: bytes | memoryview, at: int, file_size: int
-               ) -> list[tuple[int, int]]:
-        """(address, size) of the leaves its root node at ``view[at:]`` names (depth 1; an
-        empty list unless the node's pointers are whole there)."""
-        n, size = self.root_records, self.record_size
-        most = (self.node_size - 10) // size  # records of a leaf, at most ...
-        width = (most.bit_length() + 7) // 8  # ... and the bytes that count them
-        start = at + 6 + n * size
-        if self.depth != 1 or view[at + 5] != self.kind or start + (n + 1) * (
-                8 + width) > len(view):
-            return []
-        out = []
-        for i in range(n + 1):
-            (child,) = struct.unpack_from("<Q", view, start + i * (8 + width))
-            if child + self.node_size <= file_size:
-                out.append((child, min(self.node_size, MAX_FETCHED)))
-        return out
-
-
 @dataclass
 class Found:
-    """What one scan found: heap and B-tree headers, what structures name (``fetch``), and the
-    targets of blocks (direct blocks, symbol table nodes): (block, its heap (0: a symbol
-    table node), [(the link's creation order or None, its object header)] in the block's
-    order, whether the block was whole in the bytes)."""
+    """What one scan found: heap and B-tree headers, B-tree nodes and continuation chunks
+    named (read when they come), what structures name to fetch (``fetch``), and the targets
+    of blocks (direct blocks, symbol table nodes): (block, its heap (0: a symbol table
+    node), [(the link's creation order or None, its name (``NAME_KEPT``), its object
+    header)] in the block's order, whether the block was whole in the bytes)."""
 
     heaps: list[Heap] = field(default_factory=list)
     trees: list[Tree] = field(default_factory=list)
+    nodes: list[tuple[int, Node]] = field(default_factory=list)
+    chunks: list[tuple[int, Chunk]] = field(default_factory=list)
     # (a structure's address, the (address, size) of what it names that its reader reads
-    # next): an object header's link and attribute indexes, a B-tree's root, a root node's
-    # leaves, a heap's root block, a root indirect block's direct blocks
-    fetch: list[tuple[int, list[tuple[int, int]]]] = field(default_factory=list)
+    # next, whether it was whole in the bytes): an object header's link and attribute
+    # indexes and continuation chunks, a B-tree's root, a node's children, a heap's root
+    # block, a root indirect block's direct blocks
+    fetch: list[tuple[int, list[tuple[int, int]], bool]] = field(default_factory=list)
     targets: list[tuple[int, int, list[tuple[int | None, bytes, int]], bool]] = field(
         default_factory=list)
 
@@ -173,23 +152,13 @@ def _heap_at(view: bytes | memoryview, at: int, base: int, file_size: int) -> He
                 root, rows)
 
 
-class Budget:
-    """Link messages a call of ``link_places`` may still parse, hard or not."""
-
-    __slots__ = ("messages",)
-
-    def __init__(self, messages: int = MAX_MESSAGES_PARSED) -> None:
-        self.messages = messages
-
-
 def _links(view: bytes | memoryview, at: int, end: int, file_size: int, budget: Budget
            ) -> list[tuple[int | None, bytes, int]]:
     """The hard links' (creation order or None, name (its first ``NAME_KEPT`` bytes),
     object header address) of the link messages packed from ``at`` up to ``end``; the first
     message not whole and well formed ends them, as does the call's ``budget``."""
     out: list[tuple[int | None, bytes, int]] = []
-    while at + 4 <= end and len(out) < MAX_TARGETS and budget.messages > 0:
-        budget.messages -= 1
+    while at + 4 <= end and len(out) < MAX_TARGETS and budget.take(1):
         version, flags = view[at], view[at + 1]
         if version != 1 or flags & 0xE0:
             break
@@ -212,6 +181,8 @@ def _links(view: bytes | memoryview, at: int, end: int, file_size: int, budget: 
             p += 1
         length = int.from_bytes(view[p:p + width], "little")
         name = bytes(view[p + width:p + width + min(length, NAME_KEPT)])
+        if length > NAME_KEPT and p + width + length <= end:  # names sharing a prefix
+            name += zlib.crc32(view[p + width:p + width + length]).to_bytes(4, "little")
         p += width + length
         if length == 0 or p > end:
             break
@@ -233,12 +204,13 @@ def _links(view: bytes | memoryview, at: int, end: int, file_size: int, budget: 
     return out
 
 
-def _snod(view: bytes | memoryview, at: int, file_size: int
+def _snod(view: bytes | memoryview, at: int, file_size: int, budget: Budget
           ) -> list[tuple[int | None, bytes, int]] | None:
     if at + 8 > len(view) or view[at + 5] != 0:
         return None
     (count,) = struct.unpack_from("<H", view, at + 6)
-    if not 0 < count <= SNOD_MAX or at + 8 + count * SNOD_ENTRY > len(view):
+    if (not 0 < count <= SNOD_MAX or at + 8 + count * SNOD_ENTRY > len(view)
+            or not budget.take(count)):
         return None
     out: list[tuple[int | None, bytes, int]] = []
     for i in range(count):
@@ -250,67 +222,31 @@ def _snod(view: bytes | memoryview, at: int, file_size: int
     return out
 
 
-def _tree_at(view: bytes | memoryview, at: int, base: int, file_size: int) -> Tree | None:
-    if at + TREE_BYTES > len(view):
-        return None
-    (version, kind, node_size, record_size, depth, _split, _merge, root, root_records,
-     _total) = _TREE.unpack_from(view, at + 4)
-    if (version != 0 or not 1 <= kind <= 11 or not 64 <= node_size <= 1 << 20
-            or not 0 < record_size <= node_size // 4 or depth > 16
-            or (root != UNDEFINED and root + node_size > file_size)
-            or root_records * record_size > node_size or root_records >= MAX_BLOCKS):
-        return None
-    return Tree(base + at, kind, node_size, record_size, depth, root, root_records)
-
-
-def _indexes(view: bytes | memoryview, at: int, file_size: int) -> list[tuple[int, int]]:
-    """(address, size) of the heaps' and B-trees' headers named by the Link Info and
-    Attribute Info messages in the first chunk of the object header at ``view[at:]``, and
-    of its continuation chunks."""
-    flags = view[at + 5]
-    p = at + 6 + (16 if flags & 0x20 else 0) + (4 if flags & 0x10 else 0)
-    width = 1 << (flags & 3)
-    if p + width > len(view):
-        return []
-    end = min(len(view), p + width + int.from_bytes(view[p:p + width], "little"))
-    p += width
-    head = 6 if flags & 0x04 else 4  # type, size, flags (and a creation order)
-    out: list[tuple[int, int]] = []
-    for _ in range(MAX_MESSAGES):
-        if p + head > end:
-            break
-        kind, size = view[p], int.from_bytes(view[p + 1:p + 3], "little")
-        p += head
-        if p + size > end:
-            break
-        if kind == CONTINUATION and size == 16:  # the header's next chunk
-            chunk, length = struct.unpack_from("<QQ", view, p)
-            out.append((chunk, min(length, MAX_FETCHED)))
-        elif kind in INDEX_MESSAGES and size >= 18 and view[p] == 0:
-            q = p + 2 + (8 if view[p + 1] & 1 and kind == 0x02 else 0) + (
-                2 if view[p + 1] & 1 and kind == 0x15 else 0)
-            named = (q + 24 if view[p + 1] & 2 else q + 16)
-            if named <= p + size:
-                heap, *trees = struct.unpack_from(f"<{(named - q) // 8}Q", view, q)
-                out += [(heap, HEAP_BYTES)] + [(t, TREE_BYTES) for t in trees]
-        p += size
-    return [(a, n) for a, n in out if a != UNDEFINED and a + n <= file_size]
-
-
 def link_places(data: bytes | memoryview, base: int, file_size: int,
-                heaps: Mapping[int, Heap], trees: Mapping[int, Tree] | None = None, *,
+                heaps: Mapping[int, Heap], nodes: Mapping[int, Node] | None = None,
+                chunks: Mapping[int, Chunk] | None = None, *,
                 skip: Container[int] = ()) -> Found:
     """The structures of group links whole in ``data`` (the file's bytes from ``base``):
-    none at an address in ``skip`` (seen before). ``heaps``: the heaps known by address,
-    ``trees`` the B-trees by their root's address (a block or root node of another is
-    passed over; one found here counts too)."""
+    none at an address in ``skip`` (seen before). ``heaps``: the heaps known by address;
+    ``nodes`` the B-tree nodes expected (named by a header or a node above), ``chunks`` the
+    continuation chunks (named by a header): a block, node or chunk of none of them is
+    passed over; one found here counts too. One ``Budget`` of entries and ``MAX_NAMED``
+    ranges to fetch per call."""
     found = Found()
     budget = Budget()
     view = memoryview(data).cast("B") if not isinstance(data, bytes) else data
-    known = dict(heaps)
-    roots = dict(trees or {})
+    known, expected, continued = dict(heaps), dict(nodes or {}), dict(chunks or {})
+    named = 0
+
+    def fetch(address: int, ranges: list[tuple[int, int]], whole: bool = True) -> None:
+        nonlocal named
+        ranges = ranges[:max(0, MAX_NAMED - named)]
+        if ranges:
+            named += len(ranges)
+            found.fetch.append((address, ranges, whole))
+
     for n, match in enumerate(_PLACES.finditer(view)):
-        if n >= MAX_PLACES:
+        if n >= MAX_PLACES or budget.entries <= 0:
             break
         at = match.start()
         address = base + at
@@ -323,48 +259,71 @@ def link_places(data: bytes | memoryview, base: int, file_size: int,
                 known[heap.address] = heap
                 found.heaps.append(heap)
                 if heap.root != UNDEFINED:  # an indirect block: its entries; or a block
-                    found.fetch.append((address, [(heap.root, min(heap.start, MAX_FETCHED))]))
-            continue
-        if kind == b"SNOD":
-            links = _snod(view, at, file_size)
+                    fetch(address, [(heap.root, min(heap.start, MAX_FETCHED))])
+        elif kind == b"SNOD":
+            links = _snod(view, at, file_size, budget)
             if links:
                 found.targets.append((address, 0, links, True))
-            continue
-        if kind == b"OHDR":
-            if indexes := _indexes(view, at, file_size):
-                found.fetch.append((address, indexes))
-            continue
-        if kind == b"BTHD":
-            tree = _tree_at(view, at, base, file_size)
+        elif kind == b"OHDR":
+            named_here, more, whole = header_names(view, at, file_size, budget)
+            fetch(address, named_here, whole)
+            found.chunks += more
+            continued.update(more)
+        elif kind == b"OCHK":
+            chunk = continued.get(address)
+            if chunk is not None:
+                named_here, more, whole = messages(view, at + 4, at + chunk.length - 4,
+                                                   chunk.flags, file_size, budget)
+                fetch(address, named_here, whole)
+                found.chunks += more
+                continued.update(more)
+        elif kind == b"BTHD":
+            tree = tree_at(view, at, base, file_size)
             if tree is not None:
-                roots[tree.root] = tree
                 found.trees.append(tree)
                 if tree.root != UNDEFINED:
-                    found.fetch.append((address, [(tree.root, min(tree.node_size,
-                                                                  MAX_FETCHED))]))
-            continue
-        if kind == b"BTIN":
-            tree = roots.get(address)
-            if tree is not None and (leaves := tree.leaves(view, at, file_size)):
-                found.fetch.append((address, leaves))
-            continue
-        if at + 13 > len(view):
-            continue
-        (owner,) = struct.unpack_from("<Q", view, at + 5)
-        heap = known.get(owner)
-        if heap is None:
-            continue
-        offset = int.from_bytes(view[at + 13:at + 13 + heap.offset_bytes], "little")
-        if kind == b"FHIB":
-            if address == heap.root and offset == 0 and heap.rows:
-                if blocks := heap.direct_blocks(view, at, file_size):
-                    found.fetch.append((address, blocks))
-            continue
-        size = heap.block_size(offset)
-        if size is None:
-            continue
-        start = at + 13 + heap.offset_bytes + (4 if heap.checksummed else 0)
-        links = _links(view, start, min(at + size, len(view)), file_size, budget)
-        if links:
-            found.targets.append((address, owner, links, at + size <= len(view)))
+                    root = Node(tree, tree.depth, tree.root_records)
+                    expected[tree.root] = root
+                    found.nodes.append((tree.root, root))
+                    fetch(address, [(tree.root, min(tree.node_size, MAX_FETCHED))])
+        elif kind == b"BTIN":
+            node = expected.get(address)
+            if node is not None and node.depth >= 1:
+                children = node.tree.children(view, at, node.depth, node.records, file_size,
+                                              budget)
+                size = min(node.tree.node_size, MAX_FETCHED)
+                fetch(address, [(child, size) for child, _ in children])
+                if node.depth > 1:
+                    below = [(child, Node(node.tree, node.depth - 1, held))
+                             for child, held in children]
+                    found.nodes += below
+                    expected.update(below)
+        else:
+            _heap_block(view, at, address, base, file_size, known, found, fetch, budget)
     return found
+
+
+def _heap_block(view: bytes | memoryview, at: int, address: int, base: int, file_size: int,
+                known: Mapping[int, Heap], found: Found,
+                fetch: Callable[[int, list[tuple[int, int]]], None], budget: Budget) -> None:
+    """A heap's root indirect block (its direct blocks fetched) or direct block (its links
+    kept) at ``view[at:]``."""
+    if at + 13 > len(view):
+        return
+    kind = bytes(view[at:at + 4])
+    (owner,) = struct.unpack_from("<Q", view, at + 5)
+    heap = known.get(owner)
+    if heap is None or at + 13 + heap.offset_bytes > len(view):
+        return
+    offset = int.from_bytes(view[at + 13:at + 13 + heap.offset_bytes], "little")
+    if kind == b"FHIB":
+        if address == heap.root and offset == 0 and heap.rows:
+            fetch(address, heap.direct_blocks(view, at, file_size, budget))
+        return
+    size = heap.block_size(offset)
+    if size is None:
+        return
+    start = at + 13 + heap.offset_bytes + (4 if heap.checksummed else 0)
+    links = _links(view, start, min(at + size, len(view)), file_size, budget)
+    if links:
+        found.targets.append((address, owner, links, at + size <= len(view)))

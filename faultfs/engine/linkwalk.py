@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import bisect
 
-from faultfs.core.hdf5links import Heap, Tree, link_places
+from faultfs.core.hdf5index import Chunk, Node
+from faultfs.core.hdf5links import Heap, link_places
 
 NODE_READ = 32 << 10  # reads scanned: this long at most (a header's pages, not data)
 WALK_STEPS = 2  # steps to the next member in a row that make a walk (one lookup may meet one)
@@ -61,7 +62,8 @@ class LinkWalk:
 
     def __init__(self) -> None:
         self.heaps: dict[int, Heap] = {}
-        self.trees: dict[int, Tree] = {}  # version-2 B-trees by their root's address
+        self.nodes: dict[int, Node] = {}  # version-2 B-tree nodes named, not read yet ...
+        self.chunks: dict[int, Chunk] = {}  # ... and object header continuation chunks
         self.groups: dict[int, int] = {0: 0}  # a heap's address (0: symbol table nodes) -> rank
         self.seen: set[int] = set()  # blocks taken whole, and root indirect blocks read
         self.keys: list[Key] = []  # the targets' keys, sorted ...
@@ -78,23 +80,28 @@ class LinkWalk:
         """A read of ``[off, end)`` was served (``data``: its bytes, and small reads around
         them, from ``base``): (address, size) of the blocks to fetch and of the headers of
         the next members when its reader walks a group."""
-        if end - off > NODE_READ:
+        if end - off > NODE_READ or len(data) > 2 * NODE_READ:
             return []
         for page in range(off // PAGE, -(-end // PAGE)):
             self.pages[page] = None
         while len(self.pages) > MAX_PAGES:
             del self.pages[next(iter(self.pages))]
-        found = link_places(data, base, file_size, self.heaps, self.trees, skip=self.seen)
+        found = link_places(data, base, file_size, self.heaps, self.nodes, self.chunks,
+                            skip=self.seen)
         out: list[tuple[int, int]] = []
         for heap in found.heaps:
             if len(self.heaps) < MAX_HEAPS:
                 self.heaps[heap.address] = heap
-        for tree in found.trees:
-            if len(self.trees) < MAX_HEAPS:
-                self.trees[tree.root] = tree
-        for address, named in found.fetch:  # what a structure names: fetched once
-            out.extend(named)
-            self._seen(address)
+        for address, node in found.nodes:  # read when they come
+            if len(self.nodes) < MAX_BLOCKS:
+                self.nodes[address] = node
+        for address, chunk in found.chunks:
+            if len(self.chunks) < MAX_BLOCKS:
+                self.chunks[address] = chunk
+        for address, ranges, whole in found.fetch:  # what a structure names: fetched once
+            out.extend(ranges)
+            if whole:
+                self._seen(address)
         room = MAX_ADDED
         for block, owner, links, whole in found.targets:
             room -= self._add(block, owner, links, room)

@@ -142,11 +142,12 @@ class ChunkMap:
             return off, data
         raw = bytes(data)
         start, out = off, raw
-        for o, b in self.small.items():
-            if o + len(b) == off:
-                start, out = o, b + out
-            elif o == off + len(raw):
-                out = out + b
+        before = next((b for o, b in self.small.items() if o + len(b) == off), None)
+        after = next((b for o, b in self.small.items() if o == off + len(raw)), None)
+        if before is not None:  # one on each side: two kept reads may end at one offset
+            start, out = off - len(before), before + out
+        if after is not None:
+            out = out + after
         self.small[off] = raw
         while len(self.small) > SMALL_READS:
             self.small.popitem(last=False)
