@@ -1,4 +1,4 @@
-"""HDF5 lookahead (engine/lookahead.py, core/hdf5.py): the chunk index read from the bytes h5py
+"""HDF5 lookahead (hdf5/lookahead.py, core/hdf5.py): the chunk index read from the bytes h5py
 is served, checked against h5py's own view of where each chunk lies; the reader's pattern
 over chunks; and a real mount where a strided hyperslab fetches the chunks it reads, not the
 gaps between them, while every value read stays exact."""
@@ -26,7 +26,7 @@ from faultfs.core.hdf5 import (
     chunk_nodes,
     group_node_at,
 )
-from faultfs.engine.lookahead import SCANS_SPENT, ChunkMap, Hdf5Lookahead
+from faultfs.hdf5.lookahead import SCANS_SPENT, ChunkMap, Hdf5Lookahead
 from faultfs.stats import Stats
 
 h5py = pytest.importorskip("h5py")
@@ -702,7 +702,7 @@ def test_crafted_group_nodes_keep_a_files_state_bounded():
     """Nodes above group leaves naming 4,000 children each, two a read: what a file keeps of
     them (nodes, their children, the order between them) stops at ``MAX_SNODS`` children."""
     from faultfs.core.hdf5 import UNDEFINED
-    from faultfs.engine.grouplist import MAX_SNODS
+    from faultfs.hdf5.grouplist import MAX_SNODS
 
     def node(first_child: int) -> bytes:
         head = struct.pack("<4sBBHQQ", b"TREE", 0, 1, 4000, UNDEFINED, UNDEFINED)

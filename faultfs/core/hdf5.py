@@ -8,7 +8,7 @@ filters), a filter mask and its offsets in the dataset (rank + 1 numbers, the la
 child is the chunk's file address; the last key bounds the node. A reader (h5py) reads a node
 before the chunks it indexes, so the node's bytes pass through the daemon first; from them the
 daemon knows the exact byte ranges of the chunks the reader may read next
-(``engine/lookahead.py``).
+(``hdf5/lookahead.py``).
 
 Nothing here trusts the bytes: a node is taken only when it fits in the bytes given and every
 field is consistent (the rank found by trying each, keys in order, each trailing offset zero,

@@ -1,5 +1,5 @@
 """HDF5's version-2 object headers and B-trees, read from bytes a reader was served: what each
-names that its reader reads next (``core/hdf5links.py`` finds them; ``engine/linkwalk.py``
+names that its reader reads next (``core/hdf5links.py`` finds them; ``hdf5/linkwalk.py``
 fetches what they name as soon as they are read).
 
 - A version-2 object header (``OHDR``) or its continuation chunk (``OCHK``) holds messages:

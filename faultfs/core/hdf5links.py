@@ -1,6 +1,6 @@
 """HDF5 group links, read from bytes a reader was served: the object headers a group's members
 start at, in the group's order, so that a reader opening member after member can have the next
-ones fetched before it asks (``engine/linkwalk.py``).
+ones fetched before it asks (``hdf5/linkwalk.py``).
 
 A group stores its links in one of two ways, and both name each member's object header:
 - "old-style" (h5py's default): symbol table nodes (``SNOD``), each with up to 16 entries of

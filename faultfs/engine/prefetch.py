@@ -47,8 +47,8 @@ import trio
 from faultfs.config import Config
 from faultfs.engine.faults import Faulter
 from faultfs.engine.flights import Flight, Flights
-from faultfs.engine.lookahead import Hdf5Lookahead
 from faultfs.engine.tags import Tag
+from faultfs.hdf5 import Hdf5Lookahead
 from faultfs.iopool import IoPool
 from faultfs.stats import Stats
 from faultfs.tiers.budget import PREFETCH_SHARE

@@ -40,7 +40,9 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
+from faultfs.core.chunks import ChunkLayout
 from faultfs.core.hdf5 import (
     NODE_HEADER,
     Budget,
@@ -52,10 +54,8 @@ from faultfs.core.hdf5 import (
     node_at,
     node_extent,
 )
-from faultfs.engine.grouplist import SNOD_BYTES, GroupListing
-from faultfs.engine.linkwalk import LinkWalk
-from faultfs.engine.tags import Tag
-from faultfs.stats import Stats
+from faultfs.hdf5.grouplist import SNOD_BYTES, GroupListing
+from faultfs.hdf5.linkwalk import LinkWalk
 
 LOOKAHEAD_BYTES = 32 << 20  # chunk bytes prefetched ahead of a reader at most
 LOOKAHEAD_CHUNKS = 16  # ... and chunks
@@ -74,6 +74,22 @@ SCANS_SPENT = 4  # reads of a file whose bytes spent a scan's whole budget: no m
 LEAF_PEEK = 64 << 10  # bytes of a leaf read from memory at most (one of 64 entries: ~3 KiB)
 LEAF_TRIES = 4  # leaves looked for in memory after one read, at most
 SHORT_LOOKS = 8  # reads after which a leaf still short of its bytes is left to h5py
+
+class Tag(Protocol):
+    """A file read through a view: the daemon's tags, a ``faultfs::`` object."""
+
+    @property
+    def id(self) -> int: ...
+
+    @property
+    def layout(self) -> ChunkLayout: ...
+
+
+class Stats(Protocol):
+    """Where the counters go (``faultfs.stats.Stats``, the protocol's counters)."""
+
+    def add(self, name: str, n: int = 1) -> None: ...
+
 
 Starter = Callable[[Tag, list[int]], int]  # blob indices to prefetch -> how many started
 Peek = Callable[[Tag, int, int], bytes]  # view bytes [off, off+size) that memory holds (a prefix)
@@ -283,7 +299,7 @@ class Hdf5Lookahead:
         else:
             self.maps.move_to_end(tag.id)
         start, scanned = m.joined(off, data)
-        budget, nodes, groups = Budget(), [], []
+        budget, nodes, groups = Budget(), [], list[GroupNode]()
         if m.spent < SCANS_SPENT:  # bytes made to cost a scan its budget: scanned no more
             nodes = chunk_nodes(scanned, start, tag.layout.size, skip=m.nodes, budget=budget,
                                 groups=groups, groups_known=m.groups.nodes)
