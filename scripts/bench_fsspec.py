@@ -10,6 +10,8 @@ times (medians reported); the systems take turns within each case of a run:
 - rand4k1 / rand4k8 / rand64k1 / rand64k8: --rand-ops reads of 4 KiB or 64 KiB at random
   aligned offsets, in 1 process or 8 processes at once on one cache directory (ops/s);
 - h5py: h5py.File(fs.open(...)) reads a whole chunked, gzip-compressed dataset (--h5-mb);
+- ncopen: xarray.open_dataset(fs.open(...), engine="h5netcdf") of a NetCDF-4 object of
+  --nc-vars variables of 4 MiB (every variable's header read), the first variable read;
 - each again warm: the same case in new processes over the cache directory the cold case left;
 - shared8: 8 processes read the whole object at once through one cache directory: the bytes
   the proxy served, over the object's size.
@@ -59,6 +61,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks-fsspec.md"
 BEGIN, END = "<!-- bench_fsspec results: begin -->", "<!-- bench_fsspec results: end -->"
 BUCKET, KEY, H5_KEY = "faultfs-bench", "run42/field.bin", "run42/chunks.h5"
+NC_KEY = "run42/vars.nc"  # the ncopen case's NetCDF-4 object
 SYSTEMS = ("faultfs", "faultfs-ttl0", "blockcache", "simplecache", "s3fs", "local")
 LOCAL_FILES: dict[str, str] = {}  # system "local": each key's bytes in a local file
 OURS = ("faultfs", "faultfs-ttl0")
@@ -67,7 +70,7 @@ VARIANTS: dict[str, str] = {}  # faultfs-NAME: the tree its readers import (--va
 
 def ours(system: str) -> bool:
     return system in OURS or system in VARIANTS
-CASES = ("seq", "rand4k1", "rand4k8", "rand64k1", "rand64k8", "h5py")
+CASES = ("seq", "rand4k1", "rand4k8", "rand64k1", "rand64k8", "h5py", "ncopen")
 RANDOM = {"rand4k1": (4096, 1), "rand4k8": (4096, 8), "rand64k1": (65536, 1),
           "rand64k8": (65536, 8)}
 CASE_TIMEOUT_S = 600.0
@@ -83,6 +86,8 @@ s3 = {"endpoint_url": endpoint, "key": sys.argv[10], "secret": sys.argv[11],
       "client_kwargs": {"region_name": sys.argv[12]}, "use_listings_cache": False}
 if case == "h5py":
     import h5py
+if case == "ncopen":
+    import xarray as xr
 if system.startswith("faultfs"):
     fs = fsspec.filesystem("faultfs", target_protocol="s3", target_options=s3, store=cache,
                            reserve_mb=0, **({"pin_ttl": 0} if system == "faultfs-ttl0" else {}))
@@ -115,6 +120,10 @@ if case in ("seq", "shared8"):
 elif case == "h5py":
     with fs.open(key, "rb") as f, h5py.File(f, "r") as h5:
         data = h5["field"][...]
+elif case == "ncopen":  # xarray opens a NetCDF-4 file: every variable's header, one read
+    with fs.open(key, "rb") as f, xr.open_dataset(f, engine="h5netcdf") as ds:
+        names = sorted(ds.data_vars)
+        data = ds[names[0]].values
 else:
     rng = random.Random(seed)
     pieces, lat = [], []
@@ -135,6 +144,8 @@ if case in ("seq", "shared8"):
     out["lat"], out["sha"] = lat, h.hexdigest()
 elif case == "h5py":
     out["sum"] = float(data.sum(dtype="f8"))
+elif case == "ncopen":
+    out["sum"] = [len(names), float(data.sum(dtype="f8"))]
 else:
     out["lat"] = lat
     out["got"] = [(off, hashlib.sha256(piece).hexdigest()) for off, piece in pieces]
@@ -253,6 +264,8 @@ def check(case: str, answers: list[dict], expect: dict) -> None:
             assert answer["sha"] == expect["sha"], f"{case}: wrong bytes"
         elif case == "h5py":
             assert answer["sum"] == expect["h5sum"], f"{case}: wrong values"
+        elif case == "ncopen":
+            assert answer["sum"] == expect["ncsum"], f"{case}: wrong values"
         else:
             for off, digest in answer["got"]:
                 assert digest == expect["pieces"][(off, RANDOM[case][0])], f"{case}: wrong bytes"
@@ -270,8 +283,8 @@ def measure(args, proxy: Proxy, work: Path, env: dict, expect: dict) -> dict:
                     args.systems)]:
                 cache = work / f"cache-{system}-{case}-{run}"
                 cache.mkdir()
-                key = H5_KEY if case == "h5py" else KEY
-                size = expect["h5size"] if case == "h5py" else args.size_mb << 20
+                key = {"h5py": H5_KEY, "ncopen": NC_KEY}.get(case, KEY)
+                size = expect.get(f"{case}size", args.size_mb << 20)
                 n, procs = RANDOM.get(case, (0, 1))
                 for warm in (False, True):
                     proxy.window()
@@ -358,7 +371,7 @@ def render(args, measured: dict, meta: dict) -> str:
               "| case | " + " | ".join(args.systems) + " |",
               "| --- |" + " ---: |" * len(args.systems)]
     for case in args.cases:
-        total = meta["h5size"] if case == "h5py" else args.size_mb << 20
+        total = meta.get(f"{case}size", args.size_mb << 20)
         cells = [f"{src[(s, case, False)] / total:.2f} / {src[(s, case, True)] / total:.2f}"
                  for s in args.systems]
         lines.append(f"| {case} | " + " | ".join(cells) + " |")
@@ -382,12 +395,28 @@ def h5_object(path: Path, mib: int) -> float:
     return float(data.sum(dtype="f8"))
 
 
+def nc_object(path: Path, variables: int) -> list:
+    """A NetCDF-4 file as xarray writes it (links in a fractal heap; each variable's header
+    beside its 4 MiB of data); what ncopen reads of it: [variables, the first one's sum]."""
+    import numpy
+    import xarray
+
+    rng = numpy.random.default_rng(5)
+    names = [f"v{i:04d}" for i in range(variables)]
+    ds = xarray.Dataset({name: (("x",), rng.standard_normal(1 << 20).astype("f4").round(2))
+                         for name in names})
+    ds.to_netcdf(path, engine="h5netcdf")
+    return [variables, float(ds[names[0]].values.sum(dtype="f8"))]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
                         help="a 64 MiB object, 48 random reads per process, one run")
     parser.add_argument("--size-mb", type=int, default=256, help="object size in MiB (256)")
     parser.add_argument("--h5-mb", type=int, default=64, help="HDF5 dataset MiB (64)")
+    parser.add_argument("--nc-vars", type=int, default=100,
+                        help="variables of 4 MiB in the NetCDF-4 object ncopen opens (100)")
     parser.add_argument("--runs", type=int, help="repetitions (3; --quick: 1)")
     parser.add_argument("--rand-ops", type=int, default=200, help="random reads per process")
     parser.add_argument("--latency-ms", type=float, default=20.0)
@@ -402,7 +431,7 @@ def main() -> int:
     parser.add_argument("--no-doc", action="store_true")
     args = parser.parse_args()
     if args.quick:
-        args.size_mb, args.h5_mb, args.rand_ops = 64, 16, 48
+        args.size_mb, args.h5_mb, args.rand_ops, args.nc_vars = 64, 16, 48, 16
     args.runs = args.runs or (1 if args.quick else 3)
     args.systems = [s for s in args.systems.split(",") if s]
     for variant in args.variant:
@@ -429,9 +458,13 @@ def main() -> int:
         h5 = work / "chunks.h5"
         h5sum = h5_object(h5, args.h5_mb)
         client.upload_file(str(h5), BUCKET, H5_KEY)
+        nc, ncsum = work / "vars.nc", None
+        if "ncopen" in args.cases:
+            ncsum = nc_object(nc, args.nc_vars)
+            client.upload_file(str(nc), BUCKET, NC_KEY)
         if "local" in args.systems:
             (work / "object.bin").write_bytes(data)
-            LOCAL_FILES.update({KEY: str(work / "object.bin"), H5_KEY: str(h5)})
+            LOCAL_FILES.update({KEY: str(work / "object.bin"), H5_KEY: str(h5), NC_KEY: str(nc)})
         import hashlib
 
         pieces = {}
@@ -442,13 +475,17 @@ def main() -> int:
                     off = rng.randrange(0, (args.size_mb << 20) // n) * n
                     pieces[(off, n)] = hashlib.sha256(data[off:off + n]).hexdigest()
         expect = {"sha": hashlib.sha256(data).hexdigest(), "h5sum": h5sum,
-                  "h5size": h5.stat().st_size, "pieces": pieces}
+                  "h5pysize": h5.stat().st_size, "h5size": h5.stat().st_size,
+                  "pieces": pieces, "ncsum": ncsum}
+        if ncsum is not None:
+            expect["ncopensize"] = nc.stat().st_size
         del data
         proxy = Proxy(endpoint, args.latency_ms, args.conn_mbps, work)
         measured = measure(args, proxy, work, env, expect)
         meta = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                 "machine": f"{os.cpu_count()} cores", "server": what,
-                "h5size": expect["h5size"]}
+                "h5size": expect["h5size"], "h5pysize": expect["h5size"],
+                **({"ncopensize": expect["ncopensize"]} if ncsum is not None else {})}
         text = render(args, measured, meta)
         print(text)
         if not args.no_doc:

@@ -818,3 +818,35 @@ def test_a_claim_whose_file_cannot_be_removed_still_unlocks(tmp_path, monkeypatc
     again = claims.try_claim("t-x", "b-1")
     assert again is not None, "the lock went with the failed release"
     again.release()
+
+
+def test_an_hdf5_reader_through_the_protocol_gets_its_next_reads_planned(ffs, tmp_path):
+    """xarray opening a NetCDF-4 file through ``faultfs::`` (no mount): the next variables'
+    headers and the open's chain of index structures are faulted ahead, as a mount's
+    engine does (``faultfs.hdf5``); a strided h5py read gets its chunks, not the gaps. Every
+    value is the file's own."""
+    xr = pytest.importorskip("xarray")
+    np = pytest.importorskip("numpy")
+    h5py = pytest.importorskip("h5py")
+    pytest.importorskip("h5netcdf")
+    src = tmp_path / "vars.nc"
+    rng = np.random.default_rng(9)
+    xr.Dataset({f"v{i:03d}": (("x",), rng.normal(size=64 << 10).astype(np.float32))
+                for i in range(120)}).to_netcdf(src, engine="h5netcdf")
+    fs = ffs()
+    with fs.open(str(src), "rb") as f, xr.open_dataset(f, engine="h5netcdf") as got, \
+            xr.open_dataset(src, engine="h5netcdf") as want:
+        assert sorted(got.data_vars) == sorted(want.data_vars)
+        assert np.array_equal(got["v077"].values, want["v077"].values)
+    stats = fs.stats()
+    assert stats.get("hdf5_links_ahead", 0) > 0 and stats.get("hdf5_errors", 0) == 0, stats
+
+    slab = tmp_path / "slab.h5"
+    data = np.round(rng.normal(size=(64 * 32, 512)), 2).astype(np.float32)
+    with h5py.File(slab, "w") as f:
+        f.create_dataset("data", data=data, chunks=(64, 512), compression="gzip")
+    fs = ffs()
+    with fs.open(str(slab), "rb") as f, h5py.File(f, "r") as h:
+        assert np.array_equal(h["data"][::256], data[::256])
+    stats = fs.stats()
+    assert stats.get("hdf5_index_nodes", 0) > 0 and stats.get("hdf5_errors", 0) == 0, stats

@@ -31,14 +31,16 @@ from dataclasses import dataclass, field
 from json.encoder import encode_basestring_ascii as _json_str
 from typing import TYPE_CHECKING
 
+from faultfs.core.chunks import ChunkLayout
 from faultfs.core.context import fnv1a64
 from faultfs.core.names import PROTOCOL_TAG_PREFIX
-from faultfs.errors import CorruptionError, FaultfsError, SourceChanged, StoreFull
+from faultfs.errors import CorruptionError, FaultfsError, InvalidInput, SourceChanged, StoreFull
 from faultfs.fsspec.claims import Claim, Claims
 from faultfs.fsspec.landing import Landing, SplitLane, read_chunk, split_at
 from faultfs.fsspec.mounted import MountBlob, MountTags
 from faultfs.fsspec.pins import PinRecords
 from faultfs.fsspec.space import SharedSpace
+from faultfs.hdf5 import Hdf5Lookahead
 from faultfs.sources import Source
 from faultfs.store.blobfile import HEADER_LEN
 from faultfs.store.blobstore import BlobStore, OpenBlob
@@ -54,6 +56,7 @@ CLAIM_WAIT_S = 120.0  # the longest wait for another process's fault before read
 OPEN_BLOBS = 16
 KEPT_FLIGHTS = 16  # finished faults whose bytes wait for their reader, per object
 PROCESS_OPEN_BLOBS = 256  # and in a whole process, at most (else a quarter of RLIMIT_NOFILE)
+HDF5_AHEAD = 64  # chunks an HDF5 reader's planned reads fault after one read, at most
 
 
 class _OpenShare:
@@ -153,6 +156,14 @@ class _Held:
     closed: bool = False
 
 
+@dataclass(frozen=True)
+class _View:
+    """An object as the HDF5 read planning sees it: one file, cut in chunks."""
+
+    id: int
+    layout: ChunkLayout
+
+
 class PinnedObject:
     """A source object at one version, read through the shared store in chunks."""
 
@@ -178,6 +189,15 @@ class PinnedObject:
         self._paths: dict[int, str] = {}  # blob files by chunk: their names encoded once
         self._seen: set[int] = set()  # chunks found staged by the read-ahead (``_on_disk``)
         self._closed = False
+        # an HDF5 reader's next reads, planned from the bytes it is served (``faultfs.hdf5``:
+        # its chunk index, its groups' links), as the mount's engine plans them
+        self._hdf5: Hdf5Lookahead | None = None
+        try:
+            self._view = _View(0, ChunkLayout(0, size, chunk_size))
+            self._hdf5 = Hdf5Lookahead(self._start_planned, shared.stats)
+        except InvalidInput:
+            pass
+        self._planning = threading.Lock()
         OPEN_SHARE.join()
 
     @property
@@ -195,17 +215,20 @@ class PinnedObject:
         if ahead:
             self._read_ahead(last, ahead)
         if first == last:
-            return self._range(first, start - first * cs, end - start)
-        # several chunks: their faults run at once (each on the pool), then the pieces join
-        for index in range(first + 1, last + 1):
-            if index not in self._open and self._hit(index, 0, 0) is None:
-                self._start_fault(index)
-        parts = []
-        for index in range(first, last + 1):
-            lo = max(start, index * cs) - index * cs
-            hi = min(end, (index + 1) * cs) - index * cs
-            parts.append(self._range(index, lo, hi - lo))
-        return b"".join(parts)
+            out = self._range(first, start - first * cs, end - start)
+        else:
+            # several chunks: their faults run at once (each on the pool), then the pieces join
+            for index in range(first + 1, last + 1):
+                if index not in self._open and self._hit(index, 0, 0) is None:
+                    self._start_fault(index)
+            parts = []
+            for index in range(first, last + 1):
+                lo = max(start, index * cs) - index * cs
+                hi = min(end, (index + 1) * cs) - index * cs
+                parts.append(self._range(index, lo, hi - lo))
+            out = b"".join(parts)
+        self._planned(start, out)
+        return out
 
     def read_into(self, start: int, out: memoryview, *, ahead: int = 0) -> int:
         """As ``read``, into ``out`` (bytes from ``start``, as many as fit); how many. A hit
@@ -222,10 +245,35 @@ class PinnedObject:
             got = self._hit(index, start - index * cs, end - start, into=out)
             if got is not None:
                 self.shared.stats.add("hits")
+                self._planned(start, out[:int(got)])
                 return int(got)  # type: ignore[arg-type]
         data = self.read(start, end, ahead=ahead)
         out[:len(data)] = data
         return len(data)
+
+    def _planned(self, start: int, data: bytes | memoryview) -> None:
+        """Bytes ``[start, start+len(data))`` were read: what an HDF5 reader reads next is
+        faulted (``faultfs.hdf5``). Planning never fails a read."""
+        if self._hdf5 is None or not data:
+            return
+        try:
+            with self._planning:
+                self._hdf5.served(self._view, start, data)
+        except Exception:  # a guess gone wrong costs the guess, never the read
+            log.debug("planning an HDF5 reader's next reads failed", exc_info=True)
+            self.shared.stats.add("hdf5_errors")
+
+    def _start_planned(self, view: object, indices: list[int]) -> int:
+        """Fault the chunks ``indices`` not here yet (``HDF5_AHEAD`` at most); how many."""
+        started = 0
+        for index in indices:
+            if started >= HDF5_AHEAD:
+                break
+            if (index < self.num_chunks and index not in self._open
+                    and index not in self._flights and not self._on_disk(index)):
+                self._start_fault(index)
+                started += 1
+        return started
 
     def _read_ahead(self, last: int, ahead: int) -> None:
         """Fault the ``ahead`` chunks after chunk ``last`` that are not here yet."""
