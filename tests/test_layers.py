@@ -2,7 +2,7 @@
 layer importing a higher one, and the rooms of the write path reached only through the
 engine's face from above it.
 
-    errors < core < config, buffers, stats, iopool, progress < store < sources < assimilators
+    errors < core < config, buffers, stats, iopool, progress, hdf5 < store < sources < assimilators
       < tiers < engine, stream, fsspec < namespace < fuse < control_client < daemon, warm < export
       < cli < testing
 
@@ -22,7 +22,7 @@ LAYERS = [
     ["faultfs.errors"],
     ["faultfs.core"],
     ["faultfs.config", "faultfs.buffers", "faultfs.stats", "faultfs.iopool", "faultfs.progress",
-     "faultfs.metrics"],
+     "faultfs.metrics", "faultfs.hdf5"],
     ["faultfs.store"],
     ["faultfs.sources"],
     ["assimilators"],
@@ -40,7 +40,7 @@ RANK = {unit: rank for rank, layer in enumerate(LAYERS) for unit in layer}
 # packages of private rooms behind one face (STYLE, "One face, private rooms"): a module outside
 # such a package, tests included, imports the package, never one of its rooms
 FACES = ["faultfs.stream.partition", "faultfs.stream.shuffle", "faultfs.testing.proxy",
-         "faultfs.store.fsck", "faultfs.tiers.local", "faultfs.fsspec"]
+         "faultfs.store.fsck", "faultfs.tiers.local", "faultfs.fsspec", "faultfs.hdf5"]
 UNLAYERED = ("faultfs",)  # the package's own __init__ (its version) may be imported by anyone
 # faces whose rooms tests may open, and why (code never may)
 ROOMS_OPEN_TO_TESTS = {
@@ -51,6 +51,9 @@ ROOMS_OPEN_TO_TESTS = {
                               "reads and hashes",
     "faultfs.fsspec": "its landing tests drive a fault in flight piece by piece from a fake "
                       "source, a timing no reader through the face can set up",
+    "faultfs.hdf5": "its tests replay h5py's reads through each planner and look at what it "
+                    "keeps (a file's chunks, a group's walk, a crafted file's bounds), which "
+                    "no read through the face shows",
 }
 WRITES = "faultfs.engine.writes"  # a package of rooms: the engine calls it, nothing above does
 FACE_ONLY = ("faultfs.namespace", "faultfs.fuse")  # they call the engine, never a room of it
