@@ -56,7 +56,8 @@ CLAIM_WAIT_S = 120.0  # the longest wait for another process's fault before read
 OPEN_BLOBS = 16
 KEPT_FLIGHTS = 16  # finished faults whose bytes wait for their reader, per object
 PROCESS_OPEN_BLOBS = 256  # and in a whole process, at most (else a quarter of RLIMIT_NOFILE)
-HDF5_AHEAD = 64  # chunks an HDF5 reader's planned reads fault after one read, at most
+HDF5_AHEAD = 8  # chunks of an HDF5 reader's planned reads in flight at once, at most (half
+# the default pool: a reader's own fault never queues behind more than that)
 
 
 class _OpenShare:
@@ -198,6 +199,7 @@ class PinnedObject:
         except InvalidInput:
             pass
         self._planning = threading.Lock()
+        self._planned_flights: list[Landing] = []  # planned faults not landed yet
         OPEN_SHARE.join()
 
     @property
@@ -264,14 +266,17 @@ class PinnedObject:
             self.shared.stats.add("hdf5_errors")
 
     def _start_planned(self, view: object, indices: list[int]) -> int:
-        """Fault the chunks ``indices`` not here yet (``HDF5_AHEAD`` at most); how many."""
+        """Fault the chunks ``indices`` not here yet, in order, while fewer than
+        ``HDF5_AHEAD`` planned faults are in flight (the next read plans the rest again);
+        how many started."""
+        flying = self._planned_flights = [f for f in self._planned_flights if not f.done()]
         started = 0
         for index in indices:
-            if started >= HDF5_AHEAD:
+            if len(flying) >= HDF5_AHEAD:
                 break
             if (index < self.num_chunks and index not in self._open
                     and index not in self._flights and not self._on_disk(index)):
-                self._start_fault(index)
+                flying.append(self._start_fault(index))
                 started += 1
         return started
 
