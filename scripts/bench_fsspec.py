@@ -453,7 +453,9 @@ def main() -> int:
                                                  WHO)
         client = s3_client(endpoint)
         ensure_bucket(client, BUCKET)
-        data = random.Random(1).randbytes(args.size_mb << 20)
+        rng = random.Random(1)  # in pieces: one randbytes call holds 256 MiB at most
+        data = b"".join(rng.randbytes(min(64, args.size_mb - at) << 20)
+                        for at in range(0, args.size_mb, 64))
         client.put_object(Bucket=BUCKET, Key=KEY, Body=data)
         h5 = work / "chunks.h5"
         h5sum = h5_object(h5, args.h5_mb)

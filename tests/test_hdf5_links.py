@@ -115,10 +115,10 @@ def replay(raw: bytes, read, blob: int = BLOB, started: set[int] | None = None):
         firsts = {h5py.h5o.get_info(f[name].id).addr for name in f}
     held = Held(raw, blob)
 
-    def start(tag, indices: list[int]) -> int:
+    def start(tag, wanted: list[tuple[int, int]]) -> int:
         if started is not None:
-            started.update(i for i in indices if i not in held.memory)
-        return held.start(tag, indices)
+            started.update(i for i, _ in wanted if i not in held.memory)
+        return held.start(tag, wanted)
 
     look = Hdf5Lookahead(start, Stats(), held.peek)
     tag = SimpleNamespace(id=1, layout=ChunkLayout(0, len(raw), blob))

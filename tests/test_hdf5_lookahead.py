@@ -152,7 +152,8 @@ def test_a_file_whose_reads_keep_spending_the_scan_is_scanned_no_more():
     and the prefetch its children asked for stays within the prefetcher's own bounds."""
     started: list[list[int]] = []
     stats = Stats()
-    look = Hdf5Lookahead(lambda tag, indices: started.append(indices) or 0, stats)
+    look = Hdf5Lookahead(lambda tag, wanted: started.append([i for i, _ in wanted]) or 0,
+                         stats)
     layout = ChunkLayout(0, 1 << 40, 1 << 20)
     tag = SimpleNamespace(id=1, layout=layout)
     head = SIGNATURE + bytes([0, 0, 0, 0, 0, 8, 8]) + bytes(4096 - 15)
@@ -259,8 +260,8 @@ def strided_reader(raw: bytes, leaves: list[ChunkNode], chunks: list[tuple[int, 
     """h5py's reads of every 4th chunk up to chunk ``stop`` through ``served``, its root
     and first leaf read before them (1 KiB blobs); the blob indices the lookahead started."""
     started: list[int] = []
-    look = Hdf5Lookahead(lambda tag, indices: started.extend(indices) or len(indices), Stats(),
-                         peek)
+    look = Hdf5Lookahead(lambda tag, wanted: started.extend(i for i, _ in wanted) or len(wanted),
+                         Stats(), peek)
     tag = SimpleNamespace(id=1, layout=ChunkLayout(0, len(raw), 1024))
     look.served(tag, 0, raw[:2048])
     root_at = min(a for a in range(len(raw)) if raw.startswith(b"TREE\x01\x01", a))
@@ -391,8 +392,8 @@ class Held:
     def blobs(self, off: int, size: int) -> range:
         return range(off // self.blob, (off + max(size, 1) - 1) // self.blob + 1)
 
-    def start(self, tag, indices: list[int]) -> int:
-        new = [i for i in indices if i not in self.memory]
+    def start(self, tag, wanted: list[tuple[int, int]]) -> int:
+        new = [i for i, _ in wanted if i not in self.memory]
         self.memory.update(new)
         return len(new)
 
@@ -489,7 +490,7 @@ def test_a_node_naming_thousands_of_leaves_costs_a_read_little():
 def test_a_leaf_short_in_memory_is_parsed_once_for_each_length(tmp_path, monkeypatch):
     """Memory holds bytes at the next leaf's address that look like a node's start and end
     short of the node: they are parsed once, not again at every strided read."""
-    from faultfs.engine import lookahead
+    from faultfs.hdf5 import lookahead
 
     raw, leaves, chunks = many_leaves(tmp_path)
     target = leaves[1].address

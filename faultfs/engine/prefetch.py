@@ -89,7 +89,9 @@ class Prefetcher:
         self.in_flight = 0  # blobs being prefetched or read ahead
         self.closing = False
         self._nursery: trio.Nursery | None = None
-        self.hdf5 = Hdf5Lookahead(self.start_blobs, stats, self.peek)
+        self.hdf5 = Hdf5Lookahead(
+            lambda tag, wanted: self.start_blobs(tag, [index for index, _ in wanted]), stats,
+            self.peek)
 
     def attach(self, nursery: trio.Nursery) -> None:
         self._nursery = nursery

@@ -265,18 +265,19 @@ class PinnedObject:
             log.debug("planning an HDF5 reader's next reads failed", exc_info=True)
             self.shared.stats.add("hdf5_errors")
 
-    def _start_planned(self, view: object, indices: list[int]) -> int:
-        """Fault the chunks ``indices`` not here yet, in order, while fewer than
-        ``HDF5_AHEAD`` planned faults are in flight (the next read plans the rest again);
-        how many started."""
+    def _start_planned(self, view: object, wanted: list[tuple[int, int]]) -> int:
+        """Fault the chunks ``wanted`` (index, the first byte wanted: a fault starts there,
+        so an object header deep in a chunk lands in one round trip) not here yet, in order,
+        while fewer than ``HDF5_AHEAD`` planned faults are in flight (the next read plans
+        the rest again); how many started."""
         flying = self._planned_flights = [f for f in self._planned_flights if not f.done()]
         started = 0
-        for index in indices:
+        for index, at in wanted:
             if len(flying) >= HDF5_AHEAD:
                 break
             if (index < self.num_chunks and index not in self._open
                     and index not in self._flights and not self._on_disk(index)):
-                flying.append(self._start_fault(index))
+                flying.append(self._start_fault(index, at=at))
                 started += 1
         return started
 

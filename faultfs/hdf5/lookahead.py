@@ -91,7 +91,9 @@ class Stats(Protocol):
     def add(self, name: str, n: int = 1) -> None: ...
 
 
-Starter = Callable[[Tag, list[int]], int]  # blob indices to prefetch -> how many started
+# (blob index, the first byte of it wanted) to prefetch, ascending -> how many started (a
+# caller that can start a fault at a byte starts it there: an object header's bytes first)
+Starter = Callable[[Tag, list[tuple[int, int]]], int]
 Peek = Callable[[Tag, int, int], bytes]  # view bytes [off, off+size) that memory holds (a prefix)
 
 
@@ -414,8 +416,8 @@ class Hdf5Lookahead:
 
     def _fetch(self, tag: Tag, ranges: list[tuple[int, int]]) -> int:
         """Prefetch the blobs holding the byte ranges (address, size); how many started."""
-        layout = tag.layout
-        wanted: set[int] = set()
+        wanted: dict[int, int] = {}
         for address, size in ranges:
-            wanted.update(index for index, _, _ in layout.view_pieces(address, size))
-        return self.start(tag, sorted(wanted)) if wanted else 0
+            for index, inner, _ in tag.layout.view_pieces(address, size):
+                wanted[index] = min(inner, wanted.get(index, inner))
+        return self.start(tag, sorted(wanted.items())) if wanted else 0
