@@ -718,3 +718,29 @@ def test_crafted_group_nodes_keep_a_files_state_bounded():
         look.served(tag, r << 17, (a + b).ljust(128 << 10, b"\0"))
     g = look.maps[1].groups
     assert g.kept <= MAX_SNODS and len(g.after) <= MAX_SNODS
+
+
+def test_reads_inside_known_chunks_are_not_scanned(tmp_path, monkeypatch):
+    """A reader of a whole dataset reads its index first, then chunk after chunk: once the
+    chunks are known, a read inside them (compressed data: no node there) costs no scan."""
+    from faultfs.hdf5 import lookahead
+
+    raw, leaves, chunks = many_leaves(tmp_path)
+    scanned = []
+    real = lookahead.chunk_nodes
+    monkeypatch.setattr(lookahead, "chunk_nodes",
+                        lambda data, base, *a, **k: scanned.append(base) or real(data, base, *a,
+                                                                                 **k))
+    look = Hdf5Lookahead(lambda tag, wanted: len(wanted), Stats())
+    tag = SimpleNamespace(id=1, layout=ChunkLayout(0, len(raw), 1024))
+    look.served(tag, 0, raw[:2048])
+    root_at = min(a for a in range(len(raw)) if raw.startswith(b"TREE\x01\x01", a))
+    look.served(tag, root_at, raw[root_at:root_at + 1024])
+    for leaf in leaves:
+        look.served(tag, leaf.address, raw[leaf.address:leaf.address + 8192])
+    before = len(scanned)
+    for address, size in chunks:
+        look.served(tag, address, raw[address:address + size])
+    assert len(scanned) == before  # every chunk read was inside the chunks known
+    look.served(tag, root_at, raw[root_at:root_at + 1024])  # the index again: scanned
+    assert len(scanned) == before + 1

@@ -183,6 +183,19 @@ class ChunkMap:
                 new = True
         return new
 
+    def inside_chunks(self, off: int, end: int) -> bool:
+        """Whether ``[off, end)`` lies within known chunks, end to end (``MAX_LAG`` of them
+        at most)."""
+        a, b = self.chunks_in(off, end)
+        if a > b or b - a > MAX_LAG or self.addresses[a] > off:
+            return False
+        reach = self.addresses[a] + self.sizes[a]
+        for i in range(a + 1, b + 1):
+            if self.addresses[i] > reach:
+                return False
+            reach = max(reach, self.addresses[i] + self.sizes[i])
+        return reach >= end
+
     def chunks_in(self, off: int, end: int) -> tuple[int, int]:
         """Positions ``[a, b]`` of the chunks with bytes in ``[off, end)`` (``a > b``: none)."""
         a = bisect.bisect_right(self.addresses, off) - 1
@@ -302,7 +315,9 @@ class Hdf5Lookahead:
             self.maps.move_to_end(tag.id)
         start, scanned = m.joined(off, data)
         budget, nodes, groups = Budget(), [], list[GroupNode]()
-        if m.spent < SCANS_SPENT:  # bytes made to cost a scan its budget: scanned no more
+        # bytes made to cost a scan its budget are scanned no more, nor a read inside the
+        # chunks known (compressed data: no node there; most of a dataset's reads)
+        if m.spent < SCANS_SPENT and not m.inside_chunks(start, start + len(scanned)):
             nodes = chunk_nodes(scanned, start, tag.layout.size, skip=m.nodes, budget=budget,
                                 groups=groups, groups_known=m.groups.nodes)
             m.spent += budget.spent
