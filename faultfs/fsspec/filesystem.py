@@ -158,7 +158,8 @@ class FaultFileSystem(_Base):
                                 cache_size=self.cache_size)
             pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix="faultfs-fsspec")
             self._shared = Shared(store, claims, space, pool, Counters(), PinRecords(store.root),
-                                  MountTags(store), self.store_enabled, self._tier())
+                                  MountTags(store), self.store_enabled, self._tier(),
+                                  workers=self.io_threads)
             self._pid = os.getpid()
             return self._shared
 

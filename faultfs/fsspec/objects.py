@@ -56,8 +56,9 @@ CLAIM_WAIT_S = 120.0  # the longest wait for another process's fault before read
 OPEN_BLOBS = 16
 KEPT_FLIGHTS = 16  # finished faults whose bytes wait for their reader, per object
 PROCESS_OPEN_BLOBS = 256  # and in a whole process, at most (else a quarter of RLIMIT_NOFILE)
-HDF5_AHEAD = 8  # chunks of an HDF5 reader's planned reads in flight at once, at most (half
-# the default pool: a reader's own fault never queues behind more than that)
+HDF5_AHEAD = 8  # chunks of HDF5 readers' planned reads in flight at once in a process, at
+# most (and half its pool: ``Shared.planned_room``)
+PLANNED_KEPT = 4096  # chunks an object remembers it planned (each planned once)
 
 
 class _OpenShare:
@@ -132,6 +133,22 @@ class Shared:
     tier: SharedBlobs | None = None  # shared_store: blobs other nodes faulted (shared.py)
     running: set[concurrent.futures.Future[None]] = field(default_factory=set)
     lane: SplitLane = field(default_factory=SplitLane)  # split faults' second parts
+    # faults HDF5 planning started, of every object, not landed yet: half the pool at most
+    # (``planned_room``), so a reader's own fault never queues behind more than that
+    planned: list[Landing] = field(default_factory=list)
+    workers: int = 16  # the pool's threads
+    planned_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def planned_room(self) -> int:
+        """How many more planned faults may start now."""
+        limit = min(HDF5_AHEAD, max(1, self.workers // 2))
+        with self.planned_lock:
+            self.planned = [f for f in self.planned if not f.done()]
+            return max(0, limit - len(self.planned))
+
+    def planned_started(self, flight: Landing) -> None:
+        with self.planned_lock:
+            self.planned.append(flight)
 
     def submit(self, fn: Callable[..., None], *args: object) -> None:
         """Run ``fn`` on the pool; ``drain`` waits for it."""
@@ -199,7 +216,9 @@ class PinnedObject:
         except InvalidInput:
             pass
         self._planning = threading.Lock()
-        self._planned_flights: list[Landing] = []  # planned faults not landed yet
+        self._planned_once: set[int] = set()  # chunks planned already: never planned again
+        # (a chunk the store did not take lives in ``_flights`` alone, and planning it again
+        # after its flight went past ``KEPT_FLIGHTS`` would read it from the source again)
         OPEN_SHARE.join()
 
     @property
@@ -255,29 +274,41 @@ class PinnedObject:
 
     def _planned(self, start: int, data: bytes | memoryview) -> None:
         """Bytes ``[start, start+len(data))`` were read: what an HDF5 reader reads next is
-        faulted (``faultfs.hdf5``). Planning never fails a read."""
-        if self._hdf5 is None or not data:
+        faulted (``faultfs.hdf5``). Planning never fails a read nor holds one up: a read
+        another thread is planning from is not planned from (a guess may skip one), and an
+        object whose first bytes are no HDF5 file is planned from no more."""
+        planner = self._hdf5
+        if planner is None or not data or (start and not planner.maps):
+            return
+        if not self._planning.acquire(blocking=False):
             return
         try:
-            with self._planning:
-                self._hdf5.served(self._view, start, data)
+            planner.served(self._view, start, data)
+            if not planner.maps and len(data) >= 16:  # its first bytes: no HDF5 file
+                self._hdf5 = None
         except Exception:  # a guess gone wrong costs the guess, never the read
             log.debug("planning an HDF5 reader's next reads failed", exc_info=True)
             self.shared.stats.add("hdf5_errors")
+        finally:
+            self._planning.release()
 
     def _start_planned(self, view: object, wanted: list[tuple[int, int]]) -> int:
         """Fault the chunks ``wanted`` (index, the first byte wanted: a fault starts there,
         so an object header deep in a chunk lands in one round trip) not here yet, in order,
         while fewer than ``HDF5_AHEAD`` planned faults are in flight (the next read plans
         the rest again); how many started."""
-        flying = self._planned_flights = [f for f in self._planned_flights if not f.done()]
+        room = self.shared.planned_room() if not self._closed else 0
         started = 0
         for index, at in wanted:
-            if len(flying) >= HDF5_AHEAD:
+            if started >= room:
                 break
-            if (index < self.num_chunks and index not in self._open
-                    and index not in self._flights and not self._on_disk(index)):
-                flying.append(self._start_fault(index, at=at))
+            if index in self._planned_once or index >= self.num_chunks:
+                continue
+            if len(self._planned_once) < PLANNED_KEPT:
+                self._planned_once.add(index)
+            if index not in self._open and index not in self._flights and not self._on_disk(
+                    index):
+                self.shared.planned_started(self._start_fault(index, at=at))
                 started += 1
         return started
 
@@ -307,6 +338,8 @@ class PinnedObject:
         object is no longer the version pinned."""
         with self._source_lock:
             if self._source is None:
+                if self._closed:  # a fault queued before the close (read-ahead, planning):
+                    raise FaultfsError("the object was closed")  # nothing opens it again
                 assert self._opener is not None
                 try:
                     source = self._opener()

@@ -46,6 +46,7 @@ from faultfs.core.chunks import ChunkLayout
 from faultfs.core.hdf5 import (
     NODE_HEADER,
     Budget,
+    ChunkNode,
     GroupNode,
     addresses_fit,
     chunk_nodes,
@@ -70,6 +71,8 @@ SMALL_READ = 16 << 10  # reads up to this are kept (the last ``SMALL_READS``): a
 PAGE = 4096  # a read starts at most this before the chunk it was made for
 SMALL_READS = 8  # a page boundary is served in two reads, in either order
 SCANS_SPENT = 4  # reads of a file whose bytes spent a scan's whole budget: no more scans of it
+LARGE_READ = 1 << 20  # a read longer than this is scanned at its edges alone ...
+EDGE = 64 << 10  # ... this long each
 
 LEAF_PEEK = 64 << 10  # bytes of a leaf read from memory at most (one of 64 entries: ~3 KiB)
 LEAF_TRIES = 4  # leaves looked for in memory after one read, at most
@@ -275,6 +278,16 @@ class ChunkMap:
         return within(itertools.islice(nearest_first(), LOOKAHEAD_CHUNKS))
 
 
+def edges(start: int, data: bytes | memoryview) -> list[tuple[int, bytes | memoryview]]:
+    """What of a read is scanned for index nodes: all of it, or of a read over
+    ``LARGE_READ`` (a reader's own read of data: h5py reads a node on its own, the kernel's
+    pages around it stay under that) its first and last ``EDGE`` bytes."""
+    if len(data) <= LARGE_READ:
+        return [(start, data)]
+    view = memoryview(data)
+    return [(start, view[:EDGE]), (start + len(data) - EDGE, view[-EDGE:])]
+
+
 def within(chunks: Iterable[tuple[int, int]], limit: int = LOOKAHEAD_BYTES
            ) -> list[tuple[int, int]]:
     """The first of ``chunks`` (address, size) whose sizes add up to ``limit`` at most, the
@@ -314,12 +327,13 @@ class Hdf5Lookahead:
         else:
             self.maps.move_to_end(tag.id)
         start, scanned = m.joined(off, data)
-        budget, nodes, groups = Budget(), [], list[GroupNode]()
+        budget, nodes, groups = Budget(), list[ChunkNode](), list[GroupNode]()
         # bytes made to cost a scan its budget are scanned no more, nor a read inside the
         # chunks known (compressed data: no node there; most of a dataset's reads)
         if m.spent < SCANS_SPENT and not m.inside_chunks(start, start + len(scanned)):
-            nodes = chunk_nodes(scanned, start, tag.layout.size, skip=m.nodes, budget=budget,
-                                groups=groups, groups_known=m.groups.nodes)
+            for at, piece in edges(start, scanned):
+                nodes += chunk_nodes(piece, at, tag.layout.size, skip=m.nodes, budget=budget,
+                                     groups=groups, groups_known=m.groups.nodes)
             m.spent += budget.spent
         for group in groups:
             m.groups.add(group)
