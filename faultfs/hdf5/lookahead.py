@@ -329,8 +329,9 @@ class Hdf5Lookahead:
         start, scanned = m.joined(off, data)
         budget, nodes, groups = Budget(), list[ChunkNode](), list[GroupNode]()
         # bytes made to cost a scan its budget are scanned no more, nor a read inside the
-        # chunks known (compressed data: no node there; most of a dataset's reads)
-        if m.spent < SCANS_SPENT and not m.inside_chunks(start, start + len(scanned)):
+        # chunks known (compressed data: no node nor link there; most of a dataset's reads)
+        inside = m.inside_chunks(start, start + len(scanned))
+        if m.spent < SCANS_SPENT and not inside:
             for at, piece in edges(start, scanned):
                 nodes += chunk_nodes(piece, at, tag.layout.size, skip=m.nodes, budget=budget,
                                      groups=groups, groups_known=m.groups.nodes)
@@ -339,7 +340,7 @@ class Hdf5Lookahead:
             m.groups.add(group)
         if m.groups.read(off, off + len(data)):  # listing a group: its next members' nodes
             self._list_ahead(tag, m)
-        if m.spent < SCANS_SPENT and (ranges := m.links.served(
+        if m.spent < SCANS_SPENT and not inside and (ranges := m.links.served(
                 scanned, start, off, off + len(data), tag.layout.size)):
             self.stats.add("hdf5_links_ahead", self._fetch(tag, ranges))  # opening them
         grown = False
