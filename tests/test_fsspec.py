@@ -879,8 +879,8 @@ def test_planning_without_a_store_faults_each_chunk_no_more_than_reading_does(
         return fs.stats()["source_bytes"]
 
     planned = opened()
-    from faultfs.fsspec import objects
-    monkeypatch.setattr(objects.PinnedObject, "_start_planned", lambda self, view, wanted: 0)
+    from faultfs.fsspec import planning
+    monkeypatch.setattr(planning.Planner, "of", classmethod(lambda cls, *args: None))
     # each planned chunk read once by the plan, and once more at most by its reader when
     # the object's kept flights moved past it (3.3× before: re-planned again and again)
     assert planned <= opened() * 2

@@ -31,16 +31,15 @@ from dataclasses import dataclass, field
 from json.encoder import encode_basestring_ascii as _json_str
 from typing import TYPE_CHECKING
 
-from faultfs.core.chunks import ChunkLayout
 from faultfs.core.context import fnv1a64
 from faultfs.core.names import PROTOCOL_TAG_PREFIX
-from faultfs.errors import CorruptionError, FaultfsError, InvalidInput, SourceChanged, StoreFull
+from faultfs.errors import CorruptionError, FaultfsError, SourceChanged, StoreFull
 from faultfs.fsspec.claims import Claim, Claims
 from faultfs.fsspec.landing import Landing, SplitLane, read_chunk, split_at
 from faultfs.fsspec.mounted import MountBlob, MountTags
 from faultfs.fsspec.pins import PinRecords
+from faultfs.fsspec.planning import HDF5_AHEAD, Planner
 from faultfs.fsspec.space import SharedSpace
-from faultfs.hdf5 import Hdf5Lookahead
 from faultfs.sources import Source
 from faultfs.store.blobfile import HEADER_LEN
 from faultfs.store.blobstore import BlobStore, OpenBlob
@@ -56,9 +55,6 @@ CLAIM_WAIT_S = 120.0  # the longest wait for another process's fault before read
 OPEN_BLOBS = 16
 KEPT_FLIGHTS = 16  # finished faults whose bytes wait for their reader, per object
 PROCESS_OPEN_BLOBS = 256  # and in a whole process, at most (else a quarter of RLIMIT_NOFILE)
-HDF5_AHEAD = 8  # chunks of HDF5 readers' planned reads in flight at once in a process, at
-# most (and half its pool: ``Shared.planned_room``)
-PLANNED_KEPT = 4096  # chunks an object remembers it planned (each planned once)
 
 
 class _OpenShare:
@@ -174,14 +170,6 @@ class _Held:
     closed: bool = False
 
 
-@dataclass(frozen=True)
-class _View:
-    """An object as the HDF5 read planning sees it: one file, cut in chunks."""
-
-    id: int
-    layout: ChunkLayout
-
-
 class PinnedObject:
     """A source object at one version, read through the shared store in chunks."""
 
@@ -207,18 +195,8 @@ class PinnedObject:
         self._paths: dict[int, str] = {}  # blob files by chunk: their names encoded once
         self._seen: set[int] = set()  # chunks found staged by the read-ahead (``_on_disk``)
         self._closed = False
-        # an HDF5 reader's next reads, planned from the bytes it is served (``faultfs.hdf5``:
-        # its chunk index, its groups' links), as the mount's engine plans them
-        self._hdf5: Hdf5Lookahead | None = None
-        try:
-            self._view = _View(0, ChunkLayout(0, size, chunk_size))
-            self._hdf5 = Hdf5Lookahead(self._start_planned, shared.stats)
-        except InvalidInput:
-            pass
-        self._planning = threading.Lock()
-        self._planned_once: set[int] = set()  # chunks planned already: never planned again
-        # (a chunk the store did not take lives in ``_flights`` alone, and planning it again
-        # after its flight went past ``KEPT_FLIGHTS`` would read it from the source again)
+        # an HDF5 reader's next reads, planned from the bytes it is served (``planning.py``)
+        self._planner = Planner.of(size, chunk_size, shared, self._wanted, self._start_fault)
         OPEN_SHARE.join()
 
     @property
@@ -273,50 +251,19 @@ class PinnedObject:
         return len(data)
 
     def _planned(self, start: int, data: bytes | memoryview) -> None:
-        """Bytes ``[start, start+len(data))`` were read: what an HDF5 reader reads next is
-        faulted (``faultfs.hdf5``). Planning never fails a read nor holds one up: a read
-        another thread is planning from is not planned from (a guess may skip one), and an
-        object whose first bytes are no HDF5 file is planned from no more."""
-        planner = self._hdf5
-        if planner is None or not data or (start and not planner.maps):
-            return
-        if not self._planning.acquire(blocking=False):
-            return
-        try:
-            planner.served(self._view, start, data)
-            if not planner.maps and len(data) >= 16:  # its first bytes: no HDF5 file
-                self._hdf5 = None
-        except Exception:  # a guess gone wrong costs the guess, never the read
-            log.debug("planning an HDF5 reader's next reads failed", exc_info=True)
-            self.shared.stats.add("hdf5_errors")
-        finally:
-            self._planning.release()
+        if self._planner is not None:
+            self._planner.served(start, data)
 
-    def _start_planned(self, view: object, wanted: list[tuple[int, int]]) -> int:
-        """Fault the chunks ``wanted`` (index, the first byte wanted: a fault starts there,
-        so an object header deep in a chunk lands in one round trip) not here yet, in order,
-        while fewer than ``HDF5_AHEAD`` planned faults are in flight (the next read plans
-        the rest again); how many started."""
-        room = self.shared.planned_room() if not self._closed else 0
-        started = 0
-        for index, at in wanted:
-            if started >= room:
-                break
-            if index in self._planned_once or index >= self.num_chunks:
-                continue
-            if len(self._planned_once) < PLANNED_KEPT:
-                self._planned_once.add(index)
-            if index not in self._open and index not in self._flights and not self._on_disk(
-                    index):
-                self.shared.planned_started(self._start_fault(index, at=at))
-                started += 1
-        return started
+    def _wanted(self, index: int) -> bool:
+        """Whether chunk ``index`` is one to fault ahead: the object open, the chunk neither
+        open, in flight nor staged."""
+        return not (self._closed or index in self._open or index in self._flights
+                    or self._on_disk(index))
 
     def _read_ahead(self, last: int, ahead: int) -> None:
         """Fault the ``ahead`` chunks after chunk ``last`` that are not here yet."""
         for index in range(last + 1, min(last + 1 + ahead, self.num_chunks)):
-            if index not in self._open and index not in self._flights and not self._on_disk(
-                    index):
+            if self._wanted(index):
                 self._start_fault(index)
 
     def close(self) -> None:
