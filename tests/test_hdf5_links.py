@@ -18,7 +18,7 @@ from faultfs.core import hdf5links
 from faultfs.core.chunks import ChunkLayout
 from faultfs.core.hdf5index import MAX_ENTRIES, Node, Tree
 from faultfs.core.hdf5links import HEAP_BYTES, MAX_PLACES, Heap, link_places
-from faultfs.hdf5.linkwalk import MAX_KEPT, LinkWalk
+from faultfs.hdf5.linkwalk import MAX_KEPT, WALKING_READS, LinkWalk
 from faultfs.hdf5.lookahead import ChunkMap, Hdf5Lookahead
 from faultfs.stats import Stats
 from tests.test_hdf5_lookahead import Held, Traced
@@ -390,3 +390,24 @@ def test_two_kept_reads_ending_at_one_offset_join_as_the_files_bytes():
     start, out = m.joined(12288, raw[12288:16384])
     assert raw[start:start + len(out)] == out
     assert len(out) <= 3 * 4096
+
+
+def test_a_walking_reader_holds_the_blob_window_until_it_reads_data(tmp_path):
+    """While a reader walks a group's members, the blob window holds still (the walk
+    fetches their headers; a window would fetch the data between them: 38 of 126 MB for
+    an open through a mount in the demo, 6 without); once it reads data it has stopped."""
+    raw = netcdf(tmp_path / "vars.nc").read_bytes()
+    look = Hdf5Lookahead(lambda tag, wanted: len(wanted), Stats())
+    tag = SimpleNamespace(id=1, layout=ChunkLayout(0, len(raw), BLOB))
+    traced = Traced(raw)
+    opened_by_xarray(traced)
+    held = []
+    for off, size in traced.reads:  # the open's reads, a page at least each
+        first, last = off // 4096 * 4096, -(-(off + size) // 4096) * 4096
+        look.served(tag, first, raw[first:last])
+        held.append(look.holds_window(tag))
+    assert sum(held) >= len(held) // 2, held  # most of the open
+    data = 1 << 20
+    for i in range(WALKING_READS + 1):  # then the members' data, in large reads
+        look.served(tag, data + i * (64 << 10), raw[data + i * (64 << 10):][:64 << 10])
+    assert not look.holds_window(tag)

@@ -41,6 +41,7 @@ MAX_HEAPS = 256  # heap headers kept per file, and B-tree headers
 MAX_BLOCKS = 1 << 12  # blocks seen whole (passed over when read again)
 PAGE = 4096
 MAX_PAGES = 1 << 12  # pages of small reads remembered (a header read before its link was seen)
+WALKING_READS = 8  # reads after a walk's last step during which the reader still walks
 
 
 Key = tuple[int, int, int | bytes] | tuple[int, int, int, int]
@@ -74,12 +75,14 @@ class LinkWalk:
         self.pages: dict[int, None] = {}  # the pages small reads held, the last MAX_PAGES
         self.frontier: Key | None = None  # the first member of the walk not read yet
         self.steps = 0  # steps to the frontier in a row
+        self.since_step = WALKING_READS + 1  # reads since the last step
 
     def served(self, data: bytes | memoryview, base: int, off: int, end: int,
                file_size: int) -> list[tuple[int, int]]:
         """A read of ``[off, end)`` was served (``data``: its bytes, and small reads around
         them, from ``base``): (address, size) of the blocks to fetch and of the headers of
         the next members when its reader walks a group."""
+        self.since_step += 1
         if end - off > NODE_READ or len(data) > 2 * NODE_READ:
             return []
         for page in range(off // PAGE, -(-end // PAGE)):
@@ -110,6 +113,13 @@ class LinkWalk:
         if self._stepped(off, end):
             out.extend((a, TARGET_BYTES) for a in self.ahead())
         return out
+
+    @property
+    def walking(self) -> bool:
+        """Whether the reader walks a group now: ``WALK_STEPS`` steps in a row, the last
+        one within ``WALKING_READS`` reads (a reader that went on to the members' data has
+        stopped)."""
+        return self.steps >= WALK_STEPS and self.since_step <= WALKING_READS
 
     def _seen(self, block: int) -> None:
         if len(self.seen) < MAX_BLOCKS:
@@ -157,6 +167,7 @@ class LinkWalk:
             p = bisect.bisect_left(self.keys, self.frontier)
             if any(k in new for k in self.keys[p:p + SLACK]):
                 self.steps += 1
+                self.since_step = 0
                 self._advance(p)
                 return self.steps >= WALK_STEPS
         self.steps = 0

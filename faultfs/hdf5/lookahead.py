@@ -252,8 +252,9 @@ class ChunkMap:
     def holds_window(self) -> bool:
         """Whether the blob window holds still: the reader reads chunks, and not yet densely
         (a hyperslab that skips chunks must not get a window over the chunks it skips; a whole
-        dataset gets it after a few chunks)."""
-        return self.in_chunk and not self.dense
+        dataset gets it after a few chunks); or it walks a group's members (their headers
+        come from the walk, and a window would fetch the data between them)."""
+        return (self.in_chunk and not self.dense) or self.links.walking
 
     @property
     def runs_out(self) -> bool:
