@@ -28,7 +28,8 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-UNDEFINED = (1 << 64) - 1
+from faultfs.core.hdf5 import UNDEFINED
+
 MAX_FETCHED = 64 << 10  # bytes fetched of each block, node or chunk a structure names
 MAX_ENTRIES = 8192  # entries (messages, pointers, block addresses) parsed in one call
 MAX_CHILDREN = 4096  # records of a B-tree node, at most

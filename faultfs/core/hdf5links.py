@@ -39,14 +39,13 @@ import zlib
 from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass, field
 
+from faultfs.core.hdf5 import UNDEFINED
 from faultfs.core.hdf5index import (
     HEAP_BYTES,
     MAX_FETCHED,
-    UNDEFINED,
     Budget,
     Chunk,
     Node,
-    Tree,
     header_names,
     messages,
     tree_at,
@@ -80,6 +79,11 @@ class Heap:
     root: int  # its root block
     rows: int  # rows of its root indirect block (0: the root is a direct block)
 
+    def row_size(self, row: int) -> int:
+        """The size of each direct block in ``row`` (the first two rows: the start size,
+        then doubling)."""
+        return self.start if row < 2 else self.start << (row - 1)
+
     @property
     def direct_rows(self) -> int:
         """Rows of an indirect block that name direct blocks."""
@@ -89,7 +93,7 @@ class Heap:
         """The size of the direct block at ``offset`` in the heap's space (None: none)."""
         row_start = 0
         for row in range(MAX_ROWS):
-            size = self.start if row < 2 else self.start << (row - 1)
+            size = self.row_size(row)
             if size > self.max_direct:
                 return None
             if offset < row_start + size * self.width:
@@ -108,8 +112,7 @@ class Heap:
             return []
         out: list[tuple[int, int]] = []
         for i, (child,) in enumerate(struct.iter_unpack("<Q", data[at + head:at + head + 8 * count])):
-            row = i // self.width
-            size = self.start if row < 2 else self.start << (row - 1)
+            size = self.row_size(i // self.width)
             if child != UNDEFINED and child + size <= file_size:
                 out.append((child, min(size, MAX_FETCHED)))
         return out
@@ -117,14 +120,14 @@ class Heap:
 
 @dataclass
 class Found:
-    """What one scan found: heap and B-tree headers, B-tree nodes and continuation chunks
+    """What one scan found: heap headers, B-tree nodes (roots named by their trees' headers)
+    and continuation chunks
     named (read when they come), what structures name to fetch (``fetch``), and the targets
     of blocks (direct blocks, symbol table nodes): (block, its heap (0: a symbol table
     node), [(the link's creation order or None, its name (``NAME_KEPT``), its object
     header)] in the block's order, whether the block was whole in the bytes)."""
 
     heaps: list[Heap] = field(default_factory=list)
-    trees: list[Tree] = field(default_factory=list)
     nodes: list[tuple[int, Node]] = field(default_factory=list)
     chunks: list[tuple[int, Chunk]] = field(default_factory=list)
     # (a structure's address, the (address, size) of what it names that its reader reads
@@ -279,13 +282,11 @@ def link_places(data: bytes | memoryview, base: int, file_size: int,
                 continued.update(more)
         elif kind == b"BTHD":
             tree = tree_at(view, at, base, file_size)
-            if tree is not None:
-                found.trees.append(tree)
-                if tree.root != UNDEFINED:
-                    root = Node(tree, tree.depth, tree.root_records)
-                    expected[tree.root] = root
-                    found.nodes.append((tree.root, root))
-                    fetch(address, [(tree.root, min(tree.node_size, MAX_FETCHED))])
+            if tree is not None and tree.root != UNDEFINED:
+                root = Node(tree, tree.depth, tree.root_records)
+                expected[tree.root] = root
+                found.nodes.append((tree.root, root))
+                fetch(address, [(tree.root, min(tree.node_size, MAX_FETCHED))])
         elif kind == b"BTIN":
             node = expected.get(address)
             if node is not None and node.depth >= 1:
@@ -299,11 +300,11 @@ def link_places(data: bytes | memoryview, base: int, file_size: int,
                     found.nodes += below
                     expected.update(below)
         else:
-            _heap_block(view, at, address, base, file_size, known, found, fetch, budget)
+            _heap_block(view, at, address, file_size, known, found, fetch, budget)
     return found
 
 
-def _heap_block(view: bytes | memoryview, at: int, address: int, base: int, file_size: int,
+def _heap_block(view: bytes | memoryview, at: int, address: int, file_size: int,
                 known: Mapping[int, Heap], found: Found,
                 fetch: Callable[[int, list[tuple[int, int]]], None], budget: Budget) -> None:
     """A heap's root indirect block (its direct blocks fetched) or direct block (its links

@@ -37,7 +37,7 @@ TARGET_BYTES = 512  # bytes of a header fetched from its address (its blob, and 
 # when the header's first bytes cross into it)
 MAX_KEPT = 1 << 12  # targets kept per file (~250 bytes each) ...
 MAX_ADDED = 1 << 10  # ... added after one read, at most
-MAX_HEAPS = 256  # heap headers kept per file, and B-tree headers
+MAX_HEAPS = 256  # heap headers kept per file, and groups ranked
 MAX_BLOCKS = 1 << 12  # blocks seen whole (passed over when read again)
 PAGE = 4096
 MAX_PAGES = 1 << 12  # pages of small reads remembered (a header read before its link was seen)
