@@ -41,6 +41,7 @@ from faultfs.fsspec.claims import Claims
 from faultfs.fsspec.mounted import MountTags
 from faultfs.fsspec.objects import Counters, PinnedObject, Shared, tag_for
 from faultfs.fsspec.pins import DEFAULT_PIN_TTL, PinRecords
+from faultfs.fsspec.planning import PlannedFlights
 from faultfs.fsspec.space import SharedSpace
 from faultfs.sources import Source, SourceOptions, open_source
 from faultfs.sources.secrets import persistable_src
@@ -159,7 +160,7 @@ class FaultFileSystem(_Base):
             pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix="faultfs-fsspec")
             self._shared = Shared(store, claims, space, pool, Counters(), PinRecords(store.root),
                                   MountTags(store), self.store_enabled, self._tier(),
-                                  workers=self.io_threads)
+                                  planned=PlannedFlights(self.io_threads))
             self._pid = os.getpid()
             return self._shared
 

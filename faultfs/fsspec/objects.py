@@ -38,7 +38,7 @@ from faultfs.fsspec.claims import Claim, Claims
 from faultfs.fsspec.landing import Landing, SplitLane, read_chunk, split_at
 from faultfs.fsspec.mounted import MountBlob, MountTags
 from faultfs.fsspec.pins import PinRecords
-from faultfs.fsspec.planning import HDF5_AHEAD, Planner
+from faultfs.fsspec.planning import PlannedFlights, Planner
 from faultfs.fsspec.space import SharedSpace
 from faultfs.sources import Source
 from faultfs.store.blobfile import HEADER_LEN
@@ -129,22 +129,8 @@ class Shared:
     tier: SharedBlobs | None = None  # shared_store: blobs other nodes faulted (shared.py)
     running: set[concurrent.futures.Future[None]] = field(default_factory=set)
     lane: SplitLane = field(default_factory=SplitLane)  # split faults' second parts
-    # faults HDF5 planning started, of every object, not landed yet: half the pool at most
-    # (``planned_room``), so a reader's own fault never queues behind more than that
-    planned: list[Landing] = field(default_factory=list)
-    workers: int = 16  # the pool's threads
-    planned_lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def planned_room(self) -> int:
-        """How many more planned faults may start now."""
-        limit = min(HDF5_AHEAD, max(1, self.workers // 2))
-        with self.planned_lock:
-            self.planned = [f for f in self.planned if not f.done()]
-            return max(0, limit - len(self.planned))
-
-    def planned_started(self, flight: Landing) -> None:
-        with self.planned_lock:
-            self.planned.append(flight)
+    # faults HDF5 planning started, of every object, not landed yet (``planning.py``)
+    planned: PlannedFlights = field(default_factory=lambda: PlannedFlights(16))
 
     def submit(self, fn: Callable[..., None], *args: object) -> None:
         """Run ``fn`` on the pool; ``drain`` waits for it."""

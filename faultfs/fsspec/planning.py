@@ -10,7 +10,7 @@ Invariants:
   not take lives in the object's flights alone, and planning it again once its flight went
   past the kept ones would read it from the source again.
 - A process keeps ``HDF5_AHEAD`` planned faults in flight at most, and half its pool
-  (``Shared.planned_room``): a reader's own fault never queues behind more than that.
+  (``PlannedFlights``): a reader's own fault never queues behind more than that.
 """
 
 from __future__ import annotations
@@ -34,15 +34,35 @@ HDF5_AHEAD = 8  # planned faults in flight in a process at once, at most
 PLANNED_KEPT = 4096  # chunks an object remembers it planned
 
 
+class PlannedFlights:
+    """The faults planning started in a process, of every object, not landed yet:
+    ``HDF5_AHEAD`` at most, and half the pool's ``workers``, so a reader's own fault never
+    queues behind more than that."""
+
+    def __init__(self, workers: int) -> None:
+        self.limit = min(HDF5_AHEAD, max(1, workers // 2))
+        self.flights: list[Landing] = []
+        self.lock = threading.Lock()
+
+    def room(self) -> int:
+        """How many more planned faults may start now."""
+        with self.lock:
+            self.flights = [f for f in self.flights if not f.done()]
+            return max(0, self.limit - len(self.flights))
+
+    def started(self, flight: Landing) -> None:
+        with self.lock:
+            self.flights.append(flight)
+
+
 class Process(Protocol):
     """What a process's objects share that planning uses (``objects.Shared``)."""
 
     @property
     def stats(self) -> Counting: ...
 
-    def planned_room(self) -> int: ...
-
-    def planned_started(self, flight: Landing) -> None: ...
+    @property
+    def planned(self) -> PlannedFlights: ...
 
 
 class Counting(Protocol):
@@ -105,7 +125,7 @@ class Planner:
         """Fault the chunks ``wanted`` (index, the first byte wanted: a fault starts there,
         so an object header deep in a chunk lands in one round trip), in order, as far as
         there is room (the next read plans the rest again); how many started."""
-        room = self.process.planned_room()
+        room = self.process.planned.room()
         started = 0
         for index, at in wanted:
             if started >= room:
@@ -115,6 +135,6 @@ class Planner:
             if len(self.once) < PLANNED_KEPT:
                 self.once.add(index)
             if self.wanted(index):
-                self.process.planned_started(self.fault(index, at=at))
+                self.process.planned.started(self.fault(index, at=at))
                 started += 1
         return started
