@@ -116,7 +116,7 @@ def replay(raw: bytes, read, blob: int = BLOB, started: set[int] | None = None):
         firsts = {h5py.h5o.get_info(f[name].id).addr for name in f}
     held = Held(raw, blob)
 
-    def start(tag, wanted: list[tuple[int, int]]) -> int:
+    def start(tag, wanted: list[tuple[int, int]], urgent: bool = False) -> int:
         if started is not None:
             started.update(i for i, _ in wanted if i not in held.memory)
         return held.start(tag, wanted)
@@ -365,7 +365,7 @@ def test_a_read_ending_inside_a_structures_first_bytes_never_raises(tmp_path):
             for cut in range(4, 16):
                 link_places(raw[max(0, a - 64):a + cut], max(0, a - 64), len(raw), heaps)
     # ... and through the lookahead, a page at a time ending anywhere
-    look = Hdf5Lookahead(lambda tag, indices: len(indices), Stats())
+    look = Hdf5Lookahead(lambda tag, indices, urgent=False: len(indices), Stats())
     tag = SimpleNamespace(id=1, layout=ChunkLayout(0, len(raw), BLOB))
     for end in range(4096, len(raw), 997):
         look.served(tag, end - 4096, raw[end - 4096:end])
@@ -397,7 +397,7 @@ def test_a_walking_reader_holds_the_blob_window_until_it_reads_data(tmp_path):
     fetches their headers; a window would fetch the data between them: 38 of 126 MB for
     an open through a mount in the demo, 6 without); once it reads data it has stopped."""
     raw = netcdf(tmp_path / "vars.nc").read_bytes()
-    look = Hdf5Lookahead(lambda tag, wanted: len(wanted), Stats())
+    look = Hdf5Lookahead(lambda tag, wanted, urgent=False: len(wanted), Stats())
     tag = SimpleNamespace(id=1, layout=ChunkLayout(0, len(raw), BLOB))
     traced = Traced(raw)
     opened_by_xarray(traced)

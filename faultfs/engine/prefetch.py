@@ -90,8 +90,8 @@ class Prefetcher:
         self.closing = False
         self._nursery: trio.Nursery | None = None
         self.hdf5 = Hdf5Lookahead(
-            lambda tag, wanted: self.start_blobs(tag, [index for index, _ in wanted]), stats,
-            self.peek)
+            lambda tag, wanted, urgent: self.start_blobs(tag, [i for i, _ in wanted], urgent),
+            stats, self.peek)
 
     def attach(self, nursery: trio.Nursery) -> None:
         self._nursery = nursery
@@ -224,17 +224,22 @@ class Prefetcher:
             out.append(memoryview(data)[inner:inner + length])
         return b"".join(out)
 
-    def start_blobs(self, tag: Tag, indices: list[int]) -> int:
+    def start_blobs(self, tag: Tag, indices: list[int], urgent: bool = False) -> int:
         """Fault blobs ``indices`` (ascending) of ``tag`` in the background, adjacent ones
-        in one run, those here or on their way left out, within the budget; how many
-        started."""
+        in one run, those in memory or on their way left out, within the memory budget and
+        (unless ``urgent``: an index node a reader's pattern waits for) the prefetch's reach;
+        staged ones are read from the store into memory (as the window does for a sequential
+        reader), where the HDF5 lookahead can read the index nodes among them (``peek``).
+        How many started."""
         clean, nursery = tag.clean, self._nursery
         cs = tag.layout.chunk_size
         if nursery is None or self.closing:
             return 0
         reach = self.window_bytes(clean)
         limit, max_run, per = reach // cs, self.run_blobs(cs, reach), self._claim_window(cs)
-        started = 0
+        if urgent:
+            limit = 1 << 62
+        started = self._load_staged(nursery, clean, indices, limit)
         run: list[int] = []
         for index in [*indices, -1]:
             if index >= 0 and self._here(clean, index):
@@ -248,6 +253,26 @@ class Prefetcher:
                 run = []
             if index >= 0:
                 run.append(index)
+        return started
+
+    def _load_staged(self, nursery: trio.Nursery, tag: Tag, indices: list[int],
+                     limit: int) -> int:
+        """Read the staged blobs of ``indices`` (ascending) that memory does not hold and
+        nothing brings into memory, adjacent ones in one trip, within ``limit`` blobs in
+        flight; how many started."""
+        started, load = 0, list[int]()
+        max_load = max(1, LOAD_RUN_BYTES // tag.layout.chunk_size)
+        for index in [*indices, -1]:
+            key = (tag.id, index)
+            staged = index >= 0 and not (key in self.flights or self.tiers.is_held(key)) \
+                and self.tiers.contains(key)
+            if load and (not staged or index != load[-1] + 1 or len(load) >= max_load):
+                if self.in_flight + len(load) > limit:
+                    break
+                started += self._start_load(nursery, tag, load)
+                load = []
+            if staged:
+                load.append(index)
         return started
 
     def _claim_window(self, chunk_size: int) -> int:
@@ -291,16 +316,17 @@ class Prefetcher:
         finally:
             self.in_flight -= count
 
-    def _start_load(self, nursery: trio.Nursery, tag: Tag, indices: list[int]) -> None:
+    def _start_load(self, nursery: trio.Nursery, tag: Tag, indices: list[int]) -> int:
         """Claim adjacent staged blobs and read them ahead in the background, when memory
-        has room for them (else the tier would drop them as they come in)."""
+        has room for them (else the tier would drop them as they come in); how many."""
         if not self.tiers.budget.fits(len(indices) * tag.layout.chunk_size):
             self.stats.add("prefetch_skipped_memory")
-            return
+            return 0
         keys = [(tag.id, index) for index in indices]
         flights = self.flights.claim(keys, from_store=True)
         self.in_flight += len(indices)
         nursery.start_soon(self._load_ahead, tag, keys, flights)
+        return len(indices)
 
     async def _load_ahead(self, tag: Tag, keys: list[tuple[int, int]],
                           flights: list[Flight]) -> None:

@@ -121,14 +121,15 @@ class Planner:
         finally:
             self.lock.release()
 
-    def _start(self, view: object, wanted: list[tuple[int, int]]) -> int:
+    def _start(self, view: object, wanted: list[tuple[int, int]], urgent: bool) -> int:
         """Fault the chunks ``wanted`` (index, the first byte wanted: a fault starts there,
         so an object header deep in a chunk lands in one round trip), in order, as far as
-        there is room (the next read plans the rest again); how many started."""
+        there is room (the next read plans the rest again) or all of them when ``urgent``;
+        how many started."""
         room = self.process.planned.room()
         started = 0
         for index, at in wanted:
-            if started >= room:
+            if started >= room and not urgent:
                 break
             if index in self.once or index >= self.view.layout.num_blobs:
                 continue

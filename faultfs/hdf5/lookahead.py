@@ -94,9 +94,11 @@ class Stats(Protocol):
     def add(self, name: str, n: int = 1) -> None: ...
 
 
-# (blob index, the first byte of it wanted) to prefetch, ascending -> how many started (a
-# caller that can start a fault at a byte starts it there: an object header's bytes first)
-Starter = Callable[[Tag, list[tuple[int, int]]], int]
+# (blob index, the first byte of it wanted) to prefetch, ascending; urgent: an index node the
+# reader's pattern waits for, started even where the blobs already on their way fill the
+# prefetch's reach (within the memory budget still) -> how many started (a caller that can
+# start a fault at a byte starts it there: an object header's bytes first)
+Starter = Callable[[Tag, list[tuple[int, int]], bool], int]
 Peek = Callable[[Tag, int, int], bytes]  # view bytes [off, off+size) that memory holds (a prefix)
 
 
@@ -403,13 +405,14 @@ class Hdf5Lookahead:
                 seen[1] += 1  # as short as when it was looked at last
                 if seen[1] > SHORT_LOOKS:
                     m.unqueue(i)
-                else:
+                else:  # asked again: the start may have found no room
+                    self._fetch(tag, [(address, want)], urgent=True)
                     i += 1
                 continue
             node = node_at(data, address, size) if extent is not None else None
             if node is None and len(data) < want:  # the rest is not here: fetch it
                 m.short[address] = [len(data), 0]
-                self._fetch(tag, [(address, want)])
+                self._fetch(tag, [(address, want)], urgent=True)
                 i += 1
                 continue
             m.unqueue(i)
@@ -441,14 +444,14 @@ class Hdf5Lookahead:
         want = min(extent, LEAF_PEEK, tag.layout.size - address)
         data = self.peek(tag, address, want)
         if len(data) < want:
-            self._fetch(tag, [(address, want)])
+            self._fetch(tag, [(address, want)], urgent=True)
             return None
         return group_node_at(data, address, tag.layout.size)
 
-    def _fetch(self, tag: Tag, ranges: list[tuple[int, int]]) -> int:
+    def _fetch(self, tag: Tag, ranges: list[tuple[int, int]], urgent: bool = False) -> int:
         """Prefetch the blobs holding the byte ranges (address, size); how many started."""
         wanted: dict[int, int] = {}
         for address, size in ranges:
             for index, inner, _ in tag.layout.view_pieces(address, size):
                 wanted[index] = min(inner, wanted.get(index, inner))
-        return self.start(tag, sorted(wanted.items())) if wanted else 0
+        return self.start(tag, sorted(wanted.items()), urgent) if wanted else 0
