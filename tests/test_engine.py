@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import mmap
 import os
 import threading
 import time
@@ -89,6 +90,42 @@ def test_failed_fault_is_eio_never_zeros_and_is_retried_next_time(store):
 
     trio.run(main)
     assert eng.stats.counters["fault_errors"] == 1
+
+
+def test_a_view_read_over_blobs_held_staged_and_cold_is_exact_and_a_failed_piece_fails_it(store):
+    """A view read over four blobs: one memory holds, one only the store, two faulted (one of
+    them failing once): the read fails with EIO, no bytes of it served; read again, every
+    byte is the source's, in a buffer of the pool that later reads reuse (no fresh mapping
+    per read)."""
+    from faultfs.buffers import POOL
+
+    cs = 256 << 10  # joins of a megabyte: buffers of the pool, not of the heap
+    data = payload(cs * 4)
+    src = make_source(data)
+    eng = engine_for(store)
+    tag = eng.register(ctx_for(chunk_size=cs))
+
+    async def main():
+        assert await eng.read_blob(tag, 2, 0, cs) == data[2 * cs:3 * cs]
+        eng.tiers.memory.forget_tag(tag.id)  # blob 2 only in the store now
+        assert await eng.read_blob(tag, 1, 0, cs) == data[cs:2 * cs]  # memory and the store
+        assert not eng.tiers.is_held((tag.id, 2)) and eng.is_staged(tag, 2)
+        assert eng.tiers.is_held((tag.id, 1))
+        src.fail_calls = {src.reads + 1}  # the next source read (of blob 0 or 3) fails
+        with pytest.raises(FaultfsError) as info:
+            await eng.read_view(tag, 10, 4 * cs - 20)
+        assert info.value.errno == errno.EIO
+        got = await eng.read_view(tag, 10, 4 * cs - 20)
+        assert bytes(got) == data[10:4 * cs - 10]
+        assert isinstance(memoryview(got).obj, mmap.mmap)  # a buffer of the pool
+        del got
+        mapped = POOL.mapped
+        for _ in range(8):
+            assert bytes(await eng.read_view(tag, 10, 4 * cs - 20)) == data[10:4 * cs - 10]
+        return mapped
+
+    mapped = trio.run(main)
+    assert POOL.mapped - mapped <= 2  # the joins' buffers came back to the pool, taken again
 
 
 def test_source_shorter_than_registered_fails_the_fault(store):

@@ -1,8 +1,8 @@
-"""The Engine: one store's tags, their tiers, the read path — hit, join, or fault — and the face
-of the writes over them.
+"""The Engine: one store's tags, their tiers, the read path's face (its clean reads — hit, join,
+or fault — are ``reads``) and the face of the writes over them.
 
-It composes the duties of this package (tags, flights, faults, prefetch, pages, sharing,
-stats, writes) and knows nothing of pyfuse3. The namespace and the FUSE layer call it, never
+It composes the duties of this package (tags, flights, faults, prefetch, reads, pages,
+sharing, stats, writes) and knows nothing of pyfuse3. The namespace and the FUSE layer call it, never
 a room behind it: a write, a truncate, a user blob's create, unlink or rename, an fsync, a
 reset are thin calls into ``writes/`` (``Writes``), which gets the engine's clean path
 (``CleanPath``: its reads, the size-0 request, the pins) for the bases of partial writes.
@@ -39,6 +39,7 @@ from faultfs.engine.faults import Faulter
 from faultfs.engine.flights import Flights
 from faultfs.engine.pages import PAGEMAP_BLOB, PageService
 from faultfs.engine.prefetch import Prefetcher
+from faultfs.engine.reads import CleanReads
 from faultfs.engine.refresh import SharedRefresh
 from faultfs.engine.sharing import SharedRegistry
 from faultfs.engine.stats import snapshot
@@ -92,7 +93,8 @@ class Engine:
         self.faults = Faulter(self.flights, self.tiers, self.pool, self.stats)
         self.prefetch = Prefetcher(config, self.flights, self.tiers, self.faults, self.pool,
                                    self.stats)
-        self._clean = CleanPath(self.tiers, self.faults, self._blob_bytes)
+        self.clean = CleanReads(self.tiers, self.flights, self.faults, self.prefetch, self.stats)
+        self._clean = CleanPath(self.tiers, self.faults, self.clean.blob_bytes)
         self.writes = Writes(store.root, self._clean, self.pool, self.stats,
                              # a full store takes writes: each gets ENOSPC until space returns
                              writable=(config.store_enabled and not config.read_only
@@ -289,7 +291,7 @@ class Engine:
         if self.writes.touches(tag, index):
             data: Buffer = await self.writes.read_chunk(tag, index, off, size)
         else:
-            data = await self._blob_bytes(tag, index, off, size)
+            data = await self.clean.blob_bytes(tag, index, off, size)
         self.stats.add("bytes_served", len(data))
         return data
 
@@ -306,48 +308,12 @@ class Engine:
         self.stats.add("reads")
         if len(pieces) == 1:
             index, inner, length = pieces[0]
-            data = await self._blob_bytes(tag, index, inner, length)
+            data = await self.clean.blob_bytes(tag, index, inner, length)
         else:
-            parts: list[Buffer] = [b""] * len(pieces)
-
-            async def one(i: int, index: int, inner: int, length: int) -> None:
-                parts[i] = await self._blob_bytes(tag, index, inner, length)
-
-            try:
-                async with trio.open_nursery() as nursery:
-                    for i, (index, inner, length) in enumerate(pieces):
-                        nursery.start_soon(one, i, index, inner, length)
-            except BaseExceptionGroup as group:
-                raise single_error(group) from None
-            data = b"".join(parts)
+            data = await self.clean.joined(tag, pieces)
         self.prefetch.served(tag, off, data)  # formats that index their data (HDF5)
         self.stats.add("bytes_served", len(data))
         return data
-
-    async def _blob_bytes(self, tag: Tag, index: int, off: int, size: int) -> Buffer:
-        """Memory (or a pending store write), a read-ahead in flight, the store, the source:
-        the clean chunk, a clone's from where its ancestor has it (``Tag.clean``)."""
-        self.prefetch.note_access(tag, index)
-        tag = tag.clean
-        key = (tag.id, index)
-        for _ in range(2):  # a second look: see below
-            held = self.tiers.held(key)
-            if held is None and key in self.flights:
-                held = await self.flights.read_ahead(key)
-                self.tiers.mark_read(key)  # (memory kept it ahead before it came here)
-            if held is not None:
-                self.stats.add("hits")
-                self.stats.add("memory_hits")
-                return memoryview(held)[off:off + size]
-            if not self.tiers.contains(key):
-                break
-            data = await self.tiers.local.get(key, off, size)
-            if data is not None:
-                self.stats.add("hits")
-                return data
-            # The staged copy was damaged and is dropped. Another reader that found it so may
-            # have re-faulted and stored it meanwhile: look once more before faulting.
-        return await self.faults.fault_range(tag, index, off, size)
 
     # -- writes (DESIGN §11): what the namespace and the FUSE layer call; engine/writes/ -----
 
@@ -516,22 +482,3 @@ class _PageBlobs:
                 log.warning("shared store %s: publishing the pagemap of tag %s failed: %s",
                             sharing.url, tag.name, exc.strerror or exc)
         return self._store.blob_mtime_ns(tag.name, PAGEMAP_BLOB) or time.time_ns()
-
-
-def single_error(group: BaseExceptionGroup) -> BaseException:
-    """The error a reader should see for a group of concurrent failures: a cancellation or
-    a non-library error if there is one (they must propagate), else the first FaultfsError."""
-    flat: list[BaseException] = []
-
-    def walk(exc: BaseException) -> None:
-        if isinstance(exc, BaseExceptionGroup):
-            for inner in exc.exceptions:
-                walk(inner)
-        else:
-            flat.append(exc)
-
-    walk(group)
-    for exc in flat:
-        if not isinstance(exc, FaultfsError):
-            return group
-    return flat[0]
