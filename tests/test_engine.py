@@ -740,3 +740,67 @@ def test_a_foreign_tag_state_is_ignored_not_fatal(tmp_path):
     eng2 = engine_for(store)
     [tag2] = eng2.recover()
     assert trio.run(eng2.read_view, tag2, 0, len(data)) == data
+
+
+def _staged_engine(store, blobs: int, cs: int = 64 << 10, staged=None):
+    """An engine (``--memory-mb 1``) over a source of ``blobs`` blobs of ``cs``, the blobs
+    ``staged`` (all by default) in the store and none in memory."""
+    make_source(payload(cs * blobs))
+    eng = engine_for(store, memory_mb=1)
+    tag = eng.register(ctx_for(chunk_size=cs))
+
+    async def stage():
+        for i in (range(blobs) if staged is None else staged):
+            await eng.read_blob(tag, i, 0, 1)
+
+    trio.run(stage)
+    eng.tiers.memory.forget_tag(tag.id)
+    return eng, tag
+
+
+def _started(eng, tag, indices, urgent=False) -> dict:
+    """``start_blobs`` on a running engine, its loads held until counted; what it started."""
+    gate = threading.Event()
+    real = eng.tiers.read_ahead_blocking
+    eng.tiers.read_ahead_blocking = lambda keys: gate.wait(5) and real(keys)
+    got = {}
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            eng.attach(nursery)
+            got["started"] = eng.prefetch.start_blobs(tag, indices, urgent)
+            got["held"] = eng.tiers.budget.in_flight
+            got["cold"] = [i for i in indices if (tag.id, i) in eng.flights
+                           and not eng.tiers.contains((tag.id, i))]
+            gate.set()
+            while eng.prefetch.in_flight:  # noqa: ASYNC110 - the loads run on the pool
+                await trio.sleep(0.01)
+            got["after"] = eng.tiers.budget.in_flight
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    return got
+
+
+def test_staged_blobs_read_ahead_hold_their_bytes_within_the_budget_and_the_share(store):
+    """Staged blobs the HDF5 lookahead asks for are read from the store into memory: their
+    bytes are held against ``--memory-mb`` while under way (an urgent start, which passes
+    the prefetch's reach, still stops at the budget), a plain start reads only as far as
+    the prefetch's share, and the budget is given back once they are in memory."""
+    cs = 64 << 10
+    eng, tag = _staged_engine(store, 64, cs)
+    limit, share = eng.tiers.budget.limit, eng.prefetch.budget
+    got = _started(eng, tag, list(range(0, 64, 2)), urgent=True)
+    assert 0 < got["started"] * cs <= limit and got["held"] <= limit, got
+    assert got["after"] == 0, got
+    eng.tiers.memory.forget_tag(tag.id)
+    got = _started(eng, tag, list(range(1, 64, 2)))
+    assert 0 < got["started"] * cs <= share, (share, got)
+
+
+def test_far_staged_blobs_do_not_take_the_reach_from_the_nearest_cold_ones(store):
+    """The lookahead names blobs nearest first: the cold ones the reader reads next start
+    even when staged ones further on would fill the prefetch's reach."""
+    eng, tag = _staged_engine(store, 64, staged=range(20, 64))
+    got = _started(eng, tag, [0, 1, *range(20, 50, 2)])
+    assert got["cold"] == [0, 1], got

@@ -226,53 +226,47 @@ class Prefetcher:
 
     def start_blobs(self, tag: Tag, indices: list[int], urgent: bool = False) -> int:
         """Fault blobs ``indices`` (ascending) of ``tag`` in the background, adjacent ones
-        in one run, those in memory or on their way left out, within the memory budget and
-        (unless ``urgent``: an index node a reader's pattern waits for) the prefetch's reach;
-        staged ones are read from the store into memory (as the window does for a sequential
-        reader), where the HDF5 lookahead can read the index nodes among them (``peek``).
-        How many started."""
+        in one run, those in memory or on their way left out, nearest first, within the
+        memory budget and (unless ``urgent``: an index node a reader's pattern waits for)
+        the prefetch's reach. Staged ones are read from the store into memory (as the
+        window does for a sequential reader), where the HDF5 lookahead can read the index
+        nodes among them (``peek``), as far as the prefetch's share of the budget (what
+        memory can hold of them: the rest is read when its reader gets there). How many
+        started."""
         clean, nursery = tag.clean, self._nursery
         cs = tag.layout.chunk_size
         if nursery is None or self.closing:
             return 0
         reach = self.window_bytes(clean)
         limit, max_run, per = reach // cs, self.run_blobs(cs, reach), self._claim_window(cs)
-        if urgent:
+        if urgent:  # (a node or two: each of its blobs still within the memory budget)
             limit = 1 << 62
-        started = self._load_staged(nursery, clean, indices, limit)
-        run: list[int] = []
+        load_limit = limit if urgent else min(limit, max(1, self.budget // cs))
+        max_load = max(1, LOAD_RUN_BYTES // cs)
+        started = 0
+        run: list[int] = []  # cold blobs: one source read
+        load: list[int] = []  # staged blobs: one trip to the store
         for index in [*indices, -1]:
-            if index >= 0 and self._here(clean, index):
-                continue
-            if run and (index != run[-1] + 1 or len(run) >= max_run or index % per == 0
+            key = (clean.id, index)
+            busy = index < 0 or key in self.flights or self.tiers.is_held(key)
+            staged = not busy and self.tiers.contains(key)
+            if load and (not staged or index != load[-1] + 1 or len(load) >= max_load):
+                if self.in_flight + len(load) > load_limit:
+                    break
+                started += self._start_load(nursery, clean, load)
+                load = []
+            if run and (busy or staged or index != run[-1] + 1 or len(run) >= max_run
+                        or index % per == 0
                         or clean.layout.coalesce(run[0], len(run) + 1) <= len(run)):
                 if self.in_flight + len(run) > limit:
                     break
                 self._start_fault(nursery, clean, run[0], len(run))
                 started += len(run)
                 run = []
-            if index >= 0:
-                run.append(index)
-        return started
-
-    def _load_staged(self, nursery: trio.Nursery, tag: Tag, indices: list[int],
-                     limit: int) -> int:
-        """Read the staged blobs of ``indices`` (ascending) that memory does not hold and
-        nothing brings into memory, adjacent ones in one trip, within ``limit`` blobs in
-        flight; how many started."""
-        started, load = 0, list[int]()
-        max_load = max(1, LOAD_RUN_BYTES // tag.layout.chunk_size)
-        for index in [*indices, -1]:
-            key = (tag.id, index)
-            staged = index >= 0 and not (key in self.flights or self.tiers.is_held(key)) \
-                and self.tiers.contains(key)
-            if load and (not staged or index != load[-1] + 1 or len(load) >= max_load):
-                if self.in_flight + len(load) > limit:
-                    break
-                started += self._start_load(nursery, tag, load)
-                load = []
             if staged:
                 load.append(index)
+            elif not busy:
+                run.append(index)
         return started
 
     def _claim_window(self, chunk_size: int) -> int:
@@ -318,21 +312,25 @@ class Prefetcher:
 
     def _start_load(self, nursery: trio.Nursery, tag: Tag, indices: list[int]) -> int:
         """Claim adjacent staged blobs and read them ahead in the background, when memory
-        has room for them (else the tier would drop them as they come in); how many."""
-        if not self.tiers.budget.fits(len(indices) * tag.layout.chunk_size):
+        has room for them (else the tier would drop them as they come in), their bytes
+        held against the budget while under way; how many."""
+        size = len(indices) * tag.layout.chunk_size
+        budget = self.tiers.budget
+        if not budget.fits(size):
             self.stats.add("prefetch_skipped_memory")
             return 0
+        budget.take(size)  # given back once they are in memory (or failed)
         keys = [(tag.id, index) for index in indices]
         flights = self.flights.claim(keys, from_store=True)
         self.in_flight += len(indices)
-        nursery.start_soon(self._load_ahead, tag, keys, flights)
+        nursery.start_soon(self._load_ahead, tag, keys, flights, size)
         return len(indices)
 
     async def _load_ahead(self, tag: Tag, keys: list[tuple[int, int]],
-                          flights: list[Flight]) -> None:
-        """Read staged blobs ahead of a sequential reader into memory (verified), a run of
-        adjacent ones in one trip to the pool, so their reads are served without one. On any
-        trouble the readers fall back to the normal path."""
+                          flights: list[Flight], size: int) -> None:
+        """Read staged blobs ahead of a reader into memory (verified), a run of adjacent
+        ones in one trip to the pool, so their reads are served without one. On any trouble
+        the readers fall back to the normal path."""
         try:
             datas = await self.pool.run(self.tiers.read_ahead_blocking, keys)
             for key, flight, data in zip(keys, flights, datas, strict=True):
@@ -343,5 +341,6 @@ class Prefetcher:
         except Exception:  # a background task must never take the mount down
             log.exception("read-ahead of blobs %s of tag %s failed", keys, tag.name)
         finally:
+            self.tiers.budget.give(size)
             self.flights.settle(keys, flights)
             self.in_flight -= len(keys)

@@ -10,10 +10,12 @@ steady pattern (a whole dataset: one chunk on each time; a strided hyperslab suc
 first pages), the chunks the pattern reads next are prefetched, as far as ``LOOKAHEAD_BYTES``,
 ``LOOKAHEAD_CHUNKS`` and the prefetch budget allow. A node above the leaves names the leaves
 h5py reads next: their blobs are prefetched too, and when a strided reader's pattern runs past
-the chunks known so far, the next leaf is read from memory (``Peek``: only bytes held there,
-never a fetch) before h5py gets to it, so that the chunks after a leaf's last one are on their
-way while the reader is still in the leaf before (it would otherwise wait for the first of
-them at every leaf: a round trip and more, as a whole leaf's chunks start at once).
+the chunks known so far, the next leaf is read from memory (``Peek``: only bytes held there)
+before h5py gets to it — a leaf not there is asked for, urgently (fetched, or read back from
+the store where memory dropped it) and looked for again at the next reads —, so that the
+chunks after a leaf's last one are on their way while the reader is still in the leaf before
+(it would otherwise wait for the first of them at every leaf: a round trip and more, as a
+whole leaf's chunks start at once).
 
 A reader whose pattern skips chunks is strided: the blob window of ``prefetch.py`` (which would
 fetch the gaps between its chunks) holds still for it; the reader's own chunks come from here.
@@ -380,9 +382,10 @@ class Hdf5Lookahead:
     def _leaves_ahead(self, tag: Tag, m: ChunkMap) -> None:
         """Read the next leaves from memory while the reader's pattern runs past the chunks
         known, ``LEAF_TRIES`` queued leaves at most. A leaf whose bytes are not all in memory
-        is passed over for now (the next one may be) and its missing bytes are fetched; one
-        found as short ``SHORT_LOOKS`` times (its blob staged, not in memory) is left to
-        h5py's own read, as is one h5py read meanwhile. Short bytes are parsed once."""
+        is passed over for now (the next one may be) and its missing bytes are asked for,
+        urgently, at each look (a start may find no room); one found as short
+        ``SHORT_LOOKS`` times (its bytes neither landed nor read back) is left to h5py's own
+        read, as is one h5py read meanwhile. Short bytes are parsed once."""
         if self.peek is None:
             return
         size, i, tries = tag.layout.size, 0, 0

@@ -180,7 +180,7 @@ class LocalTier:
             except CorruptionError as exc:
                 raise FaultfsError(str(exc), errno.EIO) from None
             if blob is None:
-                if self._stored == stored:  # else the caller looks again (engine._blob_bytes)
+                if self._stored == stored:  # else the caller looks again (CleanReads.blob_bytes)
                     self._unstage(key)
                 return None
             blob = self._open.add(key, blob)  # or the one another reader opened meanwhile
