@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import trio
 
-from faultfs.buffers import alloc
+from faultfs.buffers import SMALL, alloc
 from faultfs.engine.faults import Faulter
 from faultfs.engine.flights import Flights
 from faultfs.engine.prefetch import Prefetcher
@@ -24,7 +24,7 @@ from faultfs.stats import Stats
 from faultfs.tiers.base import Buffer
 from faultfs.tiers.multilevel import TierStack
 
-JOIN_ROUND = 64 << 10  # a read over several blobs is joined in a pooled buffer of this multiple
+JOIN_ROUND = 64 << 10  # a large read over several blobs is joined in a pooled buffer of this multiple
 
 
 class CleanReads:
@@ -43,7 +43,7 @@ class CleanReads:
         a megabyte is a fresh mapping, faulted in page by page and unmapped after its
         reply): pieces memory holds are taken at once, the others faulted together."""
         size = sum(length for _, _, length in pieces)
-        out = alloc(-(-size // JOIN_ROUND) * JOIN_ROUND)[:size]
+        out = alloc(size if size < SMALL else -(-size // JOIN_ROUND) * JOIN_ROUND)[:size]
         missing: list[tuple[int, int, int, int]] = []
         pos = 0
         for index, inner, length in pieces:
