@@ -256,18 +256,18 @@ class Memory:
 
 
 def strided_reader(raw: bytes, leaves: list[ChunkNode], chunks: list[tuple[int, int]],
-                   peek, stop: int, urgent: list | None = None
+                   peek, stop: int, urgent: list | None = None, room: bool = True
                    ) -> tuple[Hdf5Lookahead, list[int]]:
     """h5py's reads of every 4th chunk up to chunk ``stop`` through ``served``, its root
-    and first leaf read before them (1 KiB blobs); the blob indices the lookahead started
-    (and in ``urgent`` those of each urgent start)."""
+    and first leaf read before them (1 KiB blobs); the blob indices the lookahead asked for
+    (and in ``urgent`` those of each urgent ask; without ``room`` none of those starts)."""
     started: list[int] = []
 
     def start(tag, wanted: list[tuple[int, int]], is_urgent: bool) -> int:
         started.extend(i for i, _ in wanted)
         if is_urgent and urgent is not None:
             urgent.append([i for i, _ in wanted])
-        return len(wanted)
+        return len(wanted) if room or not is_urgent else 0
 
     look = Hdf5Lookahead(start, Stats(), peek)
     tag = SimpleNamespace(id=1, layout=ChunkLayout(0, len(raw), 1024))
@@ -306,7 +306,11 @@ def test_a_strided_reader_gets_the_next_leafs_chunks_before_h5py_reads_that_leaf
     assert leaves[1].address not in look.maps[1].nodes  # left to h5py's own read ...
     missing = (leaves[1].address + 100) // 1024
     assert missing in started  # ... its missing bytes on their way, urgent (the prefetch's
-    # reach full of chunks must not hold them back), and asked for again at the next looks
+    # reach full of chunks must not hold them back): asked for once when that started them
+    assert sum(missing in blobs for blobs in urgent) == 1, urgent
+    urgent = []  # and at the next looks again while no start could be made (no room)
+    strided_reader(raw, leaves, chunks, Memory(raw, leaves[1].address + 100), stop, urgent,
+                   room=False)
     assert sum(missing in blobs for blobs in urgent) >= 2, urgent
     # bytes there that are no node (a wrong address named) are passed over, at no cost
     bogus = bytearray(raw)

@@ -124,7 +124,8 @@ class ChunkMap:
     # not read yet, in the order h5py reads them ...
     queued: set[int] = field(default_factory=set)  # ... as a set
     short: dict[int, list[int]] = field(default_factory=dict)  # a queued leaf -> [the bytes
-    # of it memory held when it was found short of the whole node, looks since]
+    # of it memory held when it was found short of the whole node, looks since, whether a
+    # start for its missing bytes was made]
     spent: int = 0  # reads whose scan ran out of its budget (``SCANS_SPENT``)
     groups: GroupListing = field(default_factory=GroupListing)  # its groups' indexes ...
     links: LinkWalk = field(default_factory=LinkWalk)  # ... and their links
@@ -408,14 +409,16 @@ class Hdf5Lookahead:
                 seen[1] += 1  # as short as when it was looked at last
                 if seen[1] > SHORT_LOOKS:
                     m.unqueue(i)
-                else:  # asked again: the start may have found no room
-                    self._fetch(tag, [(address, want)], urgent=True)
+                else:
+                    if not seen[2]:  # asked again while no start was made (no room): a
+                        # fault that was made and failed is h5py's own read's to retry
+                        seen[2] = int(self._fetch(tag, [(address, want)], urgent=True) > 0)
                     i += 1
                 continue
             node = node_at(data, address, size) if extent is not None else None
             if node is None and len(data) < want:  # the rest is not here: fetch it
-                m.short[address] = [len(data), 0]
-                self._fetch(tag, [(address, want)], urgent=True)
+                started = self._fetch(tag, [(address, want)], urgent=True)
+                m.short[address] = [len(data), 0, int(started > 0)]
                 i += 1
                 continue
             m.unqueue(i)
