@@ -804,3 +804,58 @@ def test_far_staged_blobs_do_not_take_the_reach_from_the_nearest_cold_ones(store
     eng, tag = _staged_engine(store, 64, staged=range(20, 64))
     got = _started(eng, tag, [0, 1, *range(20, 50, 2)])
     assert got["cold"] == [0, 1], got
+
+
+def test_a_staged_run_longer_than_the_share_starts_its_nearest_blobs(store):
+    """A plain start over more adjacent staged blobs than the prefetch's share reads the
+    nearest of them (the share's worth), not nothing."""
+    cs = 64 << 10
+    eng, tag = _staged_engine(store, 32, cs, staged=range(0, 16))  # 1 MiB: a share of 8
+    got = _started(eng, tag, list(range(0, 18)))  # 16 staged, then 2 cold
+    assert got["started"] == eng.prefetch.budget // cs, got
+
+
+def test_two_warm_sequential_readers_read_each_blob_from_the_store_about_once(tmp_path):
+    """Two warm sequential readers of files larger than ``--memory-mb``: the blobs read
+    ahead from the store for one are not dropped before their reader gets there (by the
+    other's loads making room, or by a load's bytes counted twice while they fill memory)
+    and read again."""
+    cs, step, blobs, mem = 1 << 20, 128 << 10, 64, 8
+    store = BlobStore(str(tmp_path / "store"))
+    datas = [payload(cs * blobs + k)[k:] for k in range(2)]
+    eng = engine_for(store, memory_mb=mem)
+    for k in range(2):
+        make_source(datas[k], f"mem://f{k}")
+        tag = eng.register(ctx_for(url=f"mem://f{k}", tag=f"t{k}", chunk_size=cs))
+        trio.run(eng.read_view, tag, 0, len(datas[k]))
+    eng.close()
+    eng = engine_for(store, memory_mb=mem)
+    tags = sorted(eng.recover(), key=lambda t: t.name)
+    trips = []  # to the store: each blob read ahead, each read a reader made there
+    load, get = eng.tiers.local.load_blocking, eng.tiers.local.get
+    eng.tiers.local.load_blocking = lambda keys: (trips.extend(keys), load(keys))[1]
+
+    async def counted_get(key, off, size):
+        trips.append(key)
+        return await get(key, off, size)
+
+    eng.tiers.local.get = counted_get
+
+    async def reader(k):
+        for off in range(0, len(datas[k]), step):
+            assert bytes(await eng.read_view(tags[k], off, step)) == datas[k][off:off + step]
+            await trio.sleep(0.002)
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            eng.attach(nursery)
+            async with trio.open_nursery() as readers:
+                for k in range(2):
+                    readers.start_soon(reader, k)
+            while eng.busy:  # noqa: ASYNC110 - its store reads run on the pool
+                await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert eng.tiers.budget.in_flight == 0
+    assert len(trips) <= 1.25 * 2 * blobs + 48, (len(trips), 2 * blobs)

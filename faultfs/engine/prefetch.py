@@ -242,7 +242,7 @@ class Prefetcher:
         if urgent:  # (a node or two: each of its blobs still within the memory budget)
             limit = 1 << 62
         load_limit = limit if urgent else min(limit, max(1, self.budget // cs))
-        max_load = max(1, LOAD_RUN_BYTES // cs)
+        max_load = max(1, min(LOAD_RUN_BYTES // cs, load_limit))
         started = 0
         run: list[int] = []  # cold blobs: one source read
         load: list[int] = []  # staged blobs: one trip to the store
@@ -253,7 +253,7 @@ class Prefetcher:
             if load and (not staged or index != load[-1] + 1 or len(load) >= max_load):
                 if self.in_flight + len(load) > load_limit:
                     break
-                started += self._start_load(nursery, clean, load)
+                started += self._start_load(nursery, clean, load, urgent)
                 load = []
             if run and (busy or staged or index != run[-1] + 1 or len(run) >= max_run
                         or index % per == 0
@@ -310,13 +310,16 @@ class Prefetcher:
         finally:
             self.in_flight -= count
 
-    def _start_load(self, nursery: trio.Nursery, tag: Tag, indices: list[int]) -> int:
+    def _start_load(self, nursery: trio.Nursery, tag: Tag, indices: list[int],
+                    urgent: bool = False) -> int:
         """Claim adjacent staged blobs and read them ahead in the background, when memory
-        has room for them (else the tier would drop them as they come in), their bytes
-        held against the budget while under way; how many."""
+        has room for them beside what it keeps ahead of readers (else the tier would drop
+        those, or these as they come in; ``urgent``: an index node a reader's pattern waits
+        for, within the budget alone), their bytes held against the budget until they
+        land; how many."""
         size = len(indices) * tag.layout.chunk_size
         budget = self.tiers.budget
-        if not budget.fits(size):
+        if not budget.fits(size + (0 if urgent else self.tiers.ahead_bytes)):
             self.stats.add("prefetch_skipped_memory")
             return 0
         budget.take(size)  # given back once they are in memory (or failed)
@@ -333,6 +336,8 @@ class Prefetcher:
         the readers fall back to the normal path."""
         try:
             datas = await self.pool.run(self.tiers.read_ahead_blocking, keys)
+            self.tiers.budget.give(size)  # landed: memory counts them from here
+            size = 0
             for key, flight, data in zip(keys, flights, datas, strict=True):
                 if data is not None:
                     flight.data = data
@@ -341,6 +346,7 @@ class Prefetcher:
         except Exception:  # a background task must never take the mount down
             log.exception("read-ahead of blobs %s of tag %s failed", keys, tag.name)
         finally:
-            self.tiers.budget.give(size)
+            if size:  # (failed before they landed)
+                self.tiers.budget.give(size)
             self.flights.settle(keys, flights)
             self.in_flight -= len(keys)
