@@ -7,8 +7,8 @@ read-ahead in flight, the store, the source), ``pages`` (over a narrow blob prot
 ``changes`` (a clone's hold on its tag), ``sharing`` and ``refresh`` (the registry shared by
 the nodes of a shared store, and the tags other nodes registered), ``stats`` (the snapshot),
 ``writes/`` (copy-on-write: a package of rooms over one table of dirty blobs), and
-``engine`` composing them. ``Engine`` is the face the namespace, the FUSE
-layer and the daemon call, for writes as for reads. Public here: ``Engine``, ``Tag`` and the
+``engine`` composing them. ``Engine`` is the face the namespace, the FUSE layer and the
+daemon call, for writes as for reads. Public here: ``Engine``, ``Tag`` and the
 registration helpers the daemon uses.
 """
 

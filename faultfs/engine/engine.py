@@ -2,8 +2,8 @@
 or fault — are ``reads``) and the face of the writes over them.
 
 It composes the duties of this package (tags, flights, faults, prefetch, reads, pages,
-sharing, stats, writes) and knows nothing of pyfuse3. The namespace and the FUSE layer call it, never
-a room behind it: a write, a truncate, a user blob's create, unlink or rename, an fsync, a
+sharing, stats, writes) and knows nothing of pyfuse3. The namespace and the FUSE layer call
+it, never a room behind it: a write, a truncate, a user blob's create, unlink or rename, an fsync, a
 reset are thin calls into ``writes/`` (``Writes``), which gets the engine's clean path
 (``CleanPath``: its reads, the size-0 request, the pins) for the bases of partial writes.
 Async methods run on the trio thread and never block it: source reads, store writes and

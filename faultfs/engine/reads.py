@@ -73,14 +73,15 @@ class CleanReads:
         """Bytes of clean blob ``index`` that memory holds (or a pending store write), or
         None, at no wait."""
         held = self.tiers.held((tag.id, index))
-        if held is None:
-            return None
+        return None if held is None else self._memory_hit(held, off, size)
+
+    def _memory_hit(self, held: Buffer, off: int, size: int) -> Buffer:
         self.stats.add("hits")
         self.stats.add("memory_hits")
         return memoryview(held)[off:off + size]
 
     async def blob_bytes(self, tag: Tag, index: int, off: int, size: int, *,
-                          noted: bool = False) -> Buffer:
+                         noted: bool = False) -> Buffer:
         """Memory (or a pending store write), a read-ahead in flight, the store, the source:
         the clean chunk, a clone's from where its ancestor has it (``Tag.clean``).
         ``noted``: the prefetch was told of the access already."""
@@ -94,9 +95,7 @@ class CleanReads:
                 held = await self.flights.read_ahead(key)
                 self.tiers.mark_read(key)  # (memory kept it ahead before it came here)
             if held is not None:
-                self.stats.add("hits")
-                self.stats.add("memory_hits")
-                return memoryview(held)[off:off + size]
+                return self._memory_hit(held, off, size)
             if not self.tiers.contains(key):
                 break
             data = await self.tiers.local.get(key, off, size)

@@ -384,7 +384,7 @@ class Hdf5Lookahead:
         """Read the next leaves from memory while the reader's pattern runs past the chunks
         known, ``LEAF_TRIES`` queued leaves at most. A leaf whose bytes are not all in memory
         is passed over for now (the next one may be) and its missing bytes are asked for,
-        urgently, at each look (a start may find no room); one found as short
+        urgently, and again at the next looks while no start could be made; one found as short
         ``SHORT_LOOKS`` times (its bytes neither landed nor read back) is left to h5py's own
         read, as is one h5py read meanwhile. Short bytes are parsed once."""
         if self.peek is None:
