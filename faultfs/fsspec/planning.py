@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from faultfs.core.chunks import ChunkLayout
 from faultfs.errors import InvalidInput
-from faultfs.hdf5 import Hdf5Lookahead
+from faultfs.hdf5 import Hdf5Lookahead, Stats
 
 if TYPE_CHECKING:
     from faultfs.fsspec.landing import Landing
@@ -59,16 +59,10 @@ class Process(Protocol):
     """What a process's objects share that planning uses (``objects.Shared``)."""
 
     @property
-    def stats(self) -> Counting: ...
+    def stats(self) -> Stats: ...
 
     @property
     def planned(self) -> PlannedFlights: ...
-
-
-class Counting(Protocol):
-    """Where the counters go (the protocol's ``Counters``)."""
-
-    def add(self, name: str, n: int = 1) -> None: ...
 
 
 @dataclass(frozen=True)

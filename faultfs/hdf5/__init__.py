@@ -3,9 +3,9 @@
 group's next symbol table nodes (``grouplist``), the next members' object headers and the
 structures an open reads one after another (``linkwalk``). No I/O here: the caller serves
 the reads and fetches what this names, the daemon's engine for mounts and the ``faultfs::``
-protocol for processes without one. ``Hdf5Lookahead`` is the face.
+protocol for processes without one. ``Hdf5Lookahead`` is the face (``Stats``: where it counts).
 """
 
-from faultfs.hdf5.lookahead import Hdf5Lookahead
+from faultfs.hdf5.lookahead import Hdf5Lookahead, Stats
 
-__all__ = ["Hdf5Lookahead"]
+__all__ = ["Hdf5Lookahead", "Stats"]
